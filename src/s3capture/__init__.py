@@ -1,0 +1,65 @@
+"""s3capture: NeMo Gym's token-capture protocols on S3-compatible object storage.
+
+``S3TokenStore`` (in ``s3capture.store``) implements ``TokenSink`` (with ``begin_call``),
+``TokenSource`` and ``LineageResolver`` without compare-and-swap. The record types are in
+``s3capture.records`` and the protocols in ``s3capture.protocols``; see ``docs/design.md``.
+"""
+
+from s3capture.protocols import (
+    CaptureLedger,
+    LineageMatch,
+    LineageResolution,
+    LineageResolver,
+    RolloutRemovalPayload,
+    RolloutRetiredError,
+    TokenCaptureFrozenError,
+    TokenCaptureRetiredError,
+    TokenCaptureSnapshot,
+    TokenSink,
+    TokenSource,
+    install_lineage_store,
+    install_token_sink,
+    install_token_source,
+    installed_lineage_store,
+    installed_token_sink,
+    installed_token_source,
+)
+from s3capture.records import ParentResolutionStatus, RecordError, TokenEntry, UnsupportedSchemaError
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # lazy: importing the protocols must not import aioboto3
+    if name in ("S3TokenStore", "StoreError", "FrozenSnapshot"):
+        from s3capture import store
+
+        return getattr(store, name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "CaptureLedger",
+    "FrozenSnapshot",
+    "LineageMatch",
+    "LineageResolution",
+    "LineageResolver",
+    "ParentResolutionStatus",
+    "RecordError",
+    "RolloutRemovalPayload",
+    "RolloutRetiredError",
+    "S3TokenStore",
+    "StoreError",
+    "TokenCaptureFrozenError",
+    "TokenCaptureRetiredError",
+    "TokenCaptureSnapshot",
+    "TokenEntry",
+    "TokenSink",
+    "TokenSource",
+    "UnsupportedSchemaError",
+    "install_lineage_store",
+    "install_token_sink",
+    "install_token_source",
+    "installed_lineage_store",
+    "installed_token_sink",
+    "installed_token_source",
+]

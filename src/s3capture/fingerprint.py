@@ -1,0 +1,271 @@
+"""Continuation fingerprints over message lists (NeMo Gym's algorithm, FINGERPRINT_VERSION 2).
+
+Contract source: ``nemo_gym/token_id_capture/fingerprint.py`` of nemo-gym 0.7.0. The protocol
+reference asks external stores to embed Gym's matcher rather than re-hash, so when ``nemo_gym`` is
+importable ``assistant_fingerprint`` and ``conversation_digest`` below are Gym's own functions.
+Without Gym, s3capture uses ``native_assistant_fingerprint`` and ``native_conversation_digest``: an
+independent implementation of the same layout, proven equal by ``tests/test_fingerprint.py``
+(a differential test against Gym and golden vectors kept in ``tests/golden``).
+
+Layout (version 2): SHA-256 over a domain string followed by tagged, length-delimited UTF-8 fields
+(tag byte, 8-byte big-endian length, bytes). ``assistant_fingerprint`` covers only model-authored
+items (role ``assistant`` or type ``function_call``; reasoning items are excluded) and returns ``""``
+when there are none; ``conversation_digest`` covers every item, tool results included. Structured
+content is hashed as sorted-key compact JSON (orjson's format: shortest floats, ``e+NN`` exponents).
+
+Entries stamped with another ``fingerprint_version`` are never matched (always UNRESOLVED, which is
+safe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "FINGERPRINT_VERSION",
+    "assistant_fingerprint",
+    "conversation_digest",
+    "native_assistant_fingerprint",
+    "native_conversation_digest",
+    "canonicalize_tool_arguments",
+    "USING_GYM",
+]
+
+FINGERPRINT_VERSION = 2
+
+_FINGERPRINT_DOMAIN = b"nemo-gym-lineage"
+_CONTEXT_DOMAIN = b"nemo-gym-lineage-context"
+_I64_MIN = -(2**63)
+_U64_MAX = 2**64 - 1
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def _scan_plain(value: Any) -> bool:
+    """True when ``value`` has no float and no out-of-range int (msgspec output is then orjson's)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool) or item is None or isinstance(item, str):
+            continue
+        if isinstance(item, float):
+            return False
+        if isinstance(item, int):
+            if not _I64_MIN <= item <= _U64_MAX:
+                raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
+            continue
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"unsupported prompt content: non-string key {key!r}")
+                stack.append(inner)
+            continue
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+            continue
+        raise ValueError(f"unsupported prompt content: {type(item).__name__}")
+    return True
+
+
+def _encode_slow(value: Any, out: list[bytes]) -> None:
+    if isinstance(value, float):
+        text = _encoder.encode(value)
+        cut = text.find(b"e")
+        if cut >= 0 and text[cut + 1 : cut + 2] != b"-":
+            text = text[: cut + 1] + b"+" + text[cut + 1 :]
+        out.append(text)
+    elif isinstance(value, dict):
+        out.append(b"{")
+        for position, key in enumerate(sorted(value)):
+            if position:
+                out.append(b",")
+            out.append(_encoder.encode(key))
+            out.append(b":")
+            _encode_slow(value[key], out)
+        out.append(b"}")
+    elif isinstance(value, (list, tuple)):
+        out.append(b"[")
+        for position, inner in enumerate(value):
+            if position:
+                out.append(b",")
+            _encode_slow(inner, out)
+        out.append(b"]")
+    else:
+        out.append(_encoder.encode(value))
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted-key compact JSON, byte-equal to ``orjson.dumps(value, option=OPT_SORT_KEYS)``.
+
+    Raises ``ValueError`` for content orjson would refuse (non-string keys, 65-bit integers,
+    non-JSON types).
+    """
+    if _scan_plain(value):
+        return _encoder.encode(value).decode("utf-8")
+    parts: list[bytes] = []
+    _encode_slow(value, parts)
+    return b"".join(parts).decode("utf-8")
+
+
+def canonicalize_tool_arguments(value: Any) -> str:
+    """Normalize tool-call arguments for comparison (sorted-key JSON; unparsable strings stripped)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except (TypeError, ValueError):
+            return value.strip()
+    else:
+        parsed = value
+    return canonical_json(parsed)
+
+
+def _field(hasher: Any, tag: bytes, value: str) -> None:
+    data = value.encode("utf-8")
+    hasher.update(tag + len(data).to_bytes(8, "big") + data)
+
+
+def _is_model_authored(item: dict) -> bool:
+    return item.get("role") == "assistant" or item.get("type") == "function_call"
+
+
+_TEXT_BLOCK_TYPES = frozenset({"", "text", "input_text", "output_text"})
+
+
+def _content_parts(content: Any) -> list[tuple[str, str]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [("text", content)] if content else []
+    if not isinstance(content, list):
+        raise ValueError(f"unsupported message content: {type(content).__name__}")
+    parts: list[tuple[str, str]] = []
+    for block in content:
+        if isinstance(block, str):
+            if block:
+                parts.append(("text", block))
+            continue
+        if not isinstance(block, dict):
+            raise ValueError(f"unsupported content block: {type(block).__name__}")
+        kind = str(block.get("type") or "")
+        if kind in ("tool_use", "tool_result"):
+            continue
+        text = block.get("text")
+        if isinstance(text, str) and kind in _TEXT_BLOCK_TYPES:
+            if text:
+                parts.append(("text", text))
+            continue
+        if not kind:
+            raise ValueError("content block has no supported type")
+        parts.append((kind, canonical_json(block)))
+    return parts
+
+
+def _tool_calls(item: dict) -> list[tuple[str, str, str]]:
+    calls: list[tuple[str, str, str]] = []
+    if item.get("type") == "function_call":
+        name = str(item.get("name", ""))
+        if item.get("namespace"):
+            name = f"{item['namespace']}__{name}"
+        calls.append((str(item.get("call_id") or item.get("id") or ""), name, canonicalize_tool_arguments(item.get("arguments"))))
+    content = item.get("content")
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                calls.append((str(block.get("id") or ""), str(block.get("name", "")), canonicalize_tool_arguments(block.get("input"))))
+    for call in item.get("tool_calls") or []:
+        function = (call or {}).get("function") or {}
+        calls.append(
+            (str((call or {}).get("id") or ""), str(function.get("name", "")), canonicalize_tool_arguments(function.get("arguments")))
+        )
+    return calls
+
+
+def _tool_results(item: dict) -> list[tuple[str, str]]:
+    results: list[tuple[str, str]] = []
+    if item.get("type") == "function_call_output":
+        output = item.get("output")
+        results.append((str(item.get("call_id") or item.get("id") or ""), output if isinstance(output, str) else canonical_json(output)))
+    elif item.get("role") == "tool":
+        content = item.get("content")
+        results.append((str(item.get("tool_call_id") or ""), content if isinstance(content, str) else canonical_json(content)))
+    content = item.get("content")
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                inner = block.get("content")
+                results.append((str(block.get("tool_use_id") or block.get("id") or ""), inner if isinstance(inner, str) else canonical_json(inner)))
+    return results
+
+
+def native_assistant_fingerprint(messages: list[dict]) -> str:
+    """Fingerprint the model-authored items of a request, in order; ``""`` when there are none.
+
+    Raises ``ValueError`` for an item that is not an object or for unsupported content.
+    """
+    hasher = hashlib.sha256(_FINGERPRINT_DOMAIN)
+    count = 0
+    for item in messages or []:
+        if not isinstance(item, dict):
+            raise ValueError(f"request item is not an object: {type(item).__name__}")
+        if not _is_model_authored(item):
+            continue
+        count += 1
+        for kind, payload in _content_parts(item.get("content")):
+            _field(hasher, b"\x00", kind)
+            _field(hasher, b"\x01", payload)
+        for call_id, name, arguments in _tool_calls(item):
+            _field(hasher, b"\x02", call_id)
+            _field(hasher, b"\x03", name)
+            _field(hasher, b"\x04", arguments)
+    return hasher.hexdigest() if count else ""
+
+
+def native_conversation_digest(messages: list[dict]) -> str:
+    """Hash every item of a conversation (model-authored or not, tool results included)."""
+    hasher = hashlib.sha256(_CONTEXT_DOMAIN)
+    for item in messages or []:
+        if not isinstance(item, dict):
+            raise ValueError(f"request item is not an object: {type(item).__name__}")
+        _field(hasher, b"\x00", str(item.get("role") or item.get("type") or ""))
+        for kind, payload in _content_parts(item.get("content")):
+            _field(hasher, b"\x01", kind)
+            _field(hasher, b"\x02", payload)
+        for call_id, name, arguments in _tool_calls(item):
+            _field(hasher, b"\x03", call_id)
+            _field(hasher, b"\x04", name)
+            _field(hasher, b"\x05", arguments)
+        for call_id, output in _tool_results(item):
+            _field(hasher, b"\x06", call_id)
+            _field(hasher, b"\x07", output)
+    return hasher.hexdigest()
+
+
+try:  # Embed Gym's matcher when it is importable (the protocol reference asks for that).
+    from nemo_gym.token_id_capture import fingerprint as _gym_fingerprint
+
+    if getattr(_gym_fingerprint, "FINGERPRINT_VERSION", None) == FINGERPRINT_VERSION:
+        assistant_fingerprint = _gym_fingerprint.assistant_fingerprint
+        conversation_digest = _gym_fingerprint.conversation_digest
+        USING_GYM = True
+    else:  # pragma: no cover - a Gym with another algorithm version
+        assistant_fingerprint = native_assistant_fingerprint
+        conversation_digest = native_conversation_digest
+        USING_GYM = False
+except Exception:  # noqa: BLE001 - Gym absent or broken: the native implementation is proven equal
+    assistant_fingerprint = native_assistant_fingerprint
+    conversation_digest = native_conversation_digest
+    USING_GYM = False
+
+
+def stamp_continuation(entry: Any, request_items: list[dict]) -> Any:
+    """Fill an entry's continuation lookup fields from its request (Gym's ``stamp_continuation``)."""
+    entry.continuation_fingerprint = assistant_fingerprint(list(request_items) + list(entry.output_items))
+    entry.continuation_context_len = len(request_items)
+    entry.continuation_context_digest = conversation_digest(request_items)
+    entry.fingerprint_version = FINGERPRINT_VERSION
+    return entry

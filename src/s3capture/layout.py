@@ -1,0 +1,135 @@
+"""Bucket layout: id escaping and the key shapes s3capture writes.
+
+Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
+
+    r/<rid>/fence                          fence: {"state": "frozen" | "retired"}, overwritten in place
+    r/<rid>/retired                        retire tombstone (immutable, empty)
+    r/<rid>/log/e/<fp>/<cid>/<sha256>.zst  entry: zstd(envelope JSON); sha256 of the canonical entry bytes
+    r/<rid>/log/i/<cid>                    begin_call intent (empty)
+    r/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
+    r/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
+
+``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
+``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``
+(upper-case hex), and the empty string becomes ``~``. The escape is reversible, never produces
+``/``, ``..``, an empty segment or ``//``, and every LIST prefix ends in ``/``, so rollout ``r1``
+never sees the objects of ``r10``.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_KEY_BYTES = 1024
+"""S3's limit on the UTF-8 length of a key."""
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_HEX = "0123456789ABCDEF"
+_ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
+
+# Longest suffix s3capture appends to a rollout prefix without a call id, and with one.
+_SNAP_SUFFIX = len("snap/") + 20 + 1 + 32
+_ENTRY_SUFFIX = len("log/e/") + 64 + 1 + 1 + 64 + len(".zst")
+
+
+def escape_id(value: str) -> str:
+    """Escape any string into one safe, reversible, non-empty key segment."""
+    if value == "":
+        return "~"
+    out: list[str] = []
+    for byte in value.encode("utf-8", errors="surrogatepass"):
+        if byte in _SAFE:
+            out.append(chr(byte))
+        else:
+            out.append("." + _HEX[byte >> 4] + _HEX[byte & 15])
+    return "".join(out)
+
+
+def unescape_id(segment: str) -> str:
+    """Invert ``escape_id``; raises ``ValueError`` for a segment it could not have produced."""
+    if segment == "~":
+        return ""
+    if not _ESCAPED.match(segment):
+        raise ValueError(f"not an escaped id: {segment!r}")
+    data = bytearray()
+    position = 0
+    while position < len(segment):
+        char = segment[position]
+        if char == ".":
+            data.append(int(segment[position + 1 : position + 3], 16))
+            position += 3
+        else:
+            data.append(ord(char))
+            position += 1
+    return data.decode("utf-8", errors="surrogatepass")
+
+
+def _check_id(kind: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{kind} must be a str, got {type(value).__name__}")
+    if value == "":
+        raise ValueError(f"{kind} must not be empty")
+    return escape_id(value)
+
+
+class Layout:
+    """Key builder for one root prefix (``""`` or ``"a/b"``, without trailing slash)."""
+
+    def __init__(self, root: str) -> None:
+        root = root.strip("/")
+        if "//" in root:
+            raise ValueError(f"prefix {root!r} contains an empty path segment ('//')")
+        self.root = f"{root}/" if root else ""
+
+    def rollout(self, rollout_id: str) -> str:
+        """The rollout's prefix (ends in ``/``). Raises ``ValueError`` for an unstorable id."""
+        prefix = f"{self.root}r/{_check_id('rollout_id', rollout_id)}/"
+        if len(prefix.encode()) + _SNAP_SUFFIX > MAX_KEY_BYTES - len("log/x/~/") - 32:
+            raise ValueError(
+                f"rollout_id is too long to store: its keys would exceed S3's {MAX_KEY_BYTES}-byte limit "
+                f"(escaped length {len(prefix.encode())})"
+            )
+        return prefix
+
+    def entry_rel(self, rollout_prefix: str, fingerprint: str, model_call_id: str, sha: str) -> str:
+        """Entry key relative to the rollout prefix. Raises ``ValueError`` for an unstorable id."""
+        cid = _check_id("model_call_id", model_call_id)
+        if len(rollout_prefix.encode()) + _ENTRY_SUFFIX + len(cid) > MAX_KEY_BYTES:
+            raise ValueError(
+                f"model_call_id is too long to store with this rollout_id: the entry key would exceed "
+                f"S3's {MAX_KEY_BYTES}-byte limit"
+            )
+        fp = escape_id(fingerprint) if fingerprint else "~"
+        return f"log/e/{fp}/{cid}/{sha}.zst"
+
+    def check_call_id(self, rollout_prefix: str, model_call_id: str, *, allow_empty: bool = False) -> str:
+        """Escaped call id after checking the key fits; raises ``ValueError``/``TypeError``."""
+        if allow_empty and model_call_id == "":
+            return "~"
+        cid = _check_id("model_call_id", model_call_id)
+        if len(rollout_prefix.encode()) + _ENTRY_SUFFIX + len(cid) > MAX_KEY_BYTES:
+            raise ValueError(f"model_call_id is too long to store: keys would exceed S3's {MAX_KEY_BYTES}-byte limit")
+        return cid
+
+
+def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:
+    """Classify a key relative to a rollout prefix.
+
+    Returns ``(kind, model_call_id, fingerprint, sha_or_unique)`` with kind ``"e"``, ``"i"`` or
+    ``"x"``, or ``None`` for a key s3capture does not write (a foreign object).
+    """
+    parts = rel.split("/")
+    try:
+        if len(parts) == 5 and parts[0] == "log" and parts[1] == "e" and parts[4].endswith(".zst"):
+            sha = parts[4][: -len(".zst")]
+            if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+                return None
+            fp = "" if parts[2] == "~" else unescape_id(parts[2])
+            return "e", unescape_id(parts[3]), fp, sha
+        if len(parts) == 3 and parts[0] == "log" and parts[1] == "i":
+            return "i", unescape_id(parts[2]), "", ""
+        if len(parts) == 4 and parts[0] == "log" and parts[1] == "x" and parts[3]:
+            return "x", unescape_id(parts[2]), "", parts[3]
+    except ValueError:
+        return None
+    return None

@@ -1,0 +1,272 @@
+"""Record types with NeMo Gym's ``TokenEntry`` wire shape, and their canonical encoding.
+
+The wire shape is NeMo Gym 0.7.0's ``nemo_gym.token_id_capture.records.TokenEntry`` (pydantic,
+``extra="allow"``). s3capture holds the same fields in a ``msgspec.Struct``, which decodes and
+encodes an entry an order of magnitude faster than the pydantic path.
+
+Canonical encoding (the identity of an entry)
+---------------------------------------------
+``encode_entry(entry)`` returns the UTF-8 JSON object of every field of the entry, known fields
+and unknown extra fields alike, with keys sorted by code point, no insignificant whitespace,
+integers in decimal and floats in their shortest round-trip form. Two entries are "the same
+payload" exactly when these bytes are equal (the protocol reference: "byte-for-byte, timestamps
+included"); the SHA-256 of these bytes names the stored object. Non-finite floats have no JSON
+form, so ``generation_log_probs`` containing NaN or infinities is rejected with a ``ValueError``
+that names the offending index rather than being stored as ``null``.
+
+Validation (``decode_entry`` and ``coerce_entry``) follows Gym's model validator: a newer
+``schema_version`` is refused with ``UnsupportedSchemaError`` naming the version this reader
+supports; generation ids and log probabilities must have the same length; ``token_item_index``
+must index ``output_items``; parent metadata must agree with ``parent_resolution``; a delta
+prompt needs a RESOLVED parent. Token ids must be non-negative integers.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import struct
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = [
+    "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
+    "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
+    "ParentResolutionStatus",
+    "TokenEntry",
+    "RecordError",
+    "UnsupportedSchemaError",
+    "encode_entry",
+    "decode_entry",
+    "coerce_entry",
+    "to_gym",
+    "compute_digest",
+    "cumulative_tokens",
+]
+
+TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
+"""The newest ``TokenEntry.schema_version`` this reader understands (Gym 0.7.0: 1)."""
+TOKEN_ENTRY_MIN_SCHEMA_VERSION = 1
+
+DIGEST_VERSION = 1
+_DIGEST_DOMAIN = b"nemo-gym-tokens"
+_EMPTY_DIGEST = hashlib.sha256(_DIGEST_DOMAIN).hexdigest()
+
+
+class RecordError(ValueError):
+    """A record is malformed or violates the ``TokenEntry`` contract."""
+
+
+class UnsupportedSchemaError(RecordError):
+    """A record was written by a newer (or older, unsupported) schema than this reader knows."""
+
+
+class ParentResolutionStatus(str, enum.Enum):
+    """Whether a model call has a proven captured predecessor (Gym's ``ParentResolutionStatus``)."""
+
+    ROOT = "root"
+    RESOLVED = "resolved"
+    UNRESOLVED = "unresolved"
+
+    def __str__(self) -> str:  # StrEnum behaviour on 3.11 without importing StrEnum semantics
+        return self.value
+
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
+    """One model call's training data, in NeMo Gym's ``TokenEntry`` wire shape.
+
+    Fields mirror Gym 0.7.0 (same names, defaults and meaning). Unknown fields found on the wire
+    are kept in ``extra_fields`` (a ``dict[str, Any]``) and written back unchanged by
+    ``encode_entry``. Construct entries through ``coerce_entry`` (or ``TokenEntry(...)`` followed by
+    ``validate()``) so the contract checks run.
+    """
+
+    schema_version: int = TOKEN_ENTRY_RECORD_SCHEMA_VERSION
+    rollout_id: str
+    model_call_id: str
+    model: str = ""
+    prompt_token_ids: list[TokenId]
+    generation_token_ids: list[TokenId]
+    generation_log_probs: list[float]
+    routed_experts: Any = None
+    output_items: list[dict] = msgspec.field(default_factory=list)
+    token_item_index: int | None = None
+    response_id: str | None = None
+    created_at: float = 0.0
+    parent_call_id: str | None = None
+    cum_len: int | None = None
+    digest: str | None = None
+    parent_resolution: ParentResolutionStatus | None = None
+    continuation_fingerprint: str = ""
+    continuation_context_len: int = 0
+    continuation_context_digest: str = ""
+    parent_resolution_reason: str = ""
+    fingerprint_version: int | None = None
+    prompt_is_delta: bool = False
+    prefix_requested: bool = False
+    prefix_supplied: bool = False
+
+    @property
+    def extra_fields(self) -> dict[str, Any]:
+        """Unknown wire fields carried through unchanged (Gym's ``extra="allow"``)."""
+        return self.__dict__.setdefault("_extra", {})
+
+    def validate(self) -> "TokenEntry":
+        """Check Gym's record contract; return ``self``.
+
+        Raises ``UnsupportedSchemaError`` for an unsupported ``schema_version`` and
+        ``RecordError`` for every other violation.
+        """
+        _check_schema_version(self.schema_version)
+        if len(self.generation_token_ids) != len(self.generation_log_probs):
+            raise RecordError(
+                "generation_token_ids and generation_log_probs must have the same length "
+                f"(got {len(self.generation_token_ids)} and {len(self.generation_log_probs)})"
+            )
+        if self.token_item_index is not None and not 0 <= self.token_item_index < len(self.output_items):
+            raise RecordError(
+                f"token_item_index {self.token_item_index} is outside output_items of length {len(self.output_items)}"
+            )
+        status = self.parent_resolution
+        if status is ParentResolutionStatus.RESOLVED and not self.parent_call_id:
+            raise RecordError("resolved parent metadata requires parent_call_id")
+        if status in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED) and self.parent_call_id is not None:
+            raise RecordError(f"{status.value} parent metadata cannot carry parent_call_id")
+        if self.prompt_is_delta and (self.parent_call_id is None or status is not ParentResolutionStatus.RESOLVED):
+            raise RecordError("a delta prompt requires a RESOLVED parent_call_id to reconstruct from")
+        return self
+
+    # Gym-style conveniences, so code written against Gym's pydantic entry keeps working.
+    def model_dump(self, mode: str = "python") -> dict[str, Any]:
+        """Return the entry as a plain dict (known fields then extra fields), like pydantic's."""
+        out = msgspec.to_builtins(self)
+        out.update(self.extra_fields)
+        return out
+
+
+_FIELD_NAMES = frozenset(TokenEntry.__struct_fields__)
+_json_encoder = msgspec.json.Encoder(order="sorted")
+_json_decoder = msgspec.json.Decoder()
+
+
+def _check_schema_version(version: Any) -> None:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RecordError(f"schema_version must be an integer, got {version!r}")
+    if version > TOKEN_ENTRY_RECORD_SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"token record is schema_version {version}, but this reader (s3capture) supports schema_version "
+            f"{TOKEN_ENTRY_MIN_SCHEMA_VERSION} to {TOKEN_ENTRY_RECORD_SCHEMA_VERSION}; upgrade s3capture to read it"
+        )
+    if version < TOKEN_ENTRY_MIN_SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"token record is schema_version {version}, below the supported minimum {TOKEN_ENTRY_MIN_SCHEMA_VERSION}"
+        )
+
+
+def _from_mapping(raw: Any) -> TokenEntry:
+    if not isinstance(raw, dict):
+        raise RecordError(f"a token entry must be a JSON object, got {type(raw).__name__}")
+    _check_schema_version(raw.get("schema_version", TOKEN_ENTRY_RECORD_SCHEMA_VERSION))
+    known = {k: v for k, v in raw.items() if k in _FIELD_NAMES}
+    try:
+        entry = msgspec.convert(known, TokenEntry, strict=False)
+    except msgspec.ValidationError as error:
+        raise RecordError(f"invalid token entry: {error}") from None
+    extra = {k: v for k, v in raw.items() if k not in _FIELD_NAMES}
+    if extra:
+        entry.__dict__["_extra"] = extra
+    return entry.validate()
+
+
+def decode_entry(data: bytes | str) -> TokenEntry:
+    """Decode one JSON-encoded entry (canonical or not) and validate it.
+
+    Raises ``UnsupportedSchemaError`` for a newer ``schema_version`` and ``RecordError`` for JSON
+    that is not a valid ``TokenEntry``.
+    """
+    try:
+        raw = _json_decoder.decode(data)
+    except msgspec.DecodeError as error:
+        raise RecordError(f"token entry is not valid JSON: {error}") from None
+    return _from_mapping(raw)
+
+
+def coerce_entry(entry: Any) -> TokenEntry:
+    """Return an s3capture ``TokenEntry`` for an s3capture entry, a Gym pydantic entry or a dict.
+
+    A Gym ``TokenEntry`` is converted through its JSON-mode dump, so extra fields survive.
+    Raises ``TypeError`` for other objects and ``RecordError`` for invalid data.
+    """
+    if isinstance(entry, TokenEntry):
+        return entry.validate()
+    if isinstance(entry, dict):
+        return _from_mapping(entry)
+    dump = getattr(entry, "model_dump", None)
+    if callable(dump):
+        return _from_mapping(dump(mode="json"))
+    raise TypeError(f"expected a TokenEntry (s3capture or NeMo Gym) or a dict, got {type(entry).__name__}")
+
+
+def _check_finite(entry: TokenEntry) -> None:
+    for index, value in enumerate(entry.generation_log_probs):
+        if not math.isfinite(value):
+            raise RecordError(
+                f"generation_log_probs[{index}] of model call {entry.model_call_id!r} is {value!r}; "
+                "JSON has no non-finite numbers, so s3capture refuses it instead of storing null"
+            )
+    if entry.created_at is not None and not math.isfinite(entry.created_at):
+        raise RecordError(f"created_at of model call {entry.model_call_id!r} is {entry.created_at!r}")
+
+
+def encode_entry(entry: TokenEntry) -> bytes:
+    """Return the canonical bytes of an entry (sorted-key compact JSON, see the module docstring).
+
+    Raises ``RecordError`` for non-finite floats.
+    """
+    _check_finite(entry)
+    extra = entry.__dict__.get("_extra")
+    if not extra:
+        return _json_encoder.encode(entry)
+    out = msgspec.to_builtins(entry)
+    out.update(extra)
+    try:
+        return _json_encoder.encode(out)
+    except (TypeError, ValueError) as error:  # pragma: no cover - extras came from JSON
+        raise RecordError(f"extra fields are not JSON-encodable: {error}") from None
+
+
+def to_gym(entry: TokenEntry) -> Any:
+    """Convert to NeMo Gym's pydantic ``TokenEntry`` (requires ``nemo_gym``; raises ``ImportError``)."""
+    from nemo_gym.token_id_capture.records import TokenEntry as GymTokenEntry
+
+    return GymTokenEntry.model_validate(msgspec.json.decode(encode_entry(entry)))
+
+
+def encode_token_ids(token_ids: list[int]) -> bytes:
+    """Gym's digest encoding: version byte, big-endian u64 length, big-endian u64 ids."""
+    header = struct.pack(">BQ", DIGEST_VERSION, len(token_ids))
+    if not token_ids:
+        return header
+    try:
+        return header + struct.pack(f">{len(token_ids)}Q", *token_ids)
+    except struct.error:
+        raise ValueError("token ids must be non-negative integers below 2**64") from None
+
+
+def compute_digest(token_ids: list[int] | tuple[int, ...]) -> str:
+    """Digest of an exact token sequence, equal to Gym's ``records.compute_digest``."""
+    if not token_ids:
+        return _EMPTY_DIGEST
+    return hashlib.sha256(_DIGEST_DOMAIN + encode_token_ids(list(token_ids))).hexdigest()
+
+
+def cumulative_tokens(entry: TokenEntry) -> list[int]:
+    """Prompt plus generation of a full-prompt entry; raises ``ValueError`` for a delta entry."""
+    if entry.prompt_is_delta:
+        raise ValueError(f"model call {entry.model_call_id} stores a delta prompt; reconstruct through its parent chain")
+    return list(entry.prompt_token_ids) + list(entry.generation_token_ids)
