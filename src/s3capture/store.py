@@ -65,6 +65,9 @@ _ENVELOPE_FORMAT = "s3capture.entry/1"
 _MANIFEST_FORMAT = "s3capture.manifest/1"
 _FENCE_FROZEN = b'{"format":"s3capture.fence/1","state":"frozen"}'
 _FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
+CHAIN_KEYS = 16
+"""How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
+entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
 _NOT_IMPLEMENTED = frozenset({"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML"})
 
@@ -100,6 +103,8 @@ class _Stored:
     entry: TokenEntry
     chain: tuple[str, ...]
     nbytes: int
+    cumulative: tuple[int, ...] | None = None
+    """Memo of the entry's cumulative tokens once rebuilt (counted in ``nbytes``)."""
 
 
 class _LRU:
@@ -552,7 +557,9 @@ class S3TokenStore:
         parent = await self._load(prefix + parent_rel, parent_rel.rsplit("/", 1)[-1][:-4])
         if parent is None:
             raise RecordError(f"delta entry {record.model_call_id!r}: parent {parent_id!r} disappeared")
-        return (*parent.chain, parent_rel) if parent.entry.prompt_is_delta else (parent_rel,)
+        if not parent.entry.prompt_is_delta:
+            return (parent_rel,)
+        return (*parent.chain, parent_rel)[-CHAIN_KEYS:]
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record a pre-dispatch intent for a model call (the custody extension).
@@ -883,30 +890,42 @@ class S3TokenStore:
             match=LineageMatch(model_call_id=entry.model_call_id, cumulative_token_ids=tuple(tokens), digest=digest, prev_len=len(tokens)),
         )
 
-    async def _cumulative(self, prefix: str, stored: _Stored) -> list[int]:
-        """Cumulative tokens of an entry, rebuilding a delta prompt through its ancestors."""
+    async def _cumulative(self, prefix: str, stored: _Stored, depth: int = 0) -> list[int]:
+        """Cumulative tokens of an entry, rebuilding a delta prompt through its ancestors.
+
+        A delta entry's envelope names its nearest ``CHAIN_KEYS`` ancestors (farthest first); they
+        are fetched in parallel, and the rebuild starts from the nearest one whose cumulative tokens
+        are already known (a cached memo, or a full-prompt anchor). Every parent link and the
+        final digest are verified. Raises ``RecordError`` when the chain is missing or broken.
+        """
         entry = stored.entry
+        if stored.cumulative is not None:
+            return list(stored.cumulative)
         if not entry.prompt_is_delta:
             return [*entry.prompt_token_ids, *entry.generation_token_ids]
         if not stored.chain:
             raise RecordError(f"delta entry {entry.model_call_id!r} carries no ancestor keys")
+        if depth > 100_000 // CHAIN_KEYS:
+            raise RecordError(f"delta chain of {entry.model_call_id!r} is too deep or cyclic")
         ancestors = await asyncio.gather(
             *(self._load(prefix + rel, rel.rsplit("/", 1)[-1][:-4]) for rel in stored.chain)
         )
-        tokens: list[int] = []
-        previous: str | None = None
         for rel, ancestor in zip(stored.chain, ancestors):
             if ancestor is None:
                 raise RecordError(f"ancestor {rel} of {entry.model_call_id!r} is missing")
-            if previous is not None and ancestor.entry.parent_call_id != previous:
-                raise RecordError(f"ancestor chain of {entry.model_call_id!r} is broken at {rel}")
-            if previous is None and ancestor.entry.prompt_is_delta:
-                raise RecordError(f"ancestor chain of {entry.model_call_id!r} has no full-prompt anchor")
-            tokens.extend(ancestor.entry.prompt_token_ids)
-            tokens.extend(ancestor.entry.generation_token_ids)
-            previous = ancestor.entry.model_call_id
-        if entry.parent_call_id != previous:
-            raise RecordError(f"ancestor chain of {entry.model_call_id!r} does not end at its parent")
+        links = [a.entry.model_call_id for a in ancestors]  # type: ignore[union-attr]
+        for child, parent_id in zip([*ancestors[1:], stored], links):
+            if child.entry.parent_call_id != parent_id:  # type: ignore[union-attr]
+                raise RecordError(f"ancestor chain of {entry.model_call_id!r} is broken at {parent_id!r}")
+        base = next((i for i in range(len(ancestors) - 1, -1, -1) if ancestors[i].cumulative is not None), 0)  # type: ignore[union-attr]
+        tokens = await self._cumulative(prefix, ancestors[base], depth + 1)  # type: ignore[arg-type]
+        for ancestor in ancestors[base + 1 :]:
+            tokens.extend(ancestor.entry.prompt_token_ids)  # type: ignore[union-attr]
+            tokens.extend(ancestor.entry.generation_token_ids)  # type: ignore[union-attr]
         tokens.extend(entry.prompt_token_ids)
         tokens.extend(entry.generation_token_ids)
+        if entry.digest and compute_digest(tokens) != entry.digest:
+            raise RecordError(f"rebuilt tokens of {entry.model_call_id!r} fail their digest")
+        stored.cumulative = tuple(tokens)
+        stored.nbytes += 8 * len(tokens)
         return tokens

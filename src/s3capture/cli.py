@@ -1,0 +1,117 @@
+"""The ``s3capture`` command line (``s3capture demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import uuid
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from s3capture.demo import format_report, run_workload
+    from s3capture.replay import load_rollouts, synthetic_rollouts
+
+    if args.files:
+        rollouts = load_rollouts(args.files)
+    else:
+        rollouts = synthetic_rollouts(args.rollouts, args.calls, seed=args.seed)
+    run = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    # Attempt-scoped rollout ids: a second run never collides with the first one's fences.
+    for rollout in rollouts:
+        object.__setattr__(rollout, "rollout_id", f"{rollout.rollout_id}@{run}")
+    server = None
+    env: dict[str, str] = {}
+    endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    url = args.url
+    try:
+        if url is None and endpoint is None:
+            from s3capture.localserver import start_moto
+
+            print("no S3 endpoint configured: starting an embedded moto S3 server on 127.0.0.1", file=sys.stderr)
+            server = start_moto()
+            env = server.env()
+            endpoint = server.endpoint_url
+            where = f"embedded moto at {endpoint}"
+        else:
+            if args.endpoint:
+                env["AWS_ENDPOINT_URL"] = args.endpoint
+            where = endpoint or "AWS S3"
+        if url is None:
+            url = f"s3://s3capture-demo/{run}"
+            _ensure_bucket(url, endpoint, env)
+        where = f"{url} on {where}"
+        report = run_workload(
+            rollouts,
+            url,
+            env,
+            workers=args.workers,
+            concurrency=args.concurrency,
+            parallel_rollouts=args.parallel_rollouts,
+            delta=args.prompt_storage == "delta",
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        print(format_report(report, where=where))
+        return 0 if report.ok else 1
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:
+    import boto3
+    from botocore.config import Config
+
+    from s3capture.store import parse_s3_url
+
+    bucket, _ = parse_s3_url(url)
+    kwargs = {}
+    if env:
+        kwargs = dict(
+            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+        )
+    client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}), **kwargs)
+    try:
+        client.head_bucket(Bucket=bucket)
+    except client.exceptions.ClientError:
+        client.create_bucket(Bucket=bucket)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="s3capture", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="run a capture workload end to end (embedded S3 server unless an endpoint or --url is given)",
+        description="Replay NeMo Gym rollout files (or a generated workload) through several worker "
+        "processes writing to S3, then freeze, verify and drop every rollout.",
+    )
+    demo.add_argument("files", nargs="*", help="NeMo Gym rollout .jsonl files (default: a generated workload)")
+    demo.add_argument("--url", help="s3://bucket/prefix to use (default: a fresh prefix in bucket s3capture-demo)")
+    demo.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else embedded moto)")
+    demo.add_argument("--workers", type=int, default=4, help="model-server worker processes (default 4)")
+    demo.add_argument("--concurrency", type=int, default=16, help="calls in flight per worker (default 16)")
+    demo.add_argument("--parallel-rollouts", type=int, default=32, help="rollouts in flight (default 32)")
+    demo.add_argument("--rollouts", type=int, default=40, help="generated rollouts (default 40)")
+    demo.add_argument("--calls", type=int, default=6, help="calls per generated rollout (default 6)")
+    demo.add_argument("--prompt-storage", choices=("delta", "full"), default="delta",
+                      help="store a RESOLVED call's prompt as a delta after its parent (default) or in full")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

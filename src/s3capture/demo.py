@@ -1,0 +1,404 @@
+"""``s3capture demo``: a capture workload end to end on S3.
+
+Model-server workers (separate processes, each with its own ``S3TokenStore``) serve the model calls
+of many rollouts in parallel. Every call goes to a random worker, so a continuation usually lands
+on a worker that never saw its parent. A worker resolves the call's parent, records its intent
+(``begin_call``), builds the ``TokenEntry`` (with ``--prompt-storage delta`` a RESOLVED call stores
+only the prompt suffix after its parent's cumulative tokens) and puts it. When a rollout's calls
+are done, a trajectory builder freezes it, checks every chain is contiguous (each child's full
+prompt starts with its parent's cumulative tokens, and every digest verifies) and drops the
+consumed snapshot.
+
+Without ``--url`` and without ``AWS_ENDPOINT_URL`` the demo starts an embedded S3 server (moto in
+server mode on 127.0.0.1) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing
+import os
+import queue
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from s3capture.fingerprint import stamp_continuation
+from s3capture.protocols import TokenCaptureFrozenError
+from s3capture.records import ParentResolutionStatus, TokenEntry, compute_digest, encode_entry
+from s3capture.replay import ReplayCall, ReplayRollout
+
+RESOLVED = ParentResolutionStatus.RESOLVED
+
+
+@dataclass
+class CallResult:
+    rollout_id: str
+    index: int
+    worker: int
+    status: str
+    reason: str
+    parent_ok: bool
+    resolve_ms: float
+    put_ms: float
+    error: str = ""
+
+
+@dataclass
+class DemoReport:
+    """What a demo run did; ``ok`` is True when every acceptance condition held."""
+
+    rollouts: int = 0
+    calls: int = 0
+    captured: int = 0
+    statuses: collections.Counter = field(default_factory=collections.Counter)
+    faithful: int = 0
+    faithful_resolved: int = 0
+    unresolved_reasons: collections.Counter = field(default_factory=collections.Counter)
+    trainable: int = 0
+    masked: int = 0
+    masked_reasons: list[str] = field(default_factory=list)
+    chains_checked: int = 0
+    chains_broken: list[str] = field(default_factory=list)
+    dropped: int = 0
+    requests: collections.Counter = field(default_factory=collections.Counter)
+    resolve_ms: list[float] = field(default_factory=list)
+    put_ms: list[float] = field(default_factory=list)
+    stored_bytes: int = 0
+    entry_objects: int = 0
+    gym_jsonl_bytes: int = 0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.errors
+            and self.faithful_resolved == self.faithful
+            and self.masked == 0
+            and not self.chains_broken
+            and self.dropped == self.rollouts
+        )
+
+
+def _percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return f"p50 {pick(0.5):.1f} ms  p90 {pick(0.9):.1f} ms  p99 {pick(0.99):.1f} ms  max {ordered[-1]:.1f} ms"
+
+
+def _token_item_index(items: list[dict]) -> int | None:
+    for position in range(len(items) - 1, -1, -1):
+        if items[position].get("type") == "message" and items[position].get("role") == "assistant":
+            return position
+    return len(items) - 1 if items else None
+
+
+async def _serve_call(
+    store: Any, worker: int, rollout_id: str, call: ReplayCall, delta: bool, expected_parent: str | None
+) -> CallResult:
+    started = time.perf_counter()
+    resolution = await store.resolve(rollout_id, call.request_items)
+    resolve_ms = (time.perf_counter() - started) * 1000
+    await store.begin_call(rollout_id, call.model_call_id)
+    full_prompt = list(call.prompt_token_ids)
+    entry = TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=call.model_call_id,
+        model="s3capture-demo",
+        prompt_token_ids=full_prompt,
+        generation_token_ids=list(call.generation_token_ids),
+        generation_log_probs=list(call.generation_log_probs),
+        output_items=list(call.output_items),
+        token_item_index=_token_item_index(call.output_items),
+        response_id=f"resp-{call.model_call_id}",
+        created_at=time.time(),
+    )
+    stamp_continuation(entry, call.request_items)
+    cumulative = full_prompt + entry.generation_token_ids
+    entry.cum_len = len(cumulative)
+    entry.digest = compute_digest(cumulative)
+    parent_ok = True
+    if resolution.status == RESOLVED:
+        assert resolution.match is not None
+        parent_tokens = list(resolution.match.cumulative_token_ids)
+        parent_ok = full_prompt[: len(parent_tokens)] == parent_tokens and (
+            expected_parent is None or resolution.match.model_call_id == expected_parent
+        )
+        entry.parent_call_id = resolution.match.model_call_id
+        entry.parent_resolution = RESOLVED
+        if delta and parent_ok:
+            entry.prompt_token_ids = full_prompt[len(parent_tokens):]
+            entry.prompt_is_delta = True
+    else:
+        entry.parent_resolution = ParentResolutionStatus(resolution.status)
+        entry.parent_resolution_reason = resolution.reason
+    started = time.perf_counter()
+    try:
+        await store.put(entry)
+    except TokenCaptureFrozenError:
+        raise
+    except Exception:
+        await store.mark_incomplete(rollout_id, call.model_call_id)
+        raise
+    put_ms = (time.perf_counter() - started) * 1000
+    return CallResult(
+        rollout_id, call.index, worker, ParentResolutionStatus(resolution.status).value, resolution.reason, parent_ok, resolve_ms, put_ms
+    )
+
+
+def _worker_main(worker: int, url: str, env: dict[str, str], inbox: Any, outbox: Any, delta: bool, concurrency: int) -> None:
+    os.environ.update(env)
+    from s3capture.store import S3TokenStore
+
+    async def run() -> None:
+        store = S3TokenStore(url, max_concurrency=concurrency)
+        loop = asyncio.get_running_loop()
+        limit = asyncio.Semaphore(concurrency)
+        tasks: set[asyncio.Task] = set()
+
+        async def handle(rollout_id: str, call: ReplayCall, expected_parent: str | None) -> None:
+            async with limit:
+                try:
+                    result = await _serve_call(store, worker, rollout_id, call, delta, expected_parent)
+                except Exception as error:  # noqa: BLE001 - reported to the coordinator
+                    result = CallResult(rollout_id, call.index, worker, "error", "", False, 0.0, 0.0,
+                                        f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
+                outbox.put(("call", result))
+
+        while True:
+            message = await loop.run_in_executor(None, inbox.get)
+            if message is None:
+                break
+            task = asyncio.create_task(handle(*message))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+        outbox.put(("requests", worker, dict(store.request_counts)))
+        await store.close()
+
+    asyncio.run(run())
+
+
+def _check_chains(snapshot: Any) -> list[str]:
+    """Return problems: a child whose full prompt does not start with its parent's cumulative tokens."""
+    by_id = {entry.model_call_id: entry for entry in snapshot.entries}
+    memo: dict[str, list[int]] = {}
+    problems: list[str] = []
+
+    def cumulative(call_id: str, depth: int = 0) -> list[int]:
+        if call_id in memo:
+            return memo[call_id]
+        entry = by_id[call_id]
+        prompt = list(entry.prompt_token_ids)
+        if entry.prompt_is_delta:
+            if depth > 100_000 or entry.parent_call_id not in by_id:
+                raise ValueError(f"{call_id}: delta prompt without its parent in the snapshot")
+            prompt = cumulative(entry.parent_call_id, depth + 1) + prompt
+        tokens = prompt + list(entry.generation_token_ids)
+        if entry.digest and compute_digest(tokens) != entry.digest:
+            raise ValueError(f"{call_id}: cumulative tokens fail their digest")
+        memo[call_id] = tokens
+        return tokens
+
+    for entry in snapshot.entries:
+        try:
+            tokens = cumulative(entry.model_call_id)
+            if entry.parent_call_id:
+                if entry.parent_call_id not in by_id:
+                    problems.append(f"{entry.model_call_id}: parent {entry.parent_call_id} not in snapshot")
+                    continue
+                parent = cumulative(entry.parent_call_id)
+                if tokens[: len(parent)] != parent or len(tokens) - len(entry.generation_token_ids) < len(parent):
+                    problems.append(f"{entry.model_call_id}: prompt does not start with parent {entry.parent_call_id}'s tokens")
+        except (ValueError, RecursionError) as error:
+            problems.append(str(error))
+    return problems
+
+
+async def _build(url: str, rollout_ids: list[str], report: DemoReport, progress: Any) -> None:
+    """Freeze, verify and drop every rollout (the trajectory builder)."""
+    from s3capture.store import S3TokenStore
+
+    async with S3TokenStore(url) as builder:
+        limit = asyncio.Semaphore(8)
+        all_objects = await builder._list(builder.layout.root)
+        for item in all_objects:
+            report.stored_bytes += item.size
+            if "/log/e/" in item.key:
+                report.entry_objects += 1
+
+        async def one(rollout_id: str) -> None:
+            async with limit:
+                snapshot = await builder.freeze(rollout_id)
+                problems = _check_chains(snapshot)
+                report.chains_checked += sum(1 for e in snapshot.entries if e.parent_call_id)
+                report.chains_broken.extend(f"{rollout_id}: {p}" for p in problems)
+                for entry in snapshot.entries:
+                    report.gym_jsonl_bytes += len(encode_entry(entry)) + 1
+                    report.tokens += len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+                if snapshot.incomplete or problems:
+                    report.masked += 1
+                    report.masked_reasons.extend(f"{rollout_id}: {r}" for r in getattr(snapshot, "reasons", ())[:3])
+                else:
+                    report.trainable += 1
+                if await builder.drop(rollout_id, snapshot.snapshot_id, snapshot.version):
+                    report.dropped += 1
+                progress.update(1)
+
+        await asyncio.gather(*(one(r) for r in rollout_ids))
+        await builder.delete(rollout_ids)
+        report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
+
+
+def run_workload(
+    rollouts: list[ReplayRollout],
+    url: str,
+    env: dict[str, str],
+    *,
+    workers: int = 4,
+    concurrency: int = 16,
+    parallel_rollouts: int = 32,
+    delta: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+) -> DemoReport:
+    """Replay ``rollouts`` through ``workers`` processes against ``url``; return the report.
+
+    ``env`` is merged into each worker's environment (endpoint and credentials). Calls of one
+    rollout run in order; up to ``parallel_rollouts`` rollouts are in flight at once.
+    """
+    from tqdm import tqdm
+
+    report = DemoReport(rollouts=len(rollouts), calls=sum(len(r.calls) for r in rollouts))
+    report.faithful = sum(max(0, len(r.calls) - 1) for r in rollouts)
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    outbox = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(workers)]
+    procs = [
+        ctx.Process(target=_worker_main, args=(w, url, env, inboxes[w], outbox, delta, concurrency), daemon=True)
+        for w in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    by_id = {r.rollout_id: r for r in rollouts}
+    waiting = collections.deque(r.rollout_id for r in rollouts if r.calls)
+    done_rollouts: list[str] = [r.rollout_id for r in rollouts if not r.calls]
+
+    def dispatch(rollout_id: str, index: int) -> None:
+        worker = rng.randrange(workers)
+        calls = by_id[rollout_id].calls
+        expected_parent = calls[index - 1].model_call_id if index else None
+        inboxes[worker].put((rollout_id, calls[index], expected_parent))
+
+    in_flight = 0
+    bar = tqdm(total=report.calls, desc="model calls", unit="call", disable=not progress, file=sys.stderr)
+    try:
+        while waiting and in_flight < parallel_rollouts:
+            dispatch(waiting.popleft(), 0)
+            in_flight += 1
+        remaining = report.calls
+        while remaining:
+            try:
+                kind, *payload = outbox.get(timeout=120)
+            except queue.Empty:
+                dead = [p.pid for p in procs if not p.is_alive()]
+                raise RuntimeError(f"no progress for 120 s (dead workers: {dead})") from None
+            result: CallResult = payload[0]
+            remaining -= 1
+            bar.update(1)
+            rollout = by_id[result.rollout_id]
+            if result.status == "error":
+                report.errors.append(f"{result.rollout_id}#{result.index}: {result.error}")
+            else:
+                report.captured += 1
+                report.statuses[result.status] += 1
+                report.resolve_ms.append(result.resolve_ms)
+                report.put_ms.append(result.put_ms)
+                if result.index > 0 and result.status == RESOLVED.value and result.parent_ok:
+                    report.faithful_resolved += 1
+                if result.status == "unresolved":
+                    report.unresolved_reasons[result.reason] += 1
+            if result.status != "error" and result.index + 1 < len(rollout.calls):
+                dispatch(result.rollout_id, result.index + 1)
+            else:
+                remaining -= len(rollout.calls) - result.index - 1 if result.status == "error" else 0
+                bar.update(len(rollout.calls) - result.index - 1 if result.status == "error" else 0)
+                done_rollouts.append(result.rollout_id)
+                in_flight -= 1
+                if waiting:
+                    dispatch(waiting.popleft(), 0)
+                    in_flight += 1
+    finally:
+        bar.close()
+        for inbox in inboxes:
+            inbox.put(None)
+        finished = 0
+        deadline = time.time() + 60
+        while finished < workers and time.time() < deadline:
+            try:
+                kind, *payload = outbox.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                break
+            if kind == "requests":
+                finished += 1
+                report.requests.update({f"worker:{k}": v for k, v in payload[1].items()})
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        build_bar = tqdm(total=len(rollouts), desc="freeze+verify+drop", unit="rollout", disable=not progress, file=sys.stderr)
+        asyncio.run(_build(url, [r.rollout_id for r in rollouts], report, build_bar))
+        build_bar.close()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def format_report(report: DemoReport, *, where: str) -> str:
+    """Human-readable summary of a demo run."""
+    s = report.statuses
+    lines = [
+        f"s3capture demo against {where}",
+        f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s",
+        f"  parent resolution: ROOT {s['root']}, RESOLVED {s['resolved']}, UNRESOLVED {s['unresolved']}"
+        + (f" (reasons: {dict(report.unresolved_reasons)})" if report.unresolved_reasons else ""),
+        f"  faithful continuations RESOLVED to the right parent: {report.faithful_resolved}/{report.faithful}",
+        f"  snapshots: trainable {report.trainable}, masked {report.masked}; dropped after consumption {report.dropped}/{report.rollouts}",
+        f"  chains checked {report.chains_checked}, broken {len(report.chains_broken)}",
+        f"  put     latency: {_percentiles(report.put_ms)}",
+        f"  resolve latency: {_percentiles(report.resolve_ms)}",
+        f"  stored: {report.stored_bytes:,} bytes in {report.entry_objects} entry objects (+ intents, markers, fences);"
+        f" Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
+        + (f"; {report.stored_bytes / max(1, report.tokens):.2f} vs {report.gym_jsonl_bytes / max(1, report.tokens):.2f} bytes per stored token" if report.tokens else ""),
+        "  S3 requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report.requests.items())),
+    ]
+    for item in report.chains_broken[:5]:
+        lines.append(f"  BROKEN CHAIN {item}")
+    for item in report.masked_reasons[:5]:
+        lines.append(f"  MASKED {item}")
+    for item in report.errors[:5]:
+        lines.append(f"  ERROR {item.strip()}")
+    lines.append("  result: " + ("OK" if report.ok else "FAILED"))
+    return "\n".join(lines)
