@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import email.utils
 import hashlib
 import io
 import json
@@ -146,6 +147,8 @@ class _Listed:
     key: str
     etag: str
     size: int
+    modified: float = 0.0
+    """LastModified, seconds since the epoch (server clock, 1 s granularity on most stores)."""
 
 
 @dataclass
@@ -153,6 +156,9 @@ class _RolloutScan:
     """What a LIST of one rollout prefix shows."""
 
     prefix: str
+    server_time: float = 0.0
+    """The store's clock (HTTP ``Date`` of the last LIST page), seconds since the epoch."""
+    fence_modified: float = 0.0
     fence: bool = False
     retired: bool = False
     log: list[_Listed] = field(default_factory=list)
@@ -224,6 +230,10 @@ class S3TokenStore:
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
         spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
             store; they are replayed by the next ``mark_incomplete``, ``replay_spill`` or ``close``.
+        fence_grace: seconds. A ``put`` slower than this reads the fence again after landing, and
+            ``drop`` waits until the fence is this old (by the store's clock) before its final
+            LIST; together they close the stale-drop window (``docs/design.md``). Every client of
+            a bucket must use the same value.
 
     Every method raises ``ValueError`` (or ``TypeError``) for an id that cannot be stored, before
     any request, and ``StoreError`` when the store refuses an operation.
@@ -242,6 +252,7 @@ class S3TokenStore:
         compression_level: int = 3,
         max_entry_bytes: int = 256 * 1024 * 1024,
         spill_dir: str | os.PathLike | None = None,
+        fence_grace: float = 2.0,
     ) -> None:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
@@ -264,6 +275,9 @@ class S3TokenStore:
         self._level = compression_level
         self._max_entry_bytes = max_entry_bytes
         self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
+        if fence_grace < 0:
+            raise ValueError("fence_grace must be >= 0 seconds")
+        self._fence_grace = fence_grace
         self._client: Any = None
         self._stack: AsyncExitStack | None = None
         self._client_lock: asyncio.Lock | None = None
@@ -338,6 +352,10 @@ class S3TokenStore:
 
     async def _list(self, prefix: str) -> list[_Listed]:
         """LIST every key under ``prefix`` (one request per 1,000 keys)."""
+        return (await self._list_timed(prefix))[0]
+
+    async def _list_timed(self, prefix: str) -> tuple[list[_Listed], float]:
+        """LIST every key under ``prefix``; also return the store's clock from the last page."""
         client = await self._s3()
         out: list[_Listed] = []
         token: str | None = None
@@ -353,9 +371,22 @@ class S3TokenStore:
                         raise self._wrap(error, f"LIST {prefix}") from error
                     raise
             for item in page.get("Contents", ()):
-                out.append(_Listed(item["Key"], str(item.get("ETag", "")).strip('"'), int(item.get("Size", 0))))
+                modified = item.get("LastModified")
+                out.append(
+                    _Listed(
+                        item["Key"],
+                        str(item.get("ETag", "")).strip('"'),
+                        int(item.get("Size", 0)),
+                        modified.timestamp() if modified is not None else 0.0,
+                    )
+                )
             if not page.get("IsTruncated"):
-                return out
+                date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+                try:
+                    server_time = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+                except (TypeError, ValueError):
+                    server_time = time.time()
+                return out, server_time
             token = page.get("NextContinuationToken")
             if not token:
                 raise StoreError(f"LIST {prefix} was truncated without a continuation token")
@@ -524,7 +555,12 @@ class S3TokenStore:
             chain = await self._delta_chain(record, prefix)
         body = self._encode_object(payload, chain)
         key = prefix + rel
+        started = time.monotonic()
         _, state = await asyncio.gather(self._put(key, body), self._fence_state(prefix))
+        if state == "open" and time.monotonic() - started > self._fence_grace:
+            # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
+            # read came before the fence: read the fence again now that the entry has landed.
+            state = await self._fence_state(prefix)
         self._cache.put(key, _Stored(record, chain, len(payload)))
         self._remember(record.rollout_id, record.model_call_id, rel)
         if state == "retired":
@@ -631,11 +667,13 @@ class S3TokenStore:
     # ------------------------------------------------------------------ TokenSource
     async def _scan(self, rollout_id: str) -> _RolloutScan:
         prefix = self.layout.rollout(rollout_id)
-        scan = _RolloutScan(prefix)
-        for item in await self._list(prefix):
+        listing, server_time = await self._list_timed(prefix)
+        scan = _RolloutScan(prefix, server_time)
+        for item in listing:
             rel = item.key[len(prefix):]
             if rel == "fence":
                 scan.fence = True
+                scan.fence_modified = item.modified
             elif rel == "retired":
                 scan.retired = True
             elif rel.startswith("snap/"):
@@ -743,13 +781,22 @@ class S3TokenStore:
         """Retire the exact frozen snapshot that was consumed; False if anything changed since.
 
         Re-lists the rollout and retires it (fence kept, records deleted) only when the rollout is
-        frozen and its current ``version`` and ``snapshot_id`` equal the arguments.
+        frozen and its current ``version`` and ``snapshot_id`` equal the arguments. When the fence
+        is younger than ``fence_grace`` (+1 s of clock granularity) it waits and lists again, so
+        every acknowledged put is either in the snapshot or visible to that final LIST.
         """
         scan = await self._scan(rollout_id)
-        if not scan.fence or scan.retired:
-            return False
-        if scan.version_and_id() != (version, snapshot_id):
-            return False
+        while True:
+            if not scan.fence or scan.retired:
+                return False
+            if scan.version_and_id() != (version, snapshot_id):
+                return False
+            # Both clocks are the store's, each truncated to whole seconds: allow one second.
+            wait = self._fence_grace + 1.0 - (scan.server_time - scan.fence_modified)
+            if wait <= 0:
+                break
+            await asyncio.sleep(wait)
+            scan = await self._scan(rollout_id)
         await self._retire_scanned(scan)
         return True
 
