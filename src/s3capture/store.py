@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 import msgspec
 import zstandard
+from botocore.exceptions import BotoCoreError, ClientError
 
 from s3capture import fingerprint as _fp
 from s3capture.layout import Layout, escape_id, parse_log_key
@@ -71,6 +72,9 @@ CHAIN_KEYS = 16
 entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
 _NOT_IMPLEMENTED = frozenset({"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML"})
+
+
+_BOTO_ERRORS = (BotoCoreError, ClientError)
 
 
 class StoreError(RuntimeError):
@@ -331,7 +335,7 @@ class S3TokenStore:
             try:
                 await client.put_object(Bucket=self.bucket, Key=key, Body=body)
             except Exception as error:
-                if getattr(error, "response", None) is not None:
+                if isinstance(error, _BOTO_ERRORS):
                     raise self._wrap(error, f"PUT {key}") from error
                 raise
 
@@ -346,7 +350,7 @@ class S3TokenStore:
             except Exception as error:
                 if self._code(error) in _NOT_FOUND:
                     return None
-                if getattr(error, "response", None) is not None:
+                if isinstance(error, _BOTO_ERRORS):
                     raise self._wrap(error, f"GET {key}") from error
                 raise
 
@@ -367,7 +371,7 @@ class S3TokenStore:
                 try:
                     page = await client.list_objects_v2(**params)
                 except Exception as error:
-                    if getattr(error, "response", None) is not None:
+                    if isinstance(error, _BOTO_ERRORS):
                         raise self._wrap(error, f"LIST {prefix}") from error
                     raise
             for item in page.get("Contents", ()):
@@ -408,7 +412,7 @@ class S3TokenStore:
                     raise StoreError(f"DeleteObjects failed for {len(errors)} keys, first: {errors[0]}")
             except StoreError:
                 raise
-            except Exception as error:
+            except _BOTO_ERRORS as error:
                 if self._code(error) not in _NOT_IMPLEMENTED:
                     raise self._wrap(error, "DeleteObjects") from error
                 await asyncio.gather(*(self._delete_one(k) for k in batch))
@@ -418,7 +422,7 @@ class S3TokenStore:
         async with self._sem:  # type: ignore[union-attr]
             try:
                 await client.delete_object(Bucket=self.bucket, Key=key)
-            except Exception as error:
+            except _BOTO_ERRORS as error:
                 if self._code(error) not in _NOT_FOUND:
                     raise self._wrap(error, f"DELETE {key}") from error
 
@@ -618,30 +622,39 @@ class S3TokenStore:
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably record that a call of this rollout failed to capture; the rollout is masked.
 
-        Writes a unique marker, so it always changes the version, also after freeze. When the store
-        fails and ``spill_dir`` is set, the marker is appended (fsynced) to a local spill file and
-        replayed later. Raises ``StoreError`` only when both fail; ``ValueError`` for bad ids.
+        One round trip: a PUT of a unique marker (so it always changes the version, also after
+        freeze) and a GET of the fence. When the PUT fails and ``spill_dir`` is set, the marker is
+        appended (fsynced) to a local spill file and replayed after the next successful marker or
+        at ``close``, so ``put`` and ``mark_incomplete`` do not fail together.
+
+        Raises:
+            TokenCaptureRetiredError: the rollout is retired (the marker is removed again; there is
+                no snapshot left to mask).
+            StoreError: the store failed and no ``spill_dir`` is configured.
+            ValueError: an id that cannot be stored.
         """
         prefix = self.layout.rollout(rollout_id)
         cid = self.layout.check_call_id(prefix, model_call_id, allow_empty=True)
         key = f"{prefix}log/x/{cid}/{time.time_ns():020d}-{uuid.uuid4().hex}"
+        stored, state = await asyncio.gather(self._put(key, b""), self._fence_state(prefix), return_exceptions=True)
+        if isinstance(stored, BaseException):
+            if not self._spill_dir or not isinstance(stored, Exception):
+                raise stored
+            self._spill(key)
+            log.warning("mark_incomplete for %r spilled to %s: %s", rollout_id, self._spill_dir, stored)
+            return
+        if state == "retired":
+            await self._delete_one(key)
+            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
         if self._spill_dir:
             try:
                 await self.replay_spill()
             except Exception:  # noqa: BLE001 - the spill stays for the next replay
                 log.warning("spilled markers could not be replayed yet", exc_info=True)
-        try:
-            await self._put(key, b"")
-        except Exception as error:
-            if not self._spill_dir:
-                raise
-            self._spill(key)
-            log.warning("mark_incomplete for %r spilled to %s: %s", rollout_id, self._spill_dir, error)
 
     def _spill_path(self) -> str:
         assert self._spill_dir is not None
-        name = hashlib.sha256(f"{self.endpoint_url}|{self.bucket}".encode()).hexdigest()[:16]
-        return os.path.join(self._spill_dir, f"markers-{name}.jsonl")
+        return os.path.join(self._spill_dir, f"markers-{self.bucket}.jsonl")
 
     def _spill(self, key: str) -> None:
         os.makedirs(self._spill_dir, exist_ok=True)  # type: ignore[arg-type]
@@ -659,8 +672,7 @@ class S3TokenStore:
             return 0
         with open(path, "rb") as handle:
             lines = [json.loads(line) for line in handle if line.strip()]
-        for item in lines:
-            await self._put(item["key"], b"")
+        await asyncio.gather(*(self._put(item["key"], b"") for item in lines if item.get("bucket") == self.bucket))
         os.remove(path)
         return len(lines)
 

@@ -1,0 +1,62 @@
+"""mark_incomplete stays available when the store is down: a local, fsynced spill replayed later."""
+
+from __future__ import annotations
+
+import pytest
+from botocore.config import Config
+
+from helpers_spill import make_entry_for_spill
+from s3capture.protocols import TokenCaptureRetiredError
+from s3capture.store import S3TokenStore, StoreError, parse_s3_url
+
+
+def _dead_store(url: str, tmp_path) -> S3TokenStore:
+    config = Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=0.5, read_timeout=0.5,
+                    s3={"addressing_style": "path"})
+    return S3TokenStore(url, endpoint_url="http://127.0.0.1:9", botocore_config=config, spill_dir=tmp_path)
+
+
+async def test_marker_spills_when_store_is_down_and_replays_later(s3_env, bucket_url, tmp_path):
+    dead = _dead_store(bucket_url, tmp_path)
+    try:
+        await dead.mark_incomplete("spilled-rollout", "call-7")  # must not raise: the spill holds it
+    finally:
+        await dead.close()
+    bucket, _ = parse_s3_url(bucket_url)
+    spill = tmp_path / f"markers-{bucket}.jsonl"
+    assert spill.exists() and b"call-7" in spill.read_bytes()
+
+    live = S3TokenStore(bucket_url, spill_dir=tmp_path)
+    try:
+        await live.put(make_entry_for_spill("spilled-rollout", "call-1"))
+        assert await live.replay_spill() == 1
+        assert not spill.exists()
+        snapshot = await live.freeze("spilled-rollout")
+        assert snapshot.incomplete
+        assert "marked_incomplete:call-7" in snapshot.reasons
+    finally:
+        await live.close()
+
+
+async def test_marker_without_spill_raises_store_error_when_store_is_down(bucket_url, tmp_path):
+    config = Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=0.5, read_timeout=0.5)
+    dead = S3TokenStore(bucket_url, endpoint_url="http://127.0.0.1:9", botocore_config=config)
+    try:
+        with pytest.raises(StoreError, match="127.0.0.1:9|failed"):
+            await dead.mark_incomplete("r", "c")
+    finally:
+        await dead.close()
+
+
+async def test_marker_after_retire_raises_retired_and_leaves_nothing(s3_env, bucket_url, s3_client):
+    store = S3TokenStore(bucket_url)
+    try:
+        await store.put(make_entry_for_spill("gone", "call-1"))
+        await store.retire(["gone"])
+        with pytest.raises(TokenCaptureRetiredError):
+            await store.mark_incomplete("gone", "call-2")
+        bucket, prefix = parse_s3_url(bucket_url)
+        keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])]
+        assert all(not k.split("/r/gone/")[1].startswith("log/") for k in keys), keys
+    finally:
+        await store.close()
