@@ -22,6 +22,8 @@ import re
 
 MAX_KEY_BYTES = 1024
 """S3's limit on the UTF-8 length of a key."""
+MAX_SEGMENT_BYTES = 255
+"""Longest escaped id segment: SeaweedFS and MinIO refuse a key segment over 255 bytes."""
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _HEX = "0123456789ABCDEF"
@@ -69,7 +71,17 @@ def _check_id(kind: str, value: object) -> str:
         raise TypeError(f"{kind} must be a str, got {type(value).__name__}")
     if value == "":
         raise ValueError(f"{kind} must not be empty")
-    return escape_id(value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{kind} {value!r} is not valid Unicode text (it contains a lone surrogate)") from None
+    escaped = escape_id(value)
+    if len(escaped) > MAX_SEGMENT_BYTES:
+        raise ValueError(
+            f"{kind} is too long to store: escaped it takes {len(escaped)} bytes of a key segment, "
+            f"over the {MAX_SEGMENT_BYTES}-byte segment limit of S3-compatible stores"
+        )
+    return escaped
 
 
 class Layout:
@@ -99,8 +111,11 @@ class Layout:
                 f"model_call_id is too long to store with this rollout_id: the entry key would exceed "
                 f"S3's {MAX_KEY_BYTES}-byte limit"
             )
-        fp = escape_id(fingerprint) if fingerprint else "~"
-        return f"log/e/{fp}/{cid}/{sha}.zst"
+        fp = _check_id("continuation_fingerprint", fingerprint) if fingerprint else "~"
+        rel = f"log/e/{fp}/{cid}/{sha}.zst"
+        if len(rollout_prefix.encode()) + len(rel) > MAX_KEY_BYTES:
+            raise ValueError(f"the entry key would exceed S3's {MAX_KEY_BYTES}-byte limit (long continuation_fingerprint?)")
+        return rel
 
     def check_call_id(self, rollout_prefix: str, model_call_id: str, *, allow_empty: bool = False) -> str:
         """Escaped call id after checking the key fits; raises ``ValueError``/``TypeError``."""

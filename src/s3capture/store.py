@@ -467,8 +467,10 @@ class S3TokenStore:
         return zstandard.ZstdCompressor(level=self._level).compress(envelope)
 
     def _decompress(self, data: bytes) -> bytes:
+        # The envelope adds its format tag and up to CHAIN_KEYS ancestor keys to the entry bytes.
+        limit = self._max_entry_bytes + 64 * 1024
         if not data.startswith(_ZSTD_MAGIC):
-            if len(data) > self._max_entry_bytes:
+            if len(data) > limit:
                 raise RecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
             return data
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
@@ -478,7 +480,7 @@ class S3TokenStore:
             if not chunk:
                 break
             out.write(chunk)
-            if out.tell() > self._max_entry_bytes:
+            if out.tell() > limit:
                 raise RecordError(f"object decompresses beyond max_entry_bytes={self._max_entry_bytes}")
         return out.getvalue()
 
@@ -499,6 +501,8 @@ class S3TokenStore:
                 raise RecordError(f"unknown envelope format {envelope.format!r}")
             payload = bytes(envelope.entry)
             chain = tuple(envelope.chain)
+        if len(payload) > self._max_entry_bytes:
+            raise RecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
             raise RecordError("stored entry bytes do not match the SHA-256 in their key")
         return _Stored(decode_entry(payload), chain, len(payload))

@@ -1,0 +1,415 @@
+"""Shared test helpers: entry builders, a request recorder on botocore events, process workers.
+
+Only add functions here; other test files depend on the existing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from s3capture.fingerprint import stamp_continuation
+from s3capture.records import ParentResolutionStatus, TokenEntry, compute_digest
+
+FIXED_CREATED_AT = 1700000000.0
+"""A fixed ``created_at`` so that an identical retry re-sends byte-identical payloads."""
+
+
+# --------------------------------------------------------------------------- messages and entries
+def user(text: str) -> dict:
+    """A user message item."""
+    return {"role": "user", "content": text}
+
+
+def system(text: str) -> dict:
+    """A system message item."""
+    return {"role": "system", "content": text}
+
+
+def assistant_output(text: str) -> list[dict]:
+    """The output items of one model call that answered with ``text`` (Responses-API message)."""
+    return [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
+
+
+def function_call_output(call_id: str, name: str, arguments: str) -> list[dict]:
+    """The output items of one model call that emitted a single function call."""
+    return [{"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}]
+
+
+def tool_result(call_id: str, output: str) -> dict:
+    """A Responses-API tool result item answering ``call_id``."""
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def make_entry(
+    rollout_id: str,
+    model_call_id: str,
+    request_items: list[dict],
+    output_items: list[dict],
+    prompt: list[int],
+    generation: list[int],
+    *,
+    parent_call_id: str | None = None,
+    parent_cumulative: list[int] | tuple[int, ...] | None = None,
+    delta: bool = False,
+    created_at: float = FIXED_CREATED_AT,
+) -> TokenEntry:
+    """Build a stamped ``TokenEntry`` the way ``s3capture.demo._serve_call`` does.
+
+    ``prompt`` is always the FULL prompt. ``cum_len``/``digest`` cover ``prompt + generation``.
+    With ``parent_call_id`` the entry is RESOLVED to that parent, else ROOT. With ``delta=True``
+    (needs ``parent_cumulative``) only the prompt suffix after the parent's cumulative tokens is
+    stored and ``prompt_is_delta`` is set.
+    """
+    full_prompt = list(prompt)
+    entry = TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=model_call_id,
+        model="test-model",
+        prompt_token_ids=full_prompt,
+        generation_token_ids=list(generation),
+        generation_log_probs=[-0.25] * len(generation),
+        output_items=[dict(item) for item in output_items],
+        token_item_index=(len(output_items) - 1) if output_items else None,
+        response_id=f"resp-{model_call_id}",
+        created_at=created_at,
+    )
+    stamp_continuation(entry, list(request_items))
+    cumulative = full_prompt + list(generation)
+    entry.cum_len = len(cumulative)
+    entry.digest = compute_digest(cumulative)
+    if parent_call_id is None:
+        entry.parent_resolution = ParentResolutionStatus.ROOT
+    else:
+        entry.parent_call_id = parent_call_id
+        entry.parent_resolution = ParentResolutionStatus.RESOLVED
+    if delta:
+        if parent_call_id is None or parent_cumulative is None:
+            raise ValueError("a delta entry needs parent_call_id and parent_cumulative")
+        parent_cumulative = list(parent_cumulative)
+        if full_prompt[: len(parent_cumulative)] != parent_cumulative:
+            raise ValueError("the full prompt does not start with the parent's cumulative tokens")
+        entry.prompt_token_ids = full_prompt[len(parent_cumulative):]
+        entry.prompt_is_delta = True
+    return entry
+
+
+@dataclass
+class Turn:
+    """One call of a synthetic multi-turn conversation (see ``build_conversation``)."""
+
+    call_id: str
+    request_items: list[dict]
+    output_items: list[dict]
+    prompt: list[int]
+    generation: list[int]
+    parent_call_id: str | None
+
+    @property
+    def cumulative(self) -> list[int]:
+        return self.prompt + self.generation
+
+
+def build_conversation(
+    rollout_id: str, turns: int, *, call_prefix: str = "call", token_base: int = 1000, tools_every: int = 0
+) -> list[Turn]:
+    """A linear conversation of ``turns`` calls; each request extends the previous one.
+
+    Call ``i``'s full prompt is call ``i-1``'s cumulative tokens plus a few tokens for the new user
+    (or tool) item, so every call is a proven continuation of the one before. With
+    ``tools_every=k`` every k-th call answers with a function call, and the next request carries
+    its tool result.
+    """
+    out: list[Turn] = []
+    items: list[dict] = [system("You are terse."), user(f"{rollout_id}: question 0")]
+    cumulative: list[int] = [token_base, token_base + 1, token_base + 2]
+    for i in range(turns):
+        if tools_every and i % tools_every == tools_every - 1:
+            output = function_call_output(f"fc-{i}", "lookup", f'{{"q": {i}, "b": "x"}}')
+        else:
+            output = assistant_output(f"answer {i} of {rollout_id}")
+        prompt = list(cumulative)
+        generation = [token_base + 10 * i + 5, token_base + 10 * i + 6, token_base + 10 * i + 7]
+        out.append(Turn(f"{call_prefix}-{i:03d}", list(items), output, prompt, generation, out[-1].call_id if out else None))
+        items = items + output
+        if output[0].get("type") == "function_call":
+            items.append(tool_result(f"fc-{i}", f"result {i}"))
+        else:
+            items.append(user(f"question {i + 1}"))
+        cumulative = prompt + generation + [token_base + 10 * i + 8, token_base + 10 * i + 9]
+    return out
+
+
+def next_request(turn: Turn, follow_up: str = "next") -> list[dict]:
+    """The request that continues ``turn``: its request, its output and a new user item."""
+    return list(turn.request_items) + list(turn.output_items) + [user(follow_up)]
+
+
+def turn_entry(rollout_id: str, turn: Turn, *, delta: bool = False, parent_cumulative: list[int] | None = None) -> TokenEntry:
+    """``make_entry`` for a ``Turn`` (RESOLVED to the previous turn, or ROOT for the first)."""
+    return make_entry(
+        rollout_id,
+        turn.call_id,
+        turn.request_items,
+        turn.output_items,
+        turn.prompt,
+        turn.generation,
+        parent_call_id=turn.parent_call_id,
+        parent_cumulative=parent_cumulative,
+        delta=delta and turn.parent_call_id is not None,
+    )
+
+
+# --------------------------------------------------------------------------- request recording
+def _key_of(url: str, bucket: str) -> str:
+    path = unquote(urlparse(url).path)
+    marker = f"/{bucket}/"
+    if path.startswith(marker):
+        return path[len(marker):]
+    return path.lstrip("/")
+
+
+@dataclass
+class RequestRecorder:
+    """Records every S3 request a store's aiobotocore client sends, through its botocore events.
+
+    ``before-send.s3`` records ``(operation, key)`` and raises the in-flight count;
+    ``response-received.s3`` lowers it. ``sequence`` interleaves ``("send", op)`` and
+    ``("recv", op)`` in the order the client saw them.
+    """
+
+    bucket: str
+    sent: list[tuple[str, str, float]] = field(default_factory=list)
+    sequence: list[tuple[str, str]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    @classmethod
+    async def attach(cls, store: Any) -> "RequestRecorder":
+        recorder = cls(store.bucket)
+        client = await store._s3()
+        client.meta.events.register("before-send.s3", recorder._before_send)
+        client.meta.events.register("response-received.s3", recorder._response_received)
+        return recorder
+
+    def _before_send(self, event_name: str = "", request: Any = None, **_: Any) -> None:
+        operation = event_name.rsplit(".", 1)[-1]
+        key = _key_of(request.url, self.bucket) if request is not None else ""
+        self.sent.append((operation, key, time.monotonic()))
+        self.sequence.append(("send", operation))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def _response_received(self, event_name: str = "", **_: Any) -> None:
+        self.sequence.append(("recv", event_name.rsplit(".", 1)[-1]))
+        self.in_flight -= 1
+
+    def reset(self) -> None:
+        """Forget everything recorded so far (call between operations)."""
+        self.sent.clear()
+        self.sequence.clear()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def counts(self) -> collections.Counter:
+        """Requests sent since the last ``reset``, by operation name."""
+        return collections.Counter(op for op, _, _ in self.sent)
+
+    def keys(self, operation: str) -> list[str]:
+        """Keys (relative to the bucket) of the ``operation`` requests since the last ``reset``."""
+        return [key for op, key, _ in self.sent if op == operation]
+
+
+# --------------------------------------------------------------------------- process workers
+def process_put_worker(
+    worker: int,
+    url: str,
+    env: dict[str, str],
+    payloads: list[bytes],
+    barrier: Any,
+    results: Any,
+    concurrency: int = 32,
+) -> None:
+    """Entry point of a spawned process: put every payload (canonical entry JSON) through its own
+    ``S3TokenStore``, all at once (bounded), after every process reached ``barrier``.
+
+    Puts ``(worker, [(model_call_id, outcome, detail), ...])`` on ``results``; outcome is ``"ok"``,
+    ``"frozen"``, ``"retired"`` or ``"error"``.
+    """
+    os.environ.update(env)
+    outcomes: list[tuple[str, str, str]] = []
+    try:
+        from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
+        from s3capture.records import decode_entry
+        from s3capture.store import S3TokenStore
+
+        entries = [decode_entry(p) for p in payloads]
+
+        async def run() -> None:
+            store = S3TokenStore(url, max_concurrency=concurrency)
+            limit = asyncio.Semaphore(concurrency)
+            try:
+                await store._s3()
+
+                async def one(entry: Any) -> None:
+                    async with limit:
+                        try:
+                            await store.put(entry)
+                            outcomes.append((entry.model_call_id, "ok", ""))
+                        except TokenCaptureFrozenError as error:
+                            outcomes.append((entry.model_call_id, "frozen", str(error)))
+                        except TokenCaptureRetiredError as error:
+                            outcomes.append((entry.model_call_id, "retired", str(error)))
+                        except Exception as error:  # noqa: BLE001 - reported to the test
+                            outcomes.append((entry.model_call_id, "error", f"{type(error).__name__}: {error}"))
+
+                barrier.wait(timeout=120)
+                await asyncio.gather(*(one(e) for e in entries))
+            finally:
+                await store.close()
+
+        asyncio.run(run())
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        outcomes.append(("", "error", f"worker {worker} crashed: {type(error).__name__}: {error}"))
+    results.put((worker, outcomes))
+
+
+def run_put_processes(url: str, env: dict[str, str], per_process: list[list[bytes]], timeout: float = 180.0) -> dict[int, list]:
+    """Spawn one process per payload list (``process_put_worker``) and return their outcomes.
+
+    The processes start their puts together (a barrier), so their requests race at the server.
+    """
+    import multiprocessing
+    import queue as queue_module
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(len(per_process))
+    results = ctx.Queue()
+    processes = [
+        ctx.Process(target=process_put_worker, args=(w, url, env, payloads, barrier, results), daemon=True)
+        for w, payloads in enumerate(per_process)
+    ]
+    for process in processes:
+        process.start()
+    out: dict[int, list] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < len(processes):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"put workers did not finish in {timeout} s ({len(out)}/{len(processes)} reported)")
+            try:
+                worker, outcomes = results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"put worker(s) died: {[(p.pid, p.exitcode) for p in dead]}")
+                continue
+            out[worker] = outcomes
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    return out
+
+
+# --------------------------------------------------------------------------- source-test helpers
+# (added for tests/test_store_source.py; plain-boto3 bucket access and a one-call entry builder)
+DEFAULT_REQUEST: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def simple_entry(
+    rollout_id: str,
+    model_call_id: str,
+    *,
+    prompt: list[int] | None = None,
+    generation: list[int] | None = None,
+    request_items: list[dict] | None = None,
+    text: str = "a",
+    log_probs: list[float] | None = None,
+    created_at: float = FIXED_CREATED_AT,
+) -> TokenEntry:
+    """A stamped ROOT entry for one call (``make_entry`` with defaults: ``DEFAULT_REQUEST``,
+    an assistant message ``text``, prompt ``[11, 12]``, generation ``[13, 14]``), validated.
+
+    ``log_probs`` overrides ``generation_log_probs`` (e.g. to inject NaN); it is set after
+    building, so non-finite values reach ``put`` unchanged.
+    """
+    entry = make_entry(
+        rollout_id,
+        model_call_id,
+        DEFAULT_REQUEST if request_items is None else request_items,
+        assistant_output(text),
+        [11, 12] if prompt is None else list(prompt),
+        [13, 14] if generation is None else list(generation),
+        created_at=created_at,
+    )
+    if log_probs is not None:
+        entry.generation_log_probs = list(log_probs)
+    return entry.validate()
+
+
+def canonical(entry: Any) -> bytes:
+    """Canonical bytes (``encode_entry``) of an s3capture entry, a Gym pydantic entry or a dict."""
+    from s3capture.records import coerce_entry, encode_entry
+
+    return encode_entry(coerce_entry(entry))
+
+
+def entry_sha(entry: Any) -> str:
+    """SHA-256 hex of an entry's canonical bytes (the last segment of its object key)."""
+    import hashlib
+
+    return hashlib.sha256(canonical(entry)).hexdigest()
+
+
+def require_gym() -> Any:
+    """Import ``nemo_gym.token_id_capture.records``: skip when absent, fail when env ``CI`` is set."""
+    import pytest
+
+    if os.environ.get("CI"):
+        import nemo_gym.token_id_capture.records as gym_records
+
+        return gym_records
+    return pytest.importorskip("nemo_gym.token_id_capture.records")
+
+
+def gym_entry(entry: TokenEntry) -> Any:
+    """The same entry as NeMo Gym's pydantic ``TokenEntry`` (skips/fails via ``require_gym``)."""
+    import json
+
+    from s3capture.records import encode_entry
+
+    return require_gym().TokenEntry.model_validate(json.loads(encode_entry(entry)))
+
+
+def split_bucket_url(url: str) -> tuple[str, str]:
+    """``"s3://bucket/prefix"`` -> ``("bucket", "prefix/")`` (root with trailing slash, or "")."""
+    parsed = urlparse(url)
+    prefix = parsed.path.strip("/")
+    return parsed.netloc, (prefix + "/" if prefix else "")
+
+
+def list_keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
+    """Every key under ``prefix`` in ``bucket``, sorted, via a plain boto3 client."""
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys.extend(item["Key"] for item in page.get("Contents", []))
+    return sorted(keys)
+
+
+def get_bytes(client: Any, bucket: str, key: str) -> bytes:
+    """The raw bytes of one object, via a plain boto3 client."""
+    return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def put_bytes(client: Any, bucket: str, key: str, body: bytes) -> None:
+    """Place a raw object, via a plain boto3 client."""
+    client.put_object(Bucket=bucket, Key=key, Body=body)

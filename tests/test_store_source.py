@@ -1,0 +1,1061 @@
+"""S3TokenStore as a TokenSink/TokenSource against real local S3 servers (moto and SeaweedFS).
+
+Every test runs over HTTP against both servers (the parametrized ``s3_server`` fixture). Raw
+objects (corrupt, foreign, hand-compressed) are placed and inspected with plain boto3 through the
+session ``s3_client`` fixture. Cross-client visibility is checked with fresh store instances.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import uuid
+from typing import Any
+
+import msgspec
+import pytest
+import zstandard
+
+from helpers import (
+    DEFAULT_REQUEST,
+    canonical,
+    entry_sha,
+    get_bytes,
+    gym_entry,
+    list_keys,
+    put_bytes,
+    require_gym,
+    simple_entry,
+    split_bucket_url,
+)
+from s3capture.layout import MAX_KEY_BYTES, MAX_SEGMENT_BYTES, Layout
+from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
+from s3capture.records import (
+    TokenEntry,
+    UnsupportedSchemaError,
+    decode_entry,
+    encode_entry,
+)
+from s3capture.store import FrozenSnapshot, S3TokenStore, StoreError
+
+# --------------------------------------------------------------------------- fixtures / helpers
+
+
+@pytest.fixture
+async def new_store(s3_env: Any, bucket_url: str):
+    """Factory of fresh S3TokenStore clients on the test bucket; all are closed afterwards."""
+    stores: list[S3TokenStore] = []
+
+    def make(**kwargs: Any) -> S3TokenStore:
+        store = S3TokenStore(kwargs.pop("url", bucket_url), **kwargs)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()
+
+
+@pytest.fixture
+def raw(s3_client: Any, bucket_url: str) -> "Raw":
+    return Raw(s3_client, bucket_url)
+
+
+class Raw:
+    """Plain-boto3 view of the test bucket, with s3capture's key layout for placing objects."""
+
+    def __init__(self, client: Any, bucket_url: str) -> None:
+        self.client = client
+        self.bucket, self.root = split_bucket_url(bucket_url)
+        self.layout = Layout(self.root)
+
+    def rollout(self, rollout_id: str) -> str:
+        return self.layout.rollout(rollout_id)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return list_keys(self.client, self.bucket, prefix)
+
+    def rollout_rel_keys(self, rollout_id: str) -> list[str]:
+        prefix = self.rollout(rollout_id)
+        return sorted(k[len(prefix):] for k in self.keys(prefix))
+
+    def entry_keys(self, rollout_id: str) -> list[str]:
+        return [k for k in self.rollout_rel_keys(rollout_id) if k.startswith("log/e/")]
+
+    def entry_key(self, entry: TokenEntry, sha: str | None = None) -> str:
+        prefix = self.rollout(entry.rollout_id)
+        sha = sha or hashlib.sha256(encode_entry(entry)).hexdigest()
+        return prefix + self.layout.entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
+
+    def put(self, key: str, body: bytes) -> None:
+        put_bytes(self.client, self.bucket, key, body)
+
+    def get(self, key: str) -> bytes:
+        return get_bytes(self.client, self.bucket, key)
+
+
+def envelope(payload: bytes, chain: list[str] | None = None) -> bytes:
+    """The uncompressed stored envelope, exactly as ``S3TokenStore._encode_object`` builds it."""
+    return (
+        b'{"chain":' + msgspec.json.encode(list(chain or [])) + b',"entry":' + payload + b',"format":"s3capture.entry/1"}'
+    )
+
+
+def by_call(snapshot: Any) -> dict[str, Any]:
+    return {e.model_call_id: e for e in snapshot.entries}
+
+
+def assert_same_entries(snapshot: Any, expected: list[TokenEntry]) -> None:
+    got = sorted(canonical(e) for e in snapshot.entries)
+    assert got == sorted(encode_entry(e) for e in expected)
+
+
+FENCE_ONLY = ["fence", "retired"]
+
+# --------------------------------------------------------------------------- put / freeze basics
+
+
+async def test_put_then_freeze_from_fresh_client(new_store, raw):
+    entry = simple_entry("r-basic", "call-1")
+    writer = new_store()
+    await writer.put(entry)
+
+    snapshot = await new_store().freeze("r-basic")
+    assert isinstance(snapshot, FrozenSnapshot)
+    assert snapshot.rollout_id == "r-basic"
+    assert len(snapshot.entries) == 1
+    frozen = snapshot.entries[0]
+    assert isinstance(frozen, TokenEntry)
+    assert encode_entry(frozen) == encode_entry(entry)
+    assert snapshot.incomplete is False
+    assert snapshot.reasons == ()
+    assert isinstance(snapshot.snapshot_id, str) and snapshot.snapshot_id
+    assert snapshot.version == 1
+    assert raw.entry_keys("r-basic") == [raw.entry_key(entry)[len(raw.rollout("r-basic")):]]
+    # The stored object is zstd(envelope(canonical bytes)): what the hand-built objects below mimic.
+    stored = raw.get(raw.entry_key(entry))
+    assert zstandard.ZstdDecompressor().decompress(stored) == envelope(encode_entry(entry))
+
+
+async def test_freeze_gym_entry_type_returns_gym_entries(new_store):
+    gym_records = require_gym()
+    entry = simple_entry("r-gym-out", "call-1")
+    original = gym_entry(entry)
+    await new_store().put(entry)
+
+    snapshot = await new_store(entry_type="gym").freeze("r-gym-out")
+    assert not snapshot.incomplete
+    assert len(snapshot.entries) == 1
+    frozen = snapshot.entries[0]
+    assert isinstance(frozen, gym_records.TokenEntry)
+    assert frozen.model_dump(mode="json") == original.model_dump(mode="json")
+
+
+async def test_put_accepts_gym_pydantic_entry_with_extra_fields(new_store):
+    require_gym()
+    base = simple_entry("r-gym-in", "call-1")
+    original = gym_entry(base)
+    # Gym's TokenEntry allows extra fields; they must round-trip unchanged.
+    dumped = original.model_dump(mode="json")
+    dumped["custom_annotation"] = {"nested": [1, 2.5, "x"], "flag": True}
+    original = type(original).model_validate(dumped)
+
+    await new_store().put(original)
+
+    snapshot = await new_store(entry_type="gym").freeze("r-gym-in")
+    assert not snapshot.incomplete
+    assert len(snapshot.entries) == 1
+    assert snapshot.entries[0].model_dump(mode="json") == original.model_dump(mode="json")
+    plain = await new_store().freeze("r-gym-in")
+    assert plain.entries[0].extra_fields == {"custom_annotation": {"nested": [1, 2.5, "x"], "flag": True}}
+    assert canonical(plain.entries[0]) == canonical(original)
+
+
+# --------------------------------------------------------------------------- retry / conflict
+
+
+async def test_identical_retry_from_fresh_client_dedupes(new_store, raw):
+    entry = simple_entry("r-retry", "call-1")
+    await new_store().put(entry)
+    retry = decode_entry(encode_entry(entry))  # resend the same serialized bytes
+    await new_store().put(retry)
+
+    snapshot = await new_store().freeze("r-retry")
+    assert len(snapshot.entries) == 1
+    assert encode_entry(snapshot.entries[0]) == encode_entry(entry)
+    assert not snapshot.incomplete
+    assert snapshot.version == 1
+    assert len(raw.entry_keys("r-retry")) == 1
+
+
+async def test_conflicting_payload_masks_rollout(new_store, raw):
+    entry = simple_entry("r-conflict", "call-1", generation=[13, 14], text="a")
+    conflict = simple_entry("r-conflict", "call-1", generation=[15], text="b")
+    other = simple_entry("r-conflict", "call-2", prompt=[1, 2, 3], text="c")
+    await new_store().put(entry)
+    await new_store().put(conflict)  # no CAS: the conflict is left to the reader
+    await new_store().put(other)
+
+    assert len([k for k in raw.entry_keys("r-conflict") if "/call-1/" in k]) == 2
+    snapshot = await new_store().freeze("r-conflict")
+    assert snapshot.incomplete
+    assert any(r.startswith("conflicting_payloads:") and "call-1" in r for r in snapshot.reasons), snapshot.reasons
+    assert "call-1" not in by_call(snapshot)
+    assert_same_entries(snapshot, [other])
+
+
+async def test_rebuilt_entry_with_other_timestamp_is_a_conflict(new_store):
+    # "A retry must resend the same bytes; rebuilding the entry produces a conflict, not a retry."
+    await new_store().put(simple_entry("r-rebuilt", "call-1", created_at=1.0))
+    await new_store().put(simple_entry("r-rebuilt", "call-1", created_at=2.0))
+    snapshot = await new_store().freeze("r-rebuilt")
+    assert snapshot.incomplete
+    assert "conflicting_payloads:call-1" in snapshot.reasons
+    assert snapshot.entries == ()
+
+
+# --------------------------------------------------------------------------- freeze idempotence + manifest
+
+
+async def test_freeze_idempotent_across_clients_and_manifest_sealed(new_store, raw):
+    entries = [simple_entry("r-idem", f"call-{i}", prompt=[i, i + 1], text=str(i)) for i in range(3)]
+    writer = new_store()
+    for entry in entries:
+        await writer.put(entry)
+
+    first = await new_store().freeze("r-idem")
+    second = await new_store().freeze("r-idem")
+    assert (first.snapshot_id, first.version) == (second.snapshot_id, second.version)
+    assert first.version == 3
+    assert not first.incomplete and not second.incomplete
+    assert_same_entries(first, entries)
+    assert_same_entries(second, entries)
+
+    rels = raw.rollout_rel_keys("r-idem")
+    snaps = [k for k in rels if k.startswith("snap/")]
+    assert snaps == [f"snap/{first.version:020d}-{first.snapshot_id}"]
+    manifest = json.loads(raw.get(raw.rollout("r-idem") + snaps[0]))
+    assert manifest["rollout_id"] == "r-idem"
+    assert manifest["version"] == first.version
+    assert manifest["snapshot_id"] == first.snapshot_id
+    assert manifest["incomplete"] is False
+    assert manifest["reasons"] == []
+    listed = sorted(obj["key"] for obj in manifest["objects"])
+    assert listed == sorted(k for k in rels if k.startswith("log/"))
+    assert listed == sorted(raw.entry_key(e)[len(raw.rollout("r-idem")):] for e in entries)
+    assert all(obj["etag"] and obj["size"] > 0 for obj in manifest["objects"])
+
+
+async def test_freeze_of_unknown_rollout_is_empty_and_complete(new_store):
+    snapshot = await new_store().freeze("r-never-written")
+    assert snapshot.entries == ()
+    assert not snapshot.incomplete
+    assert snapshot.version == 0
+    assert snapshot.snapshot_id
+    again = await new_store().freeze("r-never-written")
+    assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
+
+
+# --------------------------------------------------------------------------- writes after freeze
+
+
+async def test_put_after_freeze_raises_bumps_version_and_drop_keeps_evidence(new_store, raw):
+    early = simple_entry("r-late", "call-1")
+    late = simple_entry("r-late", "call-2", prompt=[7, 8], text="late")
+    await new_store().put(early)
+    snapshot = await new_store().freeze("r-late")
+    assert not snapshot.incomplete and snapshot.version == 1
+
+    with pytest.raises(TokenCaptureFrozenError) as caught:
+        await new_store().put(late)
+    assert not isinstance(caught.value, TokenCaptureRetiredError)
+
+    # The late entry landed (relaxed fence) and changed the observable state.
+    refrozen = await new_store().freeze("r-late")
+    assert refrozen.version == snapshot.version + 1
+    assert refrozen.snapshot_id != snapshot.snapshot_id
+
+    # The consumed snapshot's conditional drop fails and keeps the evidence.
+    assert await new_store().drop("r-late", snapshot.snapshot_id, snapshot.version) is False
+    assert len(raw.entry_keys("r-late")) == 2
+    evidence = await new_store().freeze("r-late")
+    assert_same_entries(evidence, [early, late])
+    assert (evidence.snapshot_id, evidence.version) == (refrozen.snapshot_id, refrozen.version)
+
+
+async def test_mark_incomplete_after_freeze_lands_and_changes_version(new_store):
+    await new_store().put(simple_entry("r-mark", "call-1"))
+    snapshot = await new_store().freeze("r-mark")
+    assert not snapshot.incomplete
+
+    await new_store().mark_incomplete("r-mark", "call-9")  # must succeed after freeze
+
+    refrozen = await new_store().freeze("r-mark")
+    assert refrozen.version == snapshot.version + 1
+    assert refrozen.snapshot_id != snapshot.snapshot_id
+    assert refrozen.incomplete
+    assert "marked_incomplete:call-9" in refrozen.reasons
+    assert await new_store().drop("r-mark", snapshot.snapshot_id, snapshot.version) is False
+
+
+async def test_mark_incomplete_without_call_id_masks(new_store):
+    await new_store().put(simple_entry("r-mark-any", "call-1"))
+    await new_store().mark_incomplete("r-mark-any")
+    snapshot = await new_store().freeze("r-mark-any")
+    assert snapshot.incomplete
+    assert any(r.startswith("marked_incomplete:") for r in snapshot.reasons)
+
+
+async def test_begin_call_after_freeze_raises_frozen(new_store):
+    await new_store().freeze("r-begin-late")
+    with pytest.raises(TokenCaptureFrozenError) as caught:
+        await new_store().begin_call("r-begin-late", "call-1")
+    assert not isinstance(caught.value, TokenCaptureRetiredError)
+
+
+# --------------------------------------------------------------------------- intents
+
+
+async def test_dangling_intent_masks_snapshot(new_store):
+    await new_store().begin_call("r-intent", "call-1")
+    other = simple_entry("r-intent", "call-2")
+    await new_store().begin_call("r-intent", "call-2")
+    await new_store().put(other)
+
+    snapshot = await new_store().freeze("r-intent")
+    assert snapshot.incomplete
+    assert "dangling_intent:call-1" in snapshot.reasons
+    assert not any("call-2" in r for r in snapshot.reasons)
+    assert_same_entries(snapshot, [other])
+
+
+async def test_begin_call_then_put_is_complete(new_store):
+    entry = simple_entry("r-intent-ok", "call-1")
+    await new_store().begin_call("r-intent-ok", "call-1")
+    await new_store().put(entry)
+    snapshot = await new_store().freeze("r-intent-ok")
+    assert not snapshot.incomplete
+    assert snapshot.reasons == ()
+    assert_same_entries(snapshot, [entry])
+
+
+# --------------------------------------------------------------------------- drop
+
+
+async def test_drop_exact_snapshot_retires(new_store, raw):
+    entry = simple_entry("r-drop", "call-1")
+    await new_store().put(entry)
+    await new_store().begin_call("r-drop", "call-1")
+    snapshot = await new_store().freeze("r-drop")
+    assert not snapshot.incomplete
+
+    assert await new_store().drop("r-drop", snapshot.snapshot_id, snapshot.version) is True
+    assert raw.rollout_rel_keys("r-drop") == FENCE_ONLY
+
+    with pytest.raises(TokenCaptureRetiredError):
+        await new_store().put(simple_entry("r-drop", "call-2"))
+    with pytest.raises(TokenCaptureRetiredError):
+        await new_store().put(entry)
+    with pytest.raises(TokenCaptureRetiredError):
+        await new_store().begin_call("r-drop", "call-3")
+    with pytest.raises(TokenCaptureRetiredError):
+        await new_store().freeze("r-drop")
+    assert raw.rollout_rel_keys("r-drop") == FENCE_ONLY
+    assert await new_store().drop("r-drop", snapshot.snapshot_id, snapshot.version) is False
+
+
+async def test_drop_with_wrong_snapshot_or_version_keeps_everything(new_store, raw):
+    entry = simple_entry("r-nodrop", "call-1")
+    await new_store().put(entry)
+    snapshot = await new_store().freeze("r-nodrop")
+    before = raw.rollout_rel_keys("r-nodrop")
+
+    store = new_store()
+    assert await store.drop("r-nodrop", snapshot.snapshot_id, snapshot.version + 1) is False
+    assert await store.drop("r-nodrop", snapshot.snapshot_id, snapshot.version - 1) is False
+    assert await store.drop("r-nodrop", "0" * 32, snapshot.version) is False
+    assert await store.drop("r-nodrop", "", snapshot.version) is False
+    assert raw.rollout_rel_keys("r-nodrop") == before
+
+    again = await new_store().freeze("r-nodrop")
+    assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
+    assert_same_entries(again, [entry])
+    # Still frozen, not retired.
+    with pytest.raises(TokenCaptureFrozenError) as caught:
+        await new_store().put(simple_entry("r-nodrop", "call-2"))
+    assert not isinstance(caught.value, TokenCaptureRetiredError)
+
+
+async def test_drop_of_unfrozen_rollout_is_false(new_store, raw):
+    entry = simple_entry("r-open", "call-1")
+    await new_store().put(entry)
+    other = new_store()
+    # The exact (version, snapshot_id) a freeze would report, computed without freezing.
+    version, snapshot_id = (await other._scan("r-open")).version_and_id()
+    assert version == 1
+    assert await other.drop("r-open", snapshot_id, version) is False
+    assert await other.drop("r-absent", "0" * 32, 0) is False
+    assert raw.rollout_rel_keys("r-absent") == []
+    assert raw.rollout_rel_keys("r-open") == raw.entry_keys("r-open") != []
+    # Still open: writes succeed.
+    await new_store().put(simple_entry("r-open", "call-2"))
+
+
+# --------------------------------------------------------------------------- retire / delete
+
+
+async def _populate(new_store, rollout_id: str, *, freeze: bool) -> list[TokenEntry]:
+    entries = [simple_entry(rollout_id, f"c{i}", prompt=[i], text=str(i)) for i in range(2)]
+    store = new_store()
+    for entry in entries:
+        await store.put(entry)
+    await store.begin_call(rollout_id, "c-intent")
+    await store.mark_incomplete(rollout_id, "c-failed")
+    if freeze:
+        await store.freeze(rollout_id)
+    return entries
+
+
+async def test_retire_removes_records_keeps_fence_and_is_idempotent(new_store, raw):
+    await _populate(new_store, "r-ret-frozen", freeze=True)
+    await _populate(new_store, "r-ret-open", freeze=False)
+
+    result = await new_store().retire(["r-ret-frozen", "r-ret-open", "r-ret-never"])
+    assert result == {"removed": ["r-ret-frozen", "r-ret-open"], "absent": ["r-ret-never"]}
+    for rid in ("r-ret-frozen", "r-ret-open", "r-ret-never"):
+        assert raw.rollout_rel_keys(rid) == FENCE_ONLY, rid
+
+    again = await new_store().retire(["r-ret-frozen", "r-ret-open", "r-ret-never"])
+    assert again == {"removed": [], "absent": ["r-ret-frozen", "r-ret-open", "r-ret-never"]}
+
+    for rid in ("r-ret-frozen", "r-ret-open", "r-ret-never"):
+        with pytest.raises(TokenCaptureRetiredError):
+            await new_store().put(simple_entry(rid, "late"))
+        with pytest.raises(TokenCaptureRetiredError):
+            await new_store().begin_call(rid, "late-intent")
+        with pytest.raises(TokenCaptureRetiredError):
+            await new_store().freeze(rid)
+        assert raw.rollout_rel_keys(rid) == FENCE_ONLY, rid
+    # A freeze attempt on a retired rollout must not have un-retired it.
+    with pytest.raises(TokenCaptureRetiredError):
+        await new_store().put(simple_entry("r-ret-open", "later"))
+
+
+async def test_delete_removes_records_and_fences_and_id_is_reusable(new_store, raw):
+    old = await _populate(new_store, "r-del-frozen", freeze=True)
+    old_snapshot = await new_store().freeze("r-del-frozen")
+    await _populate(new_store, "r-del-retired", freeze=False)
+    await new_store().retire(["r-del-retired"])
+    await _populate(new_store, "r-del-open", freeze=False)
+
+    ids = ["r-del-frozen", "r-del-retired", "r-del-never", "r-del-open"]
+    result = await new_store().delete(ids)
+    assert result == {"removed": ["r-del-frozen", "r-del-retired", "r-del-open"], "absent": ["r-del-never"]}
+    assert raw.keys() == []
+
+    again = await new_store().delete(ids)
+    assert again == {"removed": [], "absent": ids}
+
+    # The id reads as unused: a new execution starts from nothing.
+    fresh = simple_entry("r-del-frozen", "c0", prompt=[99], text="new")
+    assert encode_entry(fresh) != encode_entry(old[0])
+    await new_store().put(fresh)
+    snapshot = await new_store().freeze("r-del-frozen")
+    assert not snapshot.incomplete
+    assert_same_entries(snapshot, [fresh])
+    assert snapshot.version == 1
+    assert snapshot.snapshot_id != old_snapshot.snapshot_id
+
+    entry = simple_entry("r-del-retired", "c0")
+    await new_store().put(entry)  # no TokenCaptureRetiredError: the fence is gone
+    snapshot = await new_store().freeze("r-del-retired")
+    assert not snapshot.incomplete
+    assert_same_entries(snapshot, [entry])
+
+
+async def test_delete_in_same_client_after_use_reuses_cleanly(new_store):
+    store = new_store()
+    await store.put(simple_entry("r-del-same", "c0", text="old"))
+    await store.freeze("r-del-same")
+    await store.delete(["r-del-same"])
+    fresh = simple_entry("r-del-same", "c1", text="new")
+    await store.put(fresh)
+    snapshot = await store.freeze("r-del-same")
+    assert not snapshot.incomplete
+    assert_same_entries(snapshot, [fresh])
+
+
+async def test_retire_and_delete_many_ids_at_once(new_store, raw):
+    ids = [f"r-many-{i}" for i in range(12)]
+    store = new_store()
+    for rid in ids[:8]:
+        await store.put(simple_entry(rid, "c"))
+    for rid in ids[:4]:
+        await store.freeze(rid)
+    await store.freeze(ids[8])  # a fence without records: retiring it still removes something
+
+    result = await new_store().retire(ids + ids[:3])  # duplicates collapse
+    assert result == {"removed": ids[:9], "absent": ids[9:]}
+    for rid in ids:
+        assert raw.rollout_rel_keys(rid) == FENCE_ONLY
+
+    result = await new_store().delete(list(reversed(ids)))
+    assert result == {"removed": list(reversed(ids)), "absent": []}
+    assert raw.keys() == []
+    assert await new_store().retire([]) == {"removed": [], "absent": []}
+    assert await new_store().delete([]) == {"removed": [], "absent": []}
+
+
+async def test_retire_and_delete_reject_a_single_string(new_store):
+    store = new_store()
+    with pytest.raises(TypeError):
+        await store.retire("r-1")
+    with pytest.raises(TypeError):
+        await store.delete("r-1")
+    assert not store.request_counts
+
+
+# --------------------------------------------------------------------------- ids and keys
+
+WEIRD_IDS = [
+    "a/b",
+    "..",
+    ".",
+    "a/../b",
+    "../../escape",
+    "/leading",
+    "trailing/",
+    "double//slash",
+    "%",
+    "%2F",
+    "+",
+    "a+b c",
+    " ",
+    "with space",
+    "~",
+    ".2F",
+    "ünïcødé",
+    "日本語",
+    "🚀🔥",
+    "tab\tnew\nline",
+    "back\\slash",
+    "q?x=1&y#z",
+]
+
+
+async def test_weird_ids_round_trip_and_stay_under_prefix(new_store, raw):
+    writer = new_store()
+    expected: dict[str, list[TokenEntry]] = {}
+    for i, rid in enumerate(WEIRD_IDS):
+        cid = WEIRD_IDS[(i + 5) % len(WEIRD_IDS)]
+        entries = [simple_entry(rid, cid, text=f"{i}"), simple_entry(rid, rid, prompt=[5], text=f"self{i}")]
+        for entry in entries:
+            await writer.begin_call(rid, entry.model_call_id)
+            await writer.put(entry)
+        expected[rid] = entries
+
+    reader = new_store()
+    for rid, entries in expected.items():
+        snapshot = await reader.freeze(rid)
+        assert not snapshot.incomplete, (rid, snapshot.reasons)
+        assert snapshot.rollout_id == rid
+        assert_same_entries(snapshot, entries)
+
+    keys = raw.keys()
+    assert keys
+    for key in keys:
+        assert key.startswith(raw.root), key
+        segments = key.split("/")
+        assert "" not in segments and "." not in segments and ".." not in segments, key
+
+    result = await new_store().retire(WEIRD_IDS)
+    assert result == {"removed": WEIRD_IDS, "absent": []}
+    result = await new_store().delete(WEIRD_IDS)
+    assert result == {"removed": WEIRD_IDS, "absent": []}
+    assert raw.keys() == []
+
+
+async def test_rollout_prefixes_do_not_collide(new_store, raw):
+    ids = ["r1", "r10", "r1/", "r1/0", "r1 ", "R1"]
+    writer = new_store()
+    entries = {rid: simple_entry(rid, f"call-of-{rid}", text=rid) for rid in ids}
+    for entry in entries.values():
+        await writer.put(entry)
+
+    reader = new_store()
+    for rid in ids:
+        snapshot = await reader.freeze(rid)
+        assert not snapshot.incomplete, (rid, snapshot.reasons)
+        assert_same_entries(snapshot, [entries[rid]])
+
+    assert await new_store().retire(["r1"]) == {"removed": ["r1"], "absent": []}
+    for rid in ids[1:]:
+        assert len(raw.entry_keys(rid)) == 1, rid
+    assert await new_store().delete(["r1"]) == {"removed": ["r1"], "absent": []}
+    for rid in ids[1:]:
+        snapshot = await new_store().freeze(rid)
+        assert_same_entries(snapshot, [entries[rid]])
+
+
+async def test_invalid_ids_raise_value_error_before_any_request(new_store):
+    store = new_store()
+    long_rid = "x" * 1000
+    multibyte_rid = "é" * 200  # 400 UTF-8 bytes, 1,200 escaped characters
+    long_cid = "c" * 950
+
+    bad_puts = [
+        simple_entry("", "call-1"),
+        simple_entry("r", ""),
+        simple_entry(long_rid, "call-1"),
+        simple_entry(multibyte_rid, "call-1"),
+        simple_entry("r", long_cid),
+        simple_entry("r", "🚀" * 100),
+    ]
+    for entry in bad_puts:
+        with pytest.raises(ValueError):
+            await store.put(entry)
+    for rid, cid in [("", "c"), ("r", ""), (long_rid, "c"), ("r", long_cid), (multibyte_rid, "c")]:
+        with pytest.raises(ValueError):
+            await store.begin_call(rid, cid)
+    for rid in ["", long_rid, multibyte_rid]:
+        with pytest.raises(ValueError):
+            await store.freeze(rid)
+        with pytest.raises(ValueError):
+            await store.drop(rid, "0" * 32, 0)
+        with pytest.raises(ValueError):
+            await store.retire([rid])
+        with pytest.raises(ValueError):
+            await store.delete(["ok-id", rid])
+        with pytest.raises(ValueError):
+            await store.mark_incomplete(rid, "c")
+        with pytest.raises(ValueError):
+            await store.resolve(rid, DEFAULT_REQUEST)
+    with pytest.raises(ValueError):
+        await store.mark_incomplete("r", long_cid)
+    assert dict(store.request_counts) == {}
+    assert store._client is None  # not even a client was built
+
+
+async def test_longest_ids_that_fit_work(new_store, raw):
+    # Every escaped id segment may take up to 255 bytes (SeaweedFS and MinIO refuse longer segments).
+    rid = "R" * MAX_SEGMENT_BYTES
+    cid = "C" * MAX_SEGMENT_BYTES
+    entry = simple_entry(rid, cid)
+    key = raw.entry_key(entry)
+    assert len(key.encode()) <= MAX_KEY_BYTES
+    store = new_store()
+    with pytest.raises(ValueError, match="255-byte segment limit"):
+        await store.put(simple_entry(rid, cid + "C"))
+    with pytest.raises(ValueError, match="255-byte segment limit"):
+        await store.begin_call(rid + "R", cid)
+    assert dict(store.request_counts) == {}
+
+    await store.put(entry)
+    await store.mark_incomplete(rid, cid)
+    prefix = raw.layout.rollout(rid)
+    assert raw.keys(prefix + "log/e/") == [key]
+    snapshot = await new_store().freeze(rid)
+    assert snapshot.reasons == (f"marked_incomplete:{cid}",)
+    assert_same_entries(snapshot, [entry])
+    assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
+    assert await new_store().delete([rid]) == {"removed": [rid], "absent": []}
+    assert raw.keys() == []
+
+
+async def test_key_over_1024_bytes_through_a_long_root_is_refused_before_any_request(new_store, bucket_url):
+    bucket, _ = split_bucket_url(bucket_url)
+    root = "/".join(["p" * 100] * 5)  # a 504-byte root leaves no room for 255-byte ids
+    store = new_store(url=f"s3://{bucket}/{root}")
+    with pytest.raises(ValueError, match="1024-byte limit"):
+        await store.put(simple_entry("R" * 200, "C" * 200))
+    assert dict(store.request_counts) == {}
+
+
+async def test_begin_call_with_long_call_id_is_stored_or_refused_before_any_request(new_store, s3_env, request):
+    rid = "r-long-cid"
+    cid = "C" * 300  # escaped: 300 bytes; every key of it is far below 1,024 bytes
+    store = new_store()
+    try:
+        await store.begin_call(rid, cid)
+    except ValueError:
+        assert dict(store.request_counts) == {}
+        return
+    entry = simple_entry(rid, cid)
+    await store.put(entry)
+    snapshot = await new_store().freeze(rid)
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, [entry])
+
+
+async def test_roots_are_isolated_and_keys_stay_under_them(new_store, raw, bucket_url):
+    bucket, _ = split_bucket_url(bucket_url)
+    roots = ["t/deep/er", "t/deep/er2", "t/deep/e"]
+    entries = {}
+    for i, root in enumerate(roots):
+        store = new_store(url=f"s3://{bucket}/{root}/")  # a trailing slash is the same root
+        entries[root] = simple_entry("same-rollout", "call", text=root)
+        await store.put(entries[root])
+    for root in roots:
+        snapshot = await new_store(url=f"s3://{bucket}/{root}").freeze("same-rollout")
+        assert not snapshot.incomplete, (root, snapshot.reasons)
+        assert_same_entries(snapshot, [entries[root]])
+        assert all(k.startswith(root + "/") for k in raw.keys(root + "/"))
+    assert await new_store(url=f"s3://{bucket}/t/deep/er").delete(["same-rollout"]) == {
+        "removed": ["same-rollout"],
+        "absent": [],
+    }
+    assert raw.keys("t/deep/er/") == []
+    assert len([k for k in raw.keys("t/deep/er2/") if "/log/e/" in k]) == 1
+    assert len([k for k in raw.keys("t/deep/e/") if "/log/e/" in k]) == 1
+    for bad in (f"s3://{bucket}/a//b", f"https://{bucket}/t", "s3:///t", f"s3://{bucket}/t?x=1"):
+        with pytest.raises(ValueError):
+            S3TokenStore(bad)
+
+
+async def test_rollout_with_more_than_1000_objects_freezes_and_retires(new_store, raw):
+    # Over one LIST page and one DeleteObjects batch (SeaweedFS refuses batches over 1,000 keys).
+    from concurrent.futures import ThreadPoolExecutor
+
+    rid = "r-many-objects"
+    prefix = raw.rollout(rid)
+    entry = simple_entry(rid, "call-1")
+    await new_store().put(entry)
+    markers = [f"{prefix}log/x/c{i % 7}/{i:020d}-{uuid.uuid4().hex}" for i in range(1010)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda key: raw.put(key, b""), markers))
+
+    snapshot = await new_store().freeze(rid)
+    assert snapshot.version == 1011
+    assert snapshot.incomplete
+    assert snapshot.reasons.count("marked_incomplete:c0") == len([i for i in range(1010) if i % 7 == 0])
+    assert_same_entries(snapshot, [entry])
+    again = await new_store().freeze(rid)
+    assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
+
+    assert await new_store().retire([rid]) == {"removed": [rid], "absent": []}
+    assert raw.rollout_rel_keys(rid) == FENCE_ONLY
+    assert await new_store().delete([rid]) == {"removed": [rid], "absent": []}
+    assert raw.keys() == []
+
+
+async def test_unusual_fingerprints_round_trip(new_store, raw):
+    # Entries stamped by another algorithm (or none) carry arbitrary fingerprint strings.
+    rid = "r-fingerprints"
+    entries = []
+    for i, fingerprint in enumerate(["", "~", "a/b/../c", "🚀 x", "F" * 64]):
+        entry = simple_entry(rid, f"call-{i}", text=str(i))
+        entry.continuation_fingerprint = fingerprint
+        entries.append(entry)
+        await new_store().put(entry)
+    snapshot = await new_store().freeze(rid)
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, entries)
+    for key in raw.keys():
+        assert "" not in key.split("/") and ".." not in key.split("/"), key
+
+
+async def test_entry_key_over_1024_bytes_through_the_fingerprint_is_refused_before_any_request(new_store, raw):
+    entry = simple_entry("r-long-fp", "call-1")
+    entry.continuation_fingerprint = "f" * 1000
+    store = new_store()
+    error: Exception | None = None
+    try:
+        await store.put(entry)
+    except Exception as caught:  # noqa: BLE001 - the type is the assertion
+        error = caught
+    assert isinstance(error, ValueError), repr(error)
+    assert dict(store.request_counts) == {}
+    assert raw.keys() == []
+
+
+async def test_lone_surrogate_call_id_is_refused_up_front_or_freeze_survives(new_store):
+    rid = "r-surrogate"
+    store = new_store()
+    try:
+        await store.begin_call(rid, "bad\ud800id")
+    except ValueError:
+        assert dict(store.request_counts) == {}
+        return
+    snapshot = await new_store().freeze(rid)
+    assert snapshot.incomplete
+    assert any(r.startswith("dangling_intent:") for r in snapshot.reasons)
+
+
+# --------------------------------------------------------------------------- schema version
+
+
+def _schema2_payload(entry: TokenEntry) -> bytes:
+    raw_entry = json.loads(encode_entry(entry))
+    raw_entry["schema_version"] = 2
+    raw_entry["new_field_from_the_future"] = [1, 2, 3]
+    return msgspec.json.encode(raw_entry, order="sorted")
+
+
+async def test_newer_schema_version_marks_incomplete_without_crash(new_store, raw):
+    good = simple_entry("r-schema", "call-ok")
+    await new_store().put(good)
+    wrapped = simple_entry("r-schema", "call-v2-zstd", text="z")
+    plain = simple_entry("r-schema", "call-v2-plain", text="p")
+    wrapped_payload = _schema2_payload(wrapped)
+    plain_payload = _schema2_payload(plain)
+    raw.put(
+        raw.entry_key(wrapped, hashlib.sha256(wrapped_payload).hexdigest()),
+        zstandard.ZstdCompressor().compress(envelope(wrapped_payload)),
+    )
+    raw.put(raw.entry_key(plain, hashlib.sha256(plain_payload).hexdigest()), plain_payload)
+
+    snapshot = await new_store().freeze("r-schema")
+    assert snapshot.incomplete
+    assert_same_entries(snapshot, [good])
+    schema_reasons = [r for r in snapshot.reasons if "schema_version 2" in r]
+    assert len(schema_reasons) == 2, snapshot.reasons
+    assert any("call-v2-zstd" in r for r in schema_reasons)
+    assert any("call-v2-plain" in r for r in schema_reasons)
+
+    with pytest.raises(UnsupportedSchemaError) as caught:
+        decode_entry(wrapped_payload)
+    assert "schema_version 1" in str(caught.value)
+    assert "2" in str(caught.value)
+
+
+async def test_plain_json_entry_object_is_readable(new_store, raw):
+    # Readers accept an uncompressed, unwrapped canonical entry at a valid key.
+    entry = simple_entry("r-plain", "call-1")
+    raw.put(raw.entry_key(entry), encode_entry(entry))
+    snapshot = await new_store().freeze("r-plain")
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, [entry])
+
+
+# --------------------------------------------------------------------------- corrupt and foreign objects
+
+
+async def test_corrupt_and_foreign_objects_mark_incomplete(new_store, raw):
+    rid = "r-corrupt"
+    good = simple_entry(rid, "call-good")
+    await new_store().put(good)
+    prefix = raw.rollout(rid)
+
+    garbage_entry = simple_entry(rid, "call-garbage")
+    raw.put(raw.entry_key(garbage_entry), b"\x00\xffnot an entry at all\x01" * 10)
+    fake_zstd = simple_entry(rid, "call-fakezstd")
+    raw.put(raw.entry_key(fake_zstd), b"\x28\xb5\x2f\xfd" + b"\x13\x37" * 50)
+    bad_json = simple_entry(rid, "call-badjson")
+    body = zstandard.ZstdCompressor().compress(b'{"chain":[],"entry":{"oops"')
+    raw.put(raw.entry_key(bad_json), body)
+    # A valid envelope whose bytes do not hash to the SHA-256 in its key.
+    mismatched = simple_entry(rid, "call-mismatch")
+    wrong = simple_entry(rid, "call-mismatch", generation=[99])
+    raw.put(raw.entry_key(mismatched, entry_sha(wrong)), zstandard.ZstdCompressor().compress(envelope(encode_entry(mismatched))))
+    # A valid entry of one call id filed under another call id's key.
+    misfiled_src = simple_entry(rid, "call-src", text="m")
+    payload = encode_entry(misfiled_src)
+    misfiled_as = simple_entry(rid, "call-elsewhere", text="m")
+    raw.put(
+        raw.entry_key(misfiled_as, hashlib.sha256(payload).hexdigest()),
+        zstandard.ZstdCompressor().compress(envelope(payload)),
+    )
+    # Foreign objects under the rollout prefix.
+    raw.put(prefix + "log/junk", b"junk")
+    raw.put(prefix + "whatever", b"{}")
+    raw.put(prefix + "log/e/nothex/call/zzz.zst", b"x")
+
+    snapshot = await new_store().freeze(rid)
+    assert snapshot.incomplete
+    assert_same_entries(snapshot, [good])
+    reasons = snapshot.reasons
+    assert reasons == tuple(sorted(reasons))
+
+    def has(kind: str, needle: str) -> bool:
+        return any(r.startswith(kind + ":") and needle in r for r in reasons)
+
+    assert has("unreadable", "call-garbage"), reasons
+    assert has("unreadable", "call-fakezstd"), reasons
+    assert has("unreadable", "call-badjson"), reasons
+    assert has("unreadable", "call-mismatch"), reasons
+    assert has("misfiled", "call-elsewhere"), reasons
+    assert "foreign_object:log/junk" in reasons
+    assert "foreign_object:whatever" in reasons
+    assert "foreign_object:log/e/nothex/call/zzz.zst" in reasons
+
+    again = await new_store().freeze(rid)
+    assert (again.snapshot_id, again.version, again.reasons) == (snapshot.snapshot_id, snapshot.version, reasons)
+    # Foreign objects count in the version; drop of the exact snapshot removes them too.
+    assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
+    assert raw.rollout_rel_keys(rid) == FENCE_ONLY
+
+
+async def test_foreign_object_added_after_freeze_changes_version(new_store, raw):
+    await new_store().put(simple_entry("r-foreign-late", "c"))
+    snapshot = await new_store().freeze("r-foreign-late")
+    raw.put(raw.rollout("r-foreign-late") + "stray", b"x")
+    assert await new_store().drop("r-foreign-late", snapshot.snapshot_id, snapshot.version) is False
+    refrozen = await new_store().freeze("r-foreign-late")
+    assert refrozen.version == snapshot.version + 1
+    assert "foreign_object:stray" in refrozen.reasons
+
+
+# --------------------------------------------------------------------------- zstd framing
+
+
+async def test_zstd_without_content_size_and_multi_frame_decode(new_store, raw):
+    rid = "r-zstd"
+    no_size = simple_entry(rid, "call-nosize", text="no content size")
+    two_frames = simple_entry(rid, "call-2frames", text="two frames")
+    streamed = simple_entry(rid, "call-stream", text="stream writer")
+    big = simple_entry(rid, "call-big", prompt=list(range(300_000)), text="big")  # > 1 MiB of JSON
+
+    def compress_without_size(data: bytes) -> bytes:
+        body = zstandard.ZstdCompressor(write_content_size=False).compress(data)
+        assert zstandard.frame_content_size(body) == -1
+        return body
+
+    raw.put(raw.entry_key(no_size), compress_without_size(envelope(encode_entry(no_size))))
+    raw.put(raw.entry_key(big), compress_without_size(envelope(encode_entry(big))))
+
+    data = envelope(encode_entry(two_frames))
+    half = len(data) // 2
+    body = zstandard.ZstdCompressor().compress(data[:half]) + zstandard.ZstdCompressor().compress(data[half:])
+    assert zstandard.ZstdDecompressor().decompress(body) != data  # one-shot decoding stops after frame 1
+    raw.put(raw.entry_key(two_frames), body)
+
+    sink = io.BytesIO()
+    with zstandard.ZstdCompressor(level=5).stream_writer(sink, closefd=False) as writer:
+        payload = envelope(encode_entry(streamed))
+        for start in range(0, len(payload), 7):
+            writer.write(payload[start : start + 7])
+    raw.put(raw.entry_key(streamed), sink.getvalue())
+
+    snapshot = await new_store().freeze(rid)
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, [no_size, two_frames, streamed, big])
+    assert by_call(snapshot)["call-big"].prompt_token_ids == list(range(300_000))
+
+
+# --------------------------------------------------------------------------- values the store refuses
+
+
+@pytest.mark.parametrize(
+    "log_probs, index",
+    [([float("-inf")], 0), ([-0.5, float("nan")], 1), ([-0.1, -0.2, float("inf")], 2)],
+    ids=["-inf", "nan", "+inf"],
+)
+async def test_non_finite_log_probs_are_refused_and_nothing_stored(new_store, raw, log_probs, index):
+    entry = simple_entry("r-nan", "call-1", generation=list(range(len(log_probs))), log_probs=log_probs)
+    store = new_store()
+    with pytest.raises(ValueError) as caught:
+        await store.put(entry)
+    assert f"generation_log_probs[{index}]" in str(caught.value)
+    assert raw.rollout_rel_keys("r-nan") == []
+    assert dict(store.request_counts) == {}
+
+
+async def test_non_finite_created_at_is_refused_and_nothing_stored(new_store, raw):
+    store = new_store()
+    with pytest.raises(ValueError) as caught:
+        await store.put(simple_entry("r-nan-time", "call-1", created_at=float("inf")))
+    assert "created_at" in str(caught.value)
+    assert dict(store.request_counts) == {}
+    assert raw.rollout_rel_keys("r-nan-time") == []
+
+
+async def test_non_finite_log_probs_in_gym_entry_are_refused(new_store, raw):
+    require_gym()
+    original = gym_entry(simple_entry("r-nan-gym", "call-1"))
+    original.generation_log_probs = [float("nan"), -0.1]
+    with pytest.raises(ValueError) as caught:
+        await new_store().put(original)
+    assert "generation_log_probs[" in str(caught.value)
+    assert raw.rollout_rel_keys("r-nan-gym") == []
+
+
+async def test_oversize_entry_is_refused_before_any_put(new_store, raw):
+    store = new_store(max_entry_bytes=2048)
+    entry = simple_entry("r-big", "call-1", prompt=list(range(1000)))
+    assert len(encode_entry(entry)) > 2048
+    with pytest.raises(ValueError) as caught:
+        await store.put(entry)
+    assert "max_entry_bytes" in str(caught.value)
+    assert dict(store.request_counts) == {}
+    assert raw.rollout_rel_keys("r-big") == []
+    small = simple_entry("r-big", "call-2")
+    assert len(encode_entry(small)) <= 2048 - 100
+    await store.put(small)  # the same store still accepts entries that fit
+
+
+async def test_entry_at_max_entry_bytes_is_readable_by_a_fresh_client(new_store):
+    entry = simple_entry("r-limit", "call-1", prompt=list(range(100)))
+    limit = len(encode_entry(entry))
+    await new_store(max_entry_bytes=limit).put(entry)  # accepted: exactly at the limit
+    snapshot = await new_store(max_entry_bytes=limit).freeze("r-limit")
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, [entry])
+
+
+# --------------------------------------------------------------------------- missing bucket
+
+
+def _missing_bucket_store() -> tuple[str, S3TokenStore]:
+    bucket = f"s3capture-missing-{uuid.uuid4().hex[:12]}"
+    return bucket, S3TokenStore(f"s3://{bucket}/t")
+
+
+async def _expect_store_error_naming(bucket: str, operations: list[tuple[str, Any]]) -> None:
+    for name, operation in operations:
+        with pytest.raises(StoreError) as caught:
+            await operation()
+        assert bucket in str(caught.value), (name, str(caught.value))
+
+
+async def test_missing_bucket_read_first_operations_raise_store_error(s3_env):
+    # drop, resolve, retire and delete start with a LIST, which every server refuses (NoSuchBucket).
+    bucket, store = _missing_bucket_store()
+    try:
+        await _expect_store_error_naming(
+            bucket,
+            [
+                ("drop", lambda: store.drop("r", "0" * 32, 0)),
+                ("resolve", lambda: store.resolve("r", [*DEFAULT_REQUEST, {"role": "assistant", "content": "hi"}])),
+                ("retire", lambda: store.retire(["r"])),
+                ("delete", lambda: store.delete(["r"])),
+            ],
+        )
+    finally:
+        await store.close()
+
+
+async def test_missing_bucket_write_operations_raise_store_error(s3_env):
+    if s3_env.kind == "seaweedfs":
+        # `weed mini` creates a missing bucket on the first PutObject (probed: PUT to an unknown bucket
+        # succeeds and the bucket appears in ListBuckets), so there is no missing bucket to report.
+        pytest.skip("SeaweedFS auto-creates a bucket on PUT")
+    bucket, store = _missing_bucket_store()
+    try:
+        entry = simple_entry("r", "c")
+        await _expect_store_error_naming(
+            bucket,
+            [
+                ("put", lambda: store.put(entry)),
+                ("begin_call", lambda: store.begin_call("r", "c")),
+                ("mark_incomplete", lambda: store.mark_incomplete("r", "c")),
+                ("freeze", lambda: store.freeze("r")),
+            ],
+        )
+    finally:
+        await store.close()
+
+
+async def test_wrong_credentials_raise_store_error(s3_env, bucket_url, monkeypatch):
+    if s3_env.kind == "moto":
+        pytest.skip("moto accepts any credentials")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    store = S3TokenStore(bucket_url)
+    bucket, _ = split_bucket_url(bucket_url)
+    try:
+        for operation in (lambda: store.freeze("r"), lambda: store.retire(["r"]), lambda: store.put(simple_entry("r", "c"))):
+            with pytest.raises(StoreError) as caught:
+                await operation()
+            assert "refused" in str(caught.value) and bucket in str(caught.value), str(caught.value)
+    finally:
+        await store.close()
