@@ -44,15 +44,25 @@ _U64_MAX = 2**64 - 1
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+_BIG_FLOAT = 1e16
+"""From here on msgspec writes ``1e16`` where orjson (and so Gym) writes ``1e+16``."""
+
+
 def _scan_plain(value: Any) -> bool:
-    """True when ``value`` has no float and no out-of-range int (msgspec output is then orjson's)."""
+    """True when msgspec's sorted output of ``value`` is already orjson's: no float of magnitude >= 1e16.
+
+    Raises ``ValueError`` for content orjson refuses (65-bit integers, non-string keys, non-JSON types).
+    """
+    plain = True
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, bool) or item is None or isinstance(item, str):
             continue
         if isinstance(item, float):
-            return False
+            if abs(item) >= _BIG_FLOAT and item == item:
+                plain = False
+            continue
         if isinstance(item, int):
             if not _I64_MIN <= item <= _U64_MAX:
                 raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
@@ -67,7 +77,7 @@ def _scan_plain(value: Any) -> bool:
             stack.extend(item)
             continue
         raise ValueError(f"unsupported prompt content: {type(item).__name__}")
-    return True
+    return plain
 
 
 def _encode_slow(value: Any, out: list[bytes]) -> None:

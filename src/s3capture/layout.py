@@ -63,7 +63,10 @@ def unescape_id(segment: str) -> str:
         else:
             data.append(ord(char))
             position += 1
-    return data.decode("utf-8", errors="surrogatepass")
+    value = data.decode("utf-8", errors="surrogatepass")
+    if escape_id(value) != segment:
+        raise ValueError(f"not a canonical escape: {segment!r}")
+    return value
 
 
 def _check_id(kind: str, value: object) -> str:

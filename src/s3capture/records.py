@@ -203,7 +203,9 @@ def coerce_entry(entry: Any) -> TokenEntry:
     Raises ``TypeError`` for other objects and ``RecordError`` for invalid data.
     """
     if isinstance(entry, TokenEntry):
-        return entry.validate()
+        # The constructor checks no types; a round trip through builtins checks them all and
+        # returns a copy the caller cannot mutate behind our back.
+        return _from_mapping(entry.model_dump())
     if isinstance(entry, dict):
         return _from_mapping(entry)
     dump = getattr(entry, "model_dump", None)
@@ -223,17 +225,42 @@ def _check_finite(entry: TokenEntry) -> None:
         raise RecordError(f"created_at of model call {entry.model_call_id!r} is {entry.created_at!r}")
 
 
+def _has_big_float(entry: TokenEntry, extra: dict | None) -> bool:
+    """Whether the entry holds a float msgspec would spell differently from orjson (``|x| >= 1e16``)."""
+    from s3capture.fingerprint import _scan_plain
+
+    probs = entry.generation_log_probs
+    if probs and (min(probs) <= -1e16 or max(probs) >= 1e16):
+        return True
+    if abs(entry.created_at) >= 1e16:
+        return True
+    try:
+        return not _scan_plain([entry.output_items, entry.routed_experts, extra or {}])
+    except ValueError as error:
+        raise RecordError(f"entry of model call {entry.model_call_id!r} is not JSON-encodable like Gym's: {error}") from None
+
+
 def encode_entry(entry: TokenEntry) -> bytes:
     """Return the canonical bytes of an entry (sorted-key compact JSON, see the module docstring).
 
-    Raises ``RecordError`` for non-finite floats.
+    The bytes equal ``orjson.dumps(gym_entry.model_dump(mode="json"), option=OPT_SORT_KEYS)``, the
+    identity Gym's file store hashes. Raises ``RecordError`` for non-finite floats and for content
+    orjson cannot encode (integers beyond 64 bits, non-string keys).
     """
     _check_finite(entry)
     extra = entry.__dict__.get("_extra")
-    if not extra:
+    if not extra and not _has_big_float(entry, None):
         return _json_encoder.encode(entry)
     out = msgspec.to_builtins(entry)
-    out.update(extra)
+    if extra:
+        out.update(extra)
+    if _has_big_float(entry, extra):
+        from s3capture.fingerprint import canonical_json
+
+        try:
+            return canonical_json(out).encode("utf-8")
+        except ValueError as error:
+            raise RecordError(f"entry of model call {entry.model_call_id!r} is not JSON-encodable: {error}") from None
     try:
         return _json_encoder.encode(out)
     except (TypeError, ValueError) as error:  # pragma: no cover - extras came from JSON

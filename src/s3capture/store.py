@@ -549,6 +549,8 @@ class S3TokenStore:
             TokenCaptureRetiredError: the rollout was retired; the entry is removed again.
             StoreError: the store failed the request.
         """
+        # A validated copy: what we store is what every reader can decode, and a caller mutating
+        # its entry after put cannot change our cached view of an immutable object.
         record = coerce_entry(entry)
         prefix = self.layout.rollout(record.rollout_id)
         payload = encode_entry(record)

@@ -1,0 +1,359 @@
+"""Bucket layout: id escaping, key-length limits and key classification (no S3).
+
+Hypothesis settings: ``max_examples`` 300-500, ``deadline=None``; each property runs in about a
+second.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from s3capture.layout import MAX_KEY_BYTES, MAX_SEGMENT_BYTES, Layout, escape_id, parse_log_key, unescape_id
+
+MANY = settings(max_examples=500, deadline=None)
+SOME = settings(max_examples=300, deadline=None)
+
+SAFE_SEGMENT = re.compile(r"^[A-Za-z0-9_.~-]+$")
+SHA = "0123456789abcdef" * 4
+# A fingerprint as the store writes it: Gym's sha256 hex digest, or "" (no model-authored item).
+FINGERPRINTS = st.sampled_from(["", SHA, "f" * 64])
+
+# Any code point, lone surrogates included (escape_id encodes with surrogatepass).
+all_code_points = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=40)
+surrogate_heavy = st.text(alphabet=st.one_of(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), st.sampled_from("a/.~%")), max_size=12)
+ids_any = st.one_of(all_code_points, surrogate_heavy, st.text(alphabet=string.printable, max_size=20))
+
+
+# ---------------------------------------------------------------------------------------------
+# escape_id / unescape_id
+# ---------------------------------------------------------------------------------------------
+
+
+@MANY
+@given(ids_any)
+def test_escape_is_a_safe_reversible_segment(value: str) -> None:
+    segment = escape_id(value)
+    assert segment != ""
+    assert "/" not in segment
+    assert ".." not in segment
+    assert SAFE_SEGMENT.match(segment), segment
+    assert segment not in (".", "..")
+    assert segment.isascii()
+    assert unescape_id(segment) == value
+    assert escape_id(unescape_id(segment)) == segment
+
+
+@MANY
+@given(ids_any, ids_any)
+def test_escape_is_injective_and_rollout_prefixes_are_prefix_free(a: str, b: str) -> None:
+    layout = Layout("root")
+    if a == b:
+        assert escape_id(a) == escape_id(b)
+        return
+    assert escape_id(a) != escape_id(b)
+    pa, pb = f"r/{escape_id(a)}/", f"r/{escape_id(b)}/"
+    assert not pb.startswith(pa) and not pa.startswith(pb)
+    if _accepts(layout.rollout, a) and _accepts(layout.rollout, b):
+        ra, rb = layout.rollout(a), layout.rollout(b)
+        assert ra == f"root/{pa}" and rb == f"root/{pb}"
+        assert not rb.startswith(ra) and not ra.startswith(rb)
+
+
+def test_surrogates_escape_reversibly_and_distinctly() -> None:
+    """escape_id itself is total (surrogatepass): a lone surrogate escapes reversibly, and a surrogate
+    pair is not confused with the real character it would form in UTF-16."""
+    lone = "\ud800"
+    pair = "\ud83d\ude00"  # what "😀" would be in UTF-16, as two str code points
+    emoji = "😀"
+    assert escape_id(lone) == ".ED.A0.80"
+    assert unescape_id(escape_id(lone)) == lone
+    assert unescape_id(escape_id(pair)) == pair
+    assert escape_id(emoji) == ".F0.9F.98.80"
+    assert len({escape_id(lone), escape_id(pair), escape_id(emoji)}) == 3
+
+
+@pytest.mark.parametrize("value", ["\ud800", "a\udfffb", "\ud83d\ude00"])
+def test_layout_refuses_ids_with_lone_surrogates(value: str) -> None:
+    """Such ids have no UTF-8 form: Gym's JSON records could not carry them, so the layout refuses them."""
+    layout = Layout("p")
+    with pytest.raises(ValueError, match="surrogate"):
+        layout.rollout(value)
+    prefix = layout.rollout("r")
+    with pytest.raises(ValueError, match="surrogate"):
+        layout.check_call_id(prefix, value)
+    with pytest.raises(ValueError, match="surrogate"):
+        layout.entry_rel(prefix, "", value, SHA)
+    assert layout.rollout("😀") == "p/r/.F0.9F.98.80/"
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("r1", "r1"),
+        ("r10", "r10"),
+        ("a/../b", "a.2F.2E.2E.2Fb"),
+        ("..", ".2E.2E"),
+        (".", ".2E"),
+        ("%", ".25"),
+        ("%2F", ".252F"),
+        ("+", ".2B"),
+        (" ", ".20"),
+        ("a b", "a.20b"),
+        ("~", ".7E"),
+        ("", "~"),
+        ("é", ".C3.A9"),
+        ("日本", ".E6.97.A5.E6.9C.AC"),
+        ("A-z_0-9", "A-z_0-9"),
+        ("\x00", ".00"),
+        ("//", ".2F.2F"),
+    ],
+)
+def test_escape_known_cases(value: str, expected: str) -> None:
+    assert escape_id(value) == expected
+    assert unescape_id(expected) == value
+
+
+def test_r1_never_sees_r10() -> None:
+    layout = Layout("capture")
+    r1, r10 = layout.rollout("r1"), layout.rollout("r10")
+    assert r1 == "capture/r/r1/" and r10 == "capture/r/r10/"
+    assert not r10.startswith(r1)
+    assert not (r1 + "log/e/").startswith(r10) and not (r10 + "fence").startswith(r1)
+
+
+@pytest.mark.parametrize("segment", ["", "a/b", ".", "..", ".2", ".2e", ".ZZ", "a.", "~~", "a~", "%41", " ", "é", ".G0"])
+def test_unescape_refuses_segments_escape_could_not_produce(segment: str) -> None:
+    with pytest.raises(ValueError):
+        unescape_id(segment)
+
+
+def test_unescape_refuses_invalid_utf8() -> None:
+    with pytest.raises(ValueError):
+        unescape_id(".FF")
+    with pytest.raises(ValueError):
+        unescape_id(".C3")  # truncated two-byte sequence
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("root, expected", [("", "r/x/"), ("a", "a/r/x/"), ("a/b", "a/b/r/x/"), ("/a/b/", "a/b/r/x/")])
+def test_rollout_prefix_under_root(root: str, expected: str) -> None:
+    assert Layout(root).rollout("x") == expected
+
+
+def test_root_with_empty_segment_is_refused() -> None:
+    with pytest.raises(ValueError, match="//"):
+        Layout("a//b")
+
+
+def test_empty_rollout_id_is_refused() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        Layout("p").rollout("")
+
+
+@pytest.mark.parametrize("value", [None, 1, b"r1", ["r"]])
+def test_non_string_rollout_id_is_refused(value: object) -> None:
+    with pytest.raises(TypeError):
+        Layout("p").rollout(value)  # type: ignore[arg-type]
+
+
+def test_empty_model_call_id_is_refused_except_for_markers() -> None:
+    layout = Layout("p")
+    prefix = layout.rollout("r")
+    with pytest.raises(ValueError, match="empty"):
+        layout.check_call_id(prefix, "")
+    with pytest.raises(ValueError, match="empty"):
+        layout.entry_rel(prefix, SHA, "", SHA)
+    assert layout.check_call_id(prefix, "", allow_empty=True) == "~"
+
+
+@pytest.mark.parametrize("char, width", [("a", 1), ("/", 3), ("é", 6), ("😀", 12)])
+def test_rollout_id_over_the_segment_limit_is_refused_naming_it(char: str, width: int) -> None:
+    """An escaped id is one key segment; SeaweedFS/MinIO refuse segments over 255 bytes."""
+    layout = Layout("capture/run-1")
+    longest = MAX_SEGMENT_BYTES // width
+    assert layout.rollout(char * longest) == f"capture/run-1/r/{escape_id(char) * longest}/"
+    with pytest.raises(ValueError, match=str(MAX_SEGMENT_BYTES)):
+        layout.rollout(char * (longest + 1))
+    with pytest.raises(ValueError, match="too long"):
+        layout.rollout(char * 2000)
+
+
+def test_id_whose_key_would_exceed_1024_bytes_is_refused_naming_the_limit() -> None:
+    """Every segment within its limit, but a long root prefix pushes the keys over S3's 1024 bytes."""
+    layout = Layout("/".join(["x" * 200] * 4))  # 803 bytes of root
+    rid = "r" * 200
+    with pytest.raises(ValueError, match=str(MAX_KEY_BYTES)):
+        layout.rollout(rid)
+    prefix = layout.rollout("r" * 50)
+    with pytest.raises(ValueError, match=str(MAX_KEY_BYTES)):
+        layout.check_call_id(prefix, "c" * 200)
+    with pytest.raises(ValueError, match=str(MAX_KEY_BYTES)):
+        layout.entry_rel(prefix, SHA, "c" * 200, SHA)
+    assert layout.check_call_id(prefix, "c")  # a short call id still fits
+
+
+def test_model_call_id_over_the_segment_limit_is_refused() -> None:
+    layout = Layout("p")
+    prefix = layout.rollout("r")
+    assert layout.check_call_id(prefix, "c" * MAX_SEGMENT_BYTES) == "c" * MAX_SEGMENT_BYTES
+    with pytest.raises(ValueError, match=str(MAX_SEGMENT_BYTES)):
+        layout.check_call_id(prefix, "c" * (MAX_SEGMENT_BYTES + 1))
+    with pytest.raises(ValueError, match=str(MAX_SEGMENT_BYTES)):
+        layout.entry_rel(prefix, SHA, "c" * (MAX_SEGMENT_BYTES + 1), SHA)
+
+
+def _accepts(fn, *args, **kwargs) -> bool:
+    try:
+        fn(*args, **kwargs)
+    except ValueError:
+        return False
+    return True
+
+
+def _store_keys(prefix: str, cid: str) -> list[str]:
+    """Every key shape s3capture's store writes (see s3capture.layout and store), longest variants."""
+    unique = f"{2**63:020d}-{'f' * 32}"  # mark_incomplete: <time_ns:020d>-<uuid4 hex>
+    return [
+        prefix + "fence",
+        prefix + "retired",
+        prefix + f"snap/{2**63:020d}-{'0' * 32}",
+        prefix + f"log/x/~/{unique}",
+        prefix + f"log/i/{cid}",
+        prefix + f"log/x/{cid}/{unique}",
+    ]
+
+
+# Ids of every escaped length up to well past the limit: a character of escaped width 1-12 bytes
+# repeated, plus arbitrary text.
+long_ids = st.builds(
+    lambda char, count, tail: char * count + tail,
+    st.sampled_from(["a", "-", "/", "%", "é", "日", "😀", "\ud800"]),
+    st.integers(0, 300),
+    st.text(max_size=20),
+).filter(bool)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["", "a", "capture/run-1", "/".join(["x" * 200] * 4)]), long_ids, long_ids, FINGERPRINTS)
+def test_every_accepted_id_yields_keys_within_the_s3_limit(root: str, rollout_id: str, call_id: str, fingerprint: str) -> None:
+    layout = Layout(root)
+    try:
+        prefix = layout.rollout(rollout_id)
+    except ValueError as error:
+        # Refused only for a real reason: a lone surrogate, an over-long segment or key.
+        has_surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in rollout_id)
+        too_long = len(f"{layout.root}r/{escape_id(rollout_id)}/".encode()) + 98 > MAX_KEY_BYTES
+        assert has_surrogate or too_long or len(escape_id(rollout_id)) > MAX_SEGMENT_BYTES, (rollout_id, error)
+        return
+    for key in _store_keys(prefix, "~"):
+        assert len(key.encode()) <= MAX_KEY_BYTES, key
+    try:
+        cid = layout.check_call_id(prefix, call_id)
+        rel = layout.entry_rel(prefix, fingerprint, call_id, SHA)
+    except ValueError as error:
+        has_surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in call_id)
+        too_long = len(prefix.encode()) + 140 + len(escape_id(call_id)) > MAX_KEY_BYTES
+        assert has_surrogate or too_long or len(escape_id(call_id)) > MAX_SEGMENT_BYTES, (call_id, error)
+        return
+    assert cid == escape_id(call_id)
+    for key in [*_store_keys(prefix, cid), prefix + rel]:
+        assert len(key.encode()) <= MAX_KEY_BYTES, key
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300), st.integers(1, MAX_SEGMENT_BYTES), st.sampled_from(["", "p", "/".join(["x" * 100] * 5)]))
+def test_entry_key_with_any_fingerprint_is_refused_or_fits(fingerprint: str, rid_len: int, root: str) -> None:
+    """The fingerprint is not an id but lands in the key too: a long or odd one must not overflow it."""
+    layout = Layout(root)
+    try:
+        prefix = layout.rollout("r" * rid_len)
+    except ValueError:
+        return
+    try:
+        rel = layout.entry_rel(prefix, fingerprint, "c", SHA)
+    except ValueError as error:
+        assert "1024" in str(error) or str(MAX_SEGMENT_BYTES) in str(error) or "surrogate" in str(error)
+        return
+    assert len((prefix + rel).encode()) <= MAX_KEY_BYTES
+    assert parse_log_key(rel) == ("e", "c", fingerprint, SHA)
+
+
+def test_entry_key_with_a_long_fingerprint_is_refused() -> None:
+    layout = Layout("p")
+    prefix = layout.rollout("r" * 200)
+    with pytest.raises(ValueError):
+        layout.entry_rel(prefix, "é" * 200, "c", SHA)  # escapes to 1200 bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# parse_log_key
+# ---------------------------------------------------------------------------------------------
+
+
+storable_ids = st.text(min_size=1, max_size=40)  # no lone surrogates, escaped well under 255 bytes
+
+
+@SOME
+@given(storable_ids, FINGERPRINTS | st.text(max_size=8), st.text(alphabet="0123456789abcdef", min_size=64, max_size=64))
+def test_parse_log_key_classifies_every_key_the_layout_writes(call_id: str, fingerprint: str, sha: str) -> None:
+    layout = Layout("root")
+    prefix = layout.rollout("r")
+    rel = layout.entry_rel(prefix, fingerprint, call_id, sha)
+    assert parse_log_key(rel) == ("e", call_id, fingerprint, sha)
+    cid = layout.check_call_id(prefix, call_id)
+    assert parse_log_key(f"log/i/{cid}") == ("i", call_id, "", "")
+    unique = "00000000001700000000-0123456789abcdef0123456789abcdef"
+    assert parse_log_key(f"log/x/{cid}/{unique}") == ("x", call_id, "", unique)
+    assert parse_log_key(f"log/x/{layout.check_call_id(prefix, '', allow_empty=True)}/{unique}") == ("x", "", "", unique)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "fence",
+        "retired",
+        "snap/00000000000000000001-" + "0" * 32,
+        "log",
+        "log/",
+        "log/e",
+        "log/e/~/c",
+        f"log/e/~/c/{SHA}",  # no .zst
+        f"log/e/~/c/{SHA}.json",
+        f"log/e/~/c/{SHA.upper()}.zst",  # upper-case hex: not a sha256 hexdigest
+        f"log/e/~/c/{SHA[:-1]}.zst",  # 63 hex digits
+        f"log/e/~/c/{SHA}0.zst",  # 65
+        f"log/e/~/c/{SHA}.zst/more",
+        f"log/e/~/c/d/{SHA}.zst",
+        f"log/e/~/a%20b/{SHA}.zst",  # not escape_id's output
+        f"log/e/bad fp/c/{SHA}.zst",
+        f"log/e/~//{SHA}.zst",
+        "log/i/",
+        "log/i/a/b",
+        "log/i/.FF",  # escapes to invalid UTF-8
+        "log/i/.zz",
+        "log/x/c",
+        "log/x/c/",
+        "log/x/c/u/v",
+        "log/q/c",
+        "other/i/c",
+        "LOG/i/c",
+        "",
+        "/log/i/c",
+    ],
+)
+def test_parse_log_key_returns_none_for_foreign_shapes(rel: str) -> None:
+    assert parse_log_key(rel) is None
+
+
+@pytest.mark.parametrize("rel", ["log/i/.41", f"log/e/~/.61bc/{SHA}.zst", "log/x/.5F/u"])
+def test_parse_log_key_refuses_non_canonical_escapes(rel: str) -> None:
+    assert parse_log_key(rel) is None
