@@ -261,10 +261,10 @@ def process_put_worker(
                         try:
                             await store.put(entry)
                             outcomes.append((entry.model_call_id, "ok", ""))
+                        except TokenCaptureRetiredError as error:  # a subclass of the frozen error
+                            outcomes.append((entry.model_call_id, "retired", str(error)))
                         except TokenCaptureFrozenError as error:
                             outcomes.append((entry.model_call_id, "frozen", str(error)))
-                        except TokenCaptureRetiredError as error:
-                            outcomes.append((entry.model_call_id, "retired", str(error)))
                         except Exception as error:  # noqa: BLE001 - reported to the test
                             outcomes.append((entry.model_call_id, "error", f"{type(error).__name__}: {error}"))
 

@@ -910,6 +910,10 @@ class S3TokenStore:
         if not by_call:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="no_match")
         conflicted = sorted(cid for cid, keys in by_call.items() if len(keys) > 1)
+        if conflicted:
+            # A call id with several payloads is zero candidates, and it must not let another call
+            # with the same model output win by elimination either: that would be a guess.
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="conflicting_payloads")
         singles = [keys[0] for cid, keys in by_call.items() if len(keys) == 1]
 
         async def load(key: str) -> _Stored | None:
@@ -930,7 +934,11 @@ class S3TokenStore:
                 continue
             if not entry.continuation_context_digest or len(request_items) < entry.continuation_context_len:
                 continue
-            if _fp.conversation_digest(request_items[: entry.continuation_context_len]) != entry.continuation_context_digest:
+            try:
+                context = _fp.conversation_digest(request_items[: entry.continuation_context_len])
+            except (ValueError, TypeError) as error:
+                return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
+            if context != entry.continuation_context_digest:
                 continue
             self._remember(rollout_id, entry.model_call_id, key[len(prefix):])
             candidates.append((key, stored))
@@ -939,7 +947,7 @@ class S3TokenStore:
             if len(shapes) == 1 and candidates[0][1].entry.digest:
                 candidates = [min(candidates, key=lambda c: c[1].entry.model_call_id)]
         if len(candidates) != 1:
-            reason = "ambiguous" if candidates else ("conflicting_payloads" if conflicted else "no_match")
+            reason = "ambiguous" if candidates else "no_match"
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
         key, stored = candidates[0]
         try:
