@@ -371,14 +371,13 @@ def entry_sha(entry: Any) -> str:
 
 
 def require_gym() -> Any:
-    """Import ``nemo_gym.token_id_capture.records``: skip when absent, fail when env ``CI`` is set."""
-    import pytest
+    """``nemo_gym.token_id_capture.records``: skip when absent, fail under CI (see ``gymcompat``)."""
+    from gymcompat import require_gym as require_gym_package
 
-    if os.environ.get("CI"):
-        import nemo_gym.token_id_capture.records as gym_records
+    require_gym_package()
+    import nemo_gym.token_id_capture.records as gym_records
 
-        return gym_records
-    return pytest.importorskip("nemo_gym.token_id_capture.records")
+    return gym_records
 
 
 def gym_entry(entry: TokenEntry) -> Any:

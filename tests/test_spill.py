@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from botocore.config import Config
 
-from helpers_spill import make_entry_for_spill
+from helpers import simple_entry
 from s3capture.protocols import TokenCaptureRetiredError
 from s3capture.store import S3TokenStore, StoreError, parse_s3_url
 
@@ -28,7 +28,7 @@ async def test_marker_spills_when_store_is_down_and_replays_later(s3_env, bucket
 
     live = S3TokenStore(bucket_url, spill_dir=tmp_path)
     try:
-        await live.put(make_entry_for_spill("spilled-rollout", "call-1"))
+        await live.put(simple_entry("spilled-rollout", "call-1"))
         assert await live.replay_spill() == 1
         assert not spill.exists()
         snapshot = await live.freeze("spilled-rollout")
@@ -51,7 +51,7 @@ async def test_marker_without_spill_raises_store_error_when_store_is_down(bucket
 async def test_marker_after_retire_raises_retired_and_leaves_nothing(s3_env, bucket_url, s3_client):
     store = S3TokenStore(bucket_url)
     try:
-        await store.put(make_entry_for_spill("gone", "call-1"))
+        await store.put(simple_entry("gone", "call-1"))
         await store.retire(["gone"])
         with pytest.raises(TokenCaptureRetiredError):
             await store.mark_incomplete("gone", "call-2")
