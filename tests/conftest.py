@@ -165,3 +165,29 @@ def s3_env(
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     yield s3_server
+
+
+@pytest.fixture
+async def fresh(s3_env: Any, bucket_url: str):
+    """Factory of fresh ``S3TokenStore`` clients on the test bucket; all are closed afterwards.
+
+    ``fresh(url=..., **kwargs)`` builds one. The clients share one ``aioboto3.Session``
+    (credentials and the loaded service model, ~80 ms to build) but each has its own HTTP client,
+    cache and call-key index, so cross-client visibility is real.
+    """
+    import aioboto3
+
+    from s3capture.store import S3TokenStore
+
+    session = aioboto3.Session()
+    stores: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("session", session)
+        store = S3TokenStore(kwargs.pop("url", bucket_url), **kwargs)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()

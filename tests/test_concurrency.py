@@ -33,23 +33,6 @@ REQ = [system("Be brief."), user("Count.")]
 PROCESSES = 4
 
 
-@pytest.fixture
-async def fresh(s3_env: Any, bucket_url: str):
-    """Factory of fresh S3TokenStore clients (own HTTP client and cache, shared aioboto3 session)."""
-    import aioboto3
-
-    session = aioboto3.Session()
-    stores: list[S3TokenStore] = []
-
-    def make(**kwargs: Any) -> S3TokenStore:
-        kwargs.setdefault("session", session)
-        store = S3TokenStore(bucket_url, **kwargs)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        await store.close()
 
 
 def entry_keys(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:

@@ -37,23 +37,6 @@ PUT, GET, LIST = "PutObject", "GetObject", "ListObjectsV2"
 REQ = [system("Be brief."), user("Name a colour.")]
 
 
-@pytest.fixture
-async def fresh(s3_env: Any, bucket_url: str):
-    """Factory of fresh S3TokenStore clients (own HTTP client and cache, shared aioboto3 session)."""
-    import aioboto3
-
-    session = aioboto3.Session()
-    stores: list[S3TokenStore] = []
-
-    def make(**kwargs: Any) -> S3TokenStore:
-        kwargs.setdefault("session", session)
-        store = S3TokenStore(bucket_url, **kwargs)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        await store.close()
 
 
 def entry_key(store: S3TokenStore, entry: Any) -> str:

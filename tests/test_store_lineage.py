@@ -29,34 +29,13 @@ from helpers import (
 from s3capture import fingerprint as fp
 from s3capture.protocols import LineageResolution
 from s3capture.records import ParentResolutionStatus, RecordError, compute_digest
-from s3capture.store import CHAIN_KEYS, S3TokenStore
+from s3capture.store import CHAIN_KEYS
 
 ROOT = ParentResolutionStatus.ROOT
 RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
 
 
-@pytest.fixture
-async def fresh(s3_env: Any, bucket_url: str):
-    """Factory of fresh S3TokenStore clients on the test bucket; all are closed afterwards.
-
-    The clients share one ``aioboto3.Session`` (credentials and the loaded service model, which
-    takes ~80 ms to build) but each has its own HTTP client, cache and call-key index.
-    """
-    import aioboto3
-
-    session = aioboto3.Session()
-    stores: list[S3TokenStore] = []
-
-    def make(**kwargs: Any) -> S3TokenStore:
-        kwargs.setdefault("session", session)
-        store = S3TokenStore(bucket_url, **kwargs)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        await store.close()
 
 
 async def put_fresh(fresh: Any, entry: Any) -> None:

@@ -43,18 +43,9 @@ from s3capture.store import FrozenSnapshot, S3TokenStore, StoreError
 
 
 @pytest.fixture
-async def new_store(s3_env: Any, bucket_url: str):
-    """Factory of fresh S3TokenStore clients on the test bucket; all are closed afterwards."""
-    stores: list[S3TokenStore] = []
-
-    def make(**kwargs: Any) -> S3TokenStore:
-        store = S3TokenStore(kwargs.pop("url", bucket_url), **kwargs)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        await store.close()
+def new_store(fresh: Any) -> Any:
+    """Alias of the shared ``fresh`` factory (tests here call it ``new_store``)."""
+    return fresh
 
 
 @pytest.fixture
