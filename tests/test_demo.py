@@ -62,3 +62,17 @@ def test_demo_generated_workload_against_configured_endpoint(s3_server):
     assert "embedded moto" not in out and s3_server.endpoint_url in out
     assert _numbers(out, "faithful continuations RESOLVED to the right parent") == (48, 48)
     assert "trainable 12, masked 0" in out and "result: OK" in out
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_demo_against_a_missing_bucket_fails_with_one_clear_line(s3_server):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "s3capture.cli", "demo", "--no-progress", "--workers", "1", "--rollouts", "2",
+         "--calls", "2", "--url", "s3://no-such-bucket-s3capture/x"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "no-such-bucket-s3capture" in proc.stderr and "does not exist" in proc.stderr

@@ -1050,3 +1050,15 @@ async def test_wrong_credentials_raise_store_error(s3_env, bucket_url, monkeypat
             assert "refused" in str(caught.value) and bucket in str(caught.value), str(caught.value)
     finally:
         await store.close()
+
+
+async def test_mutating_a_frozen_entry_does_not_change_the_next_snapshot(new_store):
+    store = new_store()
+    entry = simple_entry("r-mutate-snapshot", "call-1")
+    await store.put(entry)
+    first = await store.freeze("r-mutate-snapshot")
+    first.entries[0].generation_token_ids[0] = 999
+    first.entries[0].output_items.clear()
+    second = await store.freeze("r-mutate-snapshot")
+    assert canonical(second.entries[0]) == canonical(entry)
+    assert second.snapshot_id == first.snapshot_id

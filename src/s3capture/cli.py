@@ -28,7 +28,17 @@ def _demo(args: argparse.Namespace) -> int:
     url = args.url
     try:
         if url is None and endpoint is None:
+            import importlib.util
+
             from s3capture.localserver import start_moto
+
+            if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+                print(
+                    "s3capture demo: no S3 endpoint is configured and the embedded server is not installed; "
+                    "pip install 's3capture[local]', or pass --endpoint/--url (or set AWS_ENDPOINT_URL)",
+                    file=sys.stderr,
+                )
+                return 2
 
             print("no S3 endpoint configured: starting an embedded moto S3 server on 127.0.0.1", file=sys.stderr)
             server = start_moto()
@@ -101,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calls", type=int, default=6, help="calls per generated rollout (default 6)")
     demo.add_argument("--prompt-storage", choices=("delta", "full"), default="delta",
                       help="store a RESOLVED call's prompt as a delta after its parent (default) or in full")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the generated workload and of worker choice (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
     demo.set_defaults(func=_demo)
     return parser
@@ -110,7 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from s3capture.store import StoreError
+
+    try:
+        return args.func(args)
+    except (StoreError, BotoCoreError, ClientError, ValueError, OSError, RuntimeError) as error:
+        print(f"s3capture {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -71,9 +71,12 @@ class DemoReport:
     stored_bytes: int = 0
     entry_objects: int = 0
     gym_jsonl_bytes: int = 0
+    gym_full_jsonl_bytes: int = 0
     tokens: int = 0
+    full_tokens: int = 0
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    build_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -191,10 +194,13 @@ def _worker_main(worker: int, url: str, env: dict[str, str], inbox: Any, outbox:
     asyncio.run(run())
 
 
-def _check_chains(snapshot: Any) -> list[str]:
-    """Return problems: a child whose full prompt does not start with its parent's cumulative tokens."""
+def _check_chains(snapshot: Any, memo: dict[str, list[int]] | None = None) -> list[str]:
+    """Return problems: a child whose full prompt does not start with its parent's cumulative tokens.
+
+    ``memo`` receives every entry's cumulative tokens (full prompt plus generation).
+    """
     by_id = {entry.model_call_id: entry for entry in snapshot.entries}
-    memo: dict[str, list[int]] = {}
+    memo = {} if memo is None else memo
     problems: list[str] = []
 
     def cumulative(call_id: str, depth: int = 0) -> list[int]:
@@ -242,12 +248,23 @@ async def _build(url: str, rollout_ids: list[str], report: DemoReport, progress:
         async def one(rollout_id: str) -> None:
             async with limit:
                 snapshot = await builder.freeze(rollout_id)
-                problems = _check_chains(snapshot)
+                cumulative: dict[str, list[int]] = {}
+                problems = _check_chains(snapshot, cumulative)
                 report.chains_checked += sum(1 for e in snapshot.entries if e.parent_call_id)
                 report.chains_broken.extend(f"{rollout_id}: {p}" for p in problems)
                 for entry in snapshot.entries:
                     report.gym_jsonl_bytes += len(encode_entry(entry)) + 1
                     report.tokens += len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+                    if entry.prompt_is_delta and entry.model_call_id in cumulative:
+                        # The JSONL line Gym would write for this call with its full prompt.
+                        full = cumulative[entry.model_call_id]
+                        entry.prompt_token_ids = full[: len(full) - len(entry.generation_token_ids)]
+                        entry.prompt_is_delta = False
+                        report.gym_full_jsonl_bytes += len(encode_entry(entry)) + 1
+                        report.full_tokens += len(full)
+                    else:
+                        report.gym_full_jsonl_bytes += len(encode_entry(entry)) + 1
+                        report.full_tokens += len(entry.prompt_token_ids) + len(entry.generation_token_ids)
                 if snapshot.incomplete or problems:
                     report.masked += 1
                     report.masked_reasons.extend(f"{rollout_id}: {r}" for r in getattr(snapshot, "reasons", ())[:3])
@@ -360,11 +377,16 @@ def run_workload(
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+    if report.errors and not report.captured:
+        first = report.errors[0].split(": ", 1)[-1].splitlines()[0]
+        raise RuntimeError(f"every model call failed ({len(report.errors)} errors); the first: {first}")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         build_bar = tqdm(total=len(rollouts), desc="freeze+verify+drop", unit="rollout", disable=not progress, file=sys.stderr)
+        build_started = time.perf_counter()
         asyncio.run(_build(url, [r.rollout_id for r in rollouts], report, build_bar))
+        report.build_seconds = time.perf_counter() - build_started
         build_bar.close()
     finally:
         for key, value in saved.items():
@@ -372,7 +394,7 @@ def run_workload(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    report.seconds = time.perf_counter() - started
+    report.seconds = time.perf_counter() - started - report.build_seconds
     return report
 
 
@@ -381,7 +403,8 @@ def format_report(report: DemoReport, *, where: str) -> str:
     s = report.statuses
     lines = [
         f"s3capture demo against {where}",
-        f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s",
+        f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s;"
+        f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 1 s old)",
         f"  parent resolution: ROOT {s['root']}, RESOLVED {s['resolved']}, UNRESOLVED {s['unresolved']}"
         + (f" (reasons: {dict(report.unresolved_reasons)})" if report.unresolved_reasons else ""),
         f"  faithful continuations RESOLVED to the right parent: {report.faithful_resolved}/{report.faithful}",
@@ -389,9 +412,12 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f"  chains checked {report.chains_checked}, broken {len(report.chains_broken)}",
         f"  put     latency: {_percentiles(report.put_ms)}",
         f"  resolve latency: {_percentiles(report.resolve_ms)}",
-        f"  stored: {report.stored_bytes:,} bytes in {report.entry_objects} entry objects (+ intents, markers, fences);"
-        f" Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
-        + (f"; {report.stored_bytes / max(1, report.tokens):.2f} vs {report.gym_jsonl_bytes / max(1, report.tokens):.2f} bytes per stored token" if report.tokens else ""),
+        f"  stored: {report.stored_bytes:,} bytes in {report.entry_objects} entry objects (including intents, markers,"
+        f" fences); Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
+        + (f" ({report.stored_bytes / max(1, report.tokens):.2f} vs {report.gym_jsonl_bytes / max(1, report.tokens):.2f} bytes per stored token)" if report.tokens else ""),
+        f"  Gym JSONL of the same calls with full prompts: {report.gym_full_jsonl_bytes:,} bytes"
+        f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"
+        f" {report.stored_bytes / max(1, report.full_tokens):.2f} per token of the full sequences)",
         "  S3 requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report.requests.items())),
     ]
     for item in report.chains_broken[:5]:

@@ -790,9 +790,11 @@ class S3TokenStore:
             await self._put(manifest_key, msgspec.json.encode(manifest))
         if incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
-        out: tuple[Any, ...] = tuple(entries)
+        # Hand back copies: the cached objects stay immutable whatever the caller does with these.
         if self.entry_type == "gym":
-            out = tuple(to_gym(e) for e in entries)
+            out: tuple[Any, ...] = tuple(to_gym(e) for e in entries)
+        else:
+            out = tuple(coerce_entry(e) for e in entries)
         return FrozenSnapshot(rollout_id, out, incomplete, snapshot_id, version, tuple(reasons))
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
