@@ -13,7 +13,6 @@ import random
 from typing import Any
 
 import pytest
-
 from helpers import (
     assistant_output,
     build_conversation,
@@ -25,6 +24,8 @@ from helpers import (
     turn_entry,
     user,
 )
+
+from s3capture.layout import Layout
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
 from s3capture.records import encode_entry
 from s3capture.store import S3TokenStore
@@ -37,7 +38,7 @@ PROCESSES = 4
 
 def entry_keys(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:
     bucket, root = split_bucket_url(bucket_url)
-    return [k for k in list_keys(s3_client, bucket, f"{root}r/{rollout_id}/") if "/log/e/" in k]
+    return [k for k in list_keys(s3_client, bucket, Layout(root).rollout(rollout_id)) if "/log/e/" in k]
 
 
 def numbered_entries(rollout_id: str, count: int, prefix: str = "call") -> list[Any]:

@@ -56,7 +56,7 @@ def test_escape_is_injective_and_rollout_prefixes_are_prefix_free(a: str, b: str
         assert escape_id(a) == escape_id(b)
         return
     assert escape_id(a) != escape_id(b)
-    pa, pb = f"r/{escape_id(a)}/", f"r/{escape_id(b)}/"
+    pa, pb = f"rollouts/{escape_id(a)}/", f"rollouts/{escape_id(b)}/"
     assert not pb.startswith(pa) and not pa.startswith(pb)
     if _accepts(layout.rollout, a) and _accepts(layout.rollout, b):
         ra, rb = layout.rollout(a), layout.rollout(b)
@@ -88,7 +88,7 @@ def test_layout_refuses_ids_with_lone_surrogates(value: str) -> None:
         layout.check_call_id(prefix, value)
     with pytest.raises(ValueError, match="surrogate"):
         layout.entry_rel(prefix, "", value, SHA)
-    assert layout.rollout("😀") == "p/r/.F0.9F.98.80/"
+    assert layout.rollout("😀") == "p/rollouts/.F0.9F.98.80/"
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_escape_known_cases(value: str, expected: str) -> None:
 def test_r1_never_sees_r10() -> None:
     layout = Layout("capture")
     r1, r10 = layout.rollout("r1"), layout.rollout("r10")
-    assert r1 == "capture/r/r1/" and r10 == "capture/r/r10/"
+    assert r1 == "capture/rollouts/r1/" and r10 == "capture/rollouts/r10/"
     assert not r10.startswith(r1)
     assert not (r1 + "log/e/").startswith(r10) and not (r10 + "fence").startswith(r1)
 
@@ -144,7 +144,7 @@ def test_unescape_refuses_invalid_utf8() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("root, expected", [("", "r/x/"), ("a", "a/r/x/"), ("a/b", "a/b/r/x/"), ("/a/b/", "a/b/r/x/")])
+@pytest.mark.parametrize("root, expected", [("", "rollouts/x/"), ("a", "a/rollouts/x/"), ("a/b", "a/b/rollouts/x/"), ("/a/b/", "a/b/rollouts/x/")])
 def test_rollout_prefix_under_root(root: str, expected: str) -> None:
     assert Layout(root).rollout("x") == expected
 
@@ -180,7 +180,7 @@ def test_rollout_id_over_the_segment_limit_is_refused_naming_it(char: str, width
     """An escaped id is one key segment; SeaweedFS/MinIO refuse segments over 255 bytes."""
     layout = Layout("capture/run-1")
     longest = MAX_SEGMENT_BYTES // width
-    assert layout.rollout(char * longest) == f"capture/run-1/r/{escape_id(char) * longest}/"
+    assert layout.rollout(char * longest) == f"capture/run-1/rollouts/{escape_id(char) * longest}/"
     with pytest.raises(ValueError, match=str(MAX_SEGMENT_BYTES)):
         layout.rollout(char * (longest + 1))
     with pytest.raises(ValueError, match="too long"):
@@ -251,7 +251,7 @@ def test_every_accepted_id_yields_keys_within_the_s3_limit(root: str, rollout_id
     except ValueError as error:
         # Refused only for a real reason: a lone surrogate, an over-long segment or key.
         has_surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in rollout_id)
-        too_long = len(f"{layout.root}r/{escape_id(rollout_id)}/".encode()) + 98 > MAX_KEY_BYTES
+        too_long = len(f"{layout.root}rollouts/{escape_id(rollout_id)}/".encode()) + 98 > MAX_KEY_BYTES
         assert has_surrogate or too_long or len(escape_id(rollout_id)) > MAX_SEGMENT_BYTES, (rollout_id, error)
         return
     for key in _store_keys(prefix, "~"):

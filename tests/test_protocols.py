@@ -191,7 +191,7 @@ def test_s3_token_store_satisfies_s3capture_protocols_without_a_request() -> Non
     assert isinstance(store, TokenSource)
     assert isinstance(store, LineageResolver)
     assert store.bucket == "bucket"
-    assert store.layout.rollout("r") == "prefix/r/r/"
+    assert store.layout.rollout("r") == "prefix/rollouts/r/"
     assert not store.request_counts  # construction sent nothing
     assert store._client is None
     assert s3capture.S3TokenStore is type(store)  # lazy attribute of the package
@@ -235,9 +235,9 @@ def test_s3_token_store_refuses_bad_urls(url: str) -> None:
 
 
 def test_s3_token_store_accepts_bucket_only_and_nested_prefixes() -> None:
-    assert _store("s3://bucket").layout.rollout("r") == "r/r/"
-    assert _store("s3://bucket/").layout.rollout("r") == "r/r/"
-    assert _store("s3://bucket/a/b/").layout.rollout("r") == "a/b/r/r/"
+    assert _store("s3://bucket").layout.rollout("r") == "rollouts/r/"
+    assert _store("s3://bucket/").layout.rollout("r") == "rollouts/r/"
+    assert _store("s3://bucket/a/b/").layout.rollout("r") == "a/b/rollouts/r/"
 
 
 # ---------------------------------------------------------------------------------------------

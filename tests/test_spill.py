@@ -57,6 +57,6 @@ async def test_marker_after_retire_raises_retired_and_leaves_nothing(s3_env, buc
             await store.mark_incomplete("gone", "call-2")
         bucket, prefix = parse_s3_url(bucket_url)
         keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])]
-        assert all(not k.split("/r/gone/")[1].startswith("log/") for k in keys), keys
+        assert all(not k.split("/rollouts/gone/")[1].startswith("log/") for k in keys), keys
     finally:
         await store.close()

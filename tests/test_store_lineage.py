@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import zstandard
-
 from helpers import (
     assistant_output,
     build_conversation,
@@ -26,7 +25,9 @@ from helpers import (
     turn_entry,
     user,
 )
+
 from s3capture import fingerprint as fp
+from s3capture.layout import Layout
 from s3capture.protocols import LineageResolution
 from s3capture.records import ParentResolutionStatus, RecordError, compute_digest
 from s3capture.store import CHAIN_KEYS
@@ -271,7 +272,7 @@ async def build_delta_chain(fresh: Any, rollout_id: str, depth: int, *, fresh_ea
 
 def entry_key_of(bucket_url: str, s3_client: Any, rollout_id: str, call_id: str) -> str:
     bucket, root = split_bucket_url(bucket_url)
-    keys = [k for k in list_keys(s3_client, bucket, f"{root}r/{rollout_id}/log/e/") if f"/{call_id}/" in k]
+    keys = [k for k in list_keys(s3_client, bucket, Layout(root).rollout(rollout_id) + "log/e/") if f"/{call_id}/" in k]
     assert len(keys) == 1, keys
     return keys[0]
 
@@ -357,7 +358,7 @@ async def test_delta_put_with_unknown_parent_raises(fresh, s3_client, bucket_url
         await writer.put(child)
     # Nothing of the child landed.
     bucket, root = split_bucket_url(bucket_url)
-    keys = list_keys(s3_client, bucket, f"{root}r/r-orphan/")
+    keys = list_keys(s3_client, bucket, Layout(root).rollout("r-orphan"))
     assert not [k for k in keys if f"/{turns[1].call_id}/" in k]
 
 

@@ -622,10 +622,20 @@ async def test_invalid_ids_raise_value_error_before_any_request(new_store):
             await store.mark_incomplete(rid, "c")
         with pytest.raises(ValueError):
             await store.resolve(rid, DEFAULT_REQUEST)
-    with pytest.raises(ValueError):
-        await store.mark_incomplete("r", long_cid)
     assert dict(store.request_counts) == {}
     assert store._client is None  # not even a client was built
+
+
+async def test_mark_incomplete_lands_for_a_call_id_put_cannot_store(new_store):
+    # put and mark_incomplete must not fail together: the marker names the call by its hash.
+    long_cid = "c" * 300
+    store = new_store()
+    with pytest.raises(ValueError):
+        await store.put(simple_entry("r-long-marker", long_cid))
+    await store.mark_incomplete("r-long-marker", long_cid)
+    snapshot = await new_store().freeze("r-long-marker")
+    assert snapshot.incomplete
+    assert [r for r in snapshot.reasons if r.startswith("marked_incomplete:~h")], snapshot.reasons
 
 
 async def test_longest_ids_that_fit_work(new_store, raw):

@@ -2,22 +2,25 @@
 
 Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
 
-    r/<rid>/fence                          fence: {"state": "frozen" | "retired"}, overwritten in place
-    r/<rid>/retired                        retire tombstone (immutable, empty)
-    r/<rid>/log/e/<fp>/<cid>/<sha256>.zst  entry: zstd(envelope JSON); sha256 of the canonical entry bytes
-    r/<rid>/log/i/<cid>                    begin_call intent (empty)
-    r/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
-    r/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
+    rollouts/<rid>/fence                          fence: {"state": "frozen" | "retired"}, overwritten in place
+    rollouts/<rid>/retired                        retire tombstone (immutable, empty)
+    rollouts/<rid>/log/e/<fp>/<cid>/<sha256>.zst  entry: zstd(envelope JSON); sha256 of the canonical entry bytes
+    rollouts/<rid>/log/i/<cid>                    begin_call intent (empty)
+    rollouts/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
+    rollouts/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``
 (upper-case hex), and the empty string becomes ``~``. The escape is reversible, never produces
 ``/``, ``..``, an empty segment or ``//``, and every LIST prefix ends in ``/``, so rollout ``r1``
-never sees the objects of ``r10``.
+never sees the objects of ``r10``. A root may not contain a ``rollouts`` segment, so two roots in
+one bucket can never nest inside each other's rollouts. A marker for a call id too long to escape
+uses ``~h<sha256 of the id>`` (``~`` never starts an escaped id).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 MAX_KEY_BYTES = 1024
@@ -28,6 +31,7 @@ MAX_SEGMENT_BYTES = 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _HEX = "0123456789ABCDEF"
 _ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
+_HASHED = re.compile(r"^~h[0-9a-f]{64}$")
 
 # Longest suffix s3capture appends to a rollout prefix without a call id, and with one.
 _SNAP_SUFFIX = len("snap/") + 20 + 1 + 32
@@ -94,11 +98,16 @@ class Layout:
         root = root.strip("/")
         if "//" in root:
             raise ValueError(f"prefix {root!r} contains an empty path segment ('//')")
+        if "rollouts" in root.split("/"):
+            raise ValueError(
+                f"prefix {root!r} contains a 'rollouts' segment; it could nest inside another s3capture root's "
+                "rollouts, whose retire or delete would then remove its objects"
+            )
         self.root = f"{root}/" if root else ""
 
     def rollout(self, rollout_id: str) -> str:
         """The rollout's prefix (ends in ``/``). Raises ``ValueError`` for an unstorable id."""
-        prefix = f"{self.root}r/{_check_id('rollout_id', rollout_id)}/"
+        prefix = f"{self.root}rollouts/{_check_id('rollout_id', rollout_id)}/"
         if len(prefix.encode()) + _SNAP_SUFFIX > MAX_KEY_BYTES - len("log/x/~/") - 32:
             raise ValueError(
                 f"rollout_id is too long to store: its keys would exceed S3's {MAX_KEY_BYTES}-byte limit "
@@ -119,6 +128,18 @@ class Layout:
         if len(rollout_prefix.encode()) + len(rel) > MAX_KEY_BYTES:
             raise ValueError(f"the entry key would exceed S3's {MAX_KEY_BYTES}-byte limit (long continuation_fingerprint?)")
         return rel
+
+    def marker_call_segment(self, rollout_prefix: str, model_call_id: str) -> str:
+        """Key segment naming a call in a ``mark_incomplete`` marker; never refuses a str.
+
+        A marker must land whenever ``put`` could not, so a call id that cannot be stored gets a
+        hashed stand-in ``~h<sha256>`` instead of an error.
+        """
+        try:
+            return self.check_call_id(rollout_prefix, model_call_id, allow_empty=True)
+        except ValueError:
+            digest = hashlib.sha256(model_call_id.encode("utf-8", errors="surrogatepass")).hexdigest()
+            return "~h" + digest
 
     def check_call_id(self, rollout_prefix: str, model_call_id: str, *, allow_empty: bool = False) -> str:
         """Escaped call id after checking the key fits; raises ``ValueError``/``TypeError``."""
@@ -147,7 +168,8 @@ def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:
         if len(parts) == 3 and parts[0] == "log" and parts[1] == "i":
             return "i", unescape_id(parts[2]), "", ""
         if len(parts) == 4 and parts[0] == "log" and parts[1] == "x" and parts[3]:
-            return "x", unescape_id(parts[2]), "", parts[3]
+            cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])
+            return "x", cid, "", parts[3]
     except ValueError:
         return None
     return None

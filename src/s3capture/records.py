@@ -75,6 +75,7 @@ class ParentResolutionStatus(str, enum.Enum):
 
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
+_MAX_TOKEN_ID = 2**64 - 1  # what Gym's digest encoding (big-endian u64) can hold
 
 
 class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
@@ -123,6 +124,10 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
         ``RecordError`` for every other violation.
         """
         _check_schema_version(self.schema_version)
+        for name in ("prompt_token_ids", "generation_token_ids"):
+            ids = getattr(self, name)
+            if ids and max(ids) > _MAX_TOKEN_ID:
+                raise RecordError(f"{name} holds a token id over 2**64 - 1, which Gym's digest cannot encode")
         if len(self.generation_token_ids) != len(self.generation_log_probs):
             raise RecordError(
                 "generation_token_ids and generation_log_probs must have the same length "

@@ -18,8 +18,10 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import email.utils
+import glob
 import hashlib
 import io
 import json
@@ -71,7 +73,9 @@ CHAIN_KEYS = 16
 """How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
 entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
-_NOT_IMPLEMENTED = frozenset({"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML"})
+_NOT_IMPLEMENTED = frozenset(
+    {"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML", "MissingContentMD5", "InvalidDigest", "BadDigest"}
+)
 
 
 _BOTO_ERRORS = (BotoCoreError, ClientError)
@@ -138,6 +142,14 @@ class _LRU:
             _, evicted = self._data.popitem(last=False)
             self.nbytes -= evicted.nbytes
 
+    def grow(self, key: str, value: _Stored, extra: int) -> None:
+        """Add ``extra`` bytes to ``value`` (memoized data), keeping the byte count and the bound."""
+        if self._data.get(key) is value:
+            self.nbytes -= value.nbytes
+            del self._data[key]
+        value.nbytes += extra
+        self.put(key, value)
+
     def discard_prefix(self, prefix: str) -> None:
         for key in [k for k in self._data if k.startswith(prefix)]:
             self.nbytes -= self._data.pop(key).nbytes
@@ -184,6 +196,16 @@ class _RolloutScan:
         for item in sorted(self.log + self.foreign, key=lambda i: i.key):
             hasher.update(f"{item.key[len(self.prefix):]}\t{item.etag}\n".encode())
         return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]
+
+
+def _add_content_md5(request: Any, **_: Any) -> None:
+    """Send Content-MD5 with DeleteObjects: botocore >= 1.36 sends only a CRC32, which stores
+    that still require Content-MD5 (older MinIO, Ceph) refuse."""
+    body = request.body if isinstance(request.body, bytes) else (request.body or b"")
+    if isinstance(body, str):
+        body = body.encode()
+    if "Content-MD5" not in request.headers and isinstance(body, bytes):
+        request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -256,7 +278,7 @@ class S3TokenStore:
         compression_level: int = 3,
         max_entry_bytes: int = 256 * 1024 * 1024,
         spill_dir: str | os.PathLike | None = None,
-        fence_grace: float = 2.0,
+        fence_grace: float = 1.0,
     ) -> None:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
@@ -309,6 +331,7 @@ class S3TokenStore:
                     self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
                 )
                 client.meta.events.register("before-send.s3", self._count_request)
+                client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
                 self._sem = asyncio.Semaphore(self._max_concurrency)
                 self._stack, self._client = stack, client
         return self._client
@@ -339,13 +362,18 @@ class S3TokenStore:
                     raise self._wrap(error, f"PUT {key}") from error
                 raise
 
-    async def _get(self, key: str) -> bytes | None:
-        """GET an object's bytes, or ``None`` when it does not exist."""
+    async def _get(self, key: str, limit: int | None = None) -> bytes | None:
+        """GET an object's bytes, or ``None`` when it does not exist.
+
+        With ``limit``, raises ``RecordError`` instead of reading an object larger than ``limit`` bytes.
+        """
         client = await self._s3()
         async with self._sem:  # type: ignore[union-attr]
             try:
                 response = await client.get_object(Bucket=self.bucket, Key=key)
                 async with response["Body"] as stream:
+                    if limit is not None and int(response.get("ContentLength") or 0) > limit:
+                        raise RecordError(f"object is {response['ContentLength']} bytes, over the read limit {limit}")
                     return await stream.read()
             except Exception as error:
                 if self._code(error) in _NOT_FOUND:
@@ -363,6 +391,7 @@ class S3TokenStore:
         client = await self._s3()
         out: list[_Listed] = []
         token: str | None = None
+        server_time: float | None = None
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": 1000}
             if token:
@@ -384,12 +413,15 @@ class S3TokenStore:
                         modified.timestamp() if modified is not None else 0.0,
                     )
                 )
-            if not page.get("IsTruncated"):
+            if server_time is None:
+                # The store's clock when the FIRST page was produced: no page of this LIST was
+                # computed earlier than that.
                 date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
                 try:
                     server_time = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
                 except (TypeError, ValueError):
                     server_time = time.time()
+            if not page.get("IsTruncated"):
                 return out, server_time
             token = page.get("NextContinuationToken")
             if not token:
@@ -518,15 +550,23 @@ class S3TokenStore:
             self._call_keys.move_to_end(key)
         keys.add(rel)
 
-    async def _load(self, key: str, sha: str | None) -> _Stored | None:
+    def _read_limit(self) -> int:
+        # A zstd frame of incompressible data is at most a little larger than the data itself.
+        return self._max_entry_bytes + self._max_entry_bytes // 64 + 128 * 1024
+
+    async def _load(self, key: str, sha: str | None, size: int | None = None) -> _Stored | None:
         """The decoded object at ``key`` from the cache or one GET; ``None`` when absent.
 
-        Raises ``RecordError`` when the object is unreadable.
+        ``size`` (from a LIST) lets an oversize object be refused without reading it. Raises
+        ``RecordError`` when the object is unreadable or oversize.
         """
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        data = await self._get(key)
+        limit = self._read_limit()
+        if size is not None and size > limit:
+            raise RecordError(f"object is {size} bytes, over what max_entry_bytes={self._max_entry_bytes} allows")
+        data = await self._get(key, limit)
         if data is None:
             return None
         stored = self._decode_object(data, sha)
@@ -640,9 +680,17 @@ class S3TokenStore:
             ValueError: an id that cannot be stored.
         """
         prefix = self.layout.rollout(rollout_id)
-        cid = self.layout.check_call_id(prefix, model_call_id, allow_empty=True)
+        cid = self.layout.marker_call_segment(prefix, model_call_id)
         key = f"{prefix}log/x/{cid}/{time.time_ns():020d}-{uuid.uuid4().hex}"
+        started = time.monotonic()
         stored, state = await asyncio.gather(self._put(key, b""), self._fence_state(prefix), return_exceptions=True)
+        if not isinstance(stored, BaseException) and (state != "open" or time.monotonic() - started > self._fence_grace):
+            # After a freeze a drop may be racing: only a fence read after landing tells whether the
+            # marker could still invalidate the consumed snapshot.
+            try:
+                state = await self._fence_state(prefix)
+            except Exception:  # noqa: BLE001 - the marker landed; a failed re-read must not fail it
+                pass
         if isinstance(stored, BaseException):
             if not self._spill_dir or not isinstance(stored, Exception):
                 raise stored
@@ -674,13 +722,36 @@ class S3TokenStore:
         if not self._spill_dir:
             return 0
         path = self._spill_path()
-        if not os.path.exists(path):
-            return 0
-        with open(path, "rb") as handle:
-            lines = [json.loads(line) for line in handle if line.strip()]
-        await asyncio.gather(*(self._put(item["key"], b"") for item in lines if item.get("bucket") == self.bucket))
-        os.remove(path)
-        return len(lines)
+        # Take the file aside atomically: markers spilled while we replay go to a new file.
+        claimed = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
+        try:
+            os.replace(path, claimed)
+        except FileNotFoundError:
+            pass
+        pending = sorted(glob.glob(glob.escape(path) + ".*.replay"))
+        keys: list[str] = []
+        for name in pending:
+            with open(name, "rb") as handle:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        item = json.loads(line)
+                        if item.get("bucket") == self.bucket and isinstance(item.get("key"), str):
+                            keys.append(item["key"])
+                    except (ValueError, AttributeError):
+                        log.warning("skipping torn line %d of spill file %s", number, name)
+        try:
+            await asyncio.gather(*(self._put(key, b"") for key in dict.fromkeys(keys)))
+        except BaseException:
+            for key in keys:  # keep them for the next replay; duplicates are harmless
+                self._spill(key)
+            for name in pending:
+                os.remove(name)
+            raise
+        for name in pending:
+            os.remove(name)
+        return len(keys)
 
     # ------------------------------------------------------------------ TokenSource
     async def _scan(self, rollout_id: str) -> _RolloutScan:
@@ -737,7 +808,7 @@ class S3TokenStore:
         async def load(item: _Listed) -> tuple[_Listed, _Stored | None, str]:
             rel = item.key[len(prefix):]
             try:
-                stored = await self._load(item.key, rel.rsplit("/", 1)[-1][:-4])
+                stored = await self._load(item.key, rel.rsplit("/", 1)[-1][:-4], item.size)
             except RecordError as error:
                 return item, None, f"unreadable:{rel}:{error}"
             if stored is None:
@@ -770,6 +841,11 @@ class S3TokenStore:
                 entries.append(next(iter(payloads[cid].values())).entry)
         for cid in sorted(intents - set(by_call)):
             reasons.append(f"dangling_intent:{cid}")
+        present = {entry.model_call_id for entry in entries}
+        for entry in entries:
+            if entry.prompt_is_delta and entry.parent_call_id not in present:
+                # Its prompt is only a suffix: without the parent the chain has a hole.
+                reasons.append(f"broken_chain:{entry.model_call_id}")
         version, snapshot_id = scan.version_and_id()
         reasons.sort()
         incomplete = bool(reasons)
@@ -811,8 +887,9 @@ class S3TokenStore:
                 return False
             if scan.version_and_id() != (version, snapshot_id):
                 return False
-            # Both clocks are the store's, each truncated to whole seconds: allow one second.
-            wait = self._fence_grace + 1.0 - (scan.server_time - scan.fence_modified)
+            # Both clocks are the store's and truncated to whole seconds (one second of slack), and
+            # the first page's Date may trail the moment its listing was taken (one more second).
+            wait = self._fence_grace + 2.0 - (scan.server_time - scan.fence_modified)
             if wait <= 0:
                 break
             await asyncio.sleep(wait)
@@ -821,7 +898,10 @@ class S3TokenStore:
         return True
 
     async def _retire_scanned(self, scan: _RolloutScan) -> None:
-        await asyncio.gather(self._put(scan.prefix + "fence", _FENCE_RETIRED), self._put(scan.prefix + "retired", b""))
+        # Tombstone first, then the fence: a freeze whose frozen fence lands between or after them
+        # lists afterwards, sees the tombstone and restores the retired fence.
+        await self._put(scan.prefix + "retired", b"")
+        await self._put(scan.prefix + "fence", _FENCE_RETIRED)
         await self._delete_keys([i.key for i in scan.log + scan.snaps + scan.foreign])
         self._cache.discard_prefix(scan.prefix)
 
@@ -899,16 +979,18 @@ class S3TokenStore:
         prefix = self.layout.rollout(rollout_id)
         try:
             fingerprint = _fp.assistant_fingerprint(request_items)
-        except (ValueError, TypeError) as error:
+        except Exception as error:  # noqa: BLE001 - any malformed request is UNRESOLVED, never a crash
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
         if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
         listing = await self._list(f"{prefix}log/e/{escape_id(fingerprint)}/")
         by_call: dict[str, list[str]] = collections.defaultdict(list)
+        sizes: dict[str, int] = {}
         for item in listing:
             parsed = parse_log_key(item.key[len(prefix):])
             if parsed is not None and parsed[0] == "e" and parsed[2] == fingerprint:
                 by_call[parsed[1]].append(item.key)
+                sizes[item.key] = item.size
         if not by_call:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="no_match")
         conflicted = sorted(cid for cid, keys in by_call.items() if len(keys) > 1)
@@ -920,15 +1002,17 @@ class S3TokenStore:
 
         async def load(key: str) -> _Stored | None:
             try:
-                return await self._load(key, key.rsplit("/", 1)[-1][:-4])
+                return await self._load(key, key.rsplit("/", 1)[-1][:-4], sizes.get(key))
             except RecordError:
                 return None
 
         loaded = await asyncio.gather(*(load(k) for k in singles))
+        if any(stored is None for stored in loaded):
+            # An unreadable or vanished candidate might be the parent: never win by elimination.
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unreadable_candidate")
         candidates: list[tuple[str, _Stored]] = []
         for key, stored in zip(singles, loaded):
-            if stored is None:
-                continue
+            assert stored is not None
             entry = stored.entry
             if entry.rollout_id != rollout_id or entry.continuation_fingerprint != fingerprint:
                 continue
@@ -938,7 +1022,7 @@ class S3TokenStore:
                 continue
             try:
                 context = _fp.conversation_digest(request_items[: entry.continuation_context_len])
-            except (ValueError, TypeError) as error:
+            except Exception as error:  # noqa: BLE001 - malformed request items: UNRESOLVED
                 return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
             if context != entry.continuation_context_digest:
                 continue
@@ -953,54 +1037,69 @@ class S3TokenStore:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
         key, stored = candidates[0]
         try:
-            tokens = await self._cumulative(prefix, stored)
-        except RecordError as error:
+            tokens = await self._cumulative(prefix, key, stored)
+            digest = compute_digest(tokens)
+        except (RecordError, ValueError) as error:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"unreadable_parent: {error}")
         entry = stored.entry
-        digest = entry.digest or compute_digest(tokens)
-        if entry.digest and compute_digest(tokens) != entry.digest:
+        if entry.digest and digest != entry.digest:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="digest_mismatch")
         return LineageResolution(
             ParentResolutionStatus.RESOLVED,
             match=LineageMatch(model_call_id=entry.model_call_id, cumulative_token_ids=tuple(tokens), digest=digest, prev_len=len(tokens)),
         )
 
-    async def _cumulative(self, prefix: str, stored: _Stored, depth: int = 0) -> list[int]:
+    async def _cumulative(self, prefix: str, key: str, stored: _Stored) -> list[int]:
         """Cumulative tokens of an entry, rebuilding a delta prompt through its ancestors.
 
-        A delta entry's envelope names its nearest ``CHAIN_KEYS`` ancestors (farthest first); they
-        are fetched in parallel, and the rebuild starts from the nearest one whose cumulative tokens
-        are already known (a cached memo, or a full-prompt anchor). Every parent link and the
-        final digest are verified. Raises ``RecordError`` when the chain is missing or broken.
+        A delta entry's envelope names its nearest ``CHAIN_KEYS`` ancestors (farthest first). Each
+        round trip fetches one such window in parallel; the walk stops at the nearest ancestor whose
+        cumulative tokens are memoized or at a full-prompt anchor. Every parent link is checked, a
+        key seen twice (a forged cycle) or a chain over 100,000 calls is refused, and the rebuilt
+        tokens must match the entry's digest. Raises ``RecordError`` for a missing or broken chain.
         """
-        entry = stored.entry
         if stored.cumulative is not None:
             return list(stored.cumulative)
-        if not entry.prompt_is_delta:
-            return [*entry.prompt_token_ids, *entry.generation_token_ids]
-        if not stored.chain:
-            raise RecordError(f"delta entry {entry.model_call_id!r} carries no ancestor keys")
-        if depth > 100_000 // CHAIN_KEYS:
-            raise RecordError(f"delta chain of {entry.model_call_id!r} is too deep or cyclic")
-        ancestors = await asyncio.gather(
-            *(self._load(prefix + rel, rel.rsplit("/", 1)[-1][:-4]) for rel in stored.chain)
-        )
-        for rel, ancestor in zip(stored.chain, ancestors):
-            if ancestor is None:
-                raise RecordError(f"ancestor {rel} of {entry.model_call_id!r} is missing")
-        links = [a.entry.model_call_id for a in ancestors]  # type: ignore[union-attr]
-        for child, parent_id in zip([*ancestors[1:], stored], links):
-            if child.entry.parent_call_id != parent_id:  # type: ignore[union-attr]
-                raise RecordError(f"ancestor chain of {entry.model_call_id!r} is broken at {parent_id!r}")
-        base = next((i for i in range(len(ancestors) - 1, -1, -1) if ancestors[i].cumulative is not None), 0)  # type: ignore[union-attr]
-        tokens = await self._cumulative(prefix, ancestors[base], depth + 1)  # type: ignore[arg-type]
-        for ancestor in ancestors[base + 1 :]:
-            tokens.extend(ancestor.entry.prompt_token_ids)  # type: ignore[union-attr]
-            tokens.extend(ancestor.entry.generation_token_ids)  # type: ignore[union-attr]
-        tokens.extend(entry.prompt_token_ids)
-        tokens.extend(entry.generation_token_ids)
-        if entry.digest and compute_digest(tokens) != entry.digest:
-            raise RecordError(f"rebuilt tokens of {entry.model_call_id!r} fail their digest")
-        stored.cumulative = tuple(tokens)
-        stored.nbytes += 8 * len(tokens)
+        if not stored.entry.prompt_is_delta:
+            return [*stored.entry.prompt_token_ids, *stored.entry.generation_token_ids]
+        # path: (key, stored) from the entry back towards the base, nearest first.
+        path: list[tuple[str, _Stored]] = [(key, stored)]
+        seen = {key}
+        base: list[int] | None = None
+        current = stored
+        while base is None:
+            if not current.chain:
+                raise RecordError(f"delta entry {current.entry.model_call_id!r} carries no ancestor keys")
+            keys = [prefix + rel for rel in current.chain]
+            if seen.intersection(keys) or len(path) > 100_000:
+                raise RecordError(f"delta chain of {stored.entry.model_call_id!r} is cyclic or too deep")
+            ancestors = await asyncio.gather(*(self._load(k, k.rsplit("/", 1)[-1][:-4]) for k in keys))
+            window: list[tuple[str, _Stored]] = []
+            for ancestor_key, ancestor in zip(keys, ancestors):
+                if ancestor is None:
+                    raise RecordError(f"ancestor {ancestor_key} of {stored.entry.model_call_id!r} is missing")
+                window.append((ancestor_key, ancestor))
+            for nearer, farther in zip([current, *(a for _, a in reversed(window))], [a for _, a in reversed(window)]):
+                if nearer.entry.parent_call_id != farther.entry.model_call_id:
+                    raise RecordError(f"ancestor chain of {stored.entry.model_call_id!r} is broken at {farther.entry.model_call_id!r}")
+            seen.update(keys)
+            for ancestor_key, ancestor in reversed(window):
+                if ancestor.cumulative is not None:
+                    base = list(ancestor.cumulative)
+                    break
+                if not ancestor.entry.prompt_is_delta:
+                    base = [*ancestor.entry.prompt_token_ids, *ancestor.entry.generation_token_ids]
+                    break
+                path.append((ancestor_key, ancestor))
+            else:
+                current = window[0][1]
+        tokens = base
+        for _, link in reversed(path):
+            tokens.extend(link.entry.prompt_token_ids)
+            tokens.extend(link.entry.generation_token_ids)
+        if stored.entry.digest and compute_digest(tokens) != stored.entry.digest:
+            raise RecordError(f"rebuilt tokens of {stored.entry.model_call_id!r} fail their digest")
+        if stored.cumulative is None:
+            stored.cumulative = tuple(tokens)
+            self._cache.grow(key, stored, 8 * len(tokens))
         return tokens
