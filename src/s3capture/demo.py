@@ -404,7 +404,7 @@ def format_report(report: DemoReport, *, where: str) -> str:
     lines = [
         f"s3capture demo against {where}",
         f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s;"
-        f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 1 s old)",
+        f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 2 s old)",
         f"  parent resolution: ROOT {s['root']}, RESOLVED {s['resolved']}, UNRESOLVED {s['unresolved']}"
         + (f" (reasons: {dict(report.unresolved_reasons)})" if report.unresolved_reasons else ""),
         f"  faithful continuations RESOLVED to the right parent: {report.faithful_resolved}/{report.faithful}",

@@ -878,7 +878,7 @@ class S3TokenStore:
 
         Re-lists the rollout and retires it (fence kept, records deleted) only when the rollout is
         frozen and its current ``version`` and ``snapshot_id`` equal the arguments. When the fence
-        is younger than ``fence_grace`` (+1 s of clock granularity) it waits and lists again, so
+        is younger than ``fence_grace`` (+2 s for clock granularity and page production) it waits and lists again, so
         every acknowledged put is either in the snapshot or visible to that final LIST.
         """
         scan = await self._scan(rollout_id)
