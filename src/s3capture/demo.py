@@ -140,7 +140,9 @@ async def _serve_call(
         )
         entry.parent_call_id = resolution.match.model_call_id
         entry.parent_resolution = RESOLVED
-        if delta and parent_ok:
+        # Every 16th call stores its full prompt: a fresh resolver then rebuilds any chain from the
+        # nearest anchor in one round trip of at most 16 parallel GETs (CHAIN_KEYS).
+        if delta and parent_ok and call.index % 16:
             entry.prompt_token_ids = full_prompt[len(parent_tokens):]
             entry.prompt_is_delta = True
     else:

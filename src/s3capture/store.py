@@ -37,6 +37,7 @@ from urllib.parse import urlparse
 
 import msgspec
 import zstandard
+from botocore import handlers as botocore_handlers
 from botocore.exceptions import BotoCoreError, ClientError
 
 from s3capture import fingerprint as _fp
@@ -69,6 +70,9 @@ _ENVELOPE_FORMAT = "s3capture.entry/1"
 _MANIFEST_FORMAT = "s3capture.manifest/1"
 _FENCE_FROZEN = b'{"format":"s3capture.fence/1","state":"frozen"}'
 _FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
+_HEAP_PER_JSON_BYTE = 3
+"""Measured: a decoded entry holds about 3 bytes of Python heap per byte of its JSON; the cache
+counts that estimate, so ``cache_bytes`` bounds heap rather than JSON bytes."""
 CHAIN_KEYS = 16
 """How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
 entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
@@ -250,7 +254,7 @@ class S3TokenStore:
         session: an ``aioboto3.Session``; defaults to one built from the standard credential chain.
         entry_type: ``"s3capture"`` (``s3capture.records.TokenEntry``) or ``"gym"`` (NeMo Gym's
             pydantic ``TokenEntry``) for entries handed back by ``freeze``.
-        cache_bytes: bound on decoded immutable objects kept in memory (bytes of stored JSON).
+        cache_bytes: bound on the estimated heap of decoded immutable objects kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client (at most the pool size).
         compression_level: zstd level for stored entries.
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
@@ -298,7 +302,7 @@ class S3TokenStore:
         self._cache = _LRU(cache_bytes)
         self._call_keys: collections.OrderedDict[tuple[str, str], set[str]] = collections.OrderedDict()
         self._call_keys_limit = 200_000
-        self._level = compression_level
+        self._compressor = zstandard.ZstdCompressor(level=compression_level)
         self._max_entry_bytes = max_entry_bytes
         self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         if fence_grace < 0:
@@ -332,6 +336,10 @@ class S3TokenStore:
                 )
                 client.meta.events.register("before-send.s3", self._count_request)
                 client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
+                # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
+                # whole extra round trip before the body is sent; entries are small and every PUT is
+                # idempotent, so send the body at once.
+                client.meta.events.unregister("before-call.s3", botocore_handlers.add_expect_header)
                 self._sem = asyncio.Semaphore(self._max_concurrency)
                 self._stack, self._client = stack, client
         return self._client
@@ -496,7 +504,7 @@ class S3TokenStore:
     def _encode_object(self, payload: bytes, chain: Sequence[str]) -> bytes:
         envelope = b'{"chain":' + msgspec.json.encode(list(chain)) + b',"entry":' + payload
         envelope += b',"format":"' + _ENVELOPE_FORMAT.encode() + b'"}'
-        return zstandard.ZstdCompressor(level=self._level).compress(envelope)
+        return self._compressor.compress(envelope)
 
     def _decompress(self, data: bytes) -> bytes:
         # The envelope adds its format tag and up to CHAIN_KEYS ancestor keys to the entry bytes.
@@ -537,7 +545,7 @@ class S3TokenStore:
             raise RecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
             raise RecordError("stored entry bytes do not match the SHA-256 in their key")
-        return _Stored(decode_entry(payload), chain, len(payload))
+        return _Stored(decode_entry(payload), chain, _HEAP_PER_JSON_BYTE * len(payload))
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
         key = (rollout_id, model_call_id)
@@ -611,7 +619,7 @@ class S3TokenStore:
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.
             state = await self._fence_state(prefix)
-        self._cache.put(key, _Stored(record, chain, len(payload)))
+        self._cache.put(key, _Stored(record, chain, _HEAP_PER_JSON_BYTE * len(payload)))
         self._remember(record.rollout_id, record.model_call_id, rel)
         if state == "retired":
             await self._delete_one(key)
