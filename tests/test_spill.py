@@ -28,9 +28,10 @@ async def test_marker_spills_when_store_is_down_and_replays_later(s3_env, bucket
 
     live = S3TokenStore(bucket_url, spill_dir=tmp_path)
     try:
+        # A successful put replays the pending spill: the store answers again.
         await live.put(simple_entry("spilled-rollout", "call-1"))
-        assert await live.replay_spill() == 1
         assert not spill.exists()
+        assert await live.replay_spill() == 0
         snapshot = await live.freeze("spilled-rollout")
         assert snapshot.incomplete
         assert "marked_incomplete:call-7" in snapshot.reasons

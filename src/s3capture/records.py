@@ -23,6 +23,7 @@ prompt needs a RESOLVED parent. Token ids must be non-negative integers.
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 import math
@@ -150,7 +151,7 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
     def model_dump(self, mode: str = "python") -> dict[str, Any]:
         """Return the entry as a plain dict (known fields then extra fields), like pydantic's."""
         out = msgspec.to_builtins(self)
-        out.update(self.extra_fields)
+        out.update(copy.deepcopy(self.extra_fields))
         return out
 
 
@@ -184,7 +185,7 @@ def _from_mapping(raw: Any) -> TokenEntry:
         raise RecordError(f"invalid token entry: {error}") from None
     extra = {k: v for k, v in raw.items() if k not in _FIELD_NAMES}
     if extra:
-        entry.__dict__["_extra"] = extra
+        entry.__dict__["_extra"] = copy.deepcopy(extra)
     return entry.validate()
 
 

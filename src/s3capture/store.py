@@ -21,6 +21,7 @@ import asyncio
 import base64
 import collections
 import email.utils
+import fcntl
 import glob
 import hashlib
 import io
@@ -70,9 +71,12 @@ _ENVELOPE_FORMAT = "s3capture.entry/1"
 _MANIFEST_FORMAT = "s3capture.manifest/1"
 _FENCE_FROZEN = b'{"format":"s3capture.fence/1","state":"frozen"}'
 _FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
-_HEAP_PER_JSON_BYTE = 3
-"""Measured: a decoded entry holds about 3 bytes of Python heap per byte of its JSON; the cache
-counts that estimate, so ``cache_bytes`` bounds heap rather than JSON bytes."""
+def _heap_estimate(entry: TokenEntry, json_bytes: int) -> int:
+    """Estimated Python heap of a decoded entry: ~36 bytes per token id (int object and list slot),
+    ~32 per float, and ~3 per byte of the rest of its JSON (measured). The cache counts this, so
+    ``cache_bytes`` bounds heap rather than JSON bytes."""
+    ids = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+    return 36 * ids + 32 * len(entry.generation_log_probs) + 3 * json_bytes
 CHAIN_KEYS = 16
 """How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
 entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
@@ -196,10 +200,29 @@ class _RolloutScan:
 
     def version_and_id(self) -> tuple[int, str]:
         """``version`` = number of log objects; ``snapshot_id`` = digest of sorted (key, ETag)."""
-        hasher = hashlib.sha256(b"s3capture.snapshot/1\n")
-        for item in sorted(self.log + self.foreign, key=lambda i: i.key):
+        hasher = hashlib.sha256(b"s3capture.snapshot/2\n")
+        # s3capture's log keys name their content (an entry's key holds the SHA-256 of its
+        # canonical bytes; intents and markers are empty), so their ETags, which depend on the
+        # writer's zstd level and build, must not enter the id. Foreign objects keep theirs.
+        for item in sorted(self.log, key=lambda i: i.key):
+            hasher.update(f"{item.key[len(self.prefix):]}\n".encode())
+        for item in sorted(self.foreign, key=lambda i: i.key):
             hasher.update(f"{item.key[len(self.prefix):]}\t{item.etag}\n".encode())
         return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]
+
+
+def _claimant_alive(claim: str) -> bool:
+    """Whether the process named in a spill claim (``<file>.<pid>-<uuid>.replay``) still runs."""
+    try:
+        pid = int(claim.rsplit(".", 2)[-2].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, IndexError):
+        return False
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _add_content_md5(request: Any, **_: Any) -> None:
@@ -545,7 +568,8 @@ class S3TokenStore:
             raise RecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
             raise RecordError("stored entry bytes do not match the SHA-256 in their key")
-        return _Stored(decode_entry(payload), chain, _HEAP_PER_JSON_BYTE * len(payload))
+        entry = decode_entry(payload)
+        return _Stored(entry, chain, _heap_estimate(entry, len(payload)))
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
         key = (rollout_id, model_call_id)
@@ -619,8 +643,14 @@ class S3TokenStore:
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.
             state = await self._fence_state(prefix)
-        self._cache.put(key, _Stored(record, chain, _HEAP_PER_JSON_BYTE * len(payload)))
+        self._cache.put(key, _Stored(record, chain, _heap_estimate(record, len(payload))))
         self._remember(record.rollout_id, record.model_call_id, rel)
+        if self._spill_dir and os.path.exists(self._spill_path()):
+            # The store answers again: markers spilled during an outage must not wait for close.
+            try:
+                await self.replay_spill()
+            except Exception:  # noqa: BLE001 - the spill stays for the next replay
+                log.warning("spilled markers could not be replayed yet", exc_info=True)
         if state == "retired":
             await self._delete_one(key)
             raise TokenCaptureRetiredError(
@@ -719,24 +749,61 @@ class S3TokenStore:
         return os.path.join(self._spill_dir, f"markers-{self.bucket}.jsonl")
 
     def _spill(self, key: str) -> None:
+        """Append one marker to the spill file under an exclusive lock, fsynced.
+
+        A replay renames the file aside under the same lock; an appender that finds the path no
+        longer names the file it locked reopens it, so no line lands in a claimed file.
+        """
         os.makedirs(self._spill_dir, exist_ok=True)  # type: ignore[arg-type]
-        with open(self._spill_path(), "ab") as handle:
-            handle.write(json.dumps({"bucket": self.bucket, "key": key}).encode() + b"\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        path = self._spill_path()
+        line = json.dumps({"bucket": self.bucket, "key": key}).encode() + b"\n"
+        while True:
+            with open(path, "ab") as handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                try:
+                    current = os.stat(path).st_ino
+                except FileNotFoundError:
+                    current = None
+                if current != os.fstat(handle.fileno()).st_ino:
+                    continue  # claimed by a replay meanwhile: write to the new file
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+                return
+
+    def _claim_spill(self) -> list[str]:
+        """Atomically take the spill file and any leftover claims; return the claimed paths."""
+        path = self._spill_path()
+        claimed: list[str] = []
+        try:
+            with open(path, "rb") as handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                if os.path.exists(path) and os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
+                    os.replace(path, name)
+                    claimed.append(name)
+        except FileNotFoundError:
+            pass
+        # Claims left by a replay whose process died: re-claim each by renaming it, so two
+        # replayers never work on the same file. A live process's claim is its own business.
+        for leftover in glob.glob(glob.escape(path) + ".*.replay"):
+            if leftover in claimed or _claimant_alive(leftover):
+                continue
+            name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
+            try:
+                os.replace(leftover, name)
+            except FileNotFoundError:
+                continue
+            claimed.append(name)
+        return claimed
 
     async def replay_spill(self) -> int:
         """Store markers spilled by earlier failures; returns how many were replayed."""
         if not self._spill_dir:
             return 0
-        path = self._spill_path()
-        # Take the file aside atomically: markers spilled while we replay go to a new file.
-        claimed = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
-        try:
-            os.replace(path, claimed)
-        except FileNotFoundError:
-            pass
-        pending = sorted(glob.glob(glob.escape(path) + ".*.replay"))
+        if not os.path.exists(self._spill_path()) and not glob.glob(glob.escape(self._spill_path()) + ".*.replay"):
+            return 0
+        pending = self._claim_spill()
         keys: list[str] = []
         for name in pending:
             with open(name, "rb") as handle:
@@ -902,7 +969,18 @@ class S3TokenStore:
                 break
             await asyncio.sleep(wait)
             scan = await self._scan(rollout_id)
-        await self._retire_scanned(scan)
+        prefix = scan.prefix
+        await self._put(prefix + "retired", b"")
+        await self._put(prefix + "fence", _FENCE_RETIRED)
+        # A marker may land after our LIST and read the fence before it said retired (it must
+        # succeed after freeze). Listing again after the retired fence catches every such marker.
+        after = await self._scan(rollout_id)
+        if after.version_and_id() != (version, snapshot_id):
+            await self._put(prefix + "fence", _FENCE_FROZEN)
+            await self._delete_one(prefix + "retired")
+            return False
+        await self._delete_keys([i.key for i in after.log + after.snaps + after.foreign])
+        self._cache.discard_prefix(prefix)
         return True
 
     async def _retire_scanned(self, scan: _RolloutScan) -> None:

@@ -1,0 +1,183 @@
+"""Adversarial: mark_incomplete's local spill (torn files, replay racing new spills, double replay).
+
+The store is made to fail on the wire by a fault proxy in front of the real test server
+(``test_adversarial_faultproxy.FaultProxy``): marker PUTs for chosen call ids are answered 503
+(the store is "down" for them) or held (a slow replay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from helpers import simple_entry
+from test_adversarial_faultproxy import FaultProxy, Respond, not_implemented_xml
+
+from s3capture.store import default_botocore_config
+
+
+def _no_retry_config() -> Any:
+    return default_botocore_config(16, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"})
+
+
+async def _proxy(s3_server: Any) -> FaultProxy:
+    return await FaultProxy(s3_server.port).start()
+
+
+def _marker_put_for(request: Any, cid: str) -> bool:
+    return request.method == "PUT" and f"/log/x/{cid}/" in request.path
+
+
+# Regression test (found by the adversarial review, fixed in 0d86cd4): one torn line in the spill file makes
+# every later replay raise, so spilled markers never reach the bucket and a rollout with a hole freezes
+# complete
+async def test_torn_spill_line_does_not_block_replay_of_the_others(s3_server, fresh, tmp_path):
+    proxy = await _proxy(s3_server)
+    try:
+        down = {"c1"}
+
+        async def rule(request: Any) -> Any:
+            if any(_marker_put_for(request, cid) for cid in down):
+                return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable")
+            return None
+
+        proxy.rule = rule
+        spill = tmp_path / "spill"
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=spill, botocore_config=_no_retry_config())
+        await worker.put(simple_entry("r-hole", "c0"))
+        await worker.mark_incomplete("r-hole", "c1")  # store "down": spilled, and acknowledged
+        (path,) = list(spill.iterdir())
+        # Another writer of the same spill file died mid-append (or the disk filled up): a torn line.
+        with open(path, "ab") as handle:
+            handle.write(b'{"bucket": "' + worker.bucket.encode() + b'", "ke')
+        down.clear()
+        await worker.mark_incomplete("r-other", "c9")  # store back: replays the spill ... or not
+        await worker.close()
+        snapshot = await fresh().freeze("r-hole")
+        assert snapshot.incomplete, "mark_incomplete('r-hole', 'c1') was acknowledged, yet the rollout froze complete"
+    finally:
+        await proxy.stop()
+
+
+# Regression test (found by the adversarial review, fixed in 0d86cd4): replay_spill reads the file, awaits the
+# PUTs, then os.remove()s it, deleting markers spilled meanwhile by the same (or another) client
+async def test_marker_spilled_during_a_replay_is_not_lost(s3_server, fresh, tmp_path):
+    proxy = await _proxy(s3_server)
+    try:
+        mode = {"c1": "fail", "c2": "fail"}
+        held = asyncio.Event()
+        release = asyncio.Event()
+
+        async def rule(request: Any) -> Any:
+            for cid, what in mode.items():
+                if _marker_put_for(request, cid):
+                    if what == "fail":
+                        return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable")
+                    if what == "hold":
+                        held.set()
+                        await release.wait()
+            return None
+
+        proxy.rule = rule
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=tmp_path / "spill", botocore_config=_no_retry_config())
+        await worker.put(simple_entry("r-race", "c0"))
+        await worker.mark_incomplete("r-race", "c1")  # spilled
+        mode["c1"] = "hold"  # the store is back but slow for this marker
+        replaying = asyncio.create_task(worker.mark_incomplete("r-race", "c3"))  # lands, then replays c1
+        await asyncio.wait_for(held.wait(), 20)
+        await worker.put(simple_entry("r-race2", "c0"))
+        await worker.mark_incomplete("r-race2", "c2")  # fails now: spilled while the replay is in flight
+        release.set()
+        await replaying
+        mode.clear()
+        await worker.close()  # replays whatever is still spilled
+        snapshot = await fresh().freeze("r-race2")
+        assert snapshot.incomplete, "mark_incomplete('r-race2', 'c2') was acknowledged, yet the rollout froze complete"
+    finally:
+        await proxy.stop()
+
+
+# Fixed: was a strict xfail (BUG) until the fix landed; now a regression test.
+async def test_concurrent_replays_do_not_raise(s3_server, fresh, tmp_path):
+    proxy = await _proxy(s3_server)
+    try:
+        down = {"c1"}
+
+        async def rule(request: Any) -> Any:
+            if any(_marker_put_for(request, cid) for cid in down):
+                return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable")
+            return None
+
+        proxy.rule = rule
+        spill = tmp_path / "spill"
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=spill, botocore_config=_no_retry_config())
+        await worker.mark_incomplete("r-dbl", "c1")
+        down.clear()
+        other = fresh(spill_dir=spill)  # a second client (same host, same spill_dir)
+        results = await asyncio.gather(worker.replay_spill(), other.replay_spill(), return_exceptions=True)
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        assert not os.path.exists(spill / f"markers-{worker.bucket}.jsonl")
+    finally:
+        await proxy.stop()
+
+
+# Fixed: was a strict xfail (BUG) until the fix landed; now a regression test.
+async def test_spilled_marker_reaches_the_bucket_once_the_store_is_back(s3_server, fresh, tmp_path):
+    proxy = await _proxy(s3_server)
+    try:
+        down = {"on": True}
+
+        async def rule(request: Any) -> Any:
+            if down["on"] and _marker_put_for(request, "c1"):
+                return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable")
+            return None
+
+        proxy.rule = rule
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=tmp_path / "spill", botocore_config=_no_retry_config())
+        await worker.put(simple_entry("r-late", "c0"))
+        await worker.mark_incomplete("r-late", "c1")  # acknowledged (spilled)
+        down["on"] = False
+        # The store is healthy again; the worker keeps serving other calls for a while.
+        for i in range(5):
+            await worker.put(simple_entry("r-busy", f"c{i}", text=f"t{i}"))
+            await worker.begin_call("r-busy", f"d{i}")
+        snapshot = await fresh().freeze("r-late")
+        assert snapshot.incomplete, "acknowledged marker for r-late is still only in the worker's local spill"
+    finally:
+        await proxy.stop()
+
+
+def _spill_many(url: str, spill_dir: str, keys: list[str]) -> None:
+    """Another worker process of the host: spills its markers through the real locking path."""
+    from s3capture.store import S3TokenStore
+
+    store = S3TokenStore(url, spill_dir=spill_dir)
+    for key in keys:
+        store._spill(key)
+
+
+async def test_markers_spilled_by_other_processes_during_replays_are_never_lost(s3_env, fresh, tmp_path, bucket_url):
+    """Three processes spill 40 markers each (flock + inode check) while this one replays in a loop;
+    every marker must end up in the bucket."""
+    import concurrent.futures
+    import multiprocessing
+
+    spill = str(tmp_path / "spill")
+    store = fresh(spill_dir=spill)
+    prefix = store.layout.rollout("r-many")
+    per_process = [[f"{prefix}log/x/c{p}-{i}/{p:04d}{i:04d}" for i in range(40)] for p in range(3)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(3, mp_context=ctx) as pool:
+        futures = [pool.submit(_spill_many, bucket_url, spill, keys) for keys in per_process]
+        while not all(f.done() for f in futures):
+            await store.replay_spill()
+            await asyncio.sleep(0.01)
+        for future in futures:
+            future.result()
+    await store.replay_spill()
+    listed = set()
+    for item in await store._list(prefix + "log/x/"):
+        listed.add(item.key)
+    missing = [k for keys in per_process for k in keys if k not in listed]
+    assert not missing, f"{len(missing)} spilled markers never reached the bucket, e.g. {missing[:3]}"
