@@ -970,8 +970,7 @@ class S3TokenStore:
             await asyncio.sleep(wait)
             scan = await self._scan(rollout_id)
         prefix = scan.prefix
-        await self._put(prefix + "retired", b"")
-        await self._put(prefix + "fence", _FENCE_RETIRED)
+        await self._write_retired(prefix)
         # A marker may land after our LIST and read the fence before it said retired (it must
         # succeed after freeze). Listing again after the retired fence catches every such marker.
         after = await self._scan(rollout_id)
@@ -983,11 +982,14 @@ class S3TokenStore:
         self._cache.discard_prefix(prefix)
         return True
 
-    async def _retire_scanned(self, scan: _RolloutScan) -> None:
+    async def _write_retired(self, prefix: str) -> None:
         # Tombstone first, then the fence: a freeze whose frozen fence lands between or after them
         # lists afterwards, sees the tombstone and restores the retired fence.
-        await self._put(scan.prefix + "retired", b"")
-        await self._put(scan.prefix + "fence", _FENCE_RETIRED)
+        await self._put(prefix + "retired", b"")
+        await self._put(prefix + "fence", _FENCE_RETIRED)
+
+    async def _retire_scanned(self, scan: _RolloutScan) -> None:
+        await self._write_retired(scan.prefix)
         await self._delete_keys([i.key for i in scan.log + scan.snaps + scan.foreign])
         self._cache.discard_prefix(scan.prefix)
 
