@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from s3capture.fingerprint import stamp_continuation
-from s3capture.records import ParentResolutionStatus, TokenEntry, compute_digest
+from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, store_prompt_as_delta
 
 FIXED_CREATED_AT = 1700000000.0
 """A fixed ``created_at`` so that an identical retry re-sends byte-identical payloads."""
@@ -80,22 +80,12 @@ def make_entry(
         created_at=created_at,
     )
     stamp_continuation(entry, list(request_items))
-    cumulative = full_prompt + list(generation)
-    entry.cum_len = len(cumulative)
-    entry.digest = compute_digest(cumulative)
-    if parent_call_id is None:
-        entry.parent_resolution = ParentResolutionStatus.ROOT
-    else:
-        entry.parent_call_id = parent_call_id
-        entry.parent_resolution = ParentResolutionStatus.RESOLVED
+    status = ParentResolutionStatus.ROOT if parent_call_id is None else ParentResolutionStatus.RESOLVED
+    stamp_lineage(entry, parent_call_id, parent_resolution=status)
     if delta:
         if parent_call_id is None or parent_cumulative is None:
             raise ValueError("a delta entry needs parent_call_id and parent_cumulative")
-        parent_cumulative = list(parent_cumulative)
-        if full_prompt[: len(parent_cumulative)] != parent_cumulative:
-            raise ValueError("the full prompt does not start with the parent's cumulative tokens")
-        entry.prompt_token_ids = full_prompt[len(parent_cumulative):]
-        entry.prompt_is_delta = True
+        store_prompt_as_delta(entry, parent_cumulative)
     return entry
 
 

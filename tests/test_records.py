@@ -563,3 +563,28 @@ def test_parent_resolution_status_values_match_gym() -> None:
             default = info.get_default(call_default_factory=True)
             ours = TokenEntry(rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[])
             assert getattr(ours, name) == default, name
+
+
+def test_stamp_lineage_matches_gym_and_delta_keeps_the_full_sequence_digest() -> None:
+    from gymcompat import require_gym
+
+    from s3capture.records import stamp_lineage, store_prompt_as_delta, to_gym
+
+    gym = require_gym()
+    entry = coerce_entry({"rollout_id": "r", "model_call_id": "c2", "prompt_token_ids": [1, 2, 3, 4],
+                          "generation_token_ids": [5], "generation_log_probs": [-0.5]})
+    gym_entry = to_gym(entry)
+    stamp_lineage(entry, "c1", parent_resolution=ParentResolutionStatus.RESOLVED)
+    gym.records.stamp_lineage(gym_entry, "c1", parent_resolution=gym.records.ParentResolutionStatus.RESOLVED)
+    assert encode_entry(entry) == canonical_json(gym_entry.model_dump(mode="json")).encode()
+    with pytest.raises(RecordError):
+        store_prompt_as_delta(entry, [1, 9])
+    store_prompt_as_delta(entry, [1, 2])
+    assert entry.prompt_token_ids == [3, 4] and entry.prompt_is_delta
+    assert entry.cum_len == 5 and entry.digest == gym_entry.digest
+    root = coerce_entry({"rollout_id": "r", "model_call_id": "c0", "prompt_token_ids": [1],
+                         "generation_token_ids": [], "generation_log_probs": []})
+    with pytest.raises(RecordError):
+        stamp_lineage(root, "c9", parent_resolution=ParentResolutionStatus.ROOT)
+    with pytest.raises(RecordError):
+        store_prompt_as_delta(stamp_lineage(root, None, parent_resolution=ParentResolutionStatus.ROOT), [1])

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - depends on how the tool is run
     sys.path.insert(0, str(ROOT / "src"))
 
 from s3capture.fingerprint import stamp_continuation
-from s3capture.records import ParentResolutionStatus, TokenEntry, compute_digest
+from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, store_prompt_as_delta
 
 DATA_DIR = Path(os.environ.get("S3CAPTURE_BENCH_DATA", "/work/shared/data/gym-example-rollouts"))
 CREATED_AT = 1_700_000_000.0
@@ -67,17 +67,10 @@ def build_entry(
         created_at=created_at,
     )
     stamp_continuation(entry, request_items)
-    cumulative = full + entry.generation_token_ids
-    entry.cum_len = len(cumulative)
-    entry.digest = compute_digest(cumulative)
-    if parent_call_id is None:
-        entry.parent_resolution = ParentResolutionStatus.ROOT
-    else:
-        entry.parent_call_id = parent_call_id
-        entry.parent_resolution = ParentResolutionStatus.RESOLVED
-        if parent_len is not None:
-            entry.prompt_token_ids = full[parent_len:]
-            entry.prompt_is_delta = True
+    status = ParentResolutionStatus.ROOT if parent_call_id is None else ParentResolutionStatus.RESOLVED
+    stamp_lineage(entry, parent_call_id, parent_resolution=status)
+    if parent_call_id is not None and parent_len is not None:
+        store_prompt_as_delta(entry, full[:parent_len])
     return entry
 
 

@@ -29,7 +29,14 @@ from typing import Any
 
 from s3capture.fingerprint import stamp_continuation
 from s3capture.protocols import TokenCaptureFrozenError
-from s3capture.records import ParentResolutionStatus, TokenEntry, compute_digest, encode_entry
+from s3capture.records import (
+    ParentResolutionStatus,
+    TokenEntry,
+    compute_digest,
+    encode_entry,
+    stamp_lineage,
+    store_prompt_as_delta,
+)
 from s3capture.replay import ReplayCall, ReplayRollout
 
 RESOLVED = ParentResolutionStatus.RESOLVED
@@ -128,9 +135,6 @@ async def _serve_call(
         created_at=time.time(),
     )
     stamp_continuation(entry, call.request_items)
-    cumulative = full_prompt + entry.generation_token_ids
-    entry.cum_len = len(cumulative)
-    entry.digest = compute_digest(cumulative)
     parent_ok = True
     if resolution.status == RESOLVED:
         assert resolution.match is not None
@@ -138,16 +142,13 @@ async def _serve_call(
         parent_ok = full_prompt[: len(parent_tokens)] == parent_tokens and (
             expected_parent is None or resolution.match.model_call_id == expected_parent
         )
-        entry.parent_call_id = resolution.match.model_call_id
-        entry.parent_resolution = RESOLVED
+        stamp_lineage(entry, resolution.match.model_call_id, parent_resolution=RESOLVED)
         # Every 16th call stores its full prompt: a fresh resolver then rebuilds any chain from the
         # nearest anchor in one round trip of at most 16 parallel GETs (CHAIN_KEYS).
         if delta and parent_ok and call.index % 16:
-            entry.prompt_token_ids = full_prompt[len(parent_tokens):]
-            entry.prompt_is_delta = True
+            store_prompt_as_delta(entry, parent_tokens)
     else:
-        entry.parent_resolution = ParentResolutionStatus(resolution.status)
-        entry.parent_resolution_reason = resolution.reason
+        stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus(resolution.status), reason=resolution.reason)
     started = time.perf_counter()
     try:
         await store.put(entry)

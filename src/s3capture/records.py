@@ -45,6 +45,8 @@ __all__ = [
     "to_gym",
     "compute_digest",
     "cumulative_tokens",
+    "stamp_lineage",
+    "store_prompt_as_delta",
 ]
 
 TOKEN_ENTRY_RECORD_SCHEMA_VERSION = 1
@@ -298,6 +300,47 @@ def compute_digest(token_ids: list[int] | tuple[int, ...]) -> str:
     if not token_ids:
         return _EMPTY_DIGEST
     return hashlib.sha256(_DIGEST_DOMAIN + encode_token_ids(list(token_ids))).hexdigest()
+
+
+def stamp_lineage(
+    entry: TokenEntry,
+    parent_call_id: str | None,
+    *,
+    parent_resolution: ParentResolutionStatus | None = None,
+    reason: str = "",
+) -> TokenEntry:
+    """Fill ``cum_len``, ``digest`` and the parent decision of a full-prompt entry (Gym's ``stamp_lineage``).
+
+    ``cum_len`` and ``digest`` cover ``prompt_token_ids + generation_token_ids``; call this before
+    ``store_prompt_as_delta``. Raises ``RecordError`` for parent metadata that contradicts the status.
+    """
+    cumulative = cumulative_tokens(entry)
+    entry.cum_len = len(cumulative)
+    entry.digest = compute_digest(cumulative)
+    entry.parent_call_id = parent_call_id
+    entry.parent_resolution = parent_resolution
+    entry.parent_resolution_reason = reason
+    if parent_resolution is ParentResolutionStatus.RESOLVED and parent_call_id is None:
+        raise RecordError("resolved parent metadata requires parent_call_id")
+    if parent_resolution in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED) and parent_call_id is not None:
+        raise RecordError(f"{parent_resolution.value} parent metadata cannot carry parent_call_id")
+    return entry
+
+
+def store_prompt_as_delta(entry: TokenEntry, parent_cumulative: list[int] | tuple[int, ...]) -> TokenEntry:
+    """Keep only the prompt suffix after the RESOLVED parent's cumulative tokens (``prompt_is_delta``).
+
+    ``cum_len`` and ``digest`` keep describing the full sequence. Raises ``RecordError`` when the
+    entry is not RESOLVED or its prompt does not start with ``parent_cumulative``.
+    """
+    parent = list(parent_cumulative)
+    if entry.parent_resolution is not ParentResolutionStatus.RESOLVED or not entry.parent_call_id:
+        raise RecordError("a delta prompt requires a RESOLVED parent_call_id to reconstruct from")
+    if entry.prompt_is_delta or entry.prompt_token_ids[: len(parent)] != parent:
+        raise RecordError("the full prompt does not start with the parent's cumulative tokens")
+    entry.prompt_token_ids = entry.prompt_token_ids[len(parent):]
+    entry.prompt_is_delta = True
+    return entry
 
 
 def cumulative_tokens(entry: TokenEntry) -> list[int]:
