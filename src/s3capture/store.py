@@ -267,29 +267,12 @@ def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) ->
     return Config(**settings)
 
 
-class S3TokenStore:
-    """NeMo Gym's ``TokenSink`` (plus ``begin_call``), ``TokenSource`` and ``LineageResolver`` on S3.
+class _S3Objects:
+    """Client plumbing shared by ``S3TokenStore`` and ``S3CaptureLedger``.
 
-    Parameters:
-        url: ``s3://bucket/prefix``; every key lives under the prefix.
-        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL`` (then AWS itself).
-        botocore_config: a ``botocore.config.Config``; defaults to ``default_botocore_config()``.
-        session: an ``aioboto3.Session``; defaults to one built from the standard credential chain.
-        entry_type: ``"s3capture"`` (``s3capture.records.TokenEntry``) or ``"gym"`` (NeMo Gym's
-            pydantic ``TokenEntry``) for entries handed back by ``freeze``.
-        cache_bytes: bound on the estimated heap of decoded immutable objects kept in memory (bytes).
-        max_concurrency: bound on requests in flight from this client (at most the pool size).
-        compression_level: zstd level for stored entries.
-        max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
-        spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
-            store; they are replayed by the next ``mark_incomplete``, ``replay_spill`` or ``close``.
-        fence_grace: seconds. A ``put`` slower than this reads the fence again after landing, and
-            ``drop`` waits until the fence is this old (by the store's clock) before its final
-            LIST; together they close the stale-drop window (``docs/design.md``). Every client of
-            a bucket must use the same value.
-
-    Every method raises ``ValueError`` (or ``TypeError``) for an id that cannot be stored, before
-    any request, and ``StoreError`` when the store refuses an operation.
+    One lazily opened aioboto3 client per instance, a bound on requests in flight, request
+    counting, error wrapping, paged LIST, batched delete, and the rollout fence and removal
+    operations (``retire``, ``delete``), which both families share because they share a layout.
     """
 
     def __init__(
@@ -299,38 +282,22 @@ class S3TokenStore:
         endpoint_url: str | None = None,
         botocore_config: Any = None,
         session: Any = None,
-        entry_type: str = "s3capture",
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
-        compression_level: int = 3,
-        max_entry_bytes: int = 256 * 1024 * 1024,
-        spill_dir: str | os.PathLike | None = None,
-        fence_grace: float = 1.0,
     ) -> None:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
         self.layout = Layout(prefix)
-        if entry_type not in ("s3capture", "gym"):
-            raise ValueError(f"entry_type must be 's3capture' or 'gym', got {entry_type!r}")
-        if entry_type == "gym":
-            import nemo_gym.token_id_capture.records  # noqa: F401 - fail early with ImportError
-        self.entry_type = entry_type
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if botocore_config is None:
             extra = {"s3": {"addressing_style": "path"}} if self.endpoint_url else {}
             botocore_config = default_botocore_config(max(max_concurrency, 10), **extra)
         self._config = botocore_config
         self._session = session
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
         self._max_concurrency = max_concurrency
         self._cache = _LRU(cache_bytes)
-        self._call_keys: collections.OrderedDict[tuple[str, str], set[str]] = collections.OrderedDict()
-        self._call_keys_limit = 200_000
-        self._compressor = zstandard.ZstdCompressor(level=compression_level)
-        self._max_entry_bytes = max_entry_bytes
-        self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
-        if fence_grace < 0:
-            raise ValueError("fence_grace must be >= 0 seconds")
-        self._fence_grace = fence_grace
         self._client: Any = None
         self._stack: AsyncExitStack | None = None
         self._client_lock: asyncio.Lock | None = None
@@ -503,17 +470,12 @@ class S3TokenStore:
 
     async def close(self) -> None:
         """Release the HTTP client. Idempotent; there is never unwritten data to flush."""
-        if self._spill_dir and self._client is not None and not self._closed:
-            try:
-                await self.replay_spill()
-            except Exception:  # noqa: BLE001 - replay is best effort at close; the spill file stays
-                log.warning("could not replay spilled markers at close", exc_info=True)
         self._closed = True
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None:
             await stack.aclose()
 
-    async def __aenter__(self) -> "S3TokenStore":
+    async def __aenter__(self) -> Any:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -522,6 +484,175 @@ class S3TokenStore:
     def is_process_shared(self) -> bool:
         """True: every client of the bucket sees every committed entry."""
         return True
+
+    # ------------------------------------------------------------------ rollout fences and removal
+    async def _scan(self, rollout_id: str) -> _RolloutScan:
+        prefix = self.layout.rollout(rollout_id)
+        listing, server_time = await self._list_timed(prefix)
+        scan = _RolloutScan(prefix, server_time)
+        for item in listing:
+            rel = item.key[len(prefix):]
+            if rel == "fence":
+                scan.fence = True
+                scan.fence_modified = item.modified
+            elif rel == "retired":
+                scan.retired = True
+            elif rel.startswith("snap/"):
+                scan.snaps.append(item)
+            elif rel.startswith("log/") and parse_log_key(rel) is not None:
+                scan.log.append(item)
+            else:
+                scan.foreign.append(item)
+        return scan
+
+    async def _write_retired(self, prefix: str) -> None:
+        # Tombstone first, then the fence: a freeze whose frozen fence lands between or after them
+        # lists afterwards, sees the tombstone and restores the retired fence.
+        await self._put(prefix + "retired", b"")
+        await self._put(prefix + "fence", _FENCE_RETIRED)
+
+    async def _retire_scanned(self, scan: _RolloutScan) -> None:
+        await self._write_retired(scan.prefix)
+        await self._delete_keys([i.key for i in scan.log + scan.snaps + scan.foreign])
+        self._cache.discard_prefix(scan.prefix)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and keep a fence, whatever their state (idempotent).
+
+        Returns ``{"removed": [...], "absent": [...]}``: removed are ids that had records or an
+        unretired fence; absent are ids with nothing to remove (never written, or retired already).
+        Later writes to a retired rollout raise ``TokenCaptureRetiredError``.
+        """
+        ids = self._check_ids(rollout_ids)
+        removed: list[str] = []
+        absent: list[str] = []
+
+        async def one(rollout_id: str) -> None:
+            scan = await self._scan(rollout_id)
+            had = bool(scan.log or scan.snaps or scan.foreign) or (scan.fence and not scan.retired)
+            await self._retire_scanned(scan)
+            (removed if had else absent).append(rollout_id)
+
+        await self._each(ids, one)
+        return {"removed": [r for r in ids if r in set(removed)], "absent": [r for r in ids if r in set(absent)]}
+
+    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and fences, after which an id reads as unused (idempotent).
+
+        Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing was stored for the id).
+        """
+        ids = self._check_ids(rollout_ids)
+        removed: set[str] = set()
+
+        async def one(rollout_id: str) -> None:
+            scan = await self._scan(rollout_id)
+            keys = scan.all_keys
+            if keys:
+                fences = [scan.prefix + "fence", scan.prefix + "retired"]
+                await self._delete_keys([k for k in keys if k not in fences])
+                await self._delete_keys(fences)
+                removed.add(rollout_id)
+            self._cache.discard_prefix(scan.prefix)
+            self._forget_rollout(rollout_id)
+
+        await self._each(ids, one)
+        return {"removed": [r for r in ids if r in removed], "absent": [r for r in ids if r not in removed]}
+
+    def _forget_rollout(self, rollout_id: str) -> None:
+        """Drop per-rollout client state after a delete (subclasses keep some)."""
+
+    def _check_ids(self, rollout_ids: Sequence[str]) -> list[str]:
+        if isinstance(rollout_ids, str):
+            raise TypeError("rollout_ids must be a sequence of ids, not a single str")
+        ids = list(dict.fromkeys(rollout_ids))
+        for rollout_id in ids:
+            self.layout.rollout(rollout_id)
+        return ids
+
+    async def _each(self, ids: Iterable[str], fn: Any) -> None:
+        limit = asyncio.Semaphore(8)
+
+        async def run(rollout_id: str) -> None:
+            async with limit:
+                await fn(rollout_id)
+
+        await asyncio.gather(*(run(r) for r in ids))
+
+
+class S3TokenStore(_S3Objects):
+    """NeMo Gym's ``TokenSink`` (plus ``begin_call``), ``TokenSource`` and ``LineageResolver`` on S3.
+
+    Parameters:
+        url: ``s3://bucket/prefix``; every key lives under the prefix.
+        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL`` (then AWS itself).
+        botocore_config: a ``botocore.config.Config``; defaults to ``default_botocore_config()``.
+        session: an ``aioboto3.Session``; defaults to one built from the standard credential chain.
+        entry_type: ``"s3capture"`` (``s3capture.records.TokenEntry``) or ``"gym"`` (NeMo Gym's
+            pydantic ``TokenEntry``) for entries handed back by ``freeze``.
+        cache_bytes: bound on the estimated heap of decoded immutable objects kept in memory (bytes).
+        max_concurrency: bound on requests in flight from this client (at most the pool size).
+        compression_level: zstd level for stored entries.
+        max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
+        spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
+            store; they are replayed by the next ``mark_incomplete``, ``replay_spill`` or ``close``.
+        fence_grace: seconds. A ``put`` slower than this reads the fence again after landing, and
+            ``drop`` waits until the fence is this old (by the store's clock) before its final
+            LIST; together they close the stale-drop window (``docs/design.md``). Every client of
+            a bucket must use the same value.
+
+    Every method raises ``ValueError`` (or ``TypeError``) for an id that cannot be stored, before
+    any request, and ``StoreError`` when the store refuses an operation.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        botocore_config: Any = None,
+        session: Any = None,
+        entry_type: str = "s3capture",
+        cache_bytes: int = 256 * 1024 * 1024,
+        max_concurrency: int = 32,
+        compression_level: int = 3,
+        max_entry_bytes: int = 256 * 1024 * 1024,
+        spill_dir: str | os.PathLike | None = None,
+        fence_grace: float = 1.0,
+    ) -> None:
+        super().__init__(
+            url,
+            endpoint_url=endpoint_url,
+            botocore_config=botocore_config,
+            session=session,
+            cache_bytes=cache_bytes,
+            max_concurrency=max_concurrency,
+        )
+        if entry_type not in ("s3capture", "gym"):
+            raise ValueError(f"entry_type must be 's3capture' or 'gym', got {entry_type!r}")
+        if entry_type == "gym":
+            import nemo_gym.token_id_capture.records  # noqa: F401 - fail early with ImportError
+        self.entry_type = entry_type
+        self._call_keys: collections.OrderedDict[tuple[str, str], set[str]] = collections.OrderedDict()
+        self._call_keys_limit = 200_000
+        self._compressor = zstandard.ZstdCompressor(level=compression_level)
+        self._max_entry_bytes = max_entry_bytes
+        self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
+        if fence_grace < 0:
+            raise ValueError("fence_grace must be >= 0 seconds")
+        self._fence_grace = fence_grace
+
+    async def close(self) -> None:
+        """Release the HTTP client. Idempotent; there is never unwritten data to flush."""
+        if self._spill_dir and self._client is not None and not self._closed:
+            try:
+                await self.replay_spill()
+            except Exception:  # noqa: BLE001 - replay is best effort at close; the spill file stays
+                log.warning("could not replay spilled markers at close", exc_info=True)
+        await super().close()
+
+    def _forget_rollout(self, rollout_id: str) -> None:
+        for key in [k for k in self._call_keys if k[0] == rollout_id]:
+            del self._call_keys[key]
 
     # ------------------------------------------------------------------ encoding
     def _encode_object(self, payload: bytes, chain: Sequence[str]) -> bytes:
@@ -829,25 +960,6 @@ class S3TokenStore:
         return len(keys)
 
     # ------------------------------------------------------------------ TokenSource
-    async def _scan(self, rollout_id: str) -> _RolloutScan:
-        prefix = self.layout.rollout(rollout_id)
-        listing, server_time = await self._list_timed(prefix)
-        scan = _RolloutScan(prefix, server_time)
-        for item in listing:
-            rel = item.key[len(prefix):]
-            if rel == "fence":
-                scan.fence = True
-                scan.fence_modified = item.modified
-            elif rel == "retired":
-                scan.retired = True
-            elif rel.startswith("snap/"):
-                scan.snaps.append(item)
-            elif rel.startswith("log/") and parse_log_key(rel) is not None:
-                scan.log.append(item)
-            else:
-                scan.foreign.append(item)
-        return scan
-
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
@@ -981,77 +1093,6 @@ class S3TokenStore:
         await self._delete_keys([i.key for i in after.log + after.snaps + after.foreign])
         self._cache.discard_prefix(prefix)
         return True
-
-    async def _write_retired(self, prefix: str) -> None:
-        # Tombstone first, then the fence: a freeze whose frozen fence lands between or after them
-        # lists afterwards, sees the tombstone and restores the retired fence.
-        await self._put(prefix + "retired", b"")
-        await self._put(prefix + "fence", _FENCE_RETIRED)
-
-    async def _retire_scanned(self, scan: _RolloutScan) -> None:
-        await self._write_retired(scan.prefix)
-        await self._delete_keys([i.key for i in scan.log + scan.snaps + scan.foreign])
-        self._cache.discard_prefix(scan.prefix)
-
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and keep a fence, whatever their state (idempotent).
-
-        Returns ``{"removed": [...], "absent": [...]}``: removed are ids that had records or an
-        unretired fence; absent are ids with nothing to remove (never written, or retired already).
-        Later writes to a retired rollout raise ``TokenCaptureRetiredError``.
-        """
-        ids = self._check_ids(rollout_ids)
-        removed: list[str] = []
-        absent: list[str] = []
-
-        async def one(rollout_id: str) -> None:
-            scan = await self._scan(rollout_id)
-            had = bool(scan.log or scan.snaps or scan.foreign) or (scan.fence and not scan.retired)
-            await self._retire_scanned(scan)
-            (removed if had else absent).append(rollout_id)
-
-        await self._each(ids, one)
-        return {"removed": [r for r in ids if r in set(removed)], "absent": [r for r in ids if r in set(absent)]}
-
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and fences, after which an id reads as unused (idempotent).
-
-        Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing was stored for the id).
-        """
-        ids = self._check_ids(rollout_ids)
-        removed: set[str] = set()
-
-        async def one(rollout_id: str) -> None:
-            scan = await self._scan(rollout_id)
-            keys = scan.all_keys
-            if keys:
-                fences = [scan.prefix + "fence", scan.prefix + "retired"]
-                await self._delete_keys([k for k in keys if k not in fences])
-                await self._delete_keys(fences)
-                removed.add(rollout_id)
-            self._cache.discard_prefix(scan.prefix)
-            for key in [k for k in self._call_keys if k[0] == rollout_id]:
-                del self._call_keys[key]
-
-        await self._each(ids, one)
-        return {"removed": [r for r in ids if r in removed], "absent": [r for r in ids if r not in removed]}
-
-    def _check_ids(self, rollout_ids: Sequence[str]) -> list[str]:
-        if isinstance(rollout_ids, str):
-            raise TypeError("rollout_ids must be a sequence of ids, not a single str")
-        ids = list(dict.fromkeys(rollout_ids))
-        for rollout_id in ids:
-            self.layout.rollout(rollout_id)
-        return ids
-
-    async def _each(self, ids: Iterable[str], fn: Any) -> None:
-        limit = asyncio.Semaphore(8)
-
-        async def run(rollout_id: str) -> None:
-            async with limit:
-                await fn(rollout_id)
-
-        await asyncio.gather(*(run(r) for r in ids))
 
     # ------------------------------------------------------------------ LineageResolver
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
