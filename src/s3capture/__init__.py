@@ -1,7 +1,8 @@
 """s3capture: NeMo Gym's token-capture protocols on S3-compatible object storage.
 
 ``S3TokenStore`` (in ``s3capture.store``) implements ``TokenSink`` (with ``begin_call``),
-``TokenSource`` and ``LineageResolver`` without compare-and-swap. The record types are in
+``TokenSource`` and ``LineageResolver`` without compare-and-swap; ``S3CaptureLedger`` (in
+``s3capture.ledger``) implements ``CaptureLedger`` for token data staged elsewhere. The record types are in
 ``s3capture.records`` and the protocols in ``s3capture.protocols``; see ``docs/design.md``.
 """
 
@@ -34,12 +35,17 @@ def __getattr__(name: str):  # lazy: importing the protocols must not import aio
         from s3capture import store
 
         return getattr(store, name)
+    if name in ("S3CaptureLedger", "LedgerConflictError"):
+        from s3capture import ledger
+
+        return getattr(ledger, name)
     raise AttributeError(name)
 
 
 __all__ = [
     "CaptureLedger",
     "FrozenSnapshot",
+    "LedgerConflictError",
     "LineageMatch",
     "LineageResolution",
     "LineageResolver",
@@ -47,6 +53,7 @@ __all__ = [
     "RecordError",
     "RolloutRemovalPayload",
     "RolloutRetiredError",
+    "S3CaptureLedger",
     "S3TokenStore",
     "StoreError",
     "TokenCaptureFrozenError",

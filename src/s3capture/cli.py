@@ -1,4 +1,4 @@
-"""The ``s3capture`` command line (``s3capture demo``)."""
+"""The ``s3capture`` command line (``s3capture demo``, ``s3capture conformance``)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,46 @@ def _demo(args: argparse.Namespace) -> int:
             server.stop()
 
 
+def _conformance(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from s3capture.conformance import format_result, format_summary, run_s3_conformance
+
+    server = None
+    endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    url = args.url
+    try:
+        if url is None:
+            if endpoint is not None:
+                print("s3capture conformance: give the s3://bucket/prefix to check", file=sys.stderr)
+                return 2
+            from s3capture.localserver import start_moto
+
+            print("no URL given: checking an embedded moto S3 server on 127.0.0.1", file=sys.stderr)
+            server = start_moto()
+            os.environ.update(server.env())
+            endpoint = server.endpoint_url
+            url = f"s3://s3capture-conformance/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            _ensure_bucket(url, endpoint, server.env())
+        elif args.endpoint:
+            os.environ["AWS_ENDPOINT_URL"] = args.endpoint
+        print(f"s3capture conformance against {url} on {endpoint or 'AWS S3'}", flush=True)
+        report = asyncio.run(
+            run_s3_conformance(
+                url,
+                endpoint_url=endpoint,
+                only=args.check or None,
+                fence_grace=args.fence_grace,
+                progress=lambda result: print(format_result(result), flush=True),
+            )
+        )
+        print(format_summary(report))
+        return 0 if report.ok else 1
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:
     import boto3
     from botocore.config import Config
@@ -114,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the generated workload and of worker choice (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
     demo.set_defaults(func=_demo)
+    check = sub.add_parser(
+        "conformance",
+        help="check every contract of the token-capture protocols against a bucket (embedded S3 without a URL)",
+        description="Run s3capture's conformance suite (s3capture.conformance) against S3TokenStore and "
+        "S3CaptureLedger on a real bucket, so an operator can check a store (AWS S3, GCS, MinIO, R2, Ceph) "
+        "before a training run. Every check uses its own rollout ids under the prefix and deletes them "
+        "afterwards. Exit status 0 when every check passes, 1 when any fails.",
+    )
+    check.add_argument("url", nargs="?", help="s3://bucket/prefix to check (default: an embedded moto server)")
+    check.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)")
+    check.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable)")
+    check.add_argument("--fence-grace", type=float, default=1.0,
+                       help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)")
+    check.set_defaults(func=_conformance)
     return parser
 
 

@@ -8,6 +8,9 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/log/i/<cid>                    begin_call intent (empty)
     rollouts/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
     rollouts/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
+    rollouts/<rid>/ledger/row/<cid>/<sha256>.json capture-ledger row (CaptureLedger.record); sha256 of its bytes
+    rollouts/<rid>/ledger/fp/<fp>/<cid>/<sha256>  ledger fingerprint index of that row (empty)
+    rollouts/<rid>/ledger/fail/<cid>/<sha256>.json ledger failure row (CaptureLedger.record_failure)
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``
@@ -170,6 +173,33 @@ def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:
         if len(parts) == 4 and parts[0] == "log" and parts[1] == "x" and parts[3]:
             cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])
             return "x", cid, "", parts[3]
+    except ValueError:
+        return None
+    return None
+
+
+def _is_sha(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
+    """Classify a capture-ledger key relative to a rollout prefix.
+
+    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fp"`` (index) or
+    ``"fail"``, or ``None`` for a key s3capture does not write under ``ledger/``. A failure row of
+    a call id too long to store names the call ``~h<sha256>``; its body carries the real id.
+    """
+    parts = rel.split("/")
+    try:
+        if len(parts) == 4 and parts[:2] == ["ledger", "row"] and parts[3].endswith(".json"):
+            sha = parts[3][: -len(".json")]
+            return ("row", unescape_id(parts[2]), "", sha) if _is_sha(sha) else None
+        if len(parts) == 5 and parts[:2] == ["ledger", "fp"] and _is_sha(parts[4]):
+            return "fp", unescape_id(parts[3]), unescape_id(parts[2]), parts[4]
+        if len(parts) == 4 and parts[:2] == ["ledger", "fail"] and parts[3].endswith(".json"):
+            sha = parts[3][: -len(".json")]
+            cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])
+            return ("fail", cid, "", sha) if _is_sha(sha) else None
     except ValueError:
         return None
     return None

@@ -1,0 +1,451 @@
+"""NeMo Gym's ``CaptureLedger`` on S3-compatible storage, without compare-and-swap.
+
+Contract: ``CaptureLedger`` in ``shared/spec/protocols-reference.txt`` (record, record_failure,
+manifest, has_rows, resolve, retire, delete). The design, the requests of each operation and the
+races that remain are in ``docs/ledger.md``; the keys are in ``s3capture.layout``.
+
+A framework that stages token arrays itself (in its inference workers or a transfer queue) keeps
+only token-free rows here: one committed row per staged model call, failure rows for calls that did
+not commit, and request-time parent resolution over the committed rows. Staged token data is never
+read, written or deleted by this class.
+
+Usage::
+
+    ledger = S3CaptureLedger("s3://bucket/capture")
+    resolution = await ledger.resolve(rollout_id, request_items)   # parent of the next call
+    await ledger.record(commit)            # a CaptureLedgerCommit (s3capture's, Gym's, or a dict)
+    await ledger.record_failure(rollout_id, model_call_id, "worker_capture_failed")
+    manifest = await ledger.manifest(rollout_id)   # validates as Gym's RolloutManifest
+    await ledger.retire([rollout_id])
+    await ledger.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from s3capture import fingerprint as _fp
+from s3capture.layout import escape_id, parse_ledger_key
+from s3capture.ledger_records import (
+    LEDGER_CONFLICTING_ROWS_REASON,
+    LEDGER_FOREIGN_OBJECT_REASON,
+    LEDGER_UNREADABLE_ROW_REASON,
+    CallRecord,
+    ManifestFailure,
+    RolloutManifest,
+    to_wire,
+    validate_commit,
+)
+from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
+from s3capture.records import ParentResolutionStatus, RecordError
+from s3capture.store import _BOTO_ERRORS, _S3Objects
+
+__all__ = ["S3CaptureLedger", "LedgerConflictError"]
+
+log = logging.getLogger("s3capture")
+
+_ROW_FORMAT = "s3capture.ledger-row/1"
+_FAILURE_FORMAT = "s3capture.ledger-failure/1"
+_MAX_ROW_BYTES = 4 * 1024 * 1024
+"""Largest ledger object a reader decodes: rows are token-free, a few KiB even with a long chain."""
+
+
+class LedgerConflictError(ValueError):
+    """``record`` found a different committed row for the same model call id.
+
+    Gym's reference ledgers raise ``ValueError`` here too. The caller's row was written before the
+    conflict was seen, so readers also see the conflict: the call id resolves as zero candidates
+    and the manifest lists it under ``failures`` with reason ``conflicting_ledger_rows``.
+    """
+
+
+class _Row(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A stored committed row: the manifest row plus what resolution needs (no request items)."""
+
+    format: str
+    rollout_id: str
+    record: CallRecord
+    staging_chain: list[str]
+    fingerprint: str | None
+    fingerprint_version: int
+    context_len: int
+    context_digest: str
+
+
+class _Failure(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    format: str
+    rollout_id: str
+    model_call_id: str
+    reason: str
+
+
+@dataclass
+class _Cached:
+    """A decoded immutable ledger object (cached by key: the key names the SHA-256 of its bytes)."""
+
+    value: Any
+    nbytes: int
+
+
+def _sha(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+class S3CaptureLedger(_S3Objects):
+    """NeMo Gym's ``CaptureLedger`` (and so a ``LineageResolver``) on S3.
+
+    Parameters:
+        url: ``s3://bucket/prefix``; shares the layout (and the rollout fences) of an
+            ``S3TokenStore`` on the same URL. A rollout id is used by one family or the other.
+        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL`` (then AWS itself).
+        botocore_config: a ``botocore.config.Config``; defaults to ``default_botocore_config()``.
+        session: an ``aioboto3.Session``; defaults to one from the standard credential chain.
+        cache_bytes: bound on the estimated heap of decoded rows kept in memory (bytes).
+        max_concurrency: bound on requests in flight from this client.
+
+    Every method raises ``ValueError``/``TypeError`` for an id or record that cannot be stored,
+    before any request, and ``StoreError`` when the store refuses an operation.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        botocore_config: Any = None,
+        session: Any = None,
+        cache_bytes: int = 64 * 1024 * 1024,
+        max_concurrency: int = 32,
+    ) -> None:
+        super().__init__(
+            url,
+            endpoint_url=endpoint_url,
+            botocore_config=botocore_config,
+            session=session,
+            cache_bytes=cache_bytes,
+            max_concurrency=max_concurrency,
+        )
+
+    # ------------------------------------------------------------------ writes
+    async def record(self, commit: Any) -> None:
+        """Publish a completed call for request-time resolution; visible to every client on return.
+
+        ``commit`` is a ``CaptureLedgerCommit`` (s3capture's struct, NeMo Gym's pydantic model, or
+        its wire dict), validated by Gym's rules. Requests, sent together (one round trip): PUT the
+        content-addressed row, PUT its fingerprint index, LIST the call id's rows. Repeating the
+        same payload writes the same keys and is a no-op.
+
+        Raises ``RecordError`` (a ``ValueError``) for an invalid commit or one whose request or
+        response items cannot be fingerprinted; ``ValueError`` for an id too long to store;
+        ``LedgerConflictError`` when another payload for the call id is already stored (readers
+        see that conflict too); ``StoreError`` when a request fails. A ``record`` for a retired
+        rollout is discarded: it lands beside the fence, and no reader ever uses it
+        (``manifest``/``has_rows`` raise ``RolloutRetiredError``, ``resolve`` is UNRESOLVED).
+        """
+        c = validate_commit(commit)
+        prefix = self.layout.rollout(c.rollout_id)
+        cid = c.record.model_call_id
+        segment = self.layout.check_call_id(prefix, cid)
+        request_items = list(c.request_items)
+        try:
+            fingerprint = _fp.assistant_fingerprint(request_items + list(c.response_items)) or None
+            context_digest = _fp.conversation_digest(request_items)
+        except Exception as error:  # noqa: BLE001 - any unhashable item is a bad commit
+            raise RecordError(f"commit {cid!r} has items that cannot be fingerprinted: {error}") from None
+        row = _Row(
+            format=_ROW_FORMAT,
+            rollout_id=c.rollout_id,
+            record=c.record,
+            staging_chain=list(c.staging_chain),
+            fingerprint=fingerprint,
+            fingerprint_version=_fp.FINGERPRINT_VERSION,
+            context_len=len(request_items),
+            context_digest=context_digest,
+        )
+        body = msgspec.json.encode(row, order="sorted")
+        sha = _sha(body)
+        row_key = f"{prefix}ledger/row/{segment}/{sha}.json"
+        requests = [self._put(row_key, body), self._list(f"{prefix}ledger/row/{segment}/")]
+        if fingerprint:
+            index_rel = f"ledger/fp/{escape_id(fingerprint)}/{segment}/{sha}"
+            requests.append(self._put(prefix + index_rel, b""))
+        results = await asyncio.gather(*requests, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        self._cache.put(row_key, _Cached(row, len(body) * 4))
+        others = sorted(
+            item.key.rsplit("/", 1)[-1][: -len(".json")]
+            for item in results[1]  # type: ignore[union-attr]
+            if item.key != row_key
+        )
+        if others:
+            raise LedgerConflictError(
+                f"conflicting ledger row for model call {cid!r} in rollout {c.rollout_id!r}: "
+                f"stored {others[0][:12]}..., this payload {sha[:12]}..."
+            )
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Record a call whose token capture did not complete (one PUT).
+
+        Failure rows never take part in resolution; ``manifest`` lists them under ``failures`` so
+        finalization rejects the rollout. The same ``(model_call_id, reason)`` twice is one row; a
+        call id too long for a key is stored under a hashed stand-in and keeps its real id in the
+        row. Raises ``ValueError`` for an empty or non-str id or reason. Discarded for a retired
+        rollout, like ``record``.
+        """
+        for name, value in (("model_call_id", model_call_id), ("reason", reason)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+        prefix = self.layout.rollout(rollout_id)
+        body = msgspec.json.encode(
+            _Failure(format=_FAILURE_FORMAT, rollout_id=rollout_id, model_call_id=model_call_id, reason=reason),
+            order="sorted",
+        )
+        segment = self.layout.marker_call_segment(prefix, model_call_id)
+        await self._put(f"{prefix}ledger/fail/{segment}/{_sha(body)}.json", body)
+
+    # ------------------------------------------------------------------ reads
+    async def _retired(self, prefix: str) -> bool:
+        # The tombstone is written before the retired fence and removed after it by delete.
+        return await self._get(prefix + "retired") is not None
+
+    async def _load(self, key: str, sha: str, kind: type) -> Any:
+        """The decoded row at ``key`` (cache or one GET); ``None`` if absent. Raises ``RecordError``."""
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached.value
+        data = await self._get(key, _MAX_ROW_BYTES)
+        if data is None:
+            return None
+        if _sha(data) != sha:
+            raise RecordError("ledger object bytes do not match the SHA-256 in their key")
+        try:
+            value = msgspec.json.decode(data, type=kind)
+        except msgspec.DecodeError as error:
+            raise RecordError(f"not an s3capture ledger object: {error}") from None
+        expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
+        if value.format != expected:
+            raise RecordError(f"unknown ledger object format {value.format!r} (newer s3capture?)")
+        self._cache.put(key, _Cached(value, len(data) * 4))
+        return value
+
+    async def manifest(self, rollout_id: str) -> dict:
+        """The rollout's token-free ledger as plain wire data (validates as Gym's ``RolloutManifest``).
+
+        Shape: ``{"schema_version": 2, "rollout_id", "records": [CallRecord...], "failures":
+        [{"schema_version", "model_call_id", "reason"}...]}``; records sorted by ``admitted_at``
+        then call id. A call id with more than one committed row is listed under ``failures`` with
+        reason ``conflicting_ledger_rows`` instead of under ``records``; an unreadable row gives
+        ``unreadable_ledger_row`` and an object s3capture did not write ``foreign_ledger_object``
+        (its key as the call id), so such a rollout never looks trainable. Requests: one LIST page
+        per 1,000 ledger keys with a GET of the retire tombstone, then one GET per uncached row
+        (in parallel). Raises ``RolloutRetiredError`` for a retired rollout.
+        """
+        prefix = self.layout.rollout(rollout_id)
+        listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
+        if retired:
+            raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
+        rows: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+        fails: list[tuple[str, str, str]] = []
+        failures: set[tuple[str, str]] = set()
+        for item in listing:
+            rel = item.key[len(prefix):]
+            parsed = parse_ledger_key(rel)
+            if parsed is None:
+                failures.add((rel, LEDGER_FOREIGN_OBJECT_REASON))
+            elif parsed[0] == "row":
+                rows[parsed[1]].append((item.key, parsed[3]))
+            elif parsed[0] == "fail":
+                fails.append((item.key, parsed[1], parsed[3]))
+        records: list[CallRecord] = []
+
+        async def load_row(cid: str, key: str, sha: str) -> None:
+            try:
+                row = await self._load(key, sha, _Row)
+            except RecordError as error:
+                log.warning("unreadable ledger row %s: %s", key, error)
+                row = None
+            if row is None or row.rollout_id != rollout_id or row.record.model_call_id != cid:
+                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
+            else:
+                records.append(row.record)
+
+        async def load_failure(key: str, cid: str, sha: str) -> None:
+            try:
+                failure = await self._load(key, sha, _Failure)
+            except RecordError as error:
+                log.warning("unreadable ledger failure row %s: %s", key, error)
+                failure = None
+            if failure is None or failure.rollout_id != rollout_id or not failure.reason or not failure.model_call_id:
+                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
+            elif cid.startswith("~h") and _sha(failure.model_call_id.encode("utf-8", "surrogatepass")) != cid[2:]:
+                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
+            elif not cid.startswith("~h") and failure.model_call_id != cid:
+                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
+            else:
+                failures.add((failure.model_call_id, failure.reason))
+
+        jobs = []
+        for cid, variants in rows.items():
+            if len(variants) > 1:
+                failures.add((cid, LEDGER_CONFLICTING_ROWS_REASON))
+            else:
+                jobs.append(load_row(cid, *variants[0]))
+        jobs.extend(load_failure(*f) for f in fails)
+        await asyncio.gather(*jobs)
+        records.sort(key=lambda r: (r.admitted_at is None, r.admitted_at or 0.0, r.model_call_id))
+        manifest = RolloutManifest(
+            rollout_id=rollout_id,
+            records=records,
+            failures=[ManifestFailure(model_call_id=c, reason=r) for c, r in sorted(failures)],
+        )
+        return to_wire(manifest)
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Whether any committed or failure row exists (one round trip: two LISTs and a GET).
+
+        Raises ``RolloutRetiredError`` for a retired rollout, so admission can refuse its late calls.
+        """
+        prefix = self.layout.rollout(rollout_id)
+        rows, fails, retired = await asyncio.gather(
+            self._list_page(f"{prefix}ledger/row/", 1),
+            self._list_page(f"{prefix}ledger/fail/", 1),
+            self._retired(prefix),
+        )
+        if retired:
+            raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
+        return bool(rows or fails)
+
+    async def _list_page(self, prefix: str, max_keys: int) -> list[str]:
+        client = await self._s3()
+        async with self._sem:  # type: ignore[union-attr]
+            try:
+                page = await client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=max_keys)
+            except Exception as error:
+                if isinstance(error, _BOTO_ERRORS):
+                    raise self._wrap(error, f"LIST {prefix}") from error
+                raise
+        return [item["Key"] for item in page.get("Contents", ())]
+
+    async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
+        """ROOT, RESOLVED (exactly one proven parent row) or UNRESOLVED with a reason.
+
+        A match carries the row's ``staging_chain``, ``prev_len`` = its ``cum_len``, its
+        ``chain_hash``, ``digest`` = its ``cumulative_hash`` and empty ``cumulative_token_ids``
+        (the tokens are staged elsewhere). Requests: LIST the request fingerprint's index with a
+        GET of the retire tombstone, then for each candidate call a GET of its row and a LIST of
+        all its rows (two round trips). A call id with more than one committed row anywhere
+        counts as zero candidates and, as in ``S3TokenStore.resolve``, makes the answer
+        UNRESOLVED rather than letting another call win by elimination; candidates must match
+        the recorded request context; several candidates count as one only when their cumulative
+        hash and length agree (the smallest call id wins, as in Gym). Failure rows never take
+        part. A retired rollout is UNRESOLVED. Raises ``ValueError`` for an unstorable id.
+        """
+        prefix = self.layout.rollout(rollout_id)
+        try:
+            fingerprint = _fp.assistant_fingerprint(request_items)
+        except Exception as error:  # noqa: BLE001 - any malformed request is UNRESOLVED, never a crash
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
+        if not fingerprint:
+            return LineageResolution(ParentResolutionStatus.ROOT)
+        listing, retired = await asyncio.gather(
+            self._list(f"{prefix}ledger/fp/{escape_id(fingerprint)}/"), self._retired(prefix)
+        )
+        if retired:
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="retired")
+        by_call: dict[str, set[str]] = collections.defaultdict(set)
+        for item in listing:
+            parsed = parse_ledger_key(item.key[len(prefix):])
+            if parsed is not None and parsed[0] == "fp" and parsed[2] == fingerprint:
+                by_call[parsed[1]].add(parsed[3])
+        if not by_call:
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="no_match")
+        if any(len(shas) > 1 for shas in by_call.values()):
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="conflicting_payloads")
+
+        async def candidate(cid: str, sha: str) -> tuple[str, Any]:
+            segment = escape_id(cid)
+            key = f"{prefix}ledger/row/{segment}/{sha}.json"
+
+            async def load() -> Any:
+                try:
+                    return await self._load(key, sha, _Row)
+                except RecordError:
+                    return None
+
+            row, variants = await asyncio.gather(load(), self._list(f"{prefix}ledger/row/{segment}/"))
+            if len(variants) > 1:
+                return "conflict", None
+            if row is None:
+                return "unreadable", None
+            return "ok", row
+
+        checked = await asyncio.gather(*(candidate(cid, next(iter(shas))) for cid, shas in by_call.items()))
+        if any(state == "conflict" for state, _ in checked):
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="conflicting_payloads")
+        if any(state == "unreadable" for state, _ in checked):
+            # An unreadable or missing row might be the parent: never win by elimination.
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unreadable_candidate")
+        candidates: list[_Row] = []
+        for _, row in checked:
+            if row.rollout_id != rollout_id or row.fingerprint != fingerprint:
+                continue
+            if row.fingerprint_version != _fp.FINGERPRINT_VERSION or not row.context_digest:
+                continue
+            if len(request_items) < row.context_len:
+                continue
+            try:
+                context = _fp.conversation_digest(request_items[: row.context_len])
+            except Exception as error:  # noqa: BLE001 - malformed request items: UNRESOLVED
+                return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
+            if context == row.context_digest:
+                candidates.append(row)
+        if len(candidates) > 1:
+            shapes = {(row.record.cumulative_hash, row.record.cum_len) for row in candidates}
+            if len(shapes) == 1:
+                candidates = [min(candidates, key=lambda row: row.record.model_call_id)]
+        if len(candidates) != 1:
+            return LineageResolution(
+                ParentResolutionStatus.UNRESOLVED, reason="ambiguous" if candidates else "no_match"
+            )
+        record = candidates[0].record
+        return LineageResolution(
+            ParentResolutionStatus.RESOLVED,
+            match=LineageMatch(
+                model_call_id=record.model_call_id,
+                cumulative_token_ids=(),
+                digest=record.cumulative_hash,
+                staging_chain=tuple(candidates[0].staging_chain),
+                prev_len=record.cum_len,
+                chain_hash=record.chain_hash,
+            ),
+        )
+
+    # ------------------------------------------------------------------ removal
+    async def retire(self, rollout_ids: Any) -> RolloutRemovalPayload:
+        """Remove the ledgers of rollouts and fence them (idempotent); staged tokens untouched.
+
+        Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing stored, or retired
+        already). Later ``record``/``record_failure`` calls for a retired rollout are discarded,
+        and ``manifest``/``has_rows`` raise ``RolloutRetiredError`` until the id is deleted.
+        Requests per rollout: one LIST page per 1,000 keys, two PUTs, one DeleteObjects per
+        1,000 keys.
+        """
+        return await super().retire(rollout_ids)
+
+    async def delete(self, rollout_ids: Any) -> RolloutRemovalPayload:
+        """Remove the ledgers and fences of rollouts (idempotent); the id then reads as unused.
+
+        Delete only once nothing of those attempts can still write: a late ``record`` after the
+        delete starts a new ledger. Returns ``{"removed": [...], "absent": [...]}``.
+        """
+        return await super().delete(rollout_ids)
+
