@@ -481,3 +481,24 @@ async def test_the_ledger_is_a_capture_ledger_and_shares_fences_with_the_token_s
     assert await fresh().retire(["r"]) == {"removed": ["r"], "absent": []}
     with pytest.raises(RolloutRetiredError):
         await ledger.manifest("r")
+
+
+async def test_a_dangling_begin_call_intent_poisons_the_manifest(ledgers):
+    ledger = ledgers()
+    kept = make_commit("r", "call-kept", REQ, assistant_output("red"))
+    for cid in ("call-kept", "call-failed", "call-lost"):
+        await ledger.begin_call("r", cid)
+    await ledger.record(kept)
+    await ledger.record_failure("r", "call-failed", "worker_capture_failed")
+    # call-lost: the worker died after admission; neither record nor record_failure ever ran.
+    manifest = await ledgers().manifest("r")
+    assert [r["model_call_id"] for r in manifest["records"]] == ["call-kept"]
+    assert [(f["model_call_id"], f["reason"]) for f in manifest["failures"]] == [
+        ("call-failed", "worker_capture_failed"),
+        ("call-lost", "request_finished_without_staged_coordinates"),
+    ]
+    # Intents are not rows, and never parents.
+    assert await ledgers().has_rows("q") is False
+    await ledger.begin_call("q", "call-1")
+    assert await ledgers().has_rows("q") is False
+    assert (await ledgers().resolve("r", continuation(kept))).match.model_call_id == "call-kept"

@@ -63,6 +63,8 @@ def _demo(args: argparse.Namespace) -> int:
             delta=args.prompt_storage == "delta",
             seed=args.seed,
             progress=not args.no_progress,
+            capture=args.capture,
+            staging_url=args.staging_url,
         )
         print(format_report(report, where=where))
         return 0 if report.ok else 1
@@ -139,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run a capture workload end to end (embedded S3 server unless an endpoint or --url is given)",
         description="Replay NeMo Gym rollout files (or a generated workload) through several worker "
-        "processes writing to S3, then freeze, verify and drop every rollout.",
+        "processes writing to S3, then freeze, verify and drop every rollout. With --capture ledger the "
+        "workers stage token deltas outside the store (as a training framework does) and S3CaptureLedger keeps "
+        "only token-free rows; the builder then checks each manifest, rebuilds every call from the staged "
+        "deltas, retires the ledger and deletes the staged objects.",
     )
     demo.add_argument("files", nargs="*", help="NeMo Gym rollout .jsonl files (default: a generated workload)")
     demo.add_argument("--url", help="s3://bucket/prefix to use (default: a fresh prefix in bucket s3capture-demo)")
@@ -151,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calls", type=int, default=6, help="calls per generated rollout (default 6)")
     demo.add_argument("--prompt-storage", choices=("delta", "full"), default="delta",
                       help="store a RESOLVED call's prompt as a delta after its parent (default) or in full")
+    demo.add_argument("--capture", choices=("store", "ledger"), default="store",
+                      help="store: whole token entries in S3TokenStore (default); ledger: token deltas staged "
+                      "outside, token-free rows in S3CaptureLedger")
+    demo.add_argument("--staging-url", help="with --capture ledger: s3://bucket/prefix of the staged deltas "
+                      "(default: <url>-staging)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the generated workload and of worker choice (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
     demo.set_defaults(func=_demo)

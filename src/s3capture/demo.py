@@ -9,6 +9,10 @@ are done, a trajectory builder freezes it, checks every chain is contiguous (eac
 prompt starts with its parent's cumulative tokens, and every digest verifies) and drops the
 consumed snapshot.
 
+With ``capture="ledger"`` (``s3capture demo --capture ledger``) the token arrays are staged outside
+the store, as a training framework does, and S3 holds only ``S3CaptureLedger``'s token-free rows; see
+``s3capture.demo_ledger``.
+
 Without ``--url`` and without ``AWS_ENDPOINT_URL`` the demo starts an embedded S3 server (moto in
 server mode on 127.0.0.1) and stops it at the end.
 """
@@ -25,7 +29,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from s3capture.fingerprint import stamp_continuation
 from s3capture.protocols import TokenCaptureFrozenError
@@ -53,12 +57,19 @@ class CallResult:
     resolve_ms: float
     put_ms: float
     error: str = ""
+    committed: bool = True
+    """False when the call left no committed record (ledger mode: a failure row instead)."""
+    failure: str = ""
+    """The failure row's reason when the call was not committed (ledger mode)."""
+    stage_ms: float = 0.0
+    """Time to stage the token delta outside the store (ledger mode)."""
 
 
 @dataclass
 class DemoReport:
     """What a demo run did; ``ok`` is True when every acceptance condition held."""
 
+    capture: str = "store"
     rollouts: int = 0
     calls: int = 0
     captured: int = 0
@@ -75,6 +86,8 @@ class DemoReport:
     requests: collections.Counter = field(default_factory=collections.Counter)
     resolve_ms: list[float] = field(default_factory=list)
     put_ms: list[float] = field(default_factory=list)
+    stage_ms: list[float] = field(default_factory=list)
+    failures: collections.Counter = field(default_factory=collections.Counter)
     stored_bytes: int = 0
     entry_objects: int = 0
     gym_jsonl_bytes: int = 0
@@ -163,12 +176,40 @@ async def _serve_call(
     )
 
 
-def _worker_main(worker: int, url: str, env: dict[str, str], inbox: Any, outbox: Any, delta: bool, concurrency: int) -> None:
+class _StoreWorker:
+    """A model-server worker of the token-store demo: one ``S3TokenStore``."""
+
+    def __init__(self, url: str, concurrency: int, delta: bool) -> None:
+        from s3capture.store import S3TokenStore
+
+        self.store = S3TokenStore(url, max_concurrency=concurrency)
+        self.delta = delta
+
+    async def serve(self, worker: int, rollout_id: str, call: ReplayCall, expected_parent: str | None) -> CallResult:
+        return await _serve_call(self.store, worker, rollout_id, call, self.delta, expected_parent)
+
+    def request_counts(self) -> dict[str, int]:
+        return {f"worker:{k}": v for k, v in self.store.request_counts.items()}
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+def _open_worker(url: str, concurrency: int, options: dict[str, Any]) -> Any:
+    if options["capture"] == "ledger":
+        from s3capture.demo_ledger import LedgerWorker
+
+        return LedgerWorker(url, options["staging_url"], concurrency)
+    return _StoreWorker(url, concurrency, options["delta"])
+
+
+def _worker_main(
+    worker: int, url: str, env: dict[str, str], inbox: Any, outbox: Any, options: dict[str, Any], concurrency: int
+) -> None:
     os.environ.update(env)
-    from s3capture.store import S3TokenStore
 
     async def run() -> None:
-        store = S3TokenStore(url, max_concurrency=concurrency)
+        server = _open_worker(url, concurrency, options)
         loop = asyncio.get_running_loop()
         limit = asyncio.Semaphore(concurrency)
         tasks: set[asyncio.Task] = set()
@@ -176,7 +217,7 @@ def _worker_main(worker: int, url: str, env: dict[str, str], inbox: Any, outbox:
         async def handle(rollout_id: str, call: ReplayCall, expected_parent: str | None) -> None:
             async with limit:
                 try:
-                    result = await _serve_call(store, worker, rollout_id, call, delta, expected_parent)
+                    result = await server.serve(worker, rollout_id, call, expected_parent)
                 except Exception as error:  # noqa: BLE001 - reported to the coordinator
                     result = CallResult(rollout_id, call.index, worker, "error", "", False, 0.0, 0.0,
                                         f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
@@ -191,8 +232,8 @@ def _worker_main(worker: int, url: str, env: dict[str, str], inbox: Any, outbox:
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.gather(*tasks)
-        outbox.put(("requests", worker, dict(store.request_counts)))
-        await store.close()
+        outbox.put(("requests", worker, server.request_counts()))
+        await server.close()
 
     asyncio.run(run())
 
@@ -293,23 +334,54 @@ def run_workload(
     delta: bool = True,
     seed: int = 0,
     progress: bool = True,
+    capture: str = "store",
+    staging_url: str | None = None,
+    manifest_hook: Callable[[dict], None] | None = None,
 ) -> DemoReport:
     """Replay ``rollouts`` through ``workers`` processes against ``url``; return the report.
 
     ``env`` is merged into each worker's environment (endpoint and credentials). Calls of one
     rollout run in order; up to ``parallel_rollouts`` rollouts are in flight at once.
+
+    ``capture="store"`` puts whole token entries in an ``S3TokenStore`` (``delta``: RESOLVED calls
+    store only their prompt suffix), then freezes, verifies and drops every rollout.
+    ``capture="ledger"`` stages token deltas under ``staging_url`` (default: the sibling prefix
+    ``<url>-staging``) and keeps only token-free rows in an ``S3CaptureLedger`` at ``url``, then
+    checks each rollout's manifest (passed to ``manifest_hook`` when given), rebuilds every call
+    from the staged deltas, retires the ledger and deletes the staged objects; the report is then
+    a ``demo_ledger.LedgerDemoReport``.
     """
     from tqdm import tqdm
 
-    report = DemoReport(rollouts=len(rollouts), calls=sum(len(r.calls) for r in rollouts))
+    if capture == "ledger":
+        from s3capture.demo_ledger import LedgerDemoReport, build_ledger, default_staging_url
+
+        staging_url = staging_url or default_staging_url(url)
+        report: DemoReport = LedgerDemoReport(capture=capture, staging_url=staging_url)
+
+        def build(bar: Any) -> Awaitable[None]:
+            return build_ledger(url, staging_url, rollouts, report, bar, manifest_hook)  # type: ignore[arg-type]
+
+        build_desc = "manifest+verify+retire"
+    elif capture == "store":
+        report = DemoReport(capture=capture)
+
+        def build(bar: Any) -> Awaitable[None]:
+            return _build(url, [r.rollout_id for r in rollouts], report, bar)
+
+        build_desc = "freeze+verify+drop"
+    else:
+        raise ValueError(f"capture must be 'store' or 'ledger', got {capture!r}")
+    report.rollouts, report.calls = len(rollouts), sum(len(r.calls) for r in rollouts)
     report.faithful = sum(max(0, len(r.calls) - 1) for r in rollouts)
+    options = {"capture": capture, "delta": delta, "staging_url": staging_url}
     rng = random.Random(seed)
     started = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     outbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(workers)]
     procs = [
-        ctx.Process(target=_worker_main, args=(w, url, env, inboxes[w], outbox, delta, concurrency), daemon=True)
+        ctx.Process(target=_worker_main, args=(w, url, env, inboxes[w], outbox, options, concurrency), daemon=True)
         for w in range(workers)
     ]
     for proc in procs:
@@ -344,10 +416,15 @@ def run_workload(
             if result.status == "error":
                 report.errors.append(f"{result.rollout_id}#{result.index}: {result.error}")
             else:
-                report.captured += 1
                 report.statuses[result.status] += 1
                 report.resolve_ms.append(result.resolve_ms)
-                report.put_ms.append(result.put_ms)
+                if result.committed:
+                    report.captured += 1
+                    report.put_ms.append(result.put_ms)
+                    if result.stage_ms:
+                        report.stage_ms.append(result.stage_ms)
+                if result.failure:
+                    report.failures[result.failure] += 1
                 if result.index > 0 and result.status == RESOLVED.value and result.parent_ok:
                     report.faithful_resolved += 1
                 if result.status == "unresolved":
@@ -375,7 +452,7 @@ def run_workload(
                 break
             if kind == "requests":
                 finished += 1
-                report.requests.update({f"worker:{k}": v for k, v in payload[1].items()})
+                report.requests.update(payload[1])
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
@@ -386,9 +463,9 @@ def run_workload(
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        build_bar = tqdm(total=len(rollouts), desc="freeze+verify+drop", unit="rollout", disable=not progress, file=sys.stderr)
+        build_bar = tqdm(total=len(rollouts), desc=build_desc, unit="rollout", disable=not progress, file=sys.stderr)
         build_started = time.perf_counter()
-        asyncio.run(_build(url, [r.rollout_id for r in rollouts], report, build_bar))
+        asyncio.run(build(build_bar))
         report.build_seconds = time.perf_counter() - build_started
         build_bar.close()
     finally:
@@ -401,16 +478,37 @@ def run_workload(
     return report
 
 
-def format_report(report: DemoReport, *, where: str) -> str:
-    """Human-readable summary of a demo run."""
+def resolution_lines(report: DemoReport) -> list[str]:
+    """The report lines on parent resolution, shared by both capture modes."""
     s = report.statuses
+    return [
+        f"  parent resolution: ROOT {s['root']}, RESOLVED {s['resolved']}, UNRESOLVED {s['unresolved']}"
+        + (f" (reasons: {dict(report.unresolved_reasons)})" if report.unresolved_reasons else ""),
+        f"  faithful continuations RESOLVED to the right parent: {report.faithful_resolved}/{report.faithful}",
+    ]
+
+
+def closing_lines(report: DemoReport, problems: list[str]) -> list[str]:
+    """The S3 request counts, up to five of each kind of problem, errors and the verdict."""
+    lines = ["  S3 requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report.requests.items()))]
+    lines.extend(problems)
+    for item in report.errors[:5]:
+        lines.append(f"  ERROR {item.strip()}")
+    lines.append("  result: " + ("OK" if report.ok else "FAILED"))
+    return lines
+
+
+def format_report(report: DemoReport, *, where: str) -> str:
+    """Human-readable summary of a demo run (either capture mode)."""
+    if report.capture == "ledger":
+        from s3capture.demo_ledger import format_ledger_report
+
+        return format_ledger_report(report, where=where)  # type: ignore[arg-type]
     lines = [
         f"s3capture demo against {where}",
         f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s;"
         f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 2 s old)",
-        f"  parent resolution: ROOT {s['root']}, RESOLVED {s['resolved']}, UNRESOLVED {s['unresolved']}"
-        + (f" (reasons: {dict(report.unresolved_reasons)})" if report.unresolved_reasons else ""),
-        f"  faithful continuations RESOLVED to the right parent: {report.faithful_resolved}/{report.faithful}",
+        *resolution_lines(report),
         f"  snapshots: trainable {report.trainable}, masked {report.masked}; dropped after consumption {report.dropped}/{report.rollouts}",
         f"  chains checked {report.chains_checked}, broken {len(report.chains_broken)}",
         f"  put     latency: {_percentiles(report.put_ms)}",
@@ -421,13 +519,8 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f"  Gym JSONL of the same calls with full prompts: {report.gym_full_jsonl_bytes:,} bytes"
         f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"
         f" {report.stored_bytes / max(1, report.full_tokens):.2f} per token of the full sequences)",
-        "  S3 requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report.requests.items())),
     ]
-    for item in report.chains_broken[:5]:
-        lines.append(f"  BROKEN CHAIN {item}")
-    for item in report.masked_reasons[:5]:
-        lines.append(f"  MASKED {item}")
-    for item in report.errors[:5]:
-        lines.append(f"  ERROR {item.strip()}")
-    lines.append("  result: " + ("OK" if report.ok else "FAILED"))
+    problems = [f"  BROKEN CHAIN {item}" for item in report.chains_broken[:5]]
+    problems += [f"  MASKED {item}" for item in report.masked_reasons[:5]]
+    lines += closing_lines(report, problems)
     return "\n".join(lines)

@@ -11,6 +11,7 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/ledger/row/<cid>/<sha256>.json capture-ledger row (CaptureLedger.record); sha256 of its bytes
     rollouts/<rid>/ledger/fp/<fp>/<cid>/<sha256>  ledger fingerprint index of that row (empty)
     rollouts/<rid>/ledger/fail/<cid>/<sha256>.json ledger failure row (CaptureLedger.record_failure)
+    rollouts/<rid>/ledger/intent/<cid>            ledger begin_call intent (empty)
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``
@@ -185,8 +186,8 @@ def _is_sha(value: str) -> bool:
 def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
     """Classify a capture-ledger key relative to a rollout prefix.
 
-    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fp"`` (index) or
-    ``"fail"``, or ``None`` for a key s3capture does not write under ``ledger/``. A failure row of
+    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fp"`` (index),
+    ``"fail"`` or ``"intent"``, or ``None`` for a key s3capture does not write under ``ledger/``. A failure row of
     a call id too long to store names the call ``~h<sha256>``; its body carries the real id.
     """
     parts = rel.split("/")
@@ -200,6 +201,8 @@ def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
             sha = parts[3][: -len(".json")]
             cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])
             return ("fail", cid, "", sha) if _is_sha(sha) else None
+        if len(parts) == 3 and parts[:2] == ["ledger", "intent"]:
+            return "intent", unescape_id(parts[2]), "", ""
     except ValueError:
         return None
     return None

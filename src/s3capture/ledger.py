@@ -37,6 +37,7 @@ from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
     LEDGER_FOREIGN_OBJECT_REASON,
     LEDGER_UNREADABLE_ROW_REASON,
+    UNCOMMITTED_CALL_REASON,
     CallRecord,
     ManifestFailure,
     RolloutManifest,
@@ -212,6 +213,20 @@ class S3CaptureLedger(_S3Objects):
         segment = self.layout.marker_call_segment(prefix, model_call_id)
         await self._put(f"{prefix}ledger/fail/{segment}/{_sha(body)}.json", body)
 
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Durably record that a call was admitted, before generation (one PUT; optional extension).
+
+        Like ``S3TokenStore.begin_call``: an intent with neither a committed row nor a failure row
+        when the manifest is read is listed under ``failures`` with Gym's reason
+        ``request_finished_without_staged_coordinates``, so a call whose ``record`` and
+        ``record_failure`` were both lost (a crashed worker, a killed harness) still masks the
+        rollout. Call it only for calls whose rows will be read after they finished. Raises
+        ``ValueError`` for an id that cannot be stored.
+        """
+        prefix = self.layout.rollout(rollout_id)
+        segment = self.layout.check_call_id(prefix, model_call_id)
+        await self._put(f"{prefix}ledger/intent/{segment}", b"")
+
     # ------------------------------------------------------------------ reads
     async def _retired(self, prefix: str) -> bool:
         # The tombstone is written before the retired fence and removed after it by delete.
@@ -244,8 +259,9 @@ class S3CaptureLedger(_S3Objects):
         [{"schema_version", "model_call_id", "reason"}...]}``; records sorted by ``admitted_at``
         then call id. A call id with more than one committed row is listed under ``failures`` with
         reason ``conflicting_ledger_rows`` instead of under ``records``; an unreadable row gives
-        ``unreadable_ledger_row`` and an object s3capture did not write ``foreign_ledger_object``
-        (its key as the call id), so such a rollout never looks trainable. Requests: one LIST page
+        ``unreadable_ledger_row``, an object s3capture did not write ``foreign_ledger_object`` (its
+        key as the call id), and a ``begin_call`` intent without any row Gym's
+        ``request_finished_without_staged_coordinates``, so such a rollout never looks trainable. Requests: one LIST page
         per 1,000 ledger keys with a GET of the retire tombstone, then one GET per uncached row
         (in parallel). Raises ``RolloutRetiredError`` for a retired rollout.
         """
@@ -255,6 +271,7 @@ class S3CaptureLedger(_S3Objects):
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
         rows: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
         fails: list[tuple[str, str, str]] = []
+        intents: set[str] = set()
         failures: set[tuple[str, str]] = set()
         for item in listing:
             rel = item.key[len(prefix):]
@@ -265,6 +282,8 @@ class S3CaptureLedger(_S3Objects):
                 rows[parsed[1]].append((item.key, parsed[3]))
             elif parsed[0] == "fail":
                 fails.append((item.key, parsed[1], parsed[3]))
+            elif parsed[0] == "intent":
+                intents.add(parsed[1])
         records: list[CallRecord] = []
 
         async def load_row(cid: str, key: str, sha: str) -> None:
@@ -301,6 +320,8 @@ class S3CaptureLedger(_S3Objects):
                 jobs.append(load_row(cid, *variants[0]))
         jobs.extend(load_failure(*f) for f in fails)
         await asyncio.gather(*jobs)
+        accounted = set(rows) | {cid for cid, _ in failures}
+        failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)
         records.sort(key=lambda r: (r.admitted_at is None, r.admitted_at or 0.0, r.model_call_id))
         manifest = RolloutManifest(
             rollout_id=rollout_id,

@@ -12,9 +12,10 @@ against Gym's models with generated records). In particular:
 
 * unknown fields are refused (``extra="forbid"``); NaN and infinity are refused in float fields;
 * ``schema_version`` is 2, ``digest_version`` 2 and ``extras_digest_version`` 1, and like pydantic's
-  ``Literal`` an equal float (``2.0``) is accepted and stored as the int;
-* identifiers are non-empty strings; digests are 64 lowercase hex characters and nothing else (no
-  trailing newline); counts are ints >= 0 (bool and float refused, no upper bound);
+  ``Literal`` an equal float (``2.0``) or bool (``True`` for 1) is accepted and stored as the int;
+* identifiers are non-empty strings without lone surrogates; digests are 64 lowercase hex characters
+  and nothing else (no trailing newline); counts are ints >= 0 (bool and float refused, no upper
+  bound);
 * a ``CallRecord`` describes a non-empty contiguous delta (``cum_len == prev_len + delta_len``,
   ``delta_len > 0``); a root (no ``parent_call_id``) has ``prev_len == 0`` and mode ``"text"``, a
   child ``prev_len > 0`` and mode ``"token_in"``.
@@ -49,6 +50,7 @@ __all__ = [
     "to_wire",
     "LEDGER_ROW_MISSING_RESPONSE_ID_REASON",
     "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",
+    "UNCOMMITTED_CALL_REASON",
     "LEDGER_CONFLICTING_ROWS_REASON",
     "LEDGER_UNREADABLE_ROW_REASON",
     "LEDGER_FOREIGN_OBJECT_REASON",
@@ -61,6 +63,8 @@ EXTRAS_DIGEST_VERSION = 1
 # Gym's reason codes (``nemo_gym.token_id_capture.records``), reproduced: they are wire contract.
 LEDGER_ROW_MISSING_RESPONSE_ID_REASON = "ledger_row_missing_response_id"
 LEDGER_ROW_MISSING_CHAIN_HASH_REASON = "ledger_row_missing_chain_hash"
+UNCOMMITTED_CALL_REASON = "request_finished_without_staged_coordinates"
+"""Gym's reason for an admitted call that never committed; s3capture gives it to a dangling intent."""
 # s3capture's own poison reasons in ``RolloutManifest.failures``; see docs/ledger.md.
 LEDGER_CONFLICTING_ROWS_REASON = "conflicting_ledger_rows"
 """One model call id has more than one distinct committed row (two writers, no compare-and-swap)."""
@@ -69,7 +73,8 @@ LEDGER_UNREADABLE_ROW_REASON = "unreadable_ledger_row"
 LEDGER_FOREIGN_OBJECT_REASON = "foreign_ledger_object"
 """An object s3capture did not write sits under the rollout's ledger prefix."""
 
-Identifier = Annotated[str, msgspec.Meta(min_length=1)]
+# No lone surrogates: pydantic refuses a str that is not valid Unicode (``string_unicode``).
+Identifier = Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^\ud800-\udfff]*\Z")]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 # ``\Z``, not ``$``: Gym's pydantic (Rust regex) refuses a trailing newline that Python's ``$`` allows.
 DigestHex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
@@ -169,14 +174,17 @@ _LITERAL_INTS: dict[type, dict[str, int]] = {
 
 
 def _literal_floats(value: Any, kind: type) -> Any:
-    """Turn a float equal to an int literal (``2.0`` for ``Literal[2]``) into that int, as pydantic does."""
+    """Turn a float or bool equal to an int literal into that int, as pydantic does.
+
+    pydantic's ``Literal[2]`` takes ``2.0``, and its ``Literal[1]`` takes ``True`` (``True == 1``).
+    """
     if not isinstance(value, dict):
         return value
     literals = _LITERAL_INTS[kind]
     out = value
     for name, expected in literals.items():
         got = value.get(name)
-        if type(got) is float and got == expected:
+        if type(got) in (float, bool) and got == expected:
             if out is value:
                 out = dict(value)
             out[name] = expected
@@ -206,11 +214,19 @@ def _builtins(value: Any) -> Any:
     return value
 
 
+_WIDE_FLOAT_JSON = msgspec.json.Decoder(float_hook=float)
+
+
 def _validate(value: Any, kind: type) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview, str)):
         try:
-            value = msgspec.json.decode(value)
-        except msgspec.DecodeError as error:
+            try:
+                value = msgspec.json.decode(value)
+            except msgspec.DecodeError:
+                # ``1e400`` is valid JSON that overflows a double: pydantic reads it as infinity
+                # (kept in free-form items, refused in float fields), so read it the same way.
+                value = _WIDE_FLOAT_JSON.decode(value)
+        except (msgspec.DecodeError, UnicodeEncodeError) as error:  # a str with a lone surrogate
             raise RecordError(f"{kind.__name__} is not valid JSON: {error}") from None
     raw = _literal_floats(_builtins(value), kind)
     try:
