@@ -76,8 +76,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _conformance(args: argparse.Namespace) -> int:
     import asyncio
 
-    from s3capture.conformance import format_result, format_summary, run_s3_conformance
+    from s3capture.conformance import CHECKS, format_result, format_summary, run_s3_conformance
 
+    unknown = sorted(set(args.check or ()) - {name for name, _, _ in CHECKS})
+    if unknown:  # before any server starts or any request is sent; main() maps ValueError to exit 2
+        raise ValueError(f"unknown check {', '.join(unknown)}; known: {', '.join(name for name, _, _ in CHECKS)}")
     server = None
     endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL")
     url = args.url

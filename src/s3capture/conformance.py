@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from s3capture import protocols
-from s3capture.fingerprint import stamp_continuation
+from s3capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, stamp_continuation
 from s3capture.ledger_records import RecordError, to_wire, validate_commit, validate_manifest, validate_removal
 from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, to_gym
 
@@ -165,8 +165,13 @@ class _Ctx:
 
     def commit(self, rollout_id: str, call_id: str, *, text: str = "a", request: list[dict] | None = None,
                delta: int = 3, weight_version: int = 0) -> Any:
-        """A valid root ``CaptureLedgerCommit`` whose digests are distinct per payload."""
+        """A valid root ``CaptureLedgerCommit`` whose digests are distinct per payload.
+
+        Its record carries the fingerprints Gym's capture stamps (``external_capture``): a ledger
+        may, like Gym's ``FileLineageStore``, resolve only rows of the current fingerprint version.
+        """
         seed = f"{rollout_id}/{call_id}/{text}/{delta}/{weight_version}"
+        request_items = list(request if request is not None else _REQUEST)
 
         def hexdigest(tag: str) -> str:
             import hashlib
@@ -190,9 +195,12 @@ class _Ctx:
                 "cumulative_hash": hexdigest("cumulative"),
                 "response_id": f"resp-{call_id}",
                 "admitted_at": 1700000000.0,
+                "output_fingerprint": assistant_fingerprint(_output(text)) or None,
+                "continuation_fingerprint": assistant_fingerprint(request_items + _output(text)) or None,
+                "fingerprint_version": FINGERPRINT_VERSION,
             },
             "staging_chain": [f"{rollout_id}/{call_id}"],
-            "request_items": list(request if request is not None else _REQUEST),
+            "request_items": request_items,
             "response_items": _output(text),
         }
         commit = validate_commit(wire)
@@ -361,7 +369,7 @@ async def frozen_error_on_late_put(ctx: _Ctx) -> None:
     await (await ctx.sink()).put(ctx.entry(rid, "call-1", prompt=[1], generation=[2]))
     await (await ctx.source()).freeze(rid)
     late = ctx.entry(rid, "call-2", prompt=[1, 2], generation=[3], text="b")
-    error = await _expect_error(ctx, (await ctx.sink()).put(late), ["TokenCaptureFrozenError"], "a put after freeze returned")
+    error = await _expect_error(ctx, (await ctx.sink()).put(late), ["TokenCaptureFrozenError"], "a put after freeze")
     ctx.require(error is not None, "a put issued after freeze returned succeeded (it must raise TokenCaptureFrozenError)")
 
 
@@ -468,13 +476,15 @@ def _records(manifest: dict) -> dict[str, dict]:
 async def _manifest(ctx: _Ctx, ledger: Any, rid: str) -> dict:
     manifest = await ledger.manifest(rid)
     ctx.require(isinstance(manifest, dict), f"manifest returned {type(manifest).__name__}, not plain wire data")
+    # Token-freeness first: RolloutManifest forbids unknown fields, so validating first would report
+    # a leaked token array as a mere schema error and this contract's own message could never show.
+    leak = _token_free(manifest)
+    ctx.require(not leak, f"the manifest carries token data at {leak}")
     try:
         validate_manifest(manifest)
     except RecordError as error:
         raise ConformanceError(ctx.name, f"the manifest does not validate as RolloutManifest: {error}") from None
     ctx.require(manifest["rollout_id"] == rid, f"the manifest names rollout {manifest['rollout_id']!r}")
-    leak = _token_free(manifest)
-    ctx.require(not leak, f"the manifest carries token data at {leak}")
     return manifest
 
 
