@@ -614,6 +614,22 @@ async def ledger_delete_reuse(ctx: _Ctx) -> None:
                 f"a reused id does not start from an empty ledger: {manifest}")
 
 
+async def ledger_begin_call_custody(ctx: _Ctx) -> None:
+    rid = ctx.rollout(ledger=True)
+    ledger = await ctx.ledger()
+    if getattr(ledger, "begin_call", None) is None:
+        raise _Skip("the ledger has no begin_call extension")
+    for cid in ("call-kept", "call-lost"):
+        await ledger.begin_call(rid, cid)
+    await ledger.record(ctx.commit(rid, "call-kept"))
+    manifest = await _manifest(ctx, await ctx.ledger(), rid)
+    ctx.require(
+        any(f["model_call_id"] == "call-lost" for f in manifest["failures"]),
+        f"a dangling begin_call intent did not poison the manifest: failures={manifest['failures']}",
+    )
+    ctx.require(list(_records(manifest)) == ["call-kept"], f"records are {list(_records(manifest))}")
+
+
 async def ledger_unused_rollout(ctx: _Ctx) -> None:
     rid = ctx.rollout(ledger=True)
     reader = await ctx.ledger()
@@ -686,6 +702,7 @@ CHECKS: list[tuple[str, str, Callable[[_Ctx], Awaitable[None]]]] = [
     ("ledger_idempotent_record", "l", ledger_idempotent_record),
     ("ledger_conflicting_record", "l", ledger_conflicting_record),
     ("ledger_failure_rows", "l", ledger_failure_rows),
+    ("ledger_begin_call_custody", "l", ledger_begin_call_custody),
     ("ledger_unused_rollout", "l", ledger_unused_rollout),
     ("ledger_retire", "l", ledger_retire),
     ("ledger_delete_reuse", "l", ledger_delete_reuse),
