@@ -502,3 +502,36 @@ async def test_a_dangling_begin_call_intent_poisons_the_manifest(ledgers):
     await ledger.begin_call("q", "call-1")
     assert await ledgers().has_rows("q") is False
     assert (await ledgers().resolve("r", continuation(kept))).match.model_call_id == "call-kept"
+
+
+async def test_deep_rows_are_stored_compressed_and_read_back(ledgers, s3_client, bucket_url):
+    parent = make_commit("r", "call-0", REQ, assistant_output("a0"))
+    commits = [parent]
+    for i in range(1, 60):
+        parent = make_commit("r", f"call-{i}", continuation(parent, f"q{i}"), assistant_output(f"a{i}"), parent=parent)
+        commits.append(parent)
+    writer = ledgers()
+    for commit in commits:
+        await writer.record(commit)
+    bucket, root = split_bucket_url(bucket_url)
+    deepest = list_keys(s3_client, bucket, f"{root}rollouts/r/ledger/row/call-59/")[0]
+    stored = get_bytes(s3_client, bucket, deepest)
+    import zstandard
+
+    assert stored.startswith(b"\x28\xb5\x2f\xfd")  # zstd
+    row = zstandard.ZstdDecompressor().decompress(stored)
+    assert hashlib.sha256(row).hexdigest() == deepest.rsplit("/", 1)[-1][: -len(".json")]
+    assert len(row) > 1024 and len(stored) < len(row) / 2
+    assert json.loads(row)["staging_chain"] == commits[-1]["staging_chain"]
+    shallow = get_bytes(s3_client, bucket, list_keys(s3_client, bucket, f"{root}rollouts/r/ledger/row/call-0/")[0])
+    assert shallow.startswith(b"{")  # short rows stay plain JSON
+    reader = ledgers()
+    manifest = await reader.manifest("r")
+    assert len(manifest["records"]) == 60 and not manifest["failures"]
+    resolution = await reader.resolve("r", continuation(commits[-1]))
+    assert resolution.match.staging_chain == tuple(commits[-1]["staging_chain"])
+    # A zstd bomb under a row key is refused, not decompressed without bound.
+    bomb = zstandard.ZstdCompressor().compress(b" " * (8 * 1024 * 1024))
+    put_bytes(s3_client, bucket, deepest, bomb)
+    manifest = await ledgers().manifest("r")
+    assert ("call-59", LEDGER_UNREADABLE_ROW_REASON) in [(f["model_call_id"], f["reason"]) for f in manifest["failures"]]

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import io
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import zstandard
 
 from s3capture import fingerprint as _fp
 from s3capture.layout import escape_id, parse_ledger_key
@@ -55,7 +57,11 @@ log = logging.getLogger("s3capture")
 _ROW_FORMAT = "s3capture.ledger-row/1"
 _FAILURE_FORMAT = "s3capture.ledger-failure/1"
 _MAX_ROW_BYTES = 4 * 1024 * 1024
-"""Largest ledger object a reader decodes: rows are token-free, a few KiB even with a long chain."""
+"""Largest ledger object a reader decodes (after decompression): rows are token-free."""
+_COMPRESS_ABOVE = 1024
+"""Rows longer than this (bytes of JSON) are stored zstd-compressed: a deep call's row repeats its
+whole ``staging_chain``, which compresses about tenfold."""
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 class LedgerConflictError(ValueError):
@@ -99,6 +105,20 @@ def _sha(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def _decompress(data: bytes) -> bytes:
+    """Decompress a stored row, refusing more than ``_MAX_ROW_BYTES``; raises ``RecordError``."""
+    out = io.BytesIO()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+        while chunk := reader.read(1 << 16):
+            out.write(chunk)
+            if out.tell() > _MAX_ROW_BYTES:
+                raise RecordError(f"ledger object decompresses beyond {_MAX_ROW_BYTES} bytes")
+    except zstandard.ZstdError as error:
+        raise RecordError(f"ledger object is not valid zstd: {error}") from None
+    return out.getvalue()
+
+
 class S3CaptureLedger(_S3Objects):
     """NeMo Gym's ``CaptureLedger`` (and so a ``LineageResolver``) on S3.
 
@@ -133,6 +153,7 @@ class S3CaptureLedger(_S3Objects):
             cache_bytes=cache_bytes,
             max_concurrency=max_concurrency,
         )
+        self._compressor = zstandard.ZstdCompressor(level=3)
 
     # ------------------------------------------------------------------ writes
     async def record(self, commit: Any) -> None:
@@ -173,7 +194,8 @@ class S3CaptureLedger(_S3Objects):
         body = msgspec.json.encode(row, order="sorted")
         sha = _sha(body)
         row_key = f"{prefix}ledger/row/{segment}/{sha}.json"
-        requests = [self._put(row_key, body), self._list(f"{prefix}ledger/row/{segment}/")]
+        stored = self._compressor.compress(body) if len(body) > _COMPRESS_ABOVE else body
+        requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]
         if fingerprint:
             index_rel = f"ledger/fp/{escape_id(fingerprint)}/{segment}/{sha}"
             requests.append(self._put(prefix + index_rel, b""))
@@ -240,6 +262,8 @@ class S3CaptureLedger(_S3Objects):
         data = await self._get(key, _MAX_ROW_BYTES)
         if data is None:
             return None
+        if data.startswith(_ZSTD_MAGIC):
+            data = _decompress(data)
         if _sha(data) != sha:
             raise RecordError("ledger object bytes do not match the SHA-256 in their key")
         try:
