@@ -59,3 +59,21 @@ def test_bench_cpu_quick_prints_its_tables() -> None:
     for heading in ("### client CPU per entry", "### where the CPU goes", "### stored bytes per token", "### memory of a freeze"):
         assert heading in out, out
     assert "s3capture freeze, cache_bytes=8 MiB" in out and "Gym TokenCaptureStore.freeze_now" in out
+
+
+def test_bench_ledger_quick_prints_its_tables() -> None:
+    pytest.importorskip("moto")
+    pytest.importorskip("nemo_gym.token_id_capture.staging.records")
+    out = run_tool("bench_ledger.py", "--quick", "--servers", "moto")
+    for heading in (
+        "### client CPU per record",
+        "#### where the CPU goes",
+        "### stored bytes per row",
+        "### record latency on moto",
+        "### resolve on moto",
+        "### manifest and has_rows on moto",
+    ):
+        assert heading in out, out
+    assert "| S3CaptureLedger.record " in out and "| bare PUT of the row bytes (peer) " in out
+    assert "cold client (cache empty)" in out and "warm client (row cached)" in out
+    assert "Gym: model_validate(wire)" in out
