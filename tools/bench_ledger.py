@@ -192,7 +192,7 @@ def prepare_row(ledger: S3CaptureLedger, commit: Any) -> Prepared:
     body = msgspec.json.encode(row, order="sorted")
     sha = hashlib.sha256(body).hexdigest()
     stored = ledger._compressor.compress(body) if len(body) > _COMPRESS_ABOVE else body
-    index = f"{prefix}ledger/fp/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else None
+    index = f"{prefix}ledger-index/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else None
     return Prepared(f"{prefix}ledger/row/{segment}/{sha}.json", stored, len(body), index, f"{prefix}ledger/row/{segment}/")
 
 
@@ -656,7 +656,7 @@ async def bench_resolve(env: Env, ledgers: dict[int, Ledger], sizes: list[int], 
         target_id = spec.target["record"]["model_call_id"]
         prefix = spec.layout.rollout(spec.rollout_id)
         fingerprint = _fp.assistant_fingerprint(spec.request)
-        fp_prefix = f"{prefix}ledger/fp/{escape_id(fingerprint)}/"
+        fp_prefix = f"{prefix}ledger-index/{escape_id(fingerprint)}/"
         row_prefix = f"{prefix}ledger/row/{escape_id(target_id)}/"
         row_keys = await bare_list(env, spec.bucket, row_prefix)
         assert len(row_keys) == 1, row_keys

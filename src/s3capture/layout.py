@@ -9,7 +9,7 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
     rollouts/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
     rollouts/<rid>/ledger/row/<cid>/<sha256>.json capture-ledger row (CaptureLedger.record); sha256 of its bytes
-    rollouts/<rid>/ledger/fp/<fp>/<cid>/<sha256>  ledger fingerprint index of that row (empty)
+    rollouts/<rid>/ledger-index/<fp>/<cid>/<sha256> ledger fingerprint index of that row (empty)
     rollouts/<rid>/ledger/fail/<cid>/<sha256>.json ledger failure row (CaptureLedger.record_failure)
     rollouts/<rid>/ledger/intent/<cid>            ledger begin_call intent (empty)
 
@@ -186,8 +186,10 @@ def _is_sha(value: str) -> bool:
 def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
     """Classify a capture-ledger key relative to a rollout prefix.
 
-    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fp"`` (index),
-    ``"fail"`` or ``"intent"``, or ``None`` for a key s3capture does not write under ``ledger/``. A failure row of
+    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fail"`` or
+    ``"intent"`` (under ``ledger/``) or ``"fp"`` (under ``ledger-index/``), or ``None`` for a key
+    s3capture does not write there. The index lives beside ``ledger/``, not in it, so the LIST a
+    manifest needs carries no index keys. A failure row of
     a call id too long to store names the call ``~h<sha256>``; its body carries the real id.
     """
     parts = rel.split("/")
@@ -195,8 +197,8 @@ def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
         if len(parts) == 4 and parts[:2] == ["ledger", "row"] and parts[3].endswith(".json"):
             sha = parts[3][: -len(".json")]
             return ("row", unescape_id(parts[2]), "", sha) if _is_sha(sha) else None
-        if len(parts) == 5 and parts[:2] == ["ledger", "fp"] and _is_sha(parts[4]):
-            return "fp", unescape_id(parts[3]), unescape_id(parts[2]), parts[4]
+        if len(parts) == 4 and parts[0] == "ledger-index" and _is_sha(parts[3]):
+            return "fp", unescape_id(parts[2]), unescape_id(parts[1]), parts[3]
         if len(parts) == 4 and parts[:2] == ["ledger", "fail"] and parts[3].endswith(".json"):
             sha = parts[3][: -len(".json")]
             cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])

@@ -197,7 +197,7 @@ class S3CaptureLedger(_S3Objects):
         stored = self._compressor.compress(body) if len(body) > _COMPRESS_ABOVE else body
         requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]
         if fingerprint:
-            index_rel = f"ledger/fp/{escape_id(fingerprint)}/{segment}/{sha}"
+            index_rel = f"ledger-index/{escape_id(fingerprint)}/{segment}/{sha}"
             requests.append(self._put(prefix + index_rel, b""))
         results = await asyncio.gather(*requests, return_exceptions=True)
         for result in results:
@@ -402,7 +402,7 @@ class S3CaptureLedger(_S3Objects):
         if not fingerprint:
             return LineageResolution(ParentResolutionStatus.ROOT)
         listing, retired = await asyncio.gather(
-            self._list(f"{prefix}ledger/fp/{escape_id(fingerprint)}/"), self._retired(prefix)
+            self._list(f"{prefix}ledger-index/{escape_id(fingerprint)}/"), self._retired(prefix)
         )
         if retired:
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="retired")
