@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from s3capture.demo import CallResult, DemoReport, _percentiles, closing_lines, resolution_lines
-from s3capture.ledger_records import CaptureLedgerCommit, validate_manifest
+from s3capture.ledger_records import UNCOMMITTED_CALL_REASON, CaptureLedgerCommit, validate_manifest
 from s3capture.records import ParentResolutionStatus, RecordError
 from s3capture.replay import ReplayCall, ReplayRollout
 from s3capture.staging import StagedCall, call_record, compute_chain_hash, hash_token_ids, stage_call
@@ -43,7 +43,6 @@ __all__ = ["LedgerDemoReport", "LedgerWorker", "StagingArea", "build_ledger", "d
 # Gym's reason codes (nemo_gym.token_id_capture.records / staging.records): wire contract.
 UNRESOLVED_PARENT_REASON = "unresolved_parent"
 WORKER_CAPTURE_FAILED_REASON = "worker_capture_failed"
-UNCOMMITTED_CALL_REASON = "request_finished_without_staged_coordinates"
 
 _SHARED_FIELDS = (
     "model_call_id", "parent_call_id", "mode", "prev_len", "delta_len", "cum_len", "weight_version",
