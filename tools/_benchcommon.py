@@ -1,12 +1,15 @@
-"""Shared pieces of the benchmark tools (``tools/bench_put.py``, ``tools/bench_cpu.py``).
+"""Shared pieces of the benchmark tools (``tools/bench_put.py``, ``tools/bench_cpu.py``, ``tools/bench_ledger.py``).
 
 Not a public API: entry builders that mirror ``s3capture.demo._serve_call``, local server start-up,
-a wire-level request timeline on a client's botocore events, server CPU from ``/proc`` and
-Markdown tables.
+the round-trip delay proxy, a bare GET, a wire-level request timeline on a client's botocore events,
+server CPU from ``/proc``, the measurement loops the tools share (CPU of a path, one measured round
+of concurrent operations, per-call latency/CPU/request sinks) and Markdown tables.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import math
 import os
 import platform
@@ -15,7 +18,7 @@ import statistics
 import struct
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +170,26 @@ def start_server(kind: str) -> Any:
     return {"moto": start_moto, "seaweedfs": start_seaweedfs}[kind]()
 
 
+def server_list(parser: Any, value: str) -> list[str]:
+    """The ``--servers`` option (comma-separated) as a list, rejecting unknown kinds through ``parser``."""
+    servers = [s.strip() for s in value.split(",") if s.strip()]
+    for kind in servers:
+        if kind not in ("moto", "seaweedfs"):
+            parser.error(f"unknown server {kind!r}")
+    return servers
+
+
+def bare_session(server: Any) -> tuple[Any, Any]:
+    """(aioboto3 session with the server's credentials, the client configuration s3capture builds by
+    default: ``default_botocore_config(32)`` with path-style addressing)."""
+    import aioboto3
+
+    from s3capture.store import default_botocore_config
+
+    session = aioboto3.Session(aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key, region_name=server.region)
+    return session, default_botocore_config(32, s3={"addressing_style": "path"})
+
+
 def server_cpu_seconds(pid: int) -> float:
     """utime + stime of a process (and its reaped children) from ``/proc``; 0.0 where unavailable."""
     try:
@@ -178,12 +201,69 @@ def server_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+class ServerCpu:
+    """Mixin of an ``Env`` with a ``server`` (a started local server) and a ``proxy_pid`` (or None)."""
+
+    server: Any
+    proxy_pid: int | None
+
+    def server_cpu(self) -> float:
+        """CPU seconds of the server process, plus the delay proxy's when one is in the path."""
+        return server_cpu_seconds(self.server.pid) + (server_cpu_seconds(self.proxy_pid) if self.proxy_pid else 0.0)
+
+
+class DelayProxy:
+    """``tools/_delayproxy.py`` in its own process: adds ``rtt_ms`` to every request/response exchange."""
+
+    def __init__(self, target_port: int, rtt_ms: float) -> None:
+        import subprocess
+
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_delayproxy.py")
+        self.process = subprocess.Popen(
+            [sys.executable, script, str(target_port), str(rtt_ms / 2)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        if not line.strip():
+            self.stop()
+            raise RuntimeError("delay proxy did not start")
+        self.endpoint_url = f"http://127.0.0.1:{int(line)}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.process.wait(5)
+            except Exception:  # noqa: BLE001
+                self.process.kill()
+                self.process.wait(5)
+
+
+async def bare_get(client: Any, bucket: str, key: str) -> bytes | None:
+    """The body of ``key`` through a bare aioboto3 ``client``, or None where it does not exist."""
+    from botocore.exceptions import ClientError
+
+    try:
+        response = await client.get_object(Bucket=bucket, Key=key)
+        async with response["Body"] as stream:
+            return await stream.read()
+    except ClientError as error:
+        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            return None
+        raise
+
+
 def load_average() -> str:
     """1/5/15-minute load averages: other processes on the machine skew every number here."""
     try:
         return "/".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
+
+
+def total_line(started: float, load_at_start: str) -> str:
+    """The last line a tool prints: its wall time and the load average at its start and end."""
+    return f"total {time.perf_counter() - started:.0f} s; load average at the end {load_average()} (started at {load_at_start})"
 
 
 def machine_summary() -> str:
@@ -265,6 +345,109 @@ class Timeline:
             level += delta
             peak = max(peak, level)
         return peak
+
+
+# --------------------------------------------------------------------------- measurement loops
+def time_path(fn: Callable[[], None], target: float) -> tuple[float, int]:
+    """(process seconds per call of ``fn``, calls) over at least ``target`` seconds."""
+    calls = 0
+    gc.collect()
+    started = time.process_time()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.process_time() - started
+        if elapsed >= target and calls >= 3:
+            return elapsed / calls, calls
+
+
+async def timed(call: Callable[[int], Awaitable[Any]], j: int) -> float:
+    """Seconds ``await call(j)`` takes; the call itself is made inside the timing."""
+    started = time.perf_counter()
+    await call(j)
+    return time.perf_counter() - started
+
+
+@dataclass
+class KindStats:
+    """What the measured rounds of one kind of operation add up to."""
+
+    latencies: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
+    ops: int = 0
+    requests: int = 0
+    round_trips: list[int] = field(default_factory=list)
+    max_in_flight: int = 0
+
+
+async def measured_round(
+    call: Callable[[int], Awaitable[Any]],
+    indices: range,
+    stats: KindStats | None,
+    server_cpu: Callable[[], float],
+    *,
+    requests: Callable[[], int] | None = None,
+    timeline: Timeline | None = None,
+) -> None:
+    """One round: ``call(j)`` for every ``j`` of ``indices`` at once, each timed on its own.
+
+    With ``stats`` (None for a warm-up round) the round adds its latencies, wall time, client CPU
+    (``process_time``), server CPU and operations; with ``requests`` (a running request count of the
+    client under test) the requests sent; with ``timeline`` (reset by the caller before the round)
+    its round trips and requests in flight.
+    """
+    before = requests() if requests is not None else 0
+    cpu0, srv0, wall0 = time.process_time(), server_cpu(), time.perf_counter()
+    latencies = await asyncio.gather(*(timed(call, j) for j in indices))
+    wall1, cpu1, srv1 = time.perf_counter(), time.process_time(), server_cpu()
+    if stats is None:
+        return
+    stats.latencies.extend(latencies)
+    stats.wall += wall1 - wall0
+    stats.client_cpu += cpu1 - cpu0
+    stats.server_cpu += srv1 - srv0
+    stats.ops += len(indices)
+    if requests is not None:
+        stats.requests += requests() - before
+    if timeline is not None:
+        stats.round_trips.append(timeline.round_trips())
+        stats.max_in_flight = max(stats.max_in_flight, timeline.max_in_flight())
+
+
+def set_bare_wire(stats: dict[str, KindStats], wire: dict[str, tuple[int, int]]) -> None:
+    """Bare peers send a known pattern: ``wire`` maps a kind to (requests per op, requests in flight), one round trip."""
+    for kind, (requests, in_flight) in wire.items():
+        if kind in stats:
+            stats[kind].requests = requests * stats[kind].ops
+            stats[kind].round_trips = [1]
+            stats[kind].max_in_flight = in_flight
+
+
+@dataclass
+class Sink:
+    """Per-call samples of one client operation: ms, client CPU ms and (with a timeline) its requests."""
+
+    ms: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    counts: list[dict[str, int]] = field(default_factory=list)
+    rt: list[int] = field(default_factory=list)
+    inflight: list[int] = field(default_factory=list)
+
+    def add(self, elapsed: float, cpu: float, timeline: Timeline | None) -> None:
+        self.ms.append(elapsed * 1000)
+        self.cpu.append(cpu * 1000)
+        if timeline is not None:
+            self.counts.append(timeline.counts())
+            self.rt.append(timeline.round_trips())
+            self.inflight.append(timeline.max_in_flight())
+
+    def count(self, op: str) -> int:
+        return max((c.get(op, 0) for c in self.counts), default=0)
+
+    def other(self) -> int:
+        return max((sum(v for k, v in c.items() if k not in ("ListObjectsV2", "GetObject")) for c in self.counts), default=0)
 
 
 # --------------------------------------------------------------------------- statistics and tables

@@ -50,6 +50,7 @@ import msgspec
 import orjson
 import zstandard
 from _benchcommon import (
+    bare_session,
     load_average,
     machine_summary,
     n_tokens,
@@ -57,6 +58,8 @@ from _benchcommon import (
     start_server,
     synthetic_entry,
     table,
+    time_path,
+    total_line,
 )
 from nemo_gym.token_id_capture.records import TokenEntry as GymTokenEntry
 
@@ -147,19 +150,6 @@ PEERS = {
     "put": "put CPU: Gym file store append (dump + orjson + SHA-256)",
     "read": "read CPU: Gym file store read (orjson + model_validate)",
 }
-
-
-def time_path(fn: Callable[[], None], target: float) -> tuple[float, int]:
-    """(process seconds per call of ``fn``, calls) over at least ``target`` seconds."""
-    calls = 0
-    gc.collect()
-    started = time.process_time()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.process_time() - started
-        if elapsed >= target and calls >= 3:
-            return elapsed / calls, calls
 
 
 def bench_cpu(workloads: dict[str, list[Any]], repeats: int, target: float) -> list[list[Any]]:
@@ -378,10 +368,6 @@ def run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
 
 
 def bench_memory(n_entries: int, caches: list[int]) -> tuple[list[list[Any]], str]:
-    import aioboto3
-
-    from s3capture.store import default_botocore_config
-
     template = synthetic_entry(1100, generation_tokens=1000, call_id="mem")
     server = start_server("moto")
     tmp = tempfile.mkdtemp(prefix="s3capture-bench-gym-")
@@ -397,8 +383,7 @@ def bench_memory(n_entries: int, caches: list[int]) -> tuple[list[list[Any]], st
 
         async def setup(entries: list[Any]) -> None:
             nonlocal canonical
-            session = aioboto3.Session(aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key, region_name=server.region)
-            config = default_botocore_config(32, s3={"addressing_style": "path"})
+            session, config = bare_session(server)
             async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as client:
                 await client.create_bucket(Bucket=bucket)
                 limit = asyncio.Semaphore(32)
@@ -515,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_memory:
         rows, note = bench_memory(args.memory_entries, [8 * 2**20, 256 * 2**20])
         print(f"### memory of a freeze ({note})\n\n" + table(MEMORY_HEADERS, rows, digits=1) + "\n", flush=True)
-    print(f"total {time.perf_counter() - started:.0f} s; load average at the end {load_average()} (started at {load_at_start})")
+    print(total_line(started, load_at_start))
     return 0
 
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import hashlib
 import json
 import statistics
@@ -63,22 +62,31 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from _benchcommon import (
     DATA_DIR,
+    DelayProxy,
+    KindStats,
+    ServerCpu,
+    Sink,
     Timeline,
+    bare_get,
+    bare_session,
     load_average,
     machine_summary,
     mean,
+    measured_round,
     pct,
-    server_cpu_seconds,
+    server_list,
+    set_bare_wire,
     start_server,
     table,
+    time_path,
+    total_line,
 )
-from botocore.exceptions import ClientError
 
 from s3capture import fingerprint as _fp
 from s3capture.layout import Layout, escape_id
@@ -86,7 +94,6 @@ from s3capture.ledger import _COMPRESS_ABOVE, _ROW_FORMAT, S3CaptureLedger, _Row
 from s3capture.ledger_records import CaptureLedgerCommit, to_wire, validate_commit
 from s3capture.protocols import LineageMatch
 from s3capture.staging import call_record, stage_call
-from s3capture.store import default_botocore_config
 
 ADMITTED_AT = 1_700_000_000.0
 DATA_FILE = "anyterminal_hermes"
@@ -261,19 +268,6 @@ def gym_pieces() -> tuple[Any, Callable[[Any], dict], Callable[[dict], bytes]]:
 
 
 # --------------------------------------------------------------------------- CPU per record
-def time_path(fn: Callable[[], None], target: float) -> tuple[float, int]:
-    """(process seconds per call of ``fn``, calls) over at least ``target`` seconds."""
-    calls = 0
-    gc.collect()
-    started = time.process_time()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.process_time() - started
-        if elapsed >= target and calls >= 3:
-            return elapsed / calls, calls
-
-
 PEER_CPU = "Gym: model_validate(wire) + _record's row dict + json.dumps(sort_keys)"
 
 
@@ -404,7 +398,7 @@ BYTES_HEADERS = [
 
 # --------------------------------------------------------------------------- S3 plumbing
 @dataclass
-class Env:
+class Env(ServerCpu):
     server: Any
     session: Any
     bare: Any
@@ -419,21 +413,6 @@ class Env:
         name = f"s3capture-bl-{tag}-{uuid.uuid4().hex[:6]}"
         await self.bare.create_bucket(Bucket=name)
         return name
-
-    def server_cpu(self) -> float:
-        """CPU seconds of the server process, plus the delay proxy's when one is in the path."""
-        return server_cpu_seconds(self.server.pid) + (server_cpu_seconds(self.proxy_pid) if self.proxy_pid else 0.0)
-
-
-async def bare_get(env: Env, bucket: str, key: str) -> bytes | None:
-    try:
-        response = await env.bare.get_object(Bucket=bucket, Key=key)
-        async with response["Body"] as stream:
-            return await stream.read()
-    except ClientError as error:
-        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-            return None
-        raise
 
 
 async def bare_list(env: Env, bucket: str, prefix: str) -> list[str]:
@@ -470,19 +449,7 @@ LABELS = {
     "C": "bare PUT row ∥ LIST row prefix",
     "D": "bare PUT row ∥ PUT index ∥ LIST (record's wire pattern)",
 }
-WIRE = {"A": None, "B": (1, 1), "C": (2, 2), "D": (3, 3)}  # requests per op, in flight
-
-
-@dataclass
-class KindStats:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    client_cpu: float = 0.0
-    server_cpu: float = 0.0
-    ops: int = 0
-    requests: int = 0
-    round_trips: list[int] = field(default_factory=list)
-    max_in_flight: int = 0
+WIRE = {"B": (1, 1), "C": (2, 2), "D": (3, 3)}  # bare kinds: requests per op, in flight
 
 
 async def record_latency(env: Env, wires: list[dict], concurrency: int, rounds: int, warmup: int) -> dict[str, KindStats]:
@@ -500,59 +467,34 @@ async def record_latency(env: Env, wires: list[dict], concurrency: int, rounds: 
     timeline = Timeline().attach(await ledger._s3())
     stats = {kind: KindStats() for kind in KINDS}
 
-    async def op_a(j: int) -> float:
-        started = time.perf_counter()
-        await ledger.record(ops[j][0])
-        return time.perf_counter() - started
-
-    async def op_b(j: int) -> float:
-        started = time.perf_counter()
-        await env.bare.put_object(Bucket=bucket, Key=ops[j][2]["B"].row_key, Body=ops[j][1])
-        return time.perf_counter() - started
-
-    async def op_c(j: int) -> float:
+    def op_c(j: int) -> Any:
         s = ops[j][2]["C"]
-        started = time.perf_counter()
-        await asyncio.gather(env.bare.put_object(Bucket=bucket, Key=s.row_key, Body=ops[j][1]), bare_list(env, bucket, s.list_prefix))
-        return time.perf_counter() - started
+        return asyncio.gather(env.bare.put_object(Bucket=bucket, Key=s.row_key, Body=ops[j][1]), bare_list(env, bucket, s.list_prefix))
 
-    async def op_d(j: int) -> float:
+    def op_d(j: int) -> Any:
         s = ops[j][2]["D"]
-        started = time.perf_counter()
-        await asyncio.gather(
+        return asyncio.gather(
             env.bare.put_object(Bucket=bucket, Key=s.row_key, Body=ops[j][1]),
             env.bare.put_object(Bucket=bucket, Key=s.index_key, Body=b""),
             bare_list(env, bucket, s.list_prefix),
         )
-        return time.perf_counter() - started
 
-    run = {"A": op_a, "B": op_b, "C": op_c, "D": op_d}
+    run = {
+        "A": lambda j: ledger.record(ops[j][0]),
+        "B": lambda j: env.bare.put_object(Bucket=bucket, Key=ops[j][2]["B"].row_key, Body=ops[j][1]),
+        "C": op_c,
+        "D": op_d,
+    }
     for r in range(rounds + warmup):
         indices = range(r * concurrency, (r + 1) * concurrency)
         for kind in KINDS[r % len(KINDS):] + KINDS[: r % len(KINDS)]:
-            before = sum(ledger.request_counts.values())
             timeline.reset()
-            cpu0, srv0, wall0 = time.process_time(), env.server_cpu(), time.perf_counter()
-            latencies = await asyncio.gather(*(run[kind](j) for j in indices))
-            wall1, cpu1, srv1 = time.perf_counter(), time.process_time(), env.server_cpu()
-            if r < warmup:
-                continue
-            s = stats[kind]
-            s.latencies.extend(latencies)
-            s.wall += wall1 - wall0
-            s.client_cpu += cpu1 - cpu0
-            s.server_cpu += srv1 - srv0
-            s.ops += concurrency
-            if kind == "A":
-                s.requests += sum(ledger.request_counts.values()) - before
-                if concurrency == 1:
-                    s.round_trips.append(timeline.round_trips())
-                    s.max_in_flight = max(s.max_in_flight, timeline.max_in_flight())
-    for kind, spec in WIRE.items():
-        if spec is not None:
-            stats[kind].requests = spec[0] * stats[kind].ops
-            stats[kind].round_trips = [1]
-            stats[kind].max_in_flight = spec[1]
+            await measured_round(
+                run[kind], indices, stats[kind] if r >= warmup else None, env.server_cpu,
+                requests=(lambda: sum(ledger.request_counts.values())) if kind == "A" else None,
+                timeline=timeline if kind == "A" and concurrency == 1 else None,
+            )
+    set_bare_wire(stats, WIRE)
     await ledger.close()
     return stats
 
@@ -615,29 +557,6 @@ async def build_ledgers(env: Env, commits: Commits, sizes: list[int]) -> dict[in
     return out
 
 
-@dataclass
-class Sink:
-    ms: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-    counts: list[dict[str, int]] = field(default_factory=list)
-    rt: list[int] = field(default_factory=list)
-    inflight: list[int] = field(default_factory=list)
-
-    def add(self, elapsed: float, cpu: float, timeline: Timeline | None) -> None:
-        self.ms.append(elapsed * 1000)
-        self.cpu.append(cpu * 1000)
-        if timeline is not None:
-            self.counts.append(timeline.counts())
-            self.rt.append(timeline.round_trips())
-            self.inflight.append(timeline.max_in_flight())
-
-    def count(self, op: str) -> int:
-        return max((c.get(op, 0) for c in self.counts), default=0)
-
-    def other(self) -> int:
-        return max((sum(v for k, v in c.items() if k not in ("ListObjectsV2", "GetObject")) for c in self.counts), default=0)
-
-
 async def warm_connection(ledger: S3CaptureLedger, request: list[dict]) -> None:
     """Connection up and botocore's LIST/GET set-up done, cache empty (an unrelated rollout)."""
     await ledger.resolve(f"warmup-{uuid.uuid4().hex[:6]}", request)
@@ -678,11 +597,11 @@ async def bench_resolve(env: Env, ledgers: dict[int, Ledger], sizes: list[int], 
             await ledger.close()
             # the same requests sent bare, in the same two rounds
             started = time.perf_counter()
-            await asyncio.gather(bare_list(env, spec.bucket, fp_prefix), bare_get(env, spec.bucket, prefix + "retired"))
-            await asyncio.gather(bare_get(env, spec.bucket, row_keys[0]), bare_list(env, spec.bucket, row_prefix))
+            await asyncio.gather(bare_list(env, spec.bucket, fp_prefix), bare_get(env.bare, spec.bucket, prefix + "retired"))
+            await asyncio.gather(bare_get(env.bare, spec.bucket, row_keys[0]), bare_list(env, spec.bucket, row_prefix))
             peer_cold.append((time.perf_counter() - started) * 1000)
             started = time.perf_counter()
-            await asyncio.gather(bare_list(env, spec.bucket, fp_prefix), bare_get(env, spec.bucket, prefix + "retired"))
+            await asyncio.gather(bare_list(env, spec.bucket, fp_prefix), bare_get(env.bare, spec.bucket, prefix + "retired"))
             await bare_list(env, spec.bucket, row_prefix)
             peer_warm.append((time.perf_counter() - started) * 1000)
         for _ in range(new_samples):
@@ -720,7 +639,7 @@ RESOLVE_HEADERS = [
 async def bare_manifest(env: Env, spec: Ledger, prefixes: list[str], get_rows: bool = True) -> int:
     """The manifest's wire pattern without s3capture: LISTs ∥ tombstone GET, then every row GET, 32 in flight."""
     prefix = spec.layout.rollout(spec.rollout_id)
-    *listings, _ = await asyncio.gather(*(bare_list(env, spec.bucket, prefix + p) for p in prefixes), bare_get(env, spec.bucket, prefix + "retired"))
+    *listings, _ = await asyncio.gather(*(bare_list(env, spec.bucket, prefix + p) for p in prefixes), bare_get(env.bare, spec.bucket, prefix + "retired"))
     keys = [k for listing in listings for k in listing if "/ledger/row/" in k or "/ledger/fail/" in k]
     if not get_rows:
         return len(keys)
@@ -728,7 +647,7 @@ async def bare_manifest(env: Env, spec: Ledger, prefixes: list[str], get_rows: b
 
     async def get(key: str) -> None:
         async with limit:
-            await bare_get(env, spec.bucket, key)
+            await bare_get(env.bare, spec.bucket, key)
 
     await asyncio.gather(*(get(k) for k in keys))
     return len(keys)
@@ -803,14 +722,12 @@ MANIFEST_HEADERS = [
 
 # --------------------------------------------------------------------------- main
 async def run_server(kind: str, args: argparse.Namespace, commits: Commits) -> str:
-    import aioboto3
     from botocore.handlers import add_expect_header
 
     server = start_server(kind)
     out: list[str] = []
     try:
-        session = aioboto3.Session(aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key, region_name=server.region)
-        config = default_botocore_config(32, s3={"addressing_style": "path"})  # what S3CaptureLedger builds
+        session, config = bare_session(server)  # the configuration S3CaptureLedger builds
         async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as bare:
             bare.meta.events.unregister("before-call.s3", add_expect_header)  # as the ledger's own client
             env = Env(server, session, bare)
@@ -825,10 +742,6 @@ async def run_server(kind: str, args: argparse.Namespace, commits: Commits) -> s
             )
             timings.append(f"record {time.perf_counter() - started:.0f} s")
             if args.rtt_ms > 0:
-                from bench_put import (
-                    DelayProxy,  # runs tools/_delayproxy.py in its own process
-                )
-
                 started = time.perf_counter()
                 proxy = DelayProxy(server.port, args.rtt_ms)
                 try:
@@ -898,10 +811,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cpu_target = args.cpu_target or (0.01 if quick else 0.2)
     if args.rtt_ms is None:
         args.rtt_ms = 10.0
-    args.servers = [] if args.no_s3 else [s.strip() for s in args.servers.split(",") if s.strip()]
-    for kind in args.servers:
-        if kind not in ("moto", "seaweedfs"):
-            parser.error(f"unknown server {kind!r}")
+    args.servers = [] if args.no_s3 else server_list(parser, args.servers)
     return args
 
 
@@ -922,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.servers:
         print(asyncio.run(run_server(kind, args, commits)), flush=True)
         print()
-    print(f"total {time.perf_counter() - started:.0f} s; load average at the end {load_average()} (started at {load_at_start})")
+    print(total_line(started, load_at_start))
     return 0
 
 

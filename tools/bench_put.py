@@ -35,29 +35,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import hashlib
-import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from _benchcommon import (
+    DelayProxy,
+    KindStats,
+    ServerCpu,
+    Sink,
     Timeline,
+    bare_get,
+    bare_session,
     build_entry,
     load_average,
     machine_summary,
     mean,
+    measured_round,
     n_tokens,
     pct,
     replay_entries,
-    server_cpu_seconds,
+    server_list,
+    set_bare_wire,
     start_server,
     synthetic_entry,
     table,
+    total_line,
 )
 from botocore.exceptions import ClientError
 
@@ -65,7 +72,7 @@ from s3capture.fingerprint import assistant_fingerprint
 from s3capture.layout import escape_id
 from s3capture.records import coerce_entry, encode_entry
 from s3capture.replay import synthetic_rollouts
-from s3capture.store import S3TokenStore, default_botocore_config
+from s3capture.store import S3TokenStore
 
 KINDS = ("A", "B", "C")
 LABELS = {
@@ -78,7 +85,7 @@ LABELS = {
 
 # --------------------------------------------------------------------------- plumbing
 @dataclass
-class Env:
+class Env(ServerCpu):
     server: Any
     session: Any
     bare: Any
@@ -89,27 +96,12 @@ class Env:
     bare_no_expect: Any = None
     """A bare client without botocore's ``Expect: 100-continue`` on PutObject (kind D), or None."""
 
-    def server_cpu(self) -> float:
-        """CPU seconds of the server process, plus the delay proxy's when one is in the path."""
-        return server_cpu_seconds(self.server.pid) + (server_cpu_seconds(self.proxy_pid) if self.proxy_pid else 0.0)
-
     def store(self, **kwargs: Any) -> S3TokenStore:
         return S3TokenStore(self.url, endpoint_url=self.endpoint_url, session=self.session, **kwargs)
 
 
 async def client_of(store: S3TokenStore) -> Any:
     return await store._s3()  # the store's own aiobotocore client, to attach the timeline
-
-
-async def bare_get(env: Env, key: str) -> bytes | None:
-    try:
-        response = await env.bare.get_object(Bucket=env.bucket, Key=key)
-        async with response["Body"] as stream:
-            return await stream.read()
-    except ClientError as error:
-        if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-            return None
-        raise
 
 
 def object_body(store: S3TokenStore, entry: Any, chain: tuple[str, ...] = ()) -> tuple[str, bytes]:
@@ -123,18 +115,6 @@ def object_body(store: S3TokenStore, entry: Any, chain: tuple[str, ...] = ()) ->
 
 
 # --------------------------------------------------------------------------- put latency
-@dataclass
-class KindStats:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    client_cpu: float = 0.0
-    server_cpu: float = 0.0
-    ops: int = 0
-    requests: int = 0
-    round_trips: list[int] = field(default_factory=list)
-    max_in_flight: int = 0
-
-
 async def put_latency(env: Env, workload: str, bases: list[Any], concurrency: int, rounds: int, warmup: int) -> dict[str, KindStats]:
     store = env.store()
     rollout_id = f"put-{workload}-c{concurrency}-{uuid.uuid4().hex[:6]}"
@@ -152,56 +132,27 @@ async def put_latency(env: Env, workload: str, bases: list[Any], concurrency: in
     kinds = KINDS + (("D",) if env.bare_no_expect is not None else ())
     stats = {kind: KindStats() for kind in kinds}
 
-    async def op_a(j: int) -> float:
-        started = time.perf_counter()
-        await store.put(ops[j][0])
-        return time.perf_counter() - started
-
-    async def op_b(j: int) -> float:
-        started = time.perf_counter()
-        await env.bare.put_object(Bucket=env.bucket, Key=ops[j][2], Body=ops[j][1])
-        return time.perf_counter() - started
-
-    async def op_c(j: int) -> float:
-        started = time.perf_counter()
-        await asyncio.gather(env.bare.put_object(Bucket=env.bucket, Key=ops[j][3], Body=ops[j][1]), bare_get(env, fence_key))
-        return time.perf_counter() - started
-
-    async def op_d(j: int) -> float:
-        started = time.perf_counter()
-        await env.bare_no_expect.put_object(Bucket=env.bucket, Key=ops[j][3] + ".d", Body=ops[j][1])
-        return time.perf_counter() - started
-
-    run = {"A": op_a, "B": op_b, "C": op_c, "D": op_d}
+    run = {
+        "A": lambda j: store.put(ops[j][0]),
+        "B": lambda j: env.bare.put_object(Bucket=env.bucket, Key=ops[j][2], Body=ops[j][1]),
+        "C": lambda j: asyncio.gather(
+            env.bare.put_object(Bucket=env.bucket, Key=ops[j][3], Body=ops[j][1]), bare_get(env.bare, env.bucket, fence_key)
+        ),
+        "D": lambda j: env.bare_no_expect.put_object(Bucket=env.bucket, Key=ops[j][3] + ".d", Body=ops[j][1]),
+    }
     for r in range(rounds + warmup):
         order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
         indices = range(r * concurrency, (r + 1) * concurrency)
         for kind in order:
-            record = r >= warmup
-            before_requests = sum(store.request_counts.values())
-            if kind == "A" and concurrency == 1:
+            traced = kind == "A" and concurrency == 1
+            if traced:
                 timeline.reset()
-            cpu0, srv0, wall0 = time.process_time(), env.server_cpu(), time.perf_counter()
-            latencies = await asyncio.gather(*(run[kind](j) for j in indices))
-            wall1, cpu1, srv1 = time.perf_counter(), time.process_time(), env.server_cpu()
-            if not record:
-                continue
-            s = stats[kind]
-            s.latencies.extend(latencies)
-            s.wall += wall1 - wall0
-            s.client_cpu += cpu1 - cpu0
-            s.server_cpu += srv1 - srv0
-            s.ops += concurrency
-            if kind == "A":
-                s.requests += sum(store.request_counts.values()) - before_requests
-                if concurrency == 1:
-                    s.round_trips.append(timeline.round_trips())
-                    s.max_in_flight = max(s.max_in_flight, timeline.max_in_flight())
-    for kind, requests, in_flight in (("B", 1, 1), ("C", 2, 2), ("D", 1, 1)):
-        if kind in stats:
-            stats[kind].requests = requests * stats[kind].ops
-            stats[kind].round_trips = [1]
-            stats[kind].max_in_flight = in_flight
+            await measured_round(
+                run[kind], indices, stats[kind] if r >= warmup else None, env.server_cpu,
+                requests=(lambda: sum(store.request_counts.values())) if kind == "A" else None,
+                timeline=timeline if traced else None,
+            )
+    set_bare_wire(stats, {"B": (1, 1), "C": (2, 2), "D": (1, 1)})
     await store.close()
     return stats
 
@@ -259,9 +210,9 @@ async def fence_reads(env: Env, rounds: int, body: bytes) -> list[list[Any]]:
 
     kinds = {
         "bare put_object (entry bytes)": lambda j: env.bare.put_object(Bucket=env.bucket, Key=f"{base}put/{j}", Body=body),
-        "GET missing fence (404)": lambda j: bare_get(env, base + "missing"),
+        "GET missing fence (404)": lambda j: bare_get(env.bare, env.bucket, base + "missing"),
         "HEAD missing fence (404)": lambda j: head(base + "missing"),
-        "GET existing fence (200, 47 B)": lambda j: bare_get(env, base + "fence"),
+        "GET existing fence (200, 47 B)": lambda j: bare_get(env.bare, env.bucket, base + "fence"),
         "HEAD existing fence (200)": lambda j: head(base + "fence"),
     }
     names = list(kinds)
@@ -290,33 +241,6 @@ async def fence_reads(env: Env, rounds: int, body: bytes) -> list[list[Any]]:
 
 
 FENCE_HEADERS = ["request (sequential, interleaved)", "n", "p50 ms", "p90 ms", "mean ms", "client CPU ms/op", "server CPU ms/op"]
-
-
-class DelayProxy:
-    """``tools/_delayproxy.py`` in its own process: adds ``rtt_ms`` to every request/response exchange."""
-
-    def __init__(self, target_port: int, rtt_ms: float) -> None:
-        import subprocess
-
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_delayproxy.py")
-        self.process = subprocess.Popen(
-            [sys.executable, script, str(target_port), str(rtt_ms / 2)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        )
-        line = self.process.stdout.readline()  # type: ignore[union-attr]
-        if not line.strip():
-            self.stop()
-            raise RuntimeError("delay proxy did not start")
-        self.endpoint_url = f"http://127.0.0.1:{int(line)}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.process.wait(5)
-            except Exception:  # noqa: BLE001
-                self.process.kill()
-                self.process.wait(5)
 
 
 # --------------------------------------------------------------------------- resolve
@@ -386,8 +310,7 @@ async def bench_resolve(env: Env, rollouts: list[ResolveRollout], samples: int, 
         parent_keys = [item["Key"] for item in (await env.bare.list_objects_v2(Bucket=env.bucket, Prefix=fp_prefix)).get("Contents", [])]
         assert len(parent_keys) == 1, parent_keys
         parent_size = 0
-        fresh: dict[str, list[Any]] = collections.defaultdict(list)
-        warm: dict[str, list[Any]] = collections.defaultdict(list)
+        fresh, warm = Sink(), Sink()
         peer: list[float] = []
         budget = samples if spec.n < 1000 or spec.mode == "full" else min(samples, 2)
         for _ in range(budget):
@@ -396,36 +319,27 @@ async def bench_resolve(env: Env, rollouts: list[ResolveRollout], samples: int, 
             await store.resolve(f"warmup-{uuid.uuid4().hex[:6]}", spec.request)
             await store._get(f"{prefix}warmup-missing-key")
             timeline = Timeline().attach(await client_of(store))
-            for phase, sink, count in (("fresh", fresh, 1), ("warm", warm, warm_samples)):
+            for sink, count in ((fresh, 1), (warm, warm_samples)):
                 for _ in range(count):
                     timeline.reset()
-                    cpu = time.process_time()
-                    started = time.perf_counter()
+                    cpu, started = time.process_time(), time.perf_counter()
                     resolution = await store.resolve(rollout_id, spec.request)
-                    elapsed = time.perf_counter() - started
-                    sink["cpu"].append((time.process_time() - cpu) * 1000)
+                    sink.add(time.perf_counter() - started, time.process_time() - cpu, timeline)
                     if resolution.match is None or resolution.match.model_call_id != spec.parent_call_id:
                         raise SystemExit(f"resolve of {rollout_id} did not find its parent: {resolution}")
-                    counts = timeline.counts()
-                    sink["ms"].append(elapsed * 1000)
-                    sink["LIST"].append(counts.get("ListObjectsV2", 0))
-                    sink["GET"].append(counts.get("GetObject", 0))
-                    sink["other"].append(sum(v for k, v in counts.items() if k not in ("ListObjectsV2", "GetObject")))
-                    sink["rt"].append(timeline.round_trips())
-                    sink["inflight"].append(timeline.max_in_flight())
             await store.close()
             started = time.perf_counter()
             await env.bare.list_objects_v2(Bucket=env.bucket, Prefix=fp_prefix)
-            data = await bare_get(env, parent_keys[0])
+            data = await bare_get(env.bare, env.bucket, parent_keys[0])
             peer.append((time.perf_counter() - started) * 1000)
             parent_size = len(data or b"")
         label = f"{spec.mode}, {spec.n:,} calls"
         for client, sink in (("fresh client", fresh), ("warm client", warm)):
             rows.append(
                 [
-                    label, client, len(sink["ms"]), pct(sink["ms"], 0.5), pct(sink["ms"], 0.9),
-                    f"{pct(sink['ms'], 0.5) / pct(peer, 0.5):.2f}x", pct(sink["cpu"], 0.5),
-                    max(sink["LIST"]), max(sink["GET"]), max(sink["other"]), max(sink["rt"]), max(sink["inflight"]),
+                    label, client, len(sink.ms), pct(sink.ms, 0.5), pct(sink.ms, 0.9),
+                    f"{pct(sink.ms, 0.5) / pct(peer, 0.5):.2f}x", pct(sink.cpu, 0.5),
+                    sink.count("ListObjectsV2"), sink.count("GetObject"), sink.other(), max(sink.rt), max(sink.inflight),
                 ]
             )
         rows.append([label, "peer: bare LIST then GET", len(peer), pct(peer, 0.5), pct(peer, 0.9), "1.00x", "", 1, 1, 0, 2, 1])
@@ -486,16 +400,11 @@ FREEZE_HEADERS = ["rollout", "client", "ms", "LIST", "GET", "PUT", "other", "rou
 
 # --------------------------------------------------------------------------- main
 async def run_server(kind: str, args: argparse.Namespace, resolve_rollouts: list[ResolveRollout], workloads: dict[str, list[Any]]) -> str:
-    import aioboto3
-
     server = start_server(kind)
     out: list[str] = []
     proxy: DelayProxy | None = None
     try:
-        session = aioboto3.Session(
-            aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key, region_name=server.region
-        )
-        config = default_botocore_config(32, s3={"addressing_style": "path"})  # what S3TokenStore builds by default
+        session, config = bare_session(server)  # the configuration S3TokenStore builds by default
         async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as bare:
             bucket = f"s3capture-bench-{uuid.uuid4().hex[:8]}"
             await bare.create_bucket(Bucket=bucket)
@@ -571,10 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.freeze_sizes = [int(x) for x in (args.freeze_sizes or ("300" if quick else "1000,2500")).split(",")]
     if args.rtt_ms is None:
         args.rtt_ms = 10.0
-    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    for kind in args.servers:
-        if kind not in ("moto", "seaweedfs"):
-            parser.error(f"unknown server {kind!r}")
+    args.servers = server_list(parser, args.servers)
     return args
 
 
@@ -594,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.servers:
         print(asyncio.run(run_server(kind, args, resolve_rollouts, workloads)), flush=True)
         print()
-    print(f"total {time.perf_counter() - started:.0f} s; load average at the end {load_average()} (started at {load_at_start})")
+    print(total_line(started, load_at_start))
     return 0
 
 
