@@ -191,3 +191,24 @@ async def fresh(s3_env: Any, bucket_url: str):
     yield make
     for store in stores:
         await store.close()
+
+
+@pytest.fixture
+async def ledgers(s3_env: Any, bucket_url: str):
+    """Factory of fresh S3CaptureLedger clients on the test bucket (each its own HTTP client)."""
+    import aioboto3
+
+    from s3capture.ledger import S3CaptureLedger
+
+    session = aioboto3.Session()
+    made: list[S3CaptureLedger] = []
+
+    def make(**kwargs: Any) -> S3CaptureLedger:
+        kwargs.setdefault("session", session)
+        ledger = S3CaptureLedger(kwargs.pop("url", bucket_url), **kwargs)
+        made.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in made:
+        await ledger.close()

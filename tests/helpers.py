@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -402,3 +404,49 @@ def get_bytes(client: Any, bucket: str, key: str) -> bytes:
 def put_bytes(client: Any, bucket: str, key: str, body: bytes) -> None:
     """Place a raw object, via a plain boto3 client."""
     client.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+# --------------------------------------------------------------------------- capture-ledger commits
+def _hex(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def make_commit(
+    rollout_id: str,
+    call_id: str,
+    request: list[dict],
+    response: list[dict],
+    *,
+    parent: Any = None,
+    delta: int = 4,
+    weight_version: int = 0,
+) -> dict:
+    """A valid CaptureLedgerCommit wire dict; ``parent`` (a commit dict) makes a token_in child."""
+    prev = parent["record"]["cum_len"] if parent else 0
+    chain = (parent["staging_chain"] if parent else []) + [f"{rollout_id}/{call_id}"]
+    return {
+        "rollout_id": rollout_id,
+        "record": {
+            "model_call_id": call_id,
+            "parent_call_id": parent["record"]["model_call_id"] if parent else None,
+            "prev_len": prev,
+            "delta_len": delta,
+            "cum_len": prev + delta,
+            "weight_version": weight_version,
+            "digest": _hex("digest", rollout_id, call_id, delta, weight_version),
+            "extras_digest": _hex("extras"),
+            "staging_key": f"{rollout_id}/{call_id}",
+            "mode": "token_in" if parent else "text",
+            "chain_hash": _hex("chain", rollout_id, call_id, delta),
+            "cumulative_hash": _hex("cumulative", rollout_id, call_id, delta),
+            "response_id": f"resp-{call_id}",
+            "admitted_at": 1700000000.0,
+        },
+        "staging_chain": chain,
+        "request_items": list(request),
+        "response_items": list(response),
+    }
+
+
+def continuation(commit: dict, text: str = "next") -> list[dict]:
+    return [*commit["request_items"], *commit["response_items"], user(text)]

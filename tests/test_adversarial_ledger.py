@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import json
 import os
 import subprocess
@@ -25,12 +24,10 @@ import sys
 import uuid
 from typing import Any
 
-import msgspec
 import pytest
 import zstandard
 
-from helpers import assistant_output, get_bytes, list_keys, put_bytes, split_bucket_url, user
-from test_ledger import REQ, continuation, ledgers, make_commit  # noqa: F401 - ledgers is a fixture
+from helpers import assistant_output, continuation, get_bytes, list_keys, make_commit, put_bytes, split_bucket_url, system, user
 from s3capture.conformance import run_conformance
 from s3capture.fingerprint import assistant_fingerprint
 from s3capture.ledger import LedgerConflictError, S3CaptureLedger
@@ -40,11 +37,12 @@ from s3capture.ledger_records import (
     validate_manifest,
 )
 from s3capture.protocols import RolloutRetiredError
-from s3capture.records import ParentResolutionStatus, RecordError
+from s3capture.records import ParentResolutionStatus
 from s3capture.store import StoreError
 
 RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
+REQ = [system("Be brief."), user("Name a colour.")]
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
@@ -74,12 +72,6 @@ async def _request_count(ledger: S3CaptureLedger) -> int:
 
 
 # =========================================================================== races with retire
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: manifest GETs the retire tombstone in parallel with its LIST, so a manifest whose "
-    "tombstone GET ran before retire's PUT and whose LIST ran after retire's deletes returns a "
-    "partial ledger (a hole) with no failures instead of RolloutRetiredError",
-)
 async def test_manifest_racing_retire_never_returns_a_partial_ledger(ledgers):
     rid = "race-manifest"
     commits = _chain(rid, 3)
@@ -125,31 +117,22 @@ async def test_manifest_racing_retire_never_returns_a_partial_ledger(ledgers):
     assert manifest["failures"] or _cids(manifest) == ["call-0", "call-1", "call-2"], manifest
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: has_rows GETs the tombstone in parallel with its LISTs, so during a retire it can "
-    "answer False (an unused id) instead of raising RolloutRetiredError",
-)
 async def test_has_rows_racing_retire_never_reports_an_unused_id(ledgers):
     rid = "race-has-rows"
     await ledgers().record(make_commit(rid, "call-0", REQ, assistant_output("x")))
     reader, retirer = ledgers(), ledgers()
-    tomb_checked, retired_done = asyncio.Event(), asyncio.Event()
-    orig_retired, orig_page = reader._retired, reader._list_page
-
-    async def retired(prefix: str) -> bool:
-        try:
-            return await orig_retired(prefix)
-        finally:
-            tomb_checked.set()
+    listing, retired_done = asyncio.Event(), asyncio.Event()
+    orig_page = reader._list_page
 
     async def gated_page(prefix: str, max_keys: int) -> list:
+        # has_rows has started; its LISTs run only after the retire deleted every row.
+        listing.set()
         await retired_done.wait()
         return await orig_page(prefix, max_keys)
 
-    reader._retired, reader._list_page = retired, gated_page
+    reader._list_page = gated_page
     task = asyncio.create_task(reader.has_rows(rid))
-    await tomb_checked.wait()
+    await listing.wait()
     await retirer.retire([rid])
     retired_done.set()
     try:
@@ -330,12 +313,6 @@ async def test_unstorable_ids_and_bad_inputs_fail_before_any_request(ledgers):
     assert _cids(m) == ["c"] and m["failures"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: manifest treats every failure-row segment starting with '~h' as a hashed stand-in, "
-    "but a REAL call id like '~hello' unescapes to a segment starting with '~h' too: its failure is "
-    "reported as unreadable_ledger_row under the wrong reason (still poisons the rollout)",
-)
 async def test_failure_row_of_a_call_id_starting_with_tilde_h_keeps_its_reason(ledgers):
     ledger = ledgers()
     for cid in ("~hello", "~h" + "0" * 64):
@@ -346,13 +323,6 @@ async def test_failure_row_of_a_call_id_starting_with_tilde_h_keeps_its_reason(l
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: check_call_id budgets a call id against the entry key (140 bytes of suffix) but the "
-    "ledger index key ledger-index/<64-hex fp>/<cid>/<sha> takes 143: with a long root prefix a "
-    "call id that passes the check makes record PUT the row and then fail on a >1024-byte index key "
-    "(StoreError after a request, leaving a row without an index) instead of a ValueError before any request",
-)
 async def test_call_id_at_the_key_budget_with_a_long_root_is_refused_before_any_request(ledgers, bucket_url, s3_client):
     bucket, _ = split_bucket_url(bucket_url)
     root = "/".join(["a" * 200, "b" * 200, "c" * 215])  # 617 bytes: the rollout prefix of "r" is 629
@@ -378,12 +348,6 @@ def _row_key(client: Any, bucket_url: str, rid: str, cid: str) -> str:
     return key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: resolve never checks that a row's body names the call id of its key (manifest does, "
-    "and calls such a row unreadable): a row of call Y filed under call X's key and index resolves "
-    "as parent Y, bypassing the per-call conflict LIST of Y",
-)
 async def test_a_row_filed_under_another_call_id_never_resolves(ledgers, s3_client, bucket_url):
     rid = "misfiled"
     y = make_commit(rid, "call-y", REQ, assistant_output("yy"))
@@ -469,12 +433,6 @@ async def test_hostile_row_bodies_fail_closed(ledgers, s3_client, bucket_url, ki
     assert (await reader.resolve(rid, continuation(c))).status == UNRESOLVED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: manifest builds ManifestFailure from key-derived call ids without validating them: a "
-    "crafted ledger/intent/~ (call id '') or ledger/intent/.ED.A0.80 (a lone surrogate) yields a "
-    "manifest that does not validate as RolloutManifest (or crashes) instead of a clean poisoned manifest",
-)
 async def test_keys_that_unescape_to_invalid_call_ids_still_give_a_valid_poisoned_manifest(ledgers, s3_client, bucket_url):
     bucket, root = split_bucket_url(bucket_url)
     await ledgers().record(make_commit("odd", "call-1", REQ, assistant_output("x")))
@@ -626,12 +584,6 @@ async def test_commits_gym_accepts_at_the_edges_are_stored_and_read_back(ledgers
         gym.RolloutManifest.model_validate(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: record does not bound a row's size, but readers refuse rows over 4 MiB: a commit Gym "
-    "accepts (a long staging_chain) is acknowledged by record, resolves on the writer (its own cache) "
-    "and is 'unreadable_ledger_row' for every other client - record returned without cross-client visibility",
-)
 async def test_a_row_record_accepts_is_readable_by_every_client(ledgers):
     c = make_commit("big", "call-1", REQ, assistant_output("x"))
     c["staging_chain"] = [f"s3://staging/big/{i:08d}/{uuid.UUID(int=i).hex}" for i in range(120_000)]
@@ -665,11 +617,6 @@ class _ResolveIgnoresOtherFingerprints(S3CaptureLedger):
         return items
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GAP: the conformance suite's conflict check uses one fingerprint only, so a ledger whose "
-    "resolve RESOLVES a call id with conflicting payloads under another fingerprint passes every check",
-)
 async def test_conformance_catches_a_resolve_that_ignores_conflicts_under_other_fingerprints(ledgers, bucket_url):
     import aioboto3
 
@@ -697,12 +644,6 @@ def _run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: on a bucket that does not exist the CLI runs every check, prints 24 FAILs and "
-    "'NOT CONFORMANT' (exit 1, plus asyncio tracebacks on stderr): a configuration error reported as a "
-    "non-conformant store, instead of one clear error (exit 2) naming the missing bucket",
-)
 async def test_conformance_cli_on_a_missing_bucket_is_a_clear_error(s3_server):
     proc = _run_cli(["conformance", f"s3://no-such-bucket-{uuid.uuid4().hex[:10]}/p", "--endpoint",
                      s3_server.endpoint_url], s3_server.env())

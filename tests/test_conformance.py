@@ -229,7 +229,7 @@ async def test_gym_in_memory_ledger_per_client_is_not_shared():
     assert failed == {
         "ledger_record_visibility": "has_rows is not True after record returned",
         "ledger_idempotent_record": "a repeated identical record gave 0 rows",
-        "ledger_conflicting_record": "a conflicting record neither raised nor shows as a conflict in the manifest",
+        "ledger_conflicting_record": "call-1: a conflicting record neither raised nor shows as a conflict",
     }
 
 

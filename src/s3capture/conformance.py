@@ -527,24 +527,38 @@ async def ledger_idempotent_record(ctx: _Ctx) -> None:
 
 async def ledger_conflicting_record(ctx: _Ctx) -> None:
     rid = ctx.rollout(ledger=True)
-    first, second = ctx.commit(rid, "call-1", delta=3), ctx.commit(rid, "call-1", delta=4)
-    await (await ctx.ledger()).record(first)
-    raised = False
-    try:
-        await (await ctx.ledger()).record(second)
-    except Exception:  # noqa: BLE001 - "reusing a model call id with different data must fail"
-        raised = True
     reader = await ctx.ledger()
+    # call-1: two payloads with the same output (one fingerprint); call-2: two payloads whose
+    # outputs differ, so a resolver that looks only under one fingerprint cannot see the conflict.
+    cases = {
+        "call-1": (ctx.commit(rid, "call-1", delta=3), ctx.commit(rid, "call-1", delta=4)),
+        "call-2": (ctx.commit(rid, "call-2", text="b", delta=3), ctx.commit(rid, "call-2", text="c", delta=3)),
+    }
+    raised: dict[str, bool] = {}
+    for cid, (first, second) in cases.items():
+        await (await ctx.ledger()).record(first)
+        try:
+            await (await ctx.ledger()).record(second)
+            raised[cid] = False
+        except Exception:  # noqa: BLE001 - "reusing a model call id with different data must fail"
+            raised[cid] = True
     manifest = await _manifest(ctx, reader, rid)
-    row = _records(manifest).get("call-1")
-    conflicted = any(f["model_call_id"] == "call-1" for f in manifest["failures"])
-    ctx.require(row != to_wire(validate_commit(second).record), "the conflicting second payload became the manifest row")
-    ctx.require(raised or conflicted, "a conflicting record neither raised nor shows as a conflict in the manifest")
-    if conflicted:
-        ctx.require(row is None, "a conflicted call id is listed under both records and failures")
-        faithful = list(_REQUEST) + _output("a") + [{"role": "user", "content": "more"}]
-        resolution = await reader.resolve(rid, faithful)
-        ctx.require(resolution.status != RESOLVED, "a call id with conflicting rows still resolved as a parent")
+    for cid, (first, second) in cases.items():
+        row = _records(manifest).get(cid)
+        conflicted = any(f["model_call_id"] == cid for f in manifest["failures"])
+        ctx.require(row != to_wire(validate_commit(second).record), f"{cid}: the conflicting second payload became the manifest row")
+        ctx.require(raised[cid] or conflicted, f"{cid}: a conflicting record neither raised nor shows as a conflict")
+        if not conflicted:
+            continue
+        ctx.require(row is None, f"{cid}: a conflicted call id is listed under both records and failures")
+        for commit in (first, second):
+            faithful = list(commit.request_items) + list(commit.response_items) + [{"role": "user", "content": "more"}]
+            resolution = await reader.resolve(rid, faithful)
+            ctx.require(
+                resolution.status != RESOLVED,
+                f"{cid}: a call id with conflicting rows still resolved as a parent (through the continuation of "
+                f"{'the first' if commit is first else 'the second'} payload)",
+            )
 
 
 async def ledger_failure_rows(ctx: _Ctx) -> None:
@@ -829,6 +843,8 @@ async def run_s3_conformance(
 ) -> ConformanceReport:
     """Run the whole suite against ``S3TokenStore`` and ``S3CaptureLedger`` on ``url`` (needs aioboto3).
 
+    Raises ``StoreError`` before any check when the bucket is missing or access is refused.
+
     Every factory call builds a new client with its own HTTP connection pool, caches and state;
     they share one ``aioboto3.Session`` (the credential chain and service model, ~0.1 s to load).
     Credentials come from the standard AWS chain; ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL``.
@@ -846,6 +862,12 @@ async def run_s3_conformance(
     def ledger() -> Any:
         return S3CaptureLedger(url, endpoint_url=endpoint_url, session=session)
 
+    # A missing bucket or refused credentials is one clear StoreError, not every check failing.
+    probe = store()
+    try:
+        await probe._list(probe.layout.root + "rollouts/conformance-")
+    finally:
+        await probe.close()
     return await run_conformance(
         sink_factory=store,
         source_factory=store,

@@ -189,22 +189,35 @@ def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
     Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fail"`` or
     ``"intent"`` (under ``ledger/``) or ``"fp"`` (under ``ledger-index/``), or ``None`` for a key
     s3capture does not write there. The index lives beside ``ledger/``, not in it, so the LIST a
-    manifest needs carries no index keys. A failure row of
-    a call id too long to store names the call ``~h<sha256>``; its body carries the real id.
+    manifest needs carries no index keys. A failure row of a call id too long to store names the
+    call ``~h<sha256>`` (its body carries the real id); for it the third field is ``"~h"``. A key
+    whose call id is not a non-empty, UTF-8-encodable string is not s3capture's (``None``).
     """
     parts = rel.split("/")
     try:
         if len(parts) == 4 and parts[:2] == ["ledger", "row"] and parts[3].endswith(".json"):
             sha = parts[3][: -len(".json")]
-            return ("row", unescape_id(parts[2]), "", sha) if _is_sha(sha) else None
+            return ("row", _call_id(parts[2]), "", sha) if _is_sha(sha) else None
         if len(parts) == 4 and parts[0] == "ledger-index" and _is_sha(parts[3]):
-            return "fp", unescape_id(parts[2]), unescape_id(parts[1]), parts[3]
+            return "fp", _call_id(parts[2]), unescape_id(parts[1]), parts[3]
         if len(parts) == 4 and parts[:2] == ["ledger", "fail"] and parts[3].endswith(".json"):
             sha = parts[3][: -len(".json")]
-            cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])
-            return ("fail", cid, "", sha) if _is_sha(sha) else None
+            if not _is_sha(sha):
+                return None
+            if _HASHED.match(parts[2]):
+                return "fail", parts[2], "~h", sha
+            return "fail", _call_id(parts[2]), "", sha
         if len(parts) == 3 and parts[:2] == ["ledger", "intent"]:
-            return "intent", unescape_id(parts[2]), "", ""
-    except ValueError:
+            return "intent", _call_id(parts[2]), "", ""
+    except (ValueError, UnicodeEncodeError):
         return None
     return None
+
+
+def _call_id(segment: str) -> str:
+    """The call id an escaped segment names; ``ValueError`` unless it is a storable id."""
+    cid = unescape_id(segment)
+    if not cid:
+        raise ValueError("empty call id")
+    cid.encode("utf-8")  # UnicodeEncodeError for a lone surrogate
+    return cid

@@ -34,7 +34,7 @@ import msgspec
 import zstandard
 
 from s3capture import fingerprint as _fp
-from s3capture.layout import escape_id, parse_ledger_key
+from s3capture.layout import MAX_KEY_BYTES, escape_id, parse_ledger_key
 from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
     LEDGER_FOREIGN_OBJECT_REASON,
@@ -192,13 +192,18 @@ class S3CaptureLedger(_S3Objects):
             context_digest=context_digest,
         )
         body = msgspec.json.encode(row, order="sorted")
+        if len(body) > _MAX_ROW_BYTES:
+            # Readers refuse larger rows, so storing one would acknowledge a row nobody can read.
+            raise RecordError(f"the ledger row of {cid!r} is {len(body)} bytes, over the {_MAX_ROW_BYTES}-byte limit")
         sha = _sha(body)
         row_key = f"{prefix}ledger/row/{segment}/{sha}.json"
+        index_key = f"{prefix}ledger-index/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else ""
+        if len(index_key.encode()) > MAX_KEY_BYTES:
+            raise ValueError(f"model_call_id is too long to store: its index key would exceed S3's {MAX_KEY_BYTES}-byte limit")
         stored = self._compressor.compress(body) if len(body) > _COMPRESS_ABOVE else body
         requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]
-        if fingerprint:
-            index_rel = f"ledger-index/{escape_id(fingerprint)}/{segment}/{sha}"
-            requests.append(self._put(prefix + index_rel, b""))
+        if index_key:
+            requests.append(self._put(index_key, b""))
         results = await asyncio.gather(*requests, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -285,16 +290,17 @@ class S3CaptureLedger(_S3Objects):
         reason ``conflicting_ledger_rows`` instead of under ``records``; an unreadable row gives
         ``unreadable_ledger_row``, an object s3capture did not write ``foreign_ledger_object`` (its
         key as the call id), and a ``begin_call`` intent without any row Gym's
-        ``request_finished_without_staged_coordinates``, so such a rollout never looks trainable. Requests: one LIST page
-        per 1,000 ledger keys with a GET of the retire tombstone, then one GET per uncached row
-        (in parallel). Raises ``RolloutRetiredError`` for a retired rollout.
+        ``request_finished_without_staged_coordinates``, so such a rollout never looks trainable.
+        Requests: one LIST page per 1,000 ledger keys with a GET of the retire tombstone, then one
+        GET per uncached row with a second GET of the tombstone (in parallel). Raises
+        ``RolloutRetiredError`` for a rollout retired before or while the manifest is read.
         """
         prefix = self.layout.rollout(rollout_id)
         listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
         if retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
         rows: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
-        fails: list[tuple[str, str, str]] = []
+        fails: list[tuple[str, str, bool, str]] = []
         intents: set[str] = set()
         failures: set[tuple[str, str]] = set()
         for item in listing:
@@ -305,7 +311,7 @@ class S3CaptureLedger(_S3Objects):
             elif parsed[0] == "row":
                 rows[parsed[1]].append((item.key, parsed[3]))
             elif parsed[0] == "fail":
-                fails.append((item.key, parsed[1], parsed[3]))
+                fails.append((item.key, parsed[1], parsed[2] == "~h", parsed[3]))
             elif parsed[0] == "intent":
                 intents.add(parsed[1])
         records: list[CallRecord] = []
@@ -321,7 +327,7 @@ class S3CaptureLedger(_S3Objects):
             else:
                 records.append(row.record)
 
-        async def load_failure(key: str, cid: str, sha: str) -> None:
+        async def load_failure(key: str, cid: str, hashed: bool, sha: str) -> None:
             try:
                 failure = await self._load(key, sha, _Failure)
             except RecordError as error:
@@ -329,9 +335,9 @@ class S3CaptureLedger(_S3Objects):
                 failure = None
             if failure is None or failure.rollout_id != rollout_id or not failure.reason or not failure.model_call_id:
                 failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
-            elif cid.startswith("~h") and _sha(failure.model_call_id.encode("utf-8", "surrogatepass")) != cid[2:]:
+            elif hashed and _sha(failure.model_call_id.encode("utf-8", "surrogatepass")) != cid[2:]:
                 failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
-            elif not cid.startswith("~h") and failure.model_call_id != cid:
+            elif not hashed and failure.model_call_id != cid:
                 failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
             else:
                 failures.add((failure.model_call_id, failure.reason))
@@ -343,7 +349,15 @@ class S3CaptureLedger(_S3Objects):
             else:
                 jobs.append(load_row(cid, *variants[0]))
         jobs.extend(load_failure(*f) for f in fails)
-        await asyncio.gather(*jobs)
+
+        async def still_live() -> None:
+            # Retire writes its tombstone before deleting a row, so a LIST that missed rows a
+            # retire deleted is always followed by a tombstone this GET sees: never hand back a
+            # ledger with a hole as live.
+            if await self._retired(prefix):
+                raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while its manifest was read")
+
+        await asyncio.gather(still_live(), *jobs)
         accounted = set(rows) | {cid for cid, _ in failures}
         failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)
         records.sort(key=lambda r: (r.admitted_at is None, r.admitted_at or 0.0, r.model_call_id))
@@ -355,17 +369,17 @@ class S3CaptureLedger(_S3Objects):
         return to_wire(manifest)
 
     async def has_rows(self, rollout_id: str) -> bool:
-        """Whether any committed or failure row exists (one round trip: two LISTs and a GET).
+        """Whether any committed or failure row exists (two round trips).
 
         Raises ``RolloutRetiredError`` for a retired rollout, so admission can refuse its late calls.
+        Requests: two LISTs (one key each) together, then a GET of the retire tombstone: read after
+        the LISTs, it also catches a retire that deleted rows while they were listed.
         """
         prefix = self.layout.rollout(rollout_id)
-        rows, fails, retired = await asyncio.gather(
-            self._list_page(f"{prefix}ledger/row/", 1),
-            self._list_page(f"{prefix}ledger/fail/", 1),
-            self._retired(prefix),
+        rows, fails = await asyncio.gather(
+            self._list_page(f"{prefix}ledger/row/", 1), self._list_page(f"{prefix}ledger/fail/", 1)
         )
-        if retired:
+        if await self._retired(prefix):
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
         return bool(rows or fails)
 
@@ -440,6 +454,9 @@ class S3CaptureLedger(_S3Objects):
             # An unreadable or missing row might be the parent: never win by elimination.
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unreadable_candidate")
         candidates: list[_Row] = []
+        if any(row.record.model_call_id != cid for cid, (_, row) in zip(by_call, checked)):
+            # A row filed under another call id's key is damage: it may hide a conflict.
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unreadable_candidate")
         for _, row in checked:
             if row.rollout_id != rollout_id or row.fingerprint != fingerprint:
                 continue
