@@ -14,6 +14,8 @@ def _demo(args: argparse.Namespace) -> int:
     from s3capture.demo import format_report, run_workload
     from s3capture.replay import load_rollouts, synthetic_rollouts
 
+    if args.staging_url and args.capture != "ledger":
+        raise ValueError("--staging-url applies only with --capture ledger")
     if args.files:
         rollouts = load_rollouts(args.files)
     else:
@@ -78,16 +80,28 @@ def _conformance(args: argparse.Namespace) -> int:
 
     from s3capture.conformance import CHECKS, format_result, format_summary, run_s3_conformance
 
+    if args.list:
+        print("\n".join(name for name, _, _ in CHECKS))
+        return 0
     unknown = sorted(set(args.check or ()) - {name for name, _, _ in CHECKS})
     if unknown:  # before any server starts or any request is sent; main() maps ValueError to exit 2
         raise ValueError(f"unknown check {', '.join(unknown)}; known: {', '.join(name for name, _, _ in CHECKS)}")
     server = None
     endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL")
     url = args.url
+    if url is not None:
+        from s3capture.store import parse_s3_url
+
+        parse_s3_url(url)  # ValueError (exit 2, one line) before any server or request
     try:
         if url is None:
             if endpoint is not None:
-                print("s3capture conformance: give the s3://bucket/prefix to check", file=sys.stderr)
+                source = "--endpoint" if args.endpoint else f"AWS_ENDPOINT_URL={endpoint}"
+                print(
+                    f"s3capture conformance: {source} is set, so give the s3://bucket/prefix to check there "
+                    "(unset it to check an embedded moto server)",
+                    file=sys.stderr,
+                )
                 return 2
             from s3capture.localserver import start_moto
 
@@ -138,7 +152,11 @@ def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="s3capture", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="s3capture",
+        description="s3capture: NeMo Gym's token-capture protocols on S3-compatible storage. "
+        "'s3capture demo' runs a capture workload end to end; 's3capture conformance' checks a store.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -173,11 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run s3capture's conformance suite (s3capture.conformance) against S3TokenStore and "
         "S3CaptureLedger on a real bucket, so an operator can check a store (AWS S3, GCS, MinIO, R2, Ceph) "
         "before a training run. Every check uses its own rollout ids under the prefix and deletes them "
-        "afterwards. Exit status 0 when every check passes, 1 when any fails.",
+        "afterwards. Exit status 0 when every check passes, 1 when any fails, 2 for a usage error or a "
+        "store that cannot be used at all (missing bucket, refused credentials, unreachable endpoint).",
     )
     check.add_argument("url", nargs="?", help="s3://bucket/prefix to check (default: an embedded moto server)")
     check.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)")
     check.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable)")
+    check.add_argument("--list", action="store_true", help="print the names of the checks and exit")
     check.add_argument("--fence-grace", type=float, default=1.0,
                        help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)")
     check.set_defaults(func=_conformance)
