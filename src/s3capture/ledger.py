@@ -217,7 +217,8 @@ class S3CaptureLedger(_S3Objects):
         if others:
             raise LedgerConflictError(
                 f"conflicting ledger row for model call {cid!r} in rollout {c.rollout_id!r}: "
-                f"stored {others[0][:12]}..., this payload {sha[:12]}..."
+                f"stored {others[0][:12]}..., this payload {sha[:12]}... (both rows are stored now, so readers see "
+                "the call as conflicted; a retry must resend the identical commit, admitted_at included)"
             )
 
     async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
