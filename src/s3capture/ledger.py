@@ -105,6 +105,15 @@ def _sha(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def _heap_estimate(value: Any, json_bytes: int) -> int:
+    """Bytes a decoded row holds on the heap: about 2x its JSON, plus a str object per chain key.
+
+    Each ``staging_chain`` key is its own ``str`` (about 50 bytes of header and list slot), which
+    dominates a row of many short keys; counting it keeps ``cache_bytes`` a real bound.
+    """
+    return 2 * json_bytes + 1024 + 64 * len(getattr(value, "staging_chain", ()))
+
+
 def _decompress(data: bytes) -> bytes:
     """Decompress a stored row, refusing more than ``_MAX_ROW_BYTES``; raises ``RecordError``."""
     out = io.BytesIO()
@@ -208,7 +217,7 @@ class S3CaptureLedger(_S3Objects):
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        self._cache.put(row_key, _Cached(row, len(body) * 4))
+        self._cache.put(row_key, _Cached(row, _heap_estimate(row, len(body))))
         others = sorted(
             item.key.rsplit("/", 1)[-1][: -len(".json")]
             for item in results[1]  # type: ignore[union-attr]
@@ -279,7 +288,7 @@ class S3CaptureLedger(_S3Objects):
         expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
         if value.format != expected:
             raise RecordError(f"unknown ledger object format {value.format!r} (newer s3capture?)")
-        self._cache.put(key, _Cached(value, len(data) * 4))
+        self._cache.put(key, _Cached(value, _heap_estimate(value, len(data))))
         return value
 
     async def manifest(self, rollout_id: str) -> dict:
