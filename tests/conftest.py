@@ -167,48 +167,41 @@ def s3_env(
     yield s3_server
 
 
-@pytest.fixture
-async def fresh(s3_env: Any, bucket_url: str):
-    """Factory of fresh ``S3TokenStore`` clients on the test bucket; all are closed afterwards.
+async def _client_factory(cls: type, bucket_url: str):
+    """Yield ``make(url=..., **kwargs)`` building fresh ``cls`` clients; close them all afterwards.
 
-    ``fresh(url=..., **kwargs)`` builds one. The clients share one ``aioboto3.Session``
-    (credentials and the loaded service model, ~80 ms to build) but each has its own HTTP client,
-    cache and call-key index, so cross-client visibility is real.
+    The clients share one ``aioboto3.Session`` (credentials and the loaded service model, ~80 ms to
+    build) but each has its own HTTP client, caches and state, so cross-client visibility is real.
     """
     import aioboto3
 
-    from s3capture.store import S3TokenStore
-
     session = aioboto3.Session()
-    stores: list[Any] = []
+    made: list[Any] = []
 
     def make(**kwargs: Any) -> Any:
         kwargs.setdefault("session", session)
-        store = S3TokenStore(kwargs.pop("url", bucket_url), **kwargs)
-        stores.append(store)
-        return store
+        client = cls(kwargs.pop("url", bucket_url), **kwargs)
+        made.append(client)
+        return client
 
     yield make
-    for store in stores:
-        await store.close()
+    for client in made:
+        await client.close()
+
+
+@pytest.fixture
+async def fresh(s3_env: Any, bucket_url: str):
+    """Factory of fresh ``S3TokenStore`` clients on the test bucket; all are closed afterwards."""
+    from s3capture.store import S3TokenStore
+
+    async for make in _client_factory(S3TokenStore, bucket_url):
+        yield make
 
 
 @pytest.fixture
 async def ledgers(s3_env: Any, bucket_url: str):
-    """Factory of fresh S3CaptureLedger clients on the test bucket (each its own HTTP client)."""
-    import aioboto3
-
+    """Factory of fresh ``S3CaptureLedger`` clients on the test bucket; all are closed afterwards."""
     from s3capture.ledger import S3CaptureLedger
 
-    session = aioboto3.Session()
-    made: list[S3CaptureLedger] = []
-
-    def make(**kwargs: Any) -> S3CaptureLedger:
-        kwargs.setdefault("session", session)
-        ledger = S3CaptureLedger(kwargs.pop("url", bucket_url), **kwargs)
-        made.append(ledger)
-        return ledger
-
-    yield make
-    for ledger in made:
-        await ledger.close()
+    async for make in _client_factory(S3CaptureLedger, bucket_url):
+        yield make
