@@ -27,6 +27,7 @@ import collections
 import hashlib
 import io
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +140,9 @@ class S3CaptureLedger(_S3Objects):
         session: an ``aioboto3.Session``; defaults to one from the standard credential chain.
         cache_bytes: bound on the estimated heap of decoded rows kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client.
+        spill_dir: a local directory where ``record_failure`` durably spills a failure row it could
+            not store; spilled rows are replayed by the next ``record_failure``, ``replay_spill``
+            or ``close`` (the same spill file ``S3TokenStore`` uses for its markers).
 
     Every method raises ``ValueError``/``TypeError`` for an id or record that cannot be stored,
     before any request, and ``StoreError`` when the store refuses an operation.
@@ -153,6 +157,7 @@ class S3CaptureLedger(_S3Objects):
         session: Any = None,
         cache_bytes: int = 64 * 1024 * 1024,
         max_concurrency: int = 32,
+        spill_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__(
             url,
@@ -161,6 +166,7 @@ class S3CaptureLedger(_S3Objects):
             session=session,
             cache_bytes=cache_bytes,
             max_concurrency=max_concurrency,
+            spill_dir=spill_dir,
         )
         self._compressor = zstandard.ZstdCompressor(level=3)
 
@@ -236,8 +242,10 @@ class S3CaptureLedger(_S3Objects):
         Failure rows never take part in resolution; ``manifest`` lists them under ``failures`` so
         finalization rejects the rollout. The same ``(model_call_id, reason)`` twice is one row; a
         call id too long for a key is stored under a hashed stand-in and keeps its real id in the
-        row. Raises ``ValueError`` for an empty or non-str id or reason. Discarded for a retired
-        rollout, like ``record``.
+        row. Raises ``ValueError`` for an empty or non-str id or reason, and ``StoreError`` when the
+        PUT fails and no ``spill_dir`` is configured; with one, the row is spilled locally (fsynced)
+        and stored by the next replay, because ``record`` and ``record_failure`` failing together
+        is the silent-loss case. Discarded for a retired rollout, like ``record``.
         """
         for name, value in (("model_call_id", model_call_id), ("reason", reason)):
             if not isinstance(value, str) or not value:
@@ -248,7 +256,20 @@ class S3CaptureLedger(_S3Objects):
             order="sorted",
         )
         segment = self.layout.marker_call_segment(prefix, model_call_id)
-        await self._put(f"{prefix}ledger/fail/{segment}/{_sha(body)}.json", body)
+        key = f"{prefix}ledger/fail/{segment}/{_sha(body)}.json"
+        try:
+            await self._put(key, body)
+        except Exception as error:
+            if not self._spill_dir:
+                raise
+            self._spill(key, body)
+            log.warning("record_failure for %r spilled to %s: %s", rollout_id, self._spill_dir, error)
+            return
+        if self._spill_dir:
+            try:
+                await self.replay_spill()
+            except Exception:  # noqa: BLE001 - the spill stays for the next replay
+                log.warning("spilled objects could not be replayed yet", exc_info=True)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a call was admitted, before generation (one PUT; optional extension).

@@ -284,6 +284,7 @@ class _S3Objects:
         session: Any = None,
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
+        spill_dir: str | os.PathLike | None = None,
     ) -> None:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
@@ -298,6 +299,7 @@ class _S3Objects:
             raise ValueError("max_concurrency must be >= 1")
         self._max_concurrency = max_concurrency
         self._cache = _LRU(cache_bytes)
+        self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         self._client: Any = None
         self._stack: AsyncExitStack | None = None
         self._client_lock: asyncio.Lock | None = None
@@ -469,7 +471,12 @@ class _S3Objects:
         return "retired" if state == "retired" else "frozen"
 
     async def close(self) -> None:
-        """Release the HTTP client. Idempotent; there is never unwritten data to flush."""
+        """Release the HTTP client (after replaying spilled objects, best effort). Idempotent."""
+        if self._spill_dir and self._client is not None and not self._closed:
+            try:
+                await self.replay_spill()
+            except Exception:  # noqa: BLE001 - replay is best effort at close; the spill file stays
+                log.warning("could not replay spilled objects at close", exc_info=True)
         self._closed = True
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None:
@@ -484,6 +491,99 @@ class _S3Objects:
     def is_process_shared(self) -> bool:
         """True: every client of the bucket sees every committed entry."""
         return True
+
+    # ------------------------------------------------------------------ local spill
+    def _spill_path(self) -> str:
+        assert self._spill_dir is not None
+        return os.path.join(self._spill_dir, f"markers-{self.bucket}.jsonl")
+
+    def _spill(self, key: str, body: bytes = b"") -> None:
+        """Append one object (a marker, or a ledger failure row) to the spill file, locked and fsynced.
+
+        A replay renames the file aside under the same lock; an appender that finds the path no
+        longer names the file it locked reopens it, so no line lands in a claimed file.
+        """
+        os.makedirs(self._spill_dir, exist_ok=True)  # type: ignore[arg-type]
+        path = self._spill_path()
+        item = {"bucket": self.bucket, "key": key}
+        if body:
+            item["body"] = base64.b64encode(body).decode()
+        line = json.dumps(item).encode() + b"\n"
+        while True:
+            with open(path, "ab") as handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                try:
+                    current = os.stat(path).st_ino
+                except FileNotFoundError:
+                    current = None
+                if current != os.fstat(handle.fileno()).st_ino:
+                    continue  # claimed by a replay meanwhile: write to the new file
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+                return
+
+    def _claim_spill(self) -> list[str]:
+        """Atomically take the spill file and any leftover claims; return the claimed paths."""
+        path = self._spill_path()
+        claimed: list[str] = []
+        try:
+            with open(path, "rb") as handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                if os.path.exists(path) and os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
+                    os.replace(path, name)
+                    claimed.append(name)
+        except FileNotFoundError:
+            pass
+        # Claims left by a replay whose process died: re-claim each by renaming it, so two
+        # replayers never work on the same file. A live process's claim is its own business.
+        for leftover in glob.glob(glob.escape(path) + ".*.replay"):
+            if leftover in claimed or _claimant_alive(leftover):
+                continue
+            name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
+            try:
+                os.replace(leftover, name)
+            except FileNotFoundError:
+                continue
+            claimed.append(name)
+        return claimed
+
+    async def replay_spill(self) -> int:
+        """Store the objects spilled by earlier failures; returns how many were replayed.
+
+        The spill file (``<spill_dir>/markers-<bucket>.jsonl``) is shared by every client of the
+        bucket on this host, token stores and ledgers alike.
+        """
+        if not self._spill_dir:
+            return 0
+        if not os.path.exists(self._spill_path()) and not glob.glob(glob.escape(self._spill_path()) + ".*.replay"):
+            return 0
+        pending = self._claim_spill()
+        objects: dict[str, bytes] = {}
+        for name in pending:
+            with open(name, "rb") as handle:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        item = json.loads(line)
+                        if item.get("bucket") == self.bucket and isinstance(item.get("key"), str):
+                            objects[item["key"]] = base64.b64decode(item.get("body") or "")
+                    except (ValueError, AttributeError, TypeError):
+                        log.warning("skipping torn line %d of spill file %s", number, name)
+        try:
+            await asyncio.gather(*(self._put(key, body) for key, body in objects.items()))
+        except BaseException:
+            for key, body in objects.items():  # keep them for the next replay; duplicates are harmless
+                self._spill(key, body)
+            for name in pending:
+                os.remove(name)
+            raise
+        for name in pending:
+            os.remove(name)
+        return len(objects)
+
 
     # ------------------------------------------------------------------ rollout fences and removal
     async def _scan(self, rollout_id: str) -> _RolloutScan:
@@ -626,6 +726,7 @@ class S3TokenStore(_S3Objects):
             session=session,
             cache_bytes=cache_bytes,
             max_concurrency=max_concurrency,
+            spill_dir=spill_dir,
         )
         if entry_type not in ("s3capture", "gym"):
             raise ValueError(f"entry_type must be 's3capture' or 'gym', got {entry_type!r}")
@@ -636,19 +737,9 @@ class S3TokenStore(_S3Objects):
         self._call_keys_limit = 200_000
         self._compressor = zstandard.ZstdCompressor(level=compression_level)
         self._max_entry_bytes = max_entry_bytes
-        self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         if fence_grace < 0:
             raise ValueError("fence_grace must be >= 0 seconds")
         self._fence_grace = fence_grace
-
-    async def close(self) -> None:
-        """Release the HTTP client. Idempotent; there is never unwritten data to flush."""
-        if self._spill_dir and self._client is not None and not self._closed:
-            try:
-                await self.replay_spill()
-            except Exception:  # noqa: BLE001 - replay is best effort at close; the spill file stays
-                log.warning("could not replay spilled markers at close", exc_info=True)
-        await super().close()
 
     def _forget_rollout(self, rollout_id: str) -> None:
         for key in [k for k in self._call_keys if k[0] == rollout_id]:
@@ -874,90 +965,6 @@ class S3TokenStore(_S3Objects):
                 await self.replay_spill()
             except Exception:  # noqa: BLE001 - the spill stays for the next replay
                 log.warning("spilled markers could not be replayed yet", exc_info=True)
-
-    def _spill_path(self) -> str:
-        assert self._spill_dir is not None
-        return os.path.join(self._spill_dir, f"markers-{self.bucket}.jsonl")
-
-    def _spill(self, key: str) -> None:
-        """Append one marker to the spill file under an exclusive lock, fsynced.
-
-        A replay renames the file aside under the same lock; an appender that finds the path no
-        longer names the file it locked reopens it, so no line lands in a claimed file.
-        """
-        os.makedirs(self._spill_dir, exist_ok=True)  # type: ignore[arg-type]
-        path = self._spill_path()
-        line = json.dumps({"bucket": self.bucket, "key": key}).encode() + b"\n"
-        while True:
-            with open(path, "ab") as handle:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-                try:
-                    current = os.stat(path).st_ino
-                except FileNotFoundError:
-                    current = None
-                if current != os.fstat(handle.fileno()).st_ino:
-                    continue  # claimed by a replay meanwhile: write to the new file
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-                return
-
-    def _claim_spill(self) -> list[str]:
-        """Atomically take the spill file and any leftover claims; return the claimed paths."""
-        path = self._spill_path()
-        claimed: list[str] = []
-        try:
-            with open(path, "rb") as handle:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-                if os.path.exists(path) and os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-                    name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
-                    os.replace(path, name)
-                    claimed.append(name)
-        except FileNotFoundError:
-            pass
-        # Claims left by a replay whose process died: re-claim each by renaming it, so two
-        # replayers never work on the same file. A live process's claim is its own business.
-        for leftover in glob.glob(glob.escape(path) + ".*.replay"):
-            if leftover in claimed or _claimant_alive(leftover):
-                continue
-            name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
-            try:
-                os.replace(leftover, name)
-            except FileNotFoundError:
-                continue
-            claimed.append(name)
-        return claimed
-
-    async def replay_spill(self) -> int:
-        """Store markers spilled by earlier failures; returns how many were replayed."""
-        if not self._spill_dir:
-            return 0
-        if not os.path.exists(self._spill_path()) and not glob.glob(glob.escape(self._spill_path()) + ".*.replay"):
-            return 0
-        pending = self._claim_spill()
-        keys: list[str] = []
-        for name in pending:
-            with open(name, "rb") as handle:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        item = json.loads(line)
-                        if item.get("bucket") == self.bucket and isinstance(item.get("key"), str):
-                            keys.append(item["key"])
-                    except (ValueError, AttributeError):
-                        log.warning("skipping torn line %d of spill file %s", number, name)
-        try:
-            await asyncio.gather(*(self._put(key, b"") for key in dict.fromkeys(keys)))
-        except BaseException:
-            for key in keys:  # keep them for the next replay; duplicates are harmless
-                self._spill(key)
-            for name in pending:
-                os.remove(name)
-            raise
-        for name in pending:
-            os.remove(name)
-        return len(keys)
 
     # ------------------------------------------------------------------ TokenSource
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
