@@ -49,7 +49,7 @@ from s3capture.ledger_records import (
 )
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
 from s3capture.records import ParentResolutionStatus, RecordError
-from s3capture.store import _BOTO_ERRORS, _S3Objects
+from s3capture.store import _S3Objects
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
 
@@ -407,23 +407,12 @@ class S3CaptureLedger(_S3Objects):
         the LISTs, it also catches a retire that deleted rows while they were listed.
         """
         prefix = self.layout.rollout(rollout_id)
-        rows, fails = await asyncio.gather(
+        pages = await asyncio.gather(
             self._list_page(f"{prefix}ledger/row/", 1), self._list_page(f"{prefix}ledger/fail/", 1)
         )
         if await self._retired(prefix):
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
-        return bool(rows or fails)
-
-    async def _list_page(self, prefix: str, max_keys: int) -> list[str]:
-        client = await self._s3()
-        async with self._sem:  # type: ignore[union-attr]
-            try:
-                page = await client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=max_keys)
-            except Exception as error:
-                if isinstance(error, _BOTO_ERRORS):
-                    raise self._wrap(error, f"LIST {prefix}") from error
-                raise
-        return [item["Key"] for item in page.get("Contents", ())]
+        return any(page.get("Contents") for page in pages)
 
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         """ROOT, RESOLVED (exactly one proven parent row) or UNRESOLVED with a reason.

@@ -386,23 +386,27 @@ class _S3Objects:
         """LIST every key under ``prefix`` (one request per 1,000 keys)."""
         return (await self._list_timed(prefix))[0]
 
+    async def _list_page(self, prefix: str, max_keys: int = 1000, token: str | None = None) -> dict:
+        """One ListObjectsV2 page of ``prefix`` (at most ``max_keys`` keys); raises ``StoreError``."""
+        client = await self._s3()
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
+        if token:
+            params["ContinuationToken"] = token
+        async with self._sem:  # type: ignore[union-attr]
+            try:
+                return await client.list_objects_v2(**params)
+            except Exception as error:
+                if isinstance(error, _BOTO_ERRORS):
+                    raise self._wrap(error, f"LIST {prefix}") from error
+                raise
+
     async def _list_timed(self, prefix: str) -> tuple[list[_Listed], float]:
         """LIST every key under ``prefix``; also return the store's clock from the last page."""
-        client = await self._s3()
         out: list[_Listed] = []
         token: str | None = None
         server_time: float | None = None
         while True:
-            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": 1000}
-            if token:
-                params["ContinuationToken"] = token
-            async with self._sem:  # type: ignore[union-attr]
-                try:
-                    page = await client.list_objects_v2(**params)
-                except Exception as error:
-                    if isinstance(error, _BOTO_ERRORS):
-                        raise self._wrap(error, f"LIST {prefix}") from error
-                    raise
+            page = await self._list_page(prefix, 1000, token)
             for item in page.get("Contents", ()):
                 modified = item.get("LastModified")
                 out.append(
