@@ -117,7 +117,7 @@ async def test_concurrent_replays_do_not_raise(s3_server, fresh, tmp_path):
         other = fresh(spill_dir=spill)  # a second client (same host, same spill_dir)
         results = await asyncio.gather(worker.replay_spill(), other.replay_spill(), return_exceptions=True)
         assert not [r for r in results if isinstance(r, BaseException)], results
-        assert not os.path.exists(spill / f"markers-{worker.bucket}.jsonl")
+        assert not os.path.exists(worker._spill_file.path)
     finally:
         await proxy.stop()
 

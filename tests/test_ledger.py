@@ -475,36 +475,42 @@ async def test_deep_rows_are_stored_compressed_and_read_back(ledgers, s3_client,
     assert ("call-59", LEDGER_UNREADABLE_ROW_REASON) in [(f["model_call_id"], f["reason"]) for f in manifest["failures"]]
 
 
-async def test_a_failure_row_spills_when_the_store_is_down_and_is_replayed(ledgers, bucket_url, tmp_path):
+async def test_a_failure_row_spills_when_the_store_is_down_and_is_replayed(ledgers, s3_server, bucket_url, tmp_path):
     from botocore.config import Config
+    from test_adversarial_faultproxy import FaultProxy, Respond, not_implemented_xml
 
-    from s3capture.store import StoreError, parse_s3_url
+    from s3capture.store import StoreError
 
-    config = Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=0.5, read_timeout=0.5,
-                    s3={"addressing_style": "path"})
-    long_id = "c" * 600  # stored under a hashed stand-in: the spilled body keeps the real id
-    dead = S3CaptureLedger(bucket_url, endpoint_url="http://127.0.0.1:9", botocore_config=config, spill_dir=tmp_path)
+    # The store goes down and comes back at the same endpoint: a spill belongs to its endpoint.
+    proxy = await FaultProxy(s3_server.port).start()
+    down = True
+
+    async def rule(request):
+        return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable") if down else None
+
+    proxy.rule = rule
+    config = Config(retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"})
     try:
+        long_id = "c" * 600  # stored under a hashed stand-in: the spilled body keeps the real id
+        dead = ledgers(endpoint_url=proxy.endpoint, botocore_config=config, spill_dir=tmp_path)
         await dead.record_failure("r", "call-7", "worker_capture_failed")  # must not raise: the spill holds it
         await dead.record_failure("r", long_id, "unresolved_parent")
-    finally:
-        await dead.close()
-    bucket, _ = parse_s3_url(bucket_url)
-    spill = tmp_path / f"markers-{bucket}.jsonl"
-    assert spill.exists() and len(spill.read_bytes().splitlines()) == 2
-    assert (await ledgers().manifest("r"))["failures"] == []  # not stored yet: the known window
+        (spill,) = tmp_path.glob("spill-*.jsonl")
+        assert len(spill.read_bytes().splitlines()) == 2
+        assert (await ledgers().manifest("r"))["failures"] == []  # not stored yet: the known window
 
-    live = ledgers(spill_dir=tmp_path)
-    await live.record_failure("q", "call-1", "worker_capture_failed")  # a successful write replays the spill
-    assert not spill.exists()
-    manifest = await ledgers().manifest("r")
-    assert [(f["model_call_id"], f["reason"]) for f in manifest["failures"]] == [
-        ("call-7", "worker_capture_failed"),
-        (long_id, "unresolved_parent"),
-    ]
-    no_spill = S3CaptureLedger(bucket_url, endpoint_url="http://127.0.0.1:9", botocore_config=config)
-    try:
+        down = False
+        live = ledgers(endpoint_url=proxy.endpoint, botocore_config=config, spill_dir=tmp_path)
+        await live.record_failure("q", "call-1", "worker_capture_failed")  # a successful write replays the spill
+        assert not spill.exists()
+        manifest = await ledgers().manifest("r")
+        assert [(f["model_call_id"], f["reason"]) for f in manifest["failures"]] == [
+            ("call-7", "worker_capture_failed"),
+            (long_id, "unresolved_parent"),
+        ]
+        down = True
+        no_spill = ledgers(endpoint_url=proxy.endpoint, botocore_config=config)
         with pytest.raises(StoreError):
             await no_spill.record_failure("r", "call-8", "worker_capture_failed")
     finally:
-        await no_spill.close()
+        await proxy.stop()

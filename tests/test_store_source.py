@@ -37,6 +37,7 @@ from s3capture.records import (
     decode_entry,
     encode_entry,
 )
+from s3capture.layout import parse_log_key
 from s3capture.store import FrozenSnapshot, S3TokenStore, StoreError
 
 # --------------------------------------------------------------------------- fixtures / helpers
@@ -352,6 +353,11 @@ async def test_drop_exact_snapshot_retires(new_store, raw):
         await new_store().begin_call("r-drop", "call-3")
     with pytest.raises(TokenCaptureRetiredError):
         await new_store().freeze("r-drop")
+    # A write path never deletes a key (a content-addressed key may belong to an acknowledged put):
+    # the refused late objects stay beside the fence, unused, until retire or delete removes them.
+    late = [k for k in raw.rollout_rel_keys("r-drop") if k not in FENCE_ONLY]
+    assert sorted(parse_log_key(k)[1] for k in late) == ["call-1", "call-2", "call-3"]
+    await new_store().retire(["r-drop"])
     assert raw.rollout_rel_keys("r-drop") == FENCE_ONLY
     assert await new_store().drop("r-drop", snapshot.snapshot_id, snapshot.version) is False
 
@@ -427,6 +433,9 @@ async def test_retire_removes_records_keeps_fence_and_is_idempotent(new_store, r
             await new_store().begin_call(rid, "late-intent")
         with pytest.raises(TokenCaptureRetiredError):
             await new_store().freeze(rid)
+        # The refused late objects stay (no write path deletes a key) until a retire removes them.
+        assert sorted(k for k in raw.rollout_rel_keys(rid) if k not in FENCE_ONLY)[-1] == "log/i/late-intent", rid
+        await new_store().retire([rid])
         assert raw.rollout_rel_keys(rid) == FENCE_ONLY, rid
     # A freeze attempt on a retired rollout must not have un-retired it.
     with pytest.raises(TokenCaptureRetiredError):

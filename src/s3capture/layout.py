@@ -4,6 +4,7 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
 
     rollouts/<rid>/fence                          fence: {"state": "frozen" | "retired"}, overwritten in place
     rollouts/<rid>/retired                        retire tombstone (immutable, empty)
+    rollouts/<rid>/drop/<token>                   a drop's own tentative tombstone (empty, unique)
     rollouts/<rid>/log/e/<fp>/<cid>/<sha256>.zst  entry: zstd(envelope JSON); sha256 of the canonical entry bytes
     rollouts/<rid>/log/i/<cid>                    begin_call intent (empty)
     rollouts/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
@@ -102,6 +103,10 @@ class Layout:
         root = root.strip("/")
         if "//" in root:
             raise ValueError(f"prefix {root!r} contains an empty path segment ('//')")
+        if any(segment in (".", "..") for segment in root.split("/")):
+            # S3 keeps such keys verbatim, but servers that resolve paths (SeaweedFS, proxies)
+            # rewrite or refuse them, so the keys written would not be the keys listed.
+            raise ValueError(f"prefix {root!r} contains a '.' or '..' path segment")
         if "rollouts" in root.split("/"):
             raise ValueError(
                 f"prefix {root!r} contains a 'rollouts' segment; it could nest inside another s3capture root's "

@@ -39,6 +39,7 @@ from s3capture.layout import MAX_KEY_BYTES, escape_id, parse_ledger_key
 from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
     LEDGER_FOREIGN_OBJECT_REASON,
+    LEDGER_MISSING_PARENT_REASON,
     LEDGER_UNREADABLE_ROW_REASON,
     UNCOMMITTED_CALL_REASON,
     CallRecord,
@@ -49,7 +50,7 @@ from s3capture.ledger_records import (
 )
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
 from s3capture.records import ParentResolutionStatus, RecordError
-from s3capture.store import _S3Objects
+from s3capture.rollouts import RolloutObjects
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
 
@@ -129,7 +130,7 @@ def _decompress(data: bytes) -> bytes:
     return out.getvalue()
 
 
-class S3CaptureLedger(_S3Objects):
+class S3CaptureLedger(RolloutObjects):
     """NeMo Gym's ``CaptureLedger`` (and so a ``LineageResolver``) on S3.
 
     Parameters:
@@ -243,7 +244,8 @@ class S3CaptureLedger(_S3Objects):
         finalization rejects the rollout. The same ``(model_call_id, reason)`` twice is one row; a
         call id too long for a key is stored under a hashed stand-in and keeps its real id in the
         row. Raises ``ValueError`` for an empty or non-str id or reason, and ``StoreError`` when the
-        PUT fails and no ``spill_dir`` is configured; with one, the row is spilled locally (fsynced)
+        PUT fails and no ``spill_dir`` is configured; with one, the row is spilled locally (fsynced,
+        also when the caller cancels the call before the store answered)
         and stored by the next replay, because ``record`` and ``record_failure`` failing together
         is the silent-loss case. Discarded for a retired rollout, like ``record``.
         """
@@ -259,17 +261,16 @@ class S3CaptureLedger(_S3Objects):
         key = f"{prefix}ledger/fail/{segment}/{_sha(body)}.json"
         try:
             await self._put(key, body)
+        except asyncio.CancelledError:
+            self._spill_on_cancel(key, body, f"record_failure({rollout_id!r}, {model_call_id!r})")
+            raise
         except Exception as error:
             if not self._spill_dir:
                 raise
             self._spill(key, body)
             log.warning("record_failure for %r spilled to %s: %s", rollout_id, self._spill_dir, error)
             return
-        if self._spill_dir:
-            try:
-                await self.replay_spill()
-            except Exception:  # noqa: BLE001 - the spill stays for the next replay
-                log.warning("spilled objects could not be replayed yet", exc_info=True)
+        await self._replay_spill_quietly()
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a call was admitted, before generation (one PUT; optional extension).
@@ -309,6 +310,9 @@ class S3CaptureLedger(_S3Objects):
         expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
         if value.format != expected:
             raise RecordError(f"unknown ledger object format {value.format!r} (newer s3capture?)")
+        if msgspec.json.encode(value, order="sorted") != data:
+            # Valid JSON that is not what a writer produces (a repeated key decodes last-wins, ...).
+            raise RecordError("ledger object bytes are not the canonical encoding of what they decode to")
         self._cache.put(key, _Cached(value, _heap_estimate(value, len(data))))
         return value
 
@@ -321,8 +325,8 @@ class S3CaptureLedger(_S3Objects):
         reason ``conflicting_ledger_rows`` instead of under ``records``; an unreadable row gives
         ``unreadable_ledger_row``, an object s3capture did not write ``foreign_ledger_object`` (its
         key as the call id), and a ``begin_call`` intent without any row Gym's
-        ``request_finished_without_staged_coordinates``, so such a rollout never looks trainable.
-        Requests: one LIST page per 1,000 ledger keys with a GET of the retire tombstone, then one
+        ``request_finished_without_staged_coordinates``, and a row whose ``parent_call_id`` has no
+        committed row ``missing_parent_row``, so such a rollout never looks trainable. Requests: one LIST page per 1,000 ledger keys with a GET of the retire tombstone, then one
         GET per uncached row with a second GET of the tombstone (in parallel). Raises
         ``RolloutRetiredError`` for a rollout retired before or while the manifest is read.
         """
@@ -391,6 +395,12 @@ class S3CaptureLedger(_S3Objects):
         await asyncio.gather(still_live(), *jobs)
         accounted = set(rows) | {cid for cid, _ in failures}
         failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)
+        committed = {record.model_call_id for record in records}
+        failures.update(
+            (record.model_call_id, LEDGER_MISSING_PARENT_REASON)
+            for record in records
+            if record.parent_call_id is not None and record.parent_call_id not in committed
+        )
         records.sort(key=lambda r: (r.admitted_at is None, r.admitted_at or 0.0, r.model_call_id))
         manifest = RolloutManifest(
             rollout_id=rollout_id,
@@ -412,7 +422,7 @@ class S3CaptureLedger(_S3Objects):
         )
         if await self._retired(prefix):
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
-        return any(page.get("Contents") for page in pages)
+        return any(page.objects for page in pages)
 
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         """ROOT, RESOLVED (exactly one proven parent row) or UNRESOLVED with a reason.

@@ -54,6 +54,7 @@ __all__ = [
     "LEDGER_CONFLICTING_ROWS_REASON",
     "LEDGER_UNREADABLE_ROW_REASON",
     "LEDGER_FOREIGN_OBJECT_REASON",
+    "LEDGER_MISSING_PARENT_REASON",
 ]
 
 STAGING_SCHEMA_VERSION = 2
@@ -72,6 +73,9 @@ LEDGER_UNREADABLE_ROW_REASON = "unreadable_ledger_row"
 """A stored row is corrupt, from a newer schema, or filed under the wrong call id."""
 LEDGER_FOREIGN_OBJECT_REASON = "foreign_ledger_object"
 """An object s3capture did not write sits under the rollout's ledger prefix."""
+LEDGER_MISSING_PARENT_REASON = "missing_parent_row"
+"""A committed row names a ``parent_call_id`` with no committed row in the manifest: the chain has
+a hole (a lost row, or a listing that skipped a key)."""
 
 # No lone surrogates: pydantic refuses a str that is not valid Unicode (``string_unicode``).
 Identifier = Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^\ud800-\udfff]*\Z")]

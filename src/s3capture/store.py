@@ -2,7 +2,10 @@
 
 Contracts: ``shared/spec/protocols-reference.txt`` (NeMo Gym's token-capture protocols). The
 design, every request an operation issues and every race that remains without compare-and-swap are
-written down in ``docs/design.md``; the bucket layout is in ``s3capture.layout``.
+written down in ``docs/design.md``; the bucket layout is in ``s3capture.layout``. The pieces this
+module builds on each have one home: the S3 transport and its verified listing
+(``s3capture.transport``), the rollout scan, fences, retire and delete (``s3capture.rollouts``),
+the cache (``s3capture.cache``) and the local spill (``s3capture.spill``).
 
 Usage::
 
@@ -18,35 +21,28 @@ Usage::
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
-import email.utils
-import fcntl
-import glob
 import hashlib
 import io
-import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import msgspec
 import zstandard
-from botocore import handlers as botocore_handlers
-from botocore.exceptions import BotoCoreError, ClientError
 
 from s3capture import fingerprint as _fp
-from s3capture.layout import Layout, escape_id, parse_log_key
+from s3capture.cache import Stored as _Stored
+from s3capture.cache import entry_heap_estimate as _heap_estimate
+from s3capture.errors import ListingError, StoreError
+from s3capture.layout import escape_id, parse_log_key
 from s3capture.protocols import (
     LineageMatch,
     LineageResolution,
-    RolloutRemovalPayload,
     TokenCaptureFrozenError,
     TokenCaptureRetiredError,
     TokenCaptureSnapshot,
@@ -61,37 +57,31 @@ from s3capture.records import (
     encode_entry,
     to_gym,
 )
+from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutObjects, RolloutScan, parse_s3_url
+from s3capture.transport import ListedObject, default_botocore_config
 
-__all__ = ["S3TokenStore", "FrozenSnapshot", "StoreError", "parse_s3_url", "default_botocore_config"]
+__all__ = [
+    "S3TokenStore",
+    "FrozenSnapshot",
+    "StoreError",
+    "ListingError",
+    "parse_s3_url",
+    "default_botocore_config",
+    "CHAIN_KEYS",
+]
 
 log = logging.getLogger("s3capture")
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _ENVELOPE_FORMAT = "s3capture.entry/1"
 _MANIFEST_FORMAT = "s3capture.manifest/1"
-_FENCE_FROZEN = b'{"format":"s3capture.fence/1","state":"frozen"}'
-_FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
-def _heap_estimate(entry: TokenEntry, json_bytes: int) -> int:
-    """Estimated Python heap of a decoded entry: ~36 bytes per token id (int object and list slot),
-    ~32 per float, and ~3 per byte of the rest of its JSON (measured). The cache counts this, so
-    ``cache_bytes`` bounds heap rather than JSON bytes."""
-    ids = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
-    return 36 * ids + 32 * len(entry.generation_log_probs) + 3 * json_bytes
+_CLOCK_SLACK = 0.1
+"""Seconds ``drop`` adds to ``fence_grace``: monotonic clocks of two hosts may run at slightly
+different rates, and a put measures its own duration on its host's clock."""
+
 CHAIN_KEYS = 16
 """How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
 entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
-_NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
-_NOT_IMPLEMENTED = frozenset(
-    {"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML", "MissingContentMD5", "InvalidDigest", "BadDigest"}
-)
-
-
-_BOTO_ERRORS = (BotoCoreError, ClientError)
-
-
-class StoreError(RuntimeError):
-    """The object store refused or failed an operation (missing bucket, access denied, ...)."""
-
 
 @dataclass(frozen=True)
 class FrozenSnapshot(TokenCaptureSnapshot):
@@ -113,577 +103,8 @@ class _Envelope(msgspec.Struct, kw_only=True):
     chain: list[str] = []
 
 
-@dataclass
-class _Stored:
-    """A decoded entry object, immutable and therefore cacheable by key forever."""
 
-    entry: TokenEntry
-    chain: tuple[str, ...]
-    nbytes: int
-    cumulative: tuple[int, ...] | None = None
-    """Memo of the entry's cumulative tokens once rebuilt (counted in ``nbytes``)."""
-
-
-class _LRU:
-    """A byte-bounded LRU of immutable decoded objects (key -> ``_Stored``)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._data: collections.OrderedDict[str, _Stored] = collections.OrderedDict()
-
-    def get(self, key: str) -> _Stored | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    def put(self, key: str, value: _Stored) -> None:
-        if value.nbytes > self.max_bytes:
-            return
-        old = self._data.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._data[key] = value
-        self.nbytes += value.nbytes
-        while self.nbytes > self.max_bytes:
-            _, evicted = self._data.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-
-    def grow(self, key: str, value: _Stored, extra: int) -> None:
-        """Add ``extra`` bytes to ``value`` (memoized data), keeping the byte count and the bound."""
-        if self._data.get(key) is value:
-            self.nbytes -= value.nbytes
-            del self._data[key]
-        value.nbytes += extra
-        self.put(key, value)
-
-    def discard_prefix(self, prefix: str) -> None:
-        for key in [k for k in self._data if k.startswith(prefix)]:
-            self.nbytes -= self._data.pop(key).nbytes
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-@dataclass(frozen=True)
-class _Listed:
-    key: str
-    etag: str
-    size: int
-    modified: float = 0.0
-    """LastModified, seconds since the epoch (server clock, 1 s granularity on most stores)."""
-
-
-@dataclass
-class _RolloutScan:
-    """What a LIST of one rollout prefix shows."""
-
-    prefix: str
-    server_time: float = 0.0
-    """The store's clock (HTTP ``Date`` of the last LIST page), seconds since the epoch."""
-    fence_modified: float = 0.0
-    fence: bool = False
-    retired: bool = False
-    log: list[_Listed] = field(default_factory=list)
-    snaps: list[_Listed] = field(default_factory=list)
-    foreign: list[_Listed] = field(default_factory=list)
-
-    @property
-    def all_keys(self) -> list[str]:
-        keys = [item.key for item in self.log + self.snaps + self.foreign]
-        if self.fence:
-            keys.append(self.prefix + "fence")
-        if self.retired:
-            keys.append(self.prefix + "retired")
-        return keys
-
-    def version_and_id(self) -> tuple[int, str]:
-        """``version`` = number of log objects; ``snapshot_id`` = digest of sorted (key, ETag)."""
-        hasher = hashlib.sha256(b"s3capture.snapshot/2\n")
-        # s3capture's log keys name their content (an entry's key holds the SHA-256 of its
-        # canonical bytes; intents and markers are empty), so their ETags, which depend on the
-        # writer's zstd level and build, must not enter the id. Foreign objects keep theirs.
-        for item in sorted(self.log, key=lambda i: i.key):
-            hasher.update(f"{item.key[len(self.prefix):]}\n".encode())
-        for item in sorted(self.foreign, key=lambda i: i.key):
-            hasher.update(f"{item.key[len(self.prefix):]}\t{item.etag}\n".encode())
-        return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]
-
-
-def _claimant_alive(claim: str) -> bool:
-    """Whether the process named in a spill claim (``<file>.<pid>-<uuid>.replay``) still runs."""
-    try:
-        pid = int(claim.rsplit(".", 2)[-2].split("-", 1)[0])
-        os.kill(pid, 0)
-    except (ValueError, IndexError):
-        return False
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _add_content_md5(request: Any, **_: Any) -> None:
-    """Send Content-MD5 with DeleteObjects: botocore >= 1.36 sends only a CRC32, which stores
-    that still require Content-MD5 (older MinIO, Ceph) refuse."""
-    body = request.body if isinstance(request.body, bytes) else (request.body or b"")
-    if isinstance(body, str):
-        body = body.encode()
-    if "Content-MD5" not in request.headers and isinstance(body, bytes):
-        request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; raises ``ValueError`` otherwise."""
-    parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ValueError(f"expected an s3://bucket/prefix URL, got {url!r}")
-    if parsed.query or parsed.fragment:
-        raise ValueError(f"an s3:// URL takes no query or fragment: {url!r}")
-    return parsed.netloc, parsed.path.strip("/")
-
-
-def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) -> Any:
-    """The botocore ``Config`` s3capture uses unless given one.
-
-    Standard retry mode (5 attempts, exponential backoff with jitter), connect/read timeouts of 5/30 s,
-    a pool of ``max_pool_connections``, and checksums only where an operation requires them
-    (``when_required``), which S3-compatible stores such as GCS, R2, Ceph and older MinIO accept.
-    Path-style addressing is chosen when an endpoint is configured.
-    """
-    from botocore.config import Config
-
-    settings: dict[str, Any] = dict(
-        retries={"mode": "standard", "max_attempts": 5},
-        connect_timeout=5,
-        read_timeout=30,
-        max_pool_connections=max_pool_connections,
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    settings.update(overrides)
-    return Config(**settings)
-
-
-class _S3Objects:
-    """Client plumbing shared by ``S3TokenStore`` and ``S3CaptureLedger``.
-
-    One lazily opened aioboto3 client per instance, a bound on requests in flight, request
-    counting, error wrapping, paged LIST, batched delete, and the rollout fence and removal
-    operations (``retire``, ``delete``), which both families share because they share a layout.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        endpoint_url: str | None = None,
-        botocore_config: Any = None,
-        session: Any = None,
-        cache_bytes: int = 256 * 1024 * 1024,
-        max_concurrency: int = 32,
-        spill_dir: str | os.PathLike | None = None,
-    ) -> None:
-        self.bucket, prefix = parse_s3_url(url)
-        self.url = url
-        self.layout = Layout(prefix)
-        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if botocore_config is None:
-            extra = {"s3": {"addressing_style": "path"}} if self.endpoint_url else {}
-            botocore_config = default_botocore_config(max(max_concurrency, 10), **extra)
-        self._config = botocore_config
-        self._session = session
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
-        self._max_concurrency = max_concurrency
-        self._cache = _LRU(cache_bytes)
-        self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
-        self._client: Any = None
-        self._stack: AsyncExitStack | None = None
-        self._client_lock: asyncio.Lock | None = None
-        self._sem: asyncio.Semaphore | None = None
-        self._closed = False
-        self.request_counts: collections.Counter[str] = collections.Counter()
-        """HTTP requests sent by this client, by S3 operation (retries included)."""
-
-    # ------------------------------------------------------------------ client plumbing
-    async def _s3(self) -> Any:
-        if self._client is not None:
-            return self._client
-        if self._closed:
-            raise StoreError("this S3TokenStore is closed")
-        if self._client_lock is None:
-            self._client_lock = asyncio.Lock()
-        async with self._client_lock:
-            if self._client is None:
-                if self._session is None:
-                    import aioboto3
-
-                    self._session = aioboto3.Session()
-                stack = AsyncExitStack()
-                client = await stack.enter_async_context(
-                    self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
-                )
-                client.meta.events.register("before-send.s3", self._count_request)
-                client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
-                # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
-                # whole extra round trip before the body is sent; entries are small and every PUT is
-                # idempotent, so send the body at once.
-                client.meta.events.unregister("before-call.s3", botocore_handlers.add_expect_header)
-                self._sem = asyncio.Semaphore(self._max_concurrency)
-                self._stack, self._client = stack, client
-        return self._client
-
-    def _count_request(self, event_name: str = "", **_: Any) -> None:
-        self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
-
-    @staticmethod
-    def _code(error: Exception) -> str:
-        response = getattr(error, "response", None) or {}
-        return str(response.get("Error", {}).get("Code", ""))
-
-    def _wrap(self, error: Exception, what: str) -> Exception:
-        code = self._code(error)
-        if code == "NoSuchBucket":
-            return StoreError(f"bucket {self.bucket!r} does not exist ({what})")
-        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return StoreError(f"access to s3://{self.bucket} refused: {code} ({what})")
-        return StoreError(f"{what} failed: {error}")
-
-    async def _put(self, key: str, body: bytes) -> None:
-        client = await self._s3()
-        async with self._sem:  # type: ignore[union-attr]
-            try:
-                await client.put_object(Bucket=self.bucket, Key=key, Body=body)
-            except Exception as error:
-                if isinstance(error, _BOTO_ERRORS):
-                    raise self._wrap(error, f"PUT {key}") from error
-                raise
-
-    async def _get(self, key: str, limit: int | None = None) -> bytes | None:
-        """GET an object's bytes, or ``None`` when it does not exist.
-
-        With ``limit``, raises ``RecordError`` instead of reading an object larger than ``limit`` bytes.
-        """
-        client = await self._s3()
-        async with self._sem:  # type: ignore[union-attr]
-            try:
-                response = await client.get_object(Bucket=self.bucket, Key=key)
-                async with response["Body"] as stream:
-                    if limit is not None and int(response.get("ContentLength") or 0) > limit:
-                        raise RecordError(f"object is {response['ContentLength']} bytes, over the read limit {limit}")
-                    return await stream.read()
-            except Exception as error:
-                if self._code(error) in _NOT_FOUND:
-                    return None
-                if isinstance(error, _BOTO_ERRORS):
-                    raise self._wrap(error, f"GET {key}") from error
-                raise
-
-    async def _list(self, prefix: str) -> list[_Listed]:
-        """LIST every key under ``prefix`` (one request per 1,000 keys)."""
-        return (await self._list_timed(prefix))[0]
-
-    async def _list_page(self, prefix: str, max_keys: int = 1000, token: str | None = None) -> dict:
-        """One ListObjectsV2 page of ``prefix`` (at most ``max_keys`` keys); raises ``StoreError``."""
-        client = await self._s3()
-        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
-        if token:
-            params["ContinuationToken"] = token
-        async with self._sem:  # type: ignore[union-attr]
-            try:
-                return await client.list_objects_v2(**params)
-            except Exception as error:
-                if isinstance(error, _BOTO_ERRORS):
-                    raise self._wrap(error, f"LIST {prefix}") from error
-                raise
-
-    async def _list_timed(self, prefix: str) -> tuple[list[_Listed], float]:
-        """LIST every key under ``prefix``; also return the store's clock from the last page."""
-        out: list[_Listed] = []
-        token: str | None = None
-        server_time: float | None = None
-        while True:
-            page = await self._list_page(prefix, 1000, token)
-            for item in page.get("Contents", ()):
-                modified = item.get("LastModified")
-                out.append(
-                    _Listed(
-                        item["Key"],
-                        str(item.get("ETag", "")).strip('"'),
-                        int(item.get("Size", 0)),
-                        modified.timestamp() if modified is not None else 0.0,
-                    )
-                )
-            if server_time is None:
-                # The store's clock when the FIRST page was produced: no page of this LIST was
-                # computed earlier than that.
-                date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-                try:
-                    server_time = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
-                except (TypeError, ValueError):
-                    server_time = time.time()
-            if not page.get("IsTruncated"):
-                return out, server_time
-            token = page.get("NextContinuationToken")
-            if not token:
-                raise StoreError(f"LIST {prefix} was truncated without a continuation token")
-
-    async def _delete_keys(self, keys: list[str]) -> None:
-        """Delete keys with DeleteObjects in batches of 1,000, or one DELETE each where unsupported."""
-        if not keys:
-            return
-        client = await self._s3()
-        for start in range(0, len(keys), 1000):
-            batch = keys[start : start + 1000]
-            try:
-                async with self._sem:  # type: ignore[union-attr]
-                    response = await client.delete_objects(
-                        Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                    )
-                errors = [e for e in response.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
-                if errors:
-                    raise StoreError(f"DeleteObjects failed for {len(errors)} keys, first: {errors[0]}")
-            except StoreError:
-                raise
-            except _BOTO_ERRORS as error:
-                if self._code(error) not in _NOT_IMPLEMENTED:
-                    raise self._wrap(error, "DeleteObjects") from error
-                await asyncio.gather(*(self._delete_one(k) for k in batch))
-
-    async def _delete_one(self, key: str) -> None:
-        client = await self._s3()
-        async with self._sem:  # type: ignore[union-attr]
-            try:
-                await client.delete_object(Bucket=self.bucket, Key=key)
-            except _BOTO_ERRORS as error:
-                if self._code(error) not in _NOT_FOUND:
-                    raise self._wrap(error, f"DELETE {key}") from error
-
-    async def _fence_state(self, prefix: str) -> str:
-        """``"open"``, ``"frozen"`` or ``"retired"`` from one GET of the rollout's fence."""
-        body = await self._get(prefix + "fence")
-        if body is None:
-            return "open"
-        try:
-            state = json.loads(body).get("state")
-        except (ValueError, AttributeError):
-            state = None
-        # An unreadable fence still fences: fail closed.
-        return "retired" if state == "retired" else "frozen"
-
-    async def close(self) -> None:
-        """Release the HTTP client (after replaying spilled objects, best effort). Idempotent."""
-        if self._spill_dir and self._client is not None and not self._closed:
-            try:
-                await self.replay_spill()
-            except Exception:  # noqa: BLE001 - replay is best effort at close; the spill file stays
-                log.warning("could not replay spilled objects at close", exc_info=True)
-        self._closed = True
-        stack, self._stack, self._client = self._stack, None, None
-        if stack is not None:
-            await stack.aclose()
-
-    async def __aenter__(self) -> Any:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-    def is_process_shared(self) -> bool:
-        """True: every client of the bucket sees every committed entry."""
-        return True
-
-    # ------------------------------------------------------------------ local spill
-    def _spill_path(self) -> str:
-        assert self._spill_dir is not None
-        return os.path.join(self._spill_dir, f"markers-{self.bucket}.jsonl")
-
-    def _spill(self, key: str, body: bytes = b"") -> None:
-        """Append one object (a marker, or a ledger failure row) to the spill file, locked and fsynced.
-
-        A replay renames the file aside under the same lock; an appender that finds the path no
-        longer names the file it locked reopens it, so no line lands in a claimed file.
-        """
-        os.makedirs(self._spill_dir, exist_ok=True)  # type: ignore[arg-type]
-        path = self._spill_path()
-        item = {"bucket": self.bucket, "key": key}
-        if body:
-            item["body"] = base64.b64encode(body).decode()
-        line = json.dumps(item).encode() + b"\n"
-        while True:
-            with open(path, "ab") as handle:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-                try:
-                    current = os.stat(path).st_ino
-                except FileNotFoundError:
-                    current = None
-                if current != os.fstat(handle.fileno()).st_ino:
-                    continue  # claimed by a replay meanwhile: write to the new file
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-                return
-
-    def _claim_spill(self) -> list[str]:
-        """Atomically take the spill file and any leftover claims; return the claimed paths."""
-        path = self._spill_path()
-        claimed: list[str] = []
-        try:
-            with open(path, "rb") as handle:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-                if os.path.exists(path) and os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-                    name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
-                    os.replace(path, name)
-                    claimed.append(name)
-        except FileNotFoundError:
-            pass
-        # Claims left by a replay whose process died: re-claim each by renaming it, so two
-        # replayers never work on the same file. A live process's claim is its own business.
-        for leftover in glob.glob(glob.escape(path) + ".*.replay"):
-            if leftover in claimed or _claimant_alive(leftover):
-                continue
-            name = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay"
-            try:
-                os.replace(leftover, name)
-            except FileNotFoundError:
-                continue
-            claimed.append(name)
-        return claimed
-
-    async def replay_spill(self) -> int:
-        """Store the objects spilled by earlier failures; returns how many were replayed.
-
-        The spill file (``<spill_dir>/markers-<bucket>.jsonl``) is shared by every client of the
-        bucket on this host, token stores and ledgers alike.
-        """
-        if not self._spill_dir:
-            return 0
-        if not os.path.exists(self._spill_path()) and not glob.glob(glob.escape(self._spill_path()) + ".*.replay"):
-            return 0
-        pending = self._claim_spill()
-        objects: dict[str, bytes] = {}
-        for name in pending:
-            with open(name, "rb") as handle:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        item = json.loads(line)
-                        if item.get("bucket") == self.bucket and isinstance(item.get("key"), str):
-                            objects[item["key"]] = base64.b64decode(item.get("body") or "")
-                    except (ValueError, AttributeError, TypeError):
-                        log.warning("skipping torn line %d of spill file %s", number, name)
-        try:
-            await asyncio.gather(*(self._put(key, body) for key, body in objects.items()))
-        except BaseException:
-            for key, body in objects.items():  # keep them for the next replay; duplicates are harmless
-                self._spill(key, body)
-            for name in pending:
-                os.remove(name)
-            raise
-        for name in pending:
-            os.remove(name)
-        return len(objects)
-
-
-    # ------------------------------------------------------------------ rollout fences and removal
-    async def _scan(self, rollout_id: str) -> _RolloutScan:
-        prefix = self.layout.rollout(rollout_id)
-        listing, server_time = await self._list_timed(prefix)
-        scan = _RolloutScan(prefix, server_time)
-        for item in listing:
-            rel = item.key[len(prefix):]
-            if rel == "fence":
-                scan.fence = True
-                scan.fence_modified = item.modified
-            elif rel == "retired":
-                scan.retired = True
-            elif rel.startswith("snap/"):
-                scan.snaps.append(item)
-            elif rel.startswith("log/") and parse_log_key(rel) is not None:
-                scan.log.append(item)
-            else:
-                scan.foreign.append(item)
-        return scan
-
-    async def _write_retired(self, prefix: str) -> None:
-        # Tombstone first, then the fence: a freeze whose frozen fence lands between or after them
-        # lists afterwards, sees the tombstone and restores the retired fence.
-        await self._put(prefix + "retired", b"")
-        await self._put(prefix + "fence", _FENCE_RETIRED)
-
-    async def _retire_scanned(self, scan: _RolloutScan) -> None:
-        await self._write_retired(scan.prefix)
-        await self._delete_keys([i.key for i in scan.log + scan.snaps + scan.foreign])
-        self._cache.discard_prefix(scan.prefix)
-
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and keep a fence, whatever their state (idempotent).
-
-        Returns ``{"removed": [...], "absent": [...]}``: removed are ids that had records or an
-        unretired fence; absent are ids with nothing to remove (never written, or retired already).
-        Later writes to a retired rollout raise ``TokenCaptureRetiredError``.
-        """
-        ids = self._check_ids(rollout_ids)
-        removed: list[str] = []
-        absent: list[str] = []
-
-        async def one(rollout_id: str) -> None:
-            scan = await self._scan(rollout_id)
-            had = bool(scan.log or scan.snaps or scan.foreign) or (scan.fence and not scan.retired)
-            await self._retire_scanned(scan)
-            (removed if had else absent).append(rollout_id)
-
-        await self._each(ids, one)
-        return {"removed": [r for r in ids if r in set(removed)], "absent": [r for r in ids if r in set(absent)]}
-
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
-        """Remove rollouts' records and fences, after which an id reads as unused (idempotent).
-
-        Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing was stored for the id).
-        """
-        ids = self._check_ids(rollout_ids)
-        removed: set[str] = set()
-
-        async def one(rollout_id: str) -> None:
-            scan = await self._scan(rollout_id)
-            keys = scan.all_keys
-            if keys:
-                fences = [scan.prefix + "fence", scan.prefix + "retired"]
-                await self._delete_keys([k for k in keys if k not in fences])
-                await self._delete_keys(fences)
-                removed.add(rollout_id)
-            self._cache.discard_prefix(scan.prefix)
-            self._forget_rollout(rollout_id)
-
-        await self._each(ids, one)
-        return {"removed": [r for r in ids if r in removed], "absent": [r for r in ids if r not in removed]}
-
-    def _forget_rollout(self, rollout_id: str) -> None:
-        """Drop per-rollout client state after a delete (subclasses keep some)."""
-
-    def _check_ids(self, rollout_ids: Sequence[str]) -> list[str]:
-        if isinstance(rollout_ids, str):
-            raise TypeError("rollout_ids must be a sequence of ids, not a single str")
-        ids = list(dict.fromkeys(rollout_ids))
-        for rollout_id in ids:
-            self.layout.rollout(rollout_id)
-        return ids
-
-    async def _each(self, ids: Iterable[str], fn: Any) -> None:
-        limit = asyncio.Semaphore(8)
-
-        async def run(rollout_id: str) -> None:
-            async with limit:
-                await fn(rollout_id)
-
-        await asyncio.gather(*(run(r) for r in ids))
-
-
-class S3TokenStore(_S3Objects):
+class S3TokenStore(RolloutObjects):
     """NeMo Gym's ``TokenSink`` (plus ``begin_call``), ``TokenSource`` and ``LineageResolver`` on S3.
 
     Parameters:
@@ -744,10 +165,22 @@ class S3TokenStore(_S3Objects):
         if fence_grace < 0:
             raise ValueError("fence_grace must be >= 0 seconds")
         self._fence_grace = fence_grace
+        self._fence_seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """rollout id -> ``time.monotonic()`` by which this client knew the rollout's fence existed
+        (its own freeze's fence PUT returned, or a listing showed the fence); bounded."""
 
     def _forget_rollout(self, rollout_id: str) -> None:
         for key in [k for k in self._call_keys if k[0] == rollout_id]:
             del self._call_keys[key]
+        self._fence_seen.pop(rollout_id, None)
+
+    def _saw_fence(self, rollout_id: str, when: float) -> None:
+        """Remember the latest moment this client knew the fence existed (later is safer: drop
+        waits from it)."""
+        self._fence_seen[rollout_id] = max(when, self._fence_seen.get(rollout_id, 0.0))
+        self._fence_seen.move_to_end(rollout_id)
+        while len(self._fence_seen) > 100_000:
+            self._fence_seen.popitem(last=False)
 
     # ------------------------------------------------------------------ encoding
     def _encode_object(self, payload: bytes, chain: Sequence[str]) -> bytes:
@@ -795,6 +228,10 @@ class S3TokenStore(_S3Objects):
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
             raise RecordError("stored entry bytes do not match the SHA-256 in their key")
         entry = decode_entry(payload)
+        if encode_entry(entry) != payload:
+            # Valid JSON that is not the canonical encoding (a repeated key decodes last-wins, a
+            # reordered or respaced object, ...): its digest and its tokens may disagree.
+            raise RecordError("stored entry bytes are not the canonical encoding of the entry they decode to")
         return _Stored(entry, chain, _heap_estimate(entry, len(payload)))
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
@@ -844,7 +281,8 @@ class S3TokenStore(_S3Objects):
             RecordError: the entry violates the record contract or has non-finite log probabilities.
             ValueError: an id that cannot be stored, or an entry over ``max_entry_bytes``.
             TokenCaptureFrozenError: the rollout was frozen; the entry landed and bumped the version.
-            TokenCaptureRetiredError: the rollout was retired; the entry is removed again.
+            TokenCaptureRetiredError: the rollout was retired; the entry is discarded (it may have
+                landed; no reader uses it, and only retire or delete removes it).
             StoreError: the store failed the request.
         """
         # A validated copy: what we store is what every reader can decode, and a caller mutating
@@ -871,16 +309,13 @@ class S3TokenStore(_S3Objects):
             state = await self._fence_state(prefix)
         self._cache.put(key, _Stored(record, chain, _heap_estimate(record, len(payload))))
         self._remember(record.rollout_id, record.model_call_id, rel)
-        if self._spill_dir and os.path.exists(self._spill_path()):
-            # The store answers again: markers spilled during an outage must not wait for close.
-            try:
-                await self.replay_spill()
-            except Exception:  # noqa: BLE001 - the spill stays for the next replay
-                log.warning("spilled markers could not be replayed yet", exc_info=True)
+        await self._replay_spill_quietly()
         if state == "retired":
-            await self._delete_one(key)
+            # Never delete the key: it is content-addressed, so an acknowledged put of the same
+            # bytes may own it. A late object in a retired rollout is removed by retire or delete.
             raise TokenCaptureRetiredError(
-                f"rollout {record.rollout_id!r} is retired; the late entry {record.model_call_id!r} was discarded"
+                f"rollout {record.rollout_id!r} is retired; the late entry {record.model_call_id!r} is discarded "
+                "(no reader uses it; retire or delete removes it)"
             )
         if state == "frozen":
             raise TokenCaptureFrozenError(
@@ -924,7 +359,7 @@ class S3TokenStore(_S3Objects):
         await self._put(key, b"")
         state = await self._fence_state(prefix)
         if state == "retired":
-            await self._delete_one(key)
+            # The intent key is shared by every begin_call of this call id: never delete it here.
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; do not dispatch {model_call_id!r}")
         if state == "frozen":
             raise TokenCaptureFrozenError(f"rollout {rollout_id!r} is frozen; do not dispatch {model_call_id!r}")
@@ -933,13 +368,13 @@ class S3TokenStore(_S3Objects):
         """Durably record that a call of this rollout failed to capture; the rollout is masked.
 
         One round trip: a PUT of a unique marker (so it always changes the version, also after
-        freeze) and a GET of the fence. When the PUT fails and ``spill_dir`` is set, the marker is
-        appended (fsynced) to a local spill file and replayed after the next successful marker or
-        at ``close``, so ``put`` and ``mark_incomplete`` do not fail together.
+        freeze) and a GET of the fence. When the PUT fails, or the caller cancels the call (a
+        deadline), and ``spill_dir`` is set, the marker is appended (fsynced) to a local spill file
+        before this returns or the cancellation propagates, and is replayed after the next
+        successful write or at ``close``, so ``put`` and ``mark_incomplete`` do not fail together.
 
         Raises:
-            TokenCaptureRetiredError: the rollout is retired (the marker is removed again; there is
-                no snapshot left to mask).
+            TokenCaptureRetiredError: the rollout is retired (there is no snapshot left to mask).
             StoreError: the store failed and no ``spill_dir`` is configured.
             ValueError: an id that cannot be stored.
         """
@@ -947,7 +382,11 @@ class S3TokenStore(_S3Objects):
         cid = self.layout.marker_call_segment(prefix, model_call_id)
         key = f"{prefix}log/x/{cid}/{time.time_ns():020d}-{uuid.uuid4().hex}"
         started = time.monotonic()
-        stored, state = await asyncio.gather(self._put(key, b""), self._fence_state(prefix), return_exceptions=True)
+        try:
+            stored, state = await asyncio.gather(self._put(key, b""), self._fence_state(prefix), return_exceptions=True)
+        except asyncio.CancelledError:
+            self._spill_on_cancel(key, b"", f"mark_incomplete({rollout_id!r}, {model_call_id!r})")
+            raise
         if not isinstance(stored, BaseException) and (state != "open" or time.monotonic() - started > self._fence_grace):
             # After a freeze a drop may be racing: only a fence read after landing tells whether the
             # marker could still invalidate the consumed snapshot.
@@ -962,13 +401,8 @@ class S3TokenStore(_S3Objects):
             log.warning("mark_incomplete for %r spilled to %s: %s", rollout_id, self._spill_dir, stored)
             return
         if state == "retired":
-            await self._delete_one(key)
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
-        if self._spill_dir:
-            try:
-                await self.replay_spill()
-            except Exception:  # noqa: BLE001 - the spill stays for the next replay
-                log.warning("spilled markers could not be replayed yet", exc_info=True)
+        await self._replay_spill_quietly()
 
     # ------------------------------------------------------------------ TokenSource
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
@@ -981,16 +415,33 @@ class S3TokenStore(_S3Objects):
         any call id has conflicting payloads, an intent has no entry, a marker exists, or any object
         is unreadable or foreign.
 
-        Raises ``TokenCaptureRetiredError`` for a retired rollout (delete it to reuse the id).
+        Every entry whose ``parent_call_id`` is not in the snapshot masks it (``missing_parent``):
+        a listing that hid one key cannot make a chain with a hole trainable. A lost *last* call
+        leaves no such trace; ``begin_call`` intents close that gap (``docs/design.md``).
+
+        Raises ``TokenCaptureRetiredError`` for a retired rollout (delete it to reuse the id), and
+        also while another client's ``drop`` of it is in progress or after one crashed midway
+        (retire or delete it then). Raises ``StoreError`` (``ListingError`` for a listing that does
+        not show the fence this freeze wrote, after retries) when the store fails.
         """
         prefix = self.layout.rollout(rollout_id)
-        await self._put(prefix + "fence", _FENCE_FROZEN)
-        scan = await self._scan(rollout_id)
+        await self._put(prefix + "fence", FENCE_FROZEN)
+        self._saw_fence(rollout_id, time.monotonic())
+        # A listing that does not show the fence just written is stale or incomplete: never build a
+        # snapshot on it (retried, then ListingError).
+        scan = await self._scan(rollout_id, require=["fence"])
         if scan.retired:
-            await self._put(prefix + "fence", _FENCE_RETIRED)  # undo our overwrite of the retired fence
+            await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
+        if scan.drops:
+            # A drop is deciding (it restores the fence either way) or crashed while deleting:
+            # its records may be partly gone, so never hand them out.
+            raise TokenCaptureRetiredError(
+                f"rollout {rollout_id!r} is being dropped (or a drop crashed midway: "
+                f"{scan.drops[0].key[len(prefix):]}); retire or delete it before reusing the id"
+            )
         reasons: list[str] = []
-        by_call: dict[str, dict[str, _Listed]] = collections.defaultdict(dict)
+        by_call: dict[str, dict[str, ListedObject]] = collections.defaultdict(dict)
         intents: set[str] = set()
         for item in scan.log:
             kind, cid, fp, sha = parse_log_key(item.key[len(prefix):])  # type: ignore[misc]
@@ -1003,7 +454,7 @@ class S3TokenStore(_S3Objects):
         for item in scan.foreign:
             reasons.append(f"foreign_object:{item.key[len(prefix):]}")
 
-        async def load(item: _Listed) -> tuple[_Listed, _Stored | None, str]:
+        async def load(item: ListedObject) -> tuple[ListedObject, _Stored | None, str]:
             rel = item.key[len(prefix):]
             try:
                 stored = await self._load(item.key, rel.rsplit("/", 1)[-1][:-4], item.size)
@@ -1041,9 +492,13 @@ class S3TokenStore(_S3Objects):
             reasons.append(f"dangling_intent:{cid}")
         present = {entry.model_call_id for entry in entries}
         for entry in entries:
-            if entry.prompt_is_delta and entry.parent_call_id not in present:
-                # Its prompt is only a suffix: without the parent the chain has a hole.
-                reasons.append(f"broken_chain:{entry.model_call_id}")
+            if entry.parent_call_id is not None and entry.parent_call_id not in present:
+                # A continuation whose parent is not in the snapshot: the chain has a hole (a lost
+                # entry, or a listing that skipped a key), whatever the prompt's storage.
+                reasons.append(f"missing_parent:{entry.model_call_id}")
+                if entry.prompt_is_delta:
+                    # Its prompt is only a suffix: it cannot even be rebuilt.
+                    reasons.append(f"broken_chain:{entry.model_call_id}")
         version, snapshot_id = scan.version_and_id()
         reasons.sort()
         incomplete = bool(reasons)
@@ -1074,34 +529,41 @@ class S3TokenStore(_S3Objects):
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact frozen snapshot that was consumed; False if anything changed since.
 
-        Re-lists the rollout and retires it (fence kept, records deleted) only when the rollout is
-        frozen and its current ``version`` and ``snapshot_id`` equal the arguments. When the fence
-        is younger than ``fence_grace`` (+2 s for clock granularity and page production) it waits and lists again, so
-        every acknowledged put is either in the snapshot or visible to that final LIST.
+        Contract: ``TokenSource.drop`` (a conditional drop: it fails, keeping the evidence, when a
+        write raced the freeze). Steps: LIST; unless the rollout is frozen at exactly ``version``
+        and ``snapshot_id``, return False. Wait until ``fence_grace`` has passed, on this client's
+        monotonic clock, since it knew the fence existed (its own freeze's fence PUT returned, or
+        this LIST showed the fence) — never by comparing timestamps of different machines. Then PUT
+        a unique drop tombstone and the retired fence, and LIST again (the decisive LIST, which must
+        show that tombstone): if the version or id changed, restore the frozen fence, delete only
+        its own tombstone and return False; else write the retire tombstone and delete the records.
+        So every acknowledged put or marker is in the snapshot or fails the drop.
+
+        Raises ``StoreError`` (``ListingError`` for a decisive listing without the tombstone, after
+        retries) when the store fails; ``ValueError`` for an unstorable id.
         """
+        prefix = self.layout.rollout(rollout_id)
         scan = await self._scan(rollout_id)
-        while True:
-            if not scan.fence or scan.retired:
-                return False
-            if scan.version_and_id() != (version, snapshot_id):
-                return False
-            # Both clocks are the store's and truncated to whole seconds (one second of slack), and
-            # the first page's Date may trail the moment its listing was taken (one more second).
-            wait = self._fence_grace + 2.0 - (scan.server_time - scan.fence_modified)
-            if wait <= 0:
-                break
-            await asyncio.sleep(wait)
-            scan = await self._scan(rollout_id)
-        prefix = scan.prefix
-        await self._write_retired(prefix)
-        # A marker may land after our LIST and read the fence before it said retired (it must
-        # succeed after freeze). Listing again after the retired fence catches every such marker.
-        after = await self._scan(rollout_id)
-        if after.version_and_id() != (version, snapshot_id):
-            await self._put(prefix + "fence", _FENCE_FROZEN)
-            await self._delete_one(prefix + "retired")
+        if not scan.fence or scan.retired or scan.version_and_id() != (version, snapshot_id):
             return False
-        await self._delete_keys([i.key for i in after.log + after.snaps + after.foreign])
+        if rollout_id not in self._fence_seen:
+            self._saw_fence(rollout_id, scan.seen_at)
+        wait = self._fence_seen[rollout_id] + self._fence_grace + _CLOCK_SLACK - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tombstone = f"drop/{uuid.uuid4().hex}"
+        await self._put(prefix + tombstone, b"")
+        await self._put(prefix + "fence", FENCE_RETIRED)
+        # A marker may land after the first LIST having read the fence before it said retired (it
+        # must succeed after freeze); this LIST, after the retired fence, sees every such marker.
+        after = await self._scan(rollout_id, require=[tombstone])
+        if after.retired or not after.fence or after.version_and_id() != (version, snapshot_id):
+            if not after.retired:
+                await self._put(prefix + "fence", FENCE_FROZEN)
+            await self._delete_one(prefix + tombstone)  # ours alone: a unique key
+            return False
+        await self._write_retired(prefix)
+        await self._delete_keys([i.key for i in after.records])
         self._cache.discard_prefix(prefix)
         return True
 
@@ -1243,3 +705,4 @@ class S3TokenStore(_S3Objects):
             stored.cumulative = tuple(tokens)
             self._cache.grow(key, stored, 8 * len(tokens))
         return tokens
+

@@ -1,0 +1,26 @@
+"""Errors raised by s3capture's object-store layer."""
+
+from __future__ import annotations
+
+__all__ = ["StoreError", "ListingError"]
+
+
+class StoreError(RuntimeError):
+    """The object store refused or failed an operation (missing bucket, access denied, outage,
+    an unverifiable listing, a body cut short, ...).
+
+    ``operation`` is the S3 operation (``"PUT"``, ``"GET"``, ``"LIST"``, ``"DELETE"``, ...) and
+    ``key`` the object key or LIST prefix it concerned, when known.
+    """
+
+    def __init__(self, message: str, *, operation: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.key = key
+
+
+class ListingError(StoreError):
+    """A LIST answer that cannot be trusted: an empty or unparseable 200, a truncated page without
+    a continuation token, a key repeated across pages, or a listing that lacks an object this
+    client just wrote (stale or incomplete). Raised after bounded retries; never read as "no
+    objects"."""

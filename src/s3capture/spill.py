@@ -1,0 +1,147 @@
+"""The local spill: objects that must not be lost when the store is down or the caller gives up.
+
+``mark_incomplete`` (and ``S3CaptureLedger.record_failure``) append the object they could not store
+— because the PUT failed, or because the caller's deadline cancelled them — to a local file,
+fsynced, before they return or let the cancellation propagate. A later write, ``replay_spill`` or
+``close`` stores them (every spilled key is unique or content-addressed, so replaying twice is a
+no-op).
+
+Identity: one spill file per ``(endpoint, bucket, root prefix)``, named by a digest of the three,
+and every line repeats them; a marker for endpoint B is never replayed into endpoint A although
+both have a bucket of the same name.
+
+Concurrency, across threads and processes on one host:
+
+- an append takes an exclusive ``flock`` on the spill file, writes one line and fsyncs it; if the
+  path no longer names the file it locked (a replay claimed it meanwhile) it appends to the new one;
+- a replay claims the file by renaming it to ``<file>.<uuid>.replay`` while holding that lock,
+  after taking an exclusive ``flock`` on a sidecar ``<claim>.lock`` that it holds until the claim
+  is stored and removed;
+- a claim whose sidecar lock can be taken belongs to a replayer that died (the kernel released its
+  lock): it is recovered by whoever takes the lock. Liveness is never judged by PID, which a new
+  process (PID 1 in a container) may share with the dead one.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from typing import IO
+
+__all__ = ["Spill", "SpillClaim"]
+
+log = logging.getLogger("s3capture")
+
+
+@dataclass
+class SpillClaim:
+    """A claimed spill file and the lock that says its replayer is alive."""
+
+    path: str
+    lock: IO[bytes]
+
+    def release(self) -> None:
+        """Remove the claim (its objects are stored or spilled again), then drop the lock."""
+        for name in (self.path, self.path + ".lock"):
+            try:
+                os.remove(name)
+            except FileNotFoundError:
+                pass
+        self.lock.close()
+
+
+class Spill:
+    """The spill file of one ``(endpoint, bucket, root)`` in ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike, *, endpoint: str | None, bucket: str, root: str) -> None:
+        self.directory = os.fspath(directory)
+        self.identity = {"endpoint": (endpoint or "aws").rstrip("/"), "bucket": bucket, "root": root}
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:24]
+        readable = re.sub(r"[^A-Za-z0-9_.-]", "_", bucket)[:64]
+        self.path = os.path.join(self.directory, f"spill-{readable}-{digest}.jsonl")
+
+    # ------------------------------------------------------------------ append
+    def append(self, key: str, body: bytes = b"") -> None:
+        """Append one object, locked and fsynced; returns once it is on disk. Raises ``OSError``."""
+        os.makedirs(self.directory, exist_ok=True)
+        item = dict(self.identity, key=key)
+        if body:
+            item["body"] = base64.b64encode(body).decode()
+        line = json.dumps(item, sort_keys=True).encode() + b"\n"
+        while True:
+            with open(self.path, "ab") as handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                try:
+                    current = os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    current = None
+                if current != os.fstat(handle.fileno()).st_ino:
+                    continue  # claimed by a replay meanwhile: write to the new file
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+                return
+
+    def pending(self) -> bool:
+        """Whether anything may wait to be replayed (a spill file or a claim)."""
+        return os.path.exists(self.path) or bool(glob.glob(glob.escape(self.path) + ".*.replay"))
+
+    # ------------------------------------------------------------------ claim and read
+    def claim(self) -> list[SpillClaim]:
+        """Take the spill file and every claim whose replayer died; the caller must ``release``
+        each claim once its objects are stored (or spilled again)."""
+        claims: list[SpillClaim] = []
+        try:
+            handle = open(self.path, "rb")
+        except FileNotFoundError:
+            pass
+        else:
+            with handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    name = f"{self.path}.{uuid.uuid4().hex}.replay"
+                    lock = open(name + ".lock", "wb")
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: never contended
+                    os.replace(self.path, name)
+                    claims.append(SpillClaim(name, lock))
+        for leftover in glob.glob(glob.escape(self.path) + ".*.replay"):
+            if any(claim.path == leftover for claim in claims):
+                continue
+            lock = open(leftover + ".lock", "ab")
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()  # its replayer is alive
+                continue
+            if not os.path.exists(leftover):  # finished by its replayer just now
+                SpillClaim(leftover, lock).release()
+                continue
+            log.info("recovering spill claim %s left by a replayer that died", leftover)
+            claims.append(SpillClaim(leftover, lock))
+        return claims
+
+    def read(self, claims: list[SpillClaim]) -> dict[str, bytes]:
+        """The objects (key -> body) in ``claims`` that belong to this spill's identity."""
+        objects: dict[str, bytes] = {}
+        for claim in claims:
+            with open(claim.path, "rb") as handle:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        item = json.loads(line)
+                        if all(item.get(k) == v for k, v in self.identity.items()) and isinstance(item.get("key"), str):
+                            objects[item["key"]] = base64.b64decode(item.get("body") or "")
+                        else:
+                            log.warning("spill file %s line %d belongs to another store; skipped", claim.path, number)
+                    except (ValueError, AttributeError, TypeError):
+                        log.warning("skipping torn line %d of spill file %s", number, claim.path)
+        return objects

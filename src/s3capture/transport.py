@@ -1,0 +1,542 @@
+"""The S3 transport: the few object operations s3capture uses, over aioboto3, verified.
+
+Every request s3capture sends goes through one ``S3Transport``. It owns:
+
+- **one client per event loop and per process**: a store used from two event loops (a sync wrapper
+  calling ``asyncio.run`` per operation) or in a child after ``fork`` gets a fresh HTTP client
+  there instead of failing later with errors that read like an outage;
+- **request counting** (``request_counts``, by S3 operation, retries included) and a bound on
+  requests in flight (``max_concurrency``);
+- **the verified listing** (``list`` and ``list_page``): the one place where a LIST answer is
+  checked before anybody builds on it (see ``_verify_page``);
+- **reads that retry a failed body**: a GET whose body is cut mid-stream or silently short is
+  retried a bounded number of times, then raised as ``StoreError``;
+- **credential refresh**: an ``ExpiredToken``-class answer rebuilds the client (credentials are
+  resolved again) and retries the request once;
+- **error mapping**: every failure leaves as ``StoreError`` naming the operation and the key;
+- **delete with fallback**: DeleteObjects in batches of 1,000 with Content-MD5, or one DELETE per
+  key where a store does not implement it;
+- ``close``: after it returns nothing is open and no request of this transport is in flight.
+
+Retries of *requests* (5xx, throttling, connection errors) are botocore's standard retry mode;
+this module only adds what botocore cannot see: a 200 whose body is wrong.
+
+Fault injection for tests wraps the wire (``tests/faultproxy.py``), never this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import hashlib
+import logging
+import os
+import random
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from botocore import handlers as botocore_handlers
+from botocore.exceptions import ClientError
+from botocore.parsers import ResponseParserError
+
+from s3capture.errors import ListingError, StoreError
+from s3capture.records import RecordError
+
+__all__ = ["S3Transport", "ListedObject", "ListPage", "default_botocore_config"]
+
+log = logging.getLogger("s3capture")
+
+T = TypeVar("T")
+
+_NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+_NOT_IMPLEMENTED = frozenset(
+    {"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML", "MissingContentMD5", "InvalidDigest", "BadDigest"}
+)
+_CREDENTIAL_ERRORS = frozenset(
+    {"ExpiredToken", "ExpiredTokenException", "InvalidToken", "TokenRefreshRequired", "RequestExpired", "InvalidAccessKeyId"}
+)
+"""Answers after which the credentials are resolved again and the request retried once."""
+
+def _body_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a response body can raise while it streams (a cut or reset connection)."""
+    from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+    errors: list[type[BaseException]] = [
+        IncompleteReadError,
+        ResponseStreamingError,
+        asyncio.IncompleteReadError,
+        asyncio.TimeoutError,
+        ConnectionError,
+        OSError,
+    ]
+    try:
+        import aiohttp
+
+        errors.append(aiohttp.ClientError)
+    except ImportError:  # pragma: no cover - aiobotocore always brings aiohttp
+        pass
+    return tuple(errors)
+
+
+_BODY_ERRORS = _body_errors()
+
+
+def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) -> Any:
+    """The botocore ``Config`` s3capture uses unless given one.
+
+    Standard retry mode (5 attempts, exponential backoff with jitter), connect/read timeouts of 5/30 s,
+    a pool of ``max_pool_connections``, and checksums only where an operation requires them
+    (``when_required``), which S3-compatible stores such as GCS, R2, Ceph and older MinIO accept.
+    Path-style addressing is chosen when an endpoint is configured.
+    """
+    from botocore.config import Config
+
+    settings: dict[str, Any] = dict(
+        retries={"mode": "standard", "max_attempts": 5},
+        connect_timeout=5,
+        read_timeout=30,
+        max_pool_connections=max_pool_connections,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    settings.update(overrides)
+    return Config(**settings)
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    """One object of a verified listing."""
+
+    key: str
+    etag: str
+    size: int
+    modified: float = 0.0
+    """LastModified, seconds since the epoch by the *store's* clock. Informational only: s3capture
+    never subtracts it from another machine's clock."""
+
+
+@dataclass(frozen=True)
+class ListPage:
+    """One verified ListObjectsV2 page: objects under the prefix, and the continuation token."""
+
+    objects: list[ListedObject]
+    next_token: str | None
+
+
+class _Unverified(ListingError):
+    """One LIST attempt that cannot be trusted; retried by ``S3Transport`` before it escapes."""
+
+
+def _code(error: BaseException) -> str:
+    response = getattr(error, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _add_content_md5(request: Any, **_: Any) -> None:
+    """Send Content-MD5 with DeleteObjects: botocore >= 1.36 sends only a CRC32, which stores
+    that still require Content-MD5 (older MinIO, Ceph) refuse."""
+    body = request.body if isinstance(request.body, bytes) else (request.body or b"")
+    if isinstance(body, str):
+        body = body.encode()
+    if "Content-MD5" not in request.headers and isinstance(body, bytes):
+        request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+
+
+def _verify_page(page: dict, prefix: str, seen: set[str]) -> ListPage:
+    """Check one parsed ListObjectsV2 answer; the only place a listing is trusted.
+
+    - a 200 without ``IsTruncated`` (an empty or unparseable body) is not "no objects": it raises;
+    - a truncated page without a continuation token raises;
+    - a key repeated across the pages of one listing (``seen``) raises;
+    - a key that does not start with ``prefix`` (a server that answers ``Prefix=r1/`` with keys of
+      ``r1000/``) is dropped and logged: it is never counted, masked or deleted.
+    """
+    if "IsTruncated" not in page:
+        raise _Unverified(f"LIST {prefix!r} answered 200 with an empty or unparseable body", operation="LIST", key=prefix)
+    objects: list[ListedObject] = []
+    for item in page.get("Contents", ()) or ():
+        key = item.get("Key")
+        if not isinstance(key, str):
+            raise _Unverified(f"LIST {prefix!r} returned an object without a key", operation="LIST", key=prefix)
+        if not key.startswith(prefix):
+            log.warning("LIST %r returned key %r outside the requested prefix; ignored", prefix, key)
+            continue
+        if key in seen:
+            raise _Unverified(f"LIST {prefix!r} returned key {key!r} twice", operation="LIST", key=prefix)
+        seen.add(key)
+        modified = item.get("LastModified")
+        objects.append(
+            ListedObject(
+                key,
+                str(item.get("ETag", "")).strip('"'),
+                int(item.get("Size", 0) or 0),
+                modified.timestamp() if modified is not None else 0.0,
+            )
+        )
+    token = None
+    if page.get("IsTruncated"):
+        token = page.get("NextContinuationToken")
+        if not token:
+            raise _Unverified(f"LIST {prefix!r} was truncated without a continuation token", operation="LIST", key=prefix)
+    return ListPage(objects, token)
+
+
+@dataclass
+class _LoopState:
+    """The HTTP client and its bounds for one event loop."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    client: Any = None
+    stack: AsyncExitStack | None = None
+    generation: int = 0
+    sem: asyncio.Semaphore | None = None
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    retired: list[AsyncExitStack] = field(default_factory=list)
+
+
+class S3Transport:
+    """The object operations of one bucket, over aioboto3.
+
+    Parameters:
+        bucket: the bucket name.
+        endpoint_url: S3 endpoint (``None``: AWS itself).
+        botocore_config: a ``botocore.config.Config``; ``None`` for ``default_botocore_config()``
+            (path-style addressing when an endpoint is set).
+        session: an ``aioboto3.Session``; ``None`` builds one from the standard credential chain
+            (and builds it again when credentials expire).
+        max_concurrency: requests in flight from this transport, per event loop (>= 1).
+        read_attempts: GETs of one object whose body fails before ``StoreError`` (>= 1).
+        list_attempts: listings of one prefix that fail verification before ``ListingError``.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        endpoint_url: str | None = None,
+        botocore_config: Any = None,
+        session: Any = None,
+        max_concurrency: int = 32,
+        read_attempts: int = 4,
+        list_attempts: int = 5,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if read_attempts < 1 or list_attempts < 1:
+            raise ValueError("read_attempts and list_attempts must be >= 1")
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        if botocore_config is None:
+            extra = {"s3": {"addressing_style": "path"}} if endpoint_url else {}
+            botocore_config = default_botocore_config(max(max_concurrency, 10), **extra)
+        self._config = botocore_config
+        self._session = session
+        self._owns_session = session is None
+        self._max_concurrency = max_concurrency
+        self._read_attempts = read_attempts
+        self._list_attempts = list_attempts
+        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
+        self._pid = os.getpid()
+        self._closed = False
+        self.request_counts: collections.Counter[str] = collections.Counter()
+        """HTTP requests sent, by S3 operation (retries included)."""
+
+    # ------------------------------------------------------------------ client per loop and process
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def opened(self) -> bool:
+        """Whether an HTTP client is open in any event loop of this process."""
+        return os.getpid() == self._pid and any(s.client is not None for s in self._states.values())
+
+    def _state(self) -> _LoopState:
+        if os.getpid() != self._pid:
+            # A forked child must not share the parent's sockets: start afresh, never close the
+            # parent's clients from here.
+            self._states = weakref.WeakKeyDictionary()
+            self._pid = os.getpid()
+        loop = asyncio.get_running_loop()
+        state = self._states.get(loop)
+        if state is None:
+            for other in [lp for lp in self._states if lp.is_closed()]:
+                # A finished loop's client cannot be closed any more; forget it.
+                del self._states[other]
+            state = self._states[loop] = _LoopState()
+            state.idle.set()
+        return state
+
+    async def client(self) -> Any:
+        """The aiobotocore S3 client of the running event loop (opened on first use)."""
+        return (await self._client(self._state()))[0]
+
+    async def _client(self, state: _LoopState) -> tuple[Any, int]:
+        if state.client is not None and not self._closed:
+            return state.client, state.generation
+        async with state.lock:
+            if self._closed:
+                raise StoreError(f"this s3capture client for s3://{self.bucket} is closed")
+            if state.client is None:
+                if self._session is None:
+                    import aioboto3
+
+                    self._session = aioboto3.Session()
+                stack = AsyncExitStack()
+                client = await stack.enter_async_context(
+                    self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
+                )
+                client.meta.events.register("before-send.s3", self._count_request)
+                client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
+                # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
+                # whole extra round trip before the body is sent; objects are small and every PUT
+                # is idempotent, so send the body at once.
+                client.meta.events.unregister("before-call.s3", botocore_handlers.add_expect_header)
+                state.sem = asyncio.Semaphore(self._max_concurrency)
+                state.stack, state.client = stack, client
+                state.generation += 1
+            return state.client, state.generation
+
+    def _count_request(self, event_name: str = "", **_: Any) -> None:
+        self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
+
+    async def _refresh(self, state: _LoopState, generation: int) -> None:
+        """Rebuild the client with credentials resolved again (after an expired-token answer)."""
+        async with state.lock:
+            if state.generation != generation or state.client is None:
+                return  # another request refreshed it already
+            if state.stack is not None:
+                state.retired.append(state.stack)  # closed at close(): requests may still use it
+            state.client, state.stack = None, None
+            if self._owns_session:
+                self._session = None
+            else:
+                inner = getattr(self._session, "_session", None)
+                if inner is not None and hasattr(inner, "_credentials"):
+                    inner._credentials = None  # the caller's session resolves its chain again
+        log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
+
+    async def _call(self, operation: str, key: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+        """Run ``fn(client)`` under the bounds, mapping every failure to ``StoreError``."""
+        if self._closed:
+            raise StoreError(f"this s3capture client for s3://{self.bucket} is closed", operation=operation, key=key)
+        state = self._state()
+        for attempt in (0, 1):
+            client, generation = await self._client(state)
+            state.inflight += 1
+            state.idle.clear()
+            try:
+                if self._closed:
+                    raise StoreError(f"this s3capture client for s3://{self.bucket} is closed", operation=operation, key=key)
+                async with state.sem:  # type: ignore[union-attr]
+                    return await fn(client)
+            except (StoreError, RecordError, asyncio.CancelledError):
+                raise
+            except Exception as error:
+                if attempt == 0 and _code(error) in _CREDENTIAL_ERRORS:
+                    await self._refresh(state, generation)
+                    continue
+                raise self._wrap(error, operation, key) from error
+            finally:
+                state.inflight -= 1
+                if state.inflight == 0:
+                    state.idle.set()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _wrap(self, error: BaseException, operation: str, key: str) -> StoreError:
+        code = _code(error)
+        where = f"{operation} s3://{self.bucket}/{key}"
+        if code == "NoSuchBucket":
+            return StoreError(f"bucket {self.bucket!r} does not exist ({where})", operation=operation, key=key)
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", *_CREDENTIAL_ERRORS):
+            return StoreError(f"access to s3://{self.bucket} refused: {code} ({where})", operation=operation, key=key)
+        return StoreError(f"{where} failed: {type(error).__name__}: {error}", operation=operation, key=key)
+
+    async def close(self) -> None:
+        """Wait for requests in flight, then close this loop's client. Idempotent.
+
+        After it returns, no request of this transport is in flight in this loop and none starts
+        (later calls raise ``StoreError``). Clients of other, already finished event loops cannot be
+        closed any more and are dropped.
+        """
+        self._closed = True
+        if os.getpid() != self._pid:
+            self._states = weakref.WeakKeyDictionary()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - close() is a coroutine
+            return
+        for other in list(self._states):
+            if other is not loop:
+                del self._states[other]
+        state = self._states.pop(loop, None)
+        if state is None:
+            return
+        async with state.lock:  # waits for a client being opened right now
+            await state.idle.wait()
+            stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
+            state.client, state.stack, state.retired = None, None, []
+        for stack in stacks:
+            await stack.aclose()
+
+    # ------------------------------------------------------------------ object operations
+    async def put(self, key: str, body: bytes) -> None:
+        """PUT ``body`` at ``key`` (botocore retries 5xx and lost responses: every PUT here is
+        idempotent). Raises ``StoreError``."""
+
+        async def run(client: Any) -> None:
+            await client.put_object(Bucket=self.bucket, Key=key, Body=body)
+
+        await self._call("PUT", key, run)
+
+    async def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """GET an object's bytes, or ``None`` when it does not exist.
+
+        A body that fails while streaming, or ends short of its ``Content-Length``, is fetched
+        again (``read_attempts`` in all). With ``limit``, raises ``RecordError`` instead of reading
+        an object larger than ``limit`` bytes. Raises ``StoreError``.
+        """
+
+        async def run(client: Any) -> bytes | None:
+            problem = ""
+            for attempt in range(self._read_attempts):
+                if attempt:
+                    await asyncio.sleep(_backoff(attempt))
+                try:
+                    response = await client.get_object(Bucket=self.bucket, Key=key)
+                except ClientError as error:
+                    if _code(error) in _NOT_FOUND:
+                        return None
+                    raise
+                expected = response.get("ContentLength")
+                if limit is not None and int(expected or 0) > limit:
+                    response["Body"].close()
+                    raise RecordError(f"object is {expected} bytes, over the read limit {limit}")
+                try:
+                    async with response["Body"] as stream:
+                        data = await stream.read()
+                except _BODY_ERRORS as error:
+                    problem = f"body failed after {type(error).__name__}: {error}"
+                    continue
+                if expected is not None and len(data) != int(expected):
+                    problem = f"body is {len(data)} bytes, its Content-Length says {expected}"
+                    continue
+                return data
+            raise StoreError(
+                f"GET s3://{self.bucket}/{key} failed {self._read_attempts} times: {problem}", operation="GET", key=key
+            )
+
+        return await self._call("GET", key, run)
+
+    async def list_page(self, prefix: str, max_keys: int = 1000, token: str | None = None) -> ListPage:
+        """One verified ListObjectsV2 page of ``prefix`` (``_verify_page``); a page that fails
+        verification is asked again (``list_attempts`` in all), then raises ``ListingError``."""
+        last: ListingError | None = None
+        for attempt in range(self._list_attempts):
+            if attempt:
+                await asyncio.sleep(_backoff(attempt))
+            try:
+                return await self._list_page_once(prefix, max_keys, token, set())
+            except _Unverified as error:
+                last = error
+        raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
+
+    async def _list_page_once(self, prefix: str, max_keys: int, token: str | None, seen: set[str]) -> ListPage:
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
+        if token:
+            params["ContinuationToken"] = token
+
+        async def run(client: Any) -> dict:
+            try:
+                return await client.list_objects_v2(**params)
+            except ResponseParserError as error:
+                raise _Unverified(f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix) from None
+
+        return _verify_page(await self._call("LIST", prefix, run), prefix, seen)
+
+    async def list(self, prefix: str, *, require: Iterable[str] = ()) -> list[ListedObject]:
+        """Every object under ``prefix`` (one request per 1,000 keys), verified.
+
+        ``require`` names keys this client has just written under ``prefix``: a listing that lacks
+        one of them is stale or incomplete. A listing that fails verification or lacks a required
+        key is taken again from the start, with backoff (``list_attempts`` in all), then raises
+        ``ListingError``. Keys outside ``prefix`` are never returned.
+        """
+        required = set(require)
+        last: ListingError | None = None
+        for attempt in range(self._list_attempts):
+            if attempt:
+                await asyncio.sleep(_backoff(attempt))
+            try:
+                out: list[ListedObject] = []
+                seen: set[str] = set()
+                token: str | None = None
+                while True:
+                    page = await self._list_page_once(prefix, 1000, token, seen)
+                    out.extend(page.objects)
+                    token = page.next_token
+                    if token is None:
+                        break
+                missing = required - seen
+                if missing:
+                    raise _Unverified(
+                        f"LIST {prefix!r} lacks {sorted(missing)[0]!r}, which this client has just written "
+                        "(a stale or incomplete listing)",
+                        operation="LIST",
+                        key=prefix,
+                    )
+                return out
+            except _Unverified as error:
+                last = error
+                log.warning("%s; listing again", error)
+        raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
+
+    async def delete(self, keys: list[str]) -> None:
+        """Delete ``keys`` with DeleteObjects in batches of 1,000, or one DELETE each where the store
+        does not implement it. Missing keys are not an error. Raises ``StoreError``."""
+        for start in range(0, len(keys), 1000):
+            batch = keys[start : start + 1000]
+
+            async def run(client: Any, batch: list[str] = batch) -> bool:
+                try:
+                    response = await client.delete_objects(
+                        Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                    )
+                except ClientError as error:
+                    if _code(error) in _NOT_IMPLEMENTED:
+                        return False
+                    raise
+                errors = [e for e in response.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
+                if errors:
+                    raise StoreError(
+                        f"DeleteObjects failed for {len(errors)} keys, first: {errors[0]}",
+                        operation="DeleteObjects",
+                        key=errors[0].get("Key", ""),
+                    )
+                return True
+
+            if not await self._call("DeleteObjects", batch[0], run):
+                await asyncio.gather(*(self.delete_one(k) for k in batch))
+
+    async def delete_one(self, key: str) -> None:
+        """DELETE one key (missing is not an error). Raises ``StoreError``."""
+
+        async def run(client: Any) -> None:
+            try:
+                await client.delete_object(Bucket=self.bucket, Key=key)
+            except ClientError as error:
+                if _code(error) not in _NOT_FOUND:
+                    raise
+
+        await self._call("DELETE", key, run)
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds before retry ``attempt`` (1, 2, ...): exponential from 50 ms with full jitter."""
+    return random.uniform(0.5, 1.0) * 0.05 * (2 ** (attempt - 1))
