@@ -25,13 +25,14 @@ from s3capture.protocols import (
     installed_token_sink,
     installed_token_source,
 )
+from s3capture.errors import ListingError, StoreError
 from s3capture.records import ParentResolutionStatus, RecordError, TokenEntry, UnsupportedSchemaError
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):  # lazy: importing the protocols must not import aioboto3
-    if name in ("S3TokenStore", "StoreError", "FrozenSnapshot"):
+    if name in ("S3TokenStore", "FrozenSnapshot"):
         from s3capture import store
 
         return getattr(store, name)
@@ -47,6 +48,7 @@ __all__ = [
     "FrozenSnapshot",
     "LedgerConflictError",
     "LineageMatch",
+    "ListingError",
     "LineageResolution",
     "LineageResolver",
     "ParentResolutionStatus",

@@ -194,7 +194,7 @@ class _LoopState:
     stack: AsyncExitStack | None = None
     generation: int = 0
     sem: asyncio.Semaphore | None = None
-    inflight: int = 0
+    inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     retired: list[AsyncExitStack] = field(default_factory=list)
 
@@ -328,7 +328,8 @@ class S3Transport:
         state = self._state()
         for attempt in (0, 1):
             client, generation = await self._client(state)
-            state.inflight += 1
+            task = asyncio.current_task()
+            state.inflight.add(task)  # type: ignore[arg-type]
             state.idle.clear()
             try:
                 if self._closed:
@@ -343,8 +344,8 @@ class S3Transport:
                     continue
                 raise self._wrap(error, operation, key) from error
             finally:
-                state.inflight -= 1
-                if state.inflight == 0:
+                state.inflight.discard(task)  # type: ignore[arg-type]
+                if not state.inflight:
                     state.idle.set()
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -357,8 +358,9 @@ class S3Transport:
             return StoreError(f"access to s3://{self.bucket} refused: {code} ({where})", operation=operation, key=key)
         return StoreError(f"{where} failed: {type(error).__name__}: {error}", operation=operation, key=key)
 
-    async def close(self) -> None:
-        """Wait for requests in flight, then close this loop's client. Idempotent.
+    async def close(self, timeout: float = 30.0) -> None:
+        """Wait for requests in flight (up to ``timeout`` seconds, then cancel them), then close
+        this loop's client. Idempotent.
 
         After it returns, no request of this transport is in flight in this loop and none starts
         (later calls raise ``StoreError``). Clients of other, already finished event loops cannot be
@@ -379,7 +381,15 @@ class S3Transport:
         if state is None:
             return
         async with state.lock:  # waits for a client being opened right now
-            await state.idle.wait()
+            try:
+                await asyncio.wait_for(state.idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                stuck = [t for t in state.inflight if t is not asyncio.current_task()]
+                log.warning("close(): cancelling %d requests still in flight after %.0f s", len(stuck), timeout)
+                for task in stuck:
+                    task.cancel()
+                if stuck:
+                    await asyncio.wait(stuck)
             stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
             state.client, state.stack, state.retired = None, None, []
         for stack in stacks:
