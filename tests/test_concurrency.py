@@ -299,9 +299,12 @@ async def test_stalled_put_is_never_acknowledged_and_lost(fresh, s3_client, buck
     assert not (outcome == "ok" and dropped), "put() acknowledged an entry missing from a snapshot whose drop succeeded"
     if release == "after_drop":
         # drop waited until the fence was fence_grace old, so the stalled put ran longer than the
-        # grace, read the fence again after landing, and withdrew its entry.
+        # grace, read the fence again after landing, and was refused. Its object stays (a write path
+        # never deletes a key) as an unused leftover of a retired rollout, until retire removes it.
         assert dropped
         assert outcome == "retired"
+        assert len(entry_keys(s3_client, bucket_url, "r-stall")) == 1
+        await make().retire(["r-stall"])
         assert not entry_keys(s3_client, bucket_url, "r-stall")
     if release == "before_drop":
         # The entry landed before drop's LIST: the drop fails and the evidence is kept.

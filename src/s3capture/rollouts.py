@@ -291,7 +291,8 @@ class RolloutObjects:
         """Remove rollouts' records and keep a fence, whatever their state (idempotent).
 
         Returns ``{"removed": [...], "absent": [...]}``: removed are ids that had records or an
-        unretired fence; absent are ids with nothing to remove (never written, or retired already).
+        unretired fence (including refused late writes a retired rollout kept, which no reader uses);
+        absent are ids with nothing to remove (never written, or retired already).
         Later writes to a retired rollout raise ``TokenCaptureRetiredError``. Contract:
         ``TokenSource.retire`` / ``CaptureLedger.retire`` in the protocol reference. Raises
         ``ValueError``/``TypeError`` for unstorable ids and ``StoreError`` when the store fails.
@@ -302,7 +303,7 @@ class RolloutObjects:
 
         async def one(rollout_id: str) -> None:
             scan = await self._scan(rollout_id)
-            had = bool(scan.log or scan.snaps or scan.foreign) or (scan.fence and not scan.retired)
+            had = bool(scan.records) or (scan.fence and not scan.retired)
             await self._retire_scanned(scan)
             (removed if had else absent).append(rollout_id)
 
