@@ -28,13 +28,34 @@ DEMO_RANGES = {
     "seed": (0, 2**63 - 1),
 }
 _DEMO_DEFAULTS = {"rollouts": 40, "calls": 6, "prompt_storage": "delta"}
+# The generated workload is held in memory, and a call's prompt repeats every earlier turn, so its
+# size grows with rollouts x calls^2: at most this many token ids (about 400 MB of lists).
+MAX_GENERATED_TOKENS = 50_000_000
+
+
+def generated_tokens(rollouts: int, calls: int) -> int:
+    """Token ids (prompts and generations) of ``synthetic_rollouts(rollouts, calls)`` with its defaults.
+
+    Call ``k``'s prompt has 64 + 48k ids and its generation 32.
+    """
+    return rollouts * (96 * calls + 24 * calls * (calls - 1))
 
 
 class _Parser(argparse.ArgumentParser):
     """``argparse`` with one-line errors: ``s3capture demo: error: <what> (see 's3capture demo --help')``."""
 
+    commands: dict[str, argparse.ArgumentParser]
+
     def error(self, message: str) -> Any:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # An unknown option is the subcommand's error ("s3capture demo: error: ..."), not the top level's.
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -169,6 +190,12 @@ def _check_demo(args: argparse.Namespace) -> str | None:
     for name, value in vars(args).items():
         if value is None and name in _DEMO_DEFAULTS:
             setattr(args, name, _DEMO_DEFAULTS[name])
+    if not args.files and generated_tokens(args.rollouts, args.calls) > MAX_GENERATED_TOKENS:
+        raise ValueError(
+            f"--rollouts {args.rollouts} --calls {args.calls} would generate "
+            f"{generated_tokens(args.rollouts, args.calls):,} token ids (a prompt repeats every earlier turn); "
+            f"the limit is {MAX_GENERATED_TOKENS:,}: lower --calls or --rollouts"
+        )
     if args.endpoint:
         return args.endpoint
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):  # the order in which the store reads them
@@ -384,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fence-grace", type=float, default=1.0,
                        help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)")
     check.set_defaults(func=_conformance)
+    parser.commands = {"demo": demo, "conformance": check}
     return parser
 
 
