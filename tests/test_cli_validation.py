@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_demo import example_file
 
 import s3capture.cli as cli
 import s3capture.demo as demo
@@ -26,7 +27,6 @@ import s3capture.localserver as localserver
 from s3capture.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data" / "gym-example-rollouts"
 
 ROLLOUT = (
     '{"responses_create_params": {"input": "hi"}, "response": {"output": ['
@@ -282,11 +282,11 @@ def test_generated_workload_defaults(guarded: None, monkeypatch: pytest.MonkeyPa
     assert env == {} and reached.value.kwargs["delta"] is True and reached.value.kwargs["capture"] == "store"
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data/gym-example-rollouts beside the checkout")
-def test_the_example_folder_is_valid_input(guarded: None, monkeypatch: pytest.MonkeyPatch):
+def test_the_example_folder_is_valid_input(guarded: None):
     """The shared example folder: its three .jsonl files load; vllm_round_trip.json is not a .jsonl file."""
+    folder = example_file("vllm_round_trip.json").parent
     with pytest.raises(_Reached) as reached:
-        main(["demo", "--url", "s3://bkt/run", "--endpoint", "http://127.0.0.1:9", str(SHARED)])
+        main(["demo", "--url", "s3://bkt/run", "--endpoint", "http://127.0.0.1:9", str(folder)])
     sources = {r.source.split(":")[0] for r in reached.value.args_[0]}
     assert sources == {"anyterminal_hermes.jsonl", "competitive_coding.jsonl", "hermes_math.jsonl"}
 
