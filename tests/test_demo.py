@@ -4,7 +4,9 @@ Each run starts its own embedded moto server (no endpoint configured), replays t
 file through worker processes, freezes, verifies and drops every rollout, and must report every
 faithful continuation RESOLVED to the right parent, every rollout trainable and every chain
 contiguous. A run against SeaweedFS (endpoint configured) shows that pointing the demo at another
-store works the same way.
+store works the same way. A worker killed mid-run ends the run at once. The example files are read
+from ``../shared/data/gym-example-rollouts`` beside the checkout: missing, the tests skip, or fail
+under ``CI``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import subprocess
 import sys
 from typing import Any
 
-import pytest
 from gymcompat import require_gym
 from test_demo import example_file
 
