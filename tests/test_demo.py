@@ -4,20 +4,42 @@ Each run starts its own embedded moto server (no endpoint configured), replays t
 file through worker processes, freezes, verifies and drops every rollout, and must report every
 faithful continuation RESOLVED to the right parent, every rollout trainable and every chain
 contiguous. A run against SeaweedFS (endpoint configured) shows that pointing the demo at another
-store works the same way.
+store works the same way. A worker killed mid-run ends the run at once. The example files are read
+from ``../shared/data/gym-example-rollouts`` beside the checkout: missing, the tests skip, or fail
+under ``CI``.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from gymcompat import running_under_ci
 
-ROLLOUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+from s3capture.demo import run_workload
+from s3capture.replay import synthetic_rollouts
+
+# The example data lives beside the checkout, in ../shared (never copied into the repository).
+ROLLOUTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gym-example-rollouts"
+
+
+def example_file(name: str, folder: Path = ROLLOUTS) -> Path:
+    """``folder/name``; when it is missing the test is skipped, or fails under CI (``CI=true``)."""
+    path = folder / name
+    if not path.is_file():
+        message = f"{path} is missing (tests read ../shared/data/gym-example-rollouts beside the checkout)"
+        if running_under_ci():
+            pytest.fail(f"{message}; under CI the example data must be there", pytrace=False)
+        pytest.skip(message)
+    return path
 
 
 def _run_demo(args: list[str], env_extra: dict[str, str] | None = None) -> str:
@@ -45,10 +67,7 @@ def _numbers(out: str, label: str) -> tuple[int, int]:
     [("anyterminal_hermes.jsonl", 142), ("competitive_coding.jsonl", 0), ("hermes_math.jsonl", 3)],
 )
 def test_demo_replays_gym_rollouts_on_embedded_server(name: str, faithful: int):
-    path = ROLLOUTS / name
-    if not path.exists():
-        pytest.skip(f"{path} is missing (tests read ../shared/data from the repository's parent)")
-    out = _run_demo([str(path)])
+    out = _run_demo([str(example_file(name))])
     assert "embedded moto" in out
     assert _numbers(out, "faithful continuations RESOLVED to the right parent") == (faithful, faithful)
     assert re.search(r"snapshots: trainable (\d+), masked 0; dropped after consumption (\d+)/\1", out), out
@@ -76,3 +95,49 @@ def test_demo_against_a_missing_bucket_fails_with_one_clear_line(s3_server):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "no-such-bucket-s3capture" in proc.stderr and "does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_missing_example_data_skips_locally_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ci: str):
+    monkeypatch.setenv("CI", ci)
+    (tmp_path / "present.jsonl").write_text("{}\n")
+    assert example_file("present.jsonl", tmp_path) == tmp_path / "present.jsonl"
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome, match="absent.jsonl is missing"):
+        example_file("absent.jsonl", tmp_path)
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_a_worker_killed_mid_run_stops_the_run_at_once(s3_env, bucket_url, s3_client):
+    """A worker that dies while serving (here: SIGKILL) ends the run within seconds, naming it.
+
+    Its calls in flight will never be answered; the coordinator used to wait 120 s for 'no progress'.
+    """
+    rollouts = synthetic_rollouts(400, 6, seed=3)
+    outcome: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        try:
+            run_workload(rollouts, bucket_url, s3_env.env(), workers=2, concurrency=4, parallel_rollouts=8,
+                         progress=False)
+            outcome["error"] = None
+        except BaseException as error:  # noqa: BLE001 - examined below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    bucket = bucket_url[len("s3://"):].split("/", 1)[0]
+    deadline = time.monotonic() + 120
+    while not s3_client.list_objects_v2(Bucket=bucket, MaxKeys=1).get("KeyCount"):  # calls are being served
+        assert thread.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.2)
+    victim = next(p for p in multiprocessing.active_children() if p.name == "s3capture-demo-worker-1")
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the run kept waiting on a dead worker"
+    assert time.monotonic() - killed < 20
+    error = outcome["error"]
+    assert isinstance(error, RuntimeError), error
+    assert str(error) == f"worker 1 (pid {victim.pid}) exited during the run with status -9"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("s3capture-demo-worker-")]

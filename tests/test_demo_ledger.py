@@ -2,7 +2,8 @@
 
 The workload runs in this process (``run_workload(capture="ledger")``, worker processes spawned as
 in the command) against the ``s3_server`` fixture on a slice of the Gym example rollouts read from
-``../shared/data/gym-example-rollouts`` (never copied). Every manifest is also validated here with
+``../shared/data/gym-example-rollouts`` beside the checkout (never copied; missing, the tests skip, or fail
+under ``CI``). Every manifest is also validated here with
 NeMo Gym's pydantic ``RolloutManifest`` (``require_gym()``: skipped without Gym, failing under
 ``CI``). One test runs the installed command on the whole ``anyterminal_hermes.jsonl`` against an
 embedded moto server, the acceptance run of the ledger mode.
@@ -15,23 +16,17 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-import pytest
 from gymcompat import require_gym
+from test_demo import example_file
 
 from s3capture.demo import format_report, run_workload
 from s3capture.replay import load_rollouts, synthetic_rollouts
 
-ROLLOUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
-ANYTERMINAL = ROLLOUTS / "anyterminal_hermes.jsonl"
-
 
 def _anyterminal(n: int) -> list[Any]:
-    if not ANYTERMINAL.exists():
-        pytest.skip(f"{ANYTERMINAL} is missing (tests read ../shared/data from the repository's parent)")
-    return load_rollouts([ANYTERMINAL])[:n]
+    return load_rollouts([example_file("anyterminal_hermes.jsonl")])[:n]
 
 
 def _bucket(url: str) -> str:
@@ -128,13 +123,12 @@ def test_ledger_demo_records_failure_rows_and_masks_those_rollouts(s3_env, bucke
 
 def test_ledger_demo_command_on_anyterminal_hermes():
     """The acceptance run: the whole file, the installed command, an embedded moto server."""
-    if not ANYTERMINAL.exists():
-        pytest.skip(f"{ANYTERMINAL} is missing (tests read ../shared/data from the repository's parent)")
+    anyterminal = example_file("anyterminal_hermes.jsonl")
     require_gym()  # the command then also validates every manifest with Gym's RolloutManifest
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
         [sys.executable, "-m", "s3capture.cli", "demo", "--capture", "ledger", "--no-progress", "--workers", "3",
-         str(ANYTERMINAL)],
+         str(anyterminal)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     out = proc.stdout

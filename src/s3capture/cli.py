@@ -5,19 +5,216 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 import uuid
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+# Bucket names S3-compatible stores accept between them (AWS, GCS, MinIO, R2, Ceph): letters, digits,
+# dots, hyphens and underscores, 3 to 222 characters, starting and ending with a letter or digit.
+_BUCKET = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{1,220})[A-Za-z0-9]")
+
+# The demo's numeric options: (lowest, highest). Upper bounds keep a typo from forking a thousand
+# processes or generating a workload that cannot fit in memory.
+DEMO_RANGES = {
+    "workers": (1, 256),
+    "concurrency": (1, 1024),
+    "parallel_rollouts": (1, 100_000),
+    "rollouts": (1, 1_000_000),
+    "calls": (1, 10_000),
+    "seed": (0, 2**63 - 1),
+}
+_DEMO_DEFAULTS = {"rollouts": 40, "calls": 6, "prompt_storage": "delta"}
+# The generated workload is held in memory, and a call's prompt repeats every earlier turn, so its
+# size grows with rollouts x calls^2: at most this many token ids (about 400 MB of lists).
+MAX_GENERATED_TOKENS = 50_000_000
+
+
+def generated_tokens(rollouts: int, calls: int) -> int:
+    """Token ids (prompts and generations) of ``synthetic_rollouts(rollouts, calls)`` with its defaults.
+
+    Call ``k``'s prompt has 64 + 48k ids and its generation 32.
+    """
+    return rollouts * (96 * calls + 24 * calls * (calls - 1))
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` with one-line errors: ``s3capture demo: error: <what> (see 's3capture demo --help')``."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # An unknown option is the subcommand's error ("s3capture demo: error: ..."), not the top level's.
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+def check_s3_url(url: str) -> str:
+    """``url`` when it is ``s3://bucket[/prefix]`` with a valid bucket name; ``ValueError`` otherwise."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3":
+        raise ValueError(f"expected s3://bucket[/prefix], got {url!r}")
+    if not parsed.netloc:
+        raise ValueError(f"no bucket in {url!r}; expected s3://bucket[/prefix]")
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"an s3:// URL takes no query or fragment: {url!r}")
+    if not _BUCKET.fullmatch(parsed.netloc):
+        hint = "; the endpoint goes in --endpoint" if ":" in parsed.netloc else ""
+        raise ValueError(
+            f"{parsed.netloc!r} in {url!r} is not a bucket name (3 to 222 letters, digits, '.', '-' or '_', "
+            f"starting and ending with a letter or digit){hint}"
+        )
+    return url
+
+
+def check_endpoint(url: str) -> str:
+    """``url`` when it is ``http(s)://host[:port][/path]``; ``ValueError`` otherwise."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"expected http://host[:port] or https://host[:port], got {url!r}")
+    try:
+        port = parsed.port
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    if port == 0:
+        raise ValueError(f"bad port in {url!r}")
+    if parsed.username is not None or parsed.password is not None:
+        raise ValueError(f"an endpoint URL takes no user name or password (credentials come from the AWS chain): {url!r}")
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"an endpoint URL takes no query or fragment: {url!r}")
+    return url
+
+
+def _argument(check: Callable[[str], str]) -> Callable[[str], str]:
+    """An argparse ``type`` from a ``ValueError``-raising check."""
+
+    def parse(text: str) -> str:
+        try:
+            return check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def _input_files(names: list[str]) -> list[Path]:
+    """The .jsonl files the inputs name (a folder stands for its ``*.jsonl``, as ``load_rollouts`` reads it).
+
+    Raises ``ValueError`` for an input that does not exist, cannot be read, is neither a file nor a
+    folder, or is a folder without a ``.jsonl`` file.
+    """
+    files: list[Path] = []
+    for name in names:
+        path = Path(name)
+        if not path.exists():
+            raise ValueError(f"input {name}: no such file or folder")
+        if path.is_dir():
+            try:
+                found = sorted(p for p in path.iterdir() if p.suffix == ".jsonl" and p.is_file())
+            except OSError as error:
+                raise ValueError(f"input folder {name}: cannot list it: {error.strerror}") from None
+            if not found:
+                raise ValueError(f"input folder {name} contains no .jsonl file")
+        elif path.is_file():
+            found = [path]
+        else:
+            raise ValueError(f"input {name} is neither a regular file nor a folder")
+        for file in found:
+            try:
+                with file.open("rb"):
+                    pass
+            except OSError as error:
+                raise ValueError(f"input {file}: cannot read it: {error.strerror}") from None
+        files.extend(found)
+    return files
+
+
+def _load_inputs(names: list[str]) -> list[Any]:
+    """Every rollout of the input files; ``ValueError`` for a file without one usable rollout."""
+    from s3capture.replay import load_rollouts
+
+    rollouts: list[Any] = []
+    seen: dict[str, str] = {}
+    for file in _input_files(names):
+        loaded = load_rollouts([file])
+        if not any(rollout.calls for rollout in loaded):
+            what = "no rollout" if not loaded else f"{len(loaded)} rollouts, none with a model call"
+            raise ValueError(f"input {file}: no usable rollout ({what})")
+        for rollout in loaded:  # ids are unique within a file (they hold the line number)
+            previous = seen.get(rollout.rollout_id)
+            if previous is not None:
+                raise ValueError(
+                    f"duplicate rollout id {rollout.rollout_id!r} ({previous} and {file}:{rollout.source.rsplit(':', 1)[-1]}); "
+                    "rollout ids are built from the file stem, so give each file once and keep stems distinct"
+                )
+        seen.update((rollout.rollout_id, f"{file}:{rollout.source.rsplit(':', 1)[-1]}") for rollout in loaded)
+        rollouts.extend(loaded)
+    return rollouts
+
+
+def _check_demo(args: argparse.Namespace) -> str | None:
+    """Check the demo's options against each other and the environment; return the endpoint to use.
+
+    Raises ``ValueError`` (exit 2, one line) before any input is read, any server or worker starts.
+    """
+    if args.files:
+        for name in ("rollouts", "calls"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name} sizes the generated workload; it does not apply with rollout files")
+    if args.staging_url is not None and args.capture != "ledger":
+        raise ValueError("--staging-url applies only with --capture ledger")
+    if args.prompt_storage is not None and args.capture != "store":
+        raise ValueError("--prompt-storage applies only with --capture store (the ledger stages token deltas)")
+    for name, value in vars(args).items():
+        if value is None and name in _DEMO_DEFAULTS:
+            setattr(args, name, _DEMO_DEFAULTS[name])
+    if not args.files and generated_tokens(args.rollouts, args.calls) > MAX_GENERATED_TOKENS:
+        raise ValueError(
+            f"--rollouts {args.rollouts} --calls {args.calls} would generate "
+            f"{generated_tokens(args.rollouts, args.calls):,} token ids (a prompt repeats every earlier turn); "
+            f"the limit is {MAX_GENERATED_TOKENS:,}: lower --calls or --rollouts"
+        )
+    if args.endpoint:
+        return args.endpoint
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):  # the order in which the store reads them
+        value = os.environ.get(name)
+        if value:
+            try:
+                return check_endpoint(value)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
     from s3capture.demo import format_report, run_workload
-    from s3capture.replay import load_rollouts, synthetic_rollouts
+    from s3capture.replay import synthetic_rollouts
 
-    if args.staging_url and args.capture != "ledger":
-        raise ValueError("--staging-url applies only with --capture ledger")
+    endpoint = _check_demo(args)
     if args.files:
-        rollouts = load_rollouts(args.files)
+        rollouts = _load_inputs(args.files)
     else:
         rollouts = synthetic_rollouts(args.rollouts, args.calls, seed=args.seed)
     run = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
@@ -26,7 +223,6 @@ def _demo(args: argparse.Namespace) -> int:
         object.__setattr__(rollout, "rollout_id", f"{rollout.rollout_id}@{run}")
     server = None
     env: dict[str, str] = {}
-    endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL")
     url = args.url
     try:
         if url is None and endpoint is None:
@@ -49,11 +245,14 @@ def _demo(args: argparse.Namespace) -> int:
             where = f"embedded moto at {endpoint}"
         else:
             if args.endpoint:
-                env["AWS_ENDPOINT_URL"] = args.endpoint
+                # Both names: the store reads AWS_ENDPOINT_URL_S3 first, so --endpoint must override it too.
+                env["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL_S3"] = args.endpoint
             where = endpoint or "AWS S3"
         if url is None:
             url = f"s3://s3capture-demo/{run}"
             _ensure_bucket(url, endpoint, env)
+        if server is not None and args.staging_url:
+            _ensure_bucket(args.staging_url, endpoint, env)  # every bucket of the embedded server is the demo's
         where = f"{url} on {where}"
         report = run_workload(
             rollouts,
@@ -152,7 +351,7 @@ def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="s3capture",
         description="s3capture: NeMo Gym's token-capture protocols on S3-compatible storage. "
         "'s3capture demo' runs a capture workload end to end; 's3capture conformance' checks a store.",
@@ -167,22 +366,33 @@ def build_parser() -> argparse.ArgumentParser:
         "only token-free rows; the builder then checks each manifest, rebuilds every call from the staged "
         "deltas, retires the ledger and deletes the staged objects.",
     )
-    demo.add_argument("files", nargs="*", help="NeMo Gym rollout .jsonl files (default: a generated workload)")
-    demo.add_argument("--url", help="s3://bucket/prefix to use (default: a fresh prefix in bucket s3capture-demo)")
-    demo.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else embedded moto)")
-    demo.add_argument("--workers", type=int, default=4, help="model-server worker processes (default 4)")
-    demo.add_argument("--concurrency", type=int, default=16, help="calls in flight per worker (default 16)")
-    demo.add_argument("--parallel-rollouts", type=int, default=32, help="rollouts in flight (default 32)")
-    demo.add_argument("--rollouts", type=int, default=40, help="generated rollouts (default 40)")
-    demo.add_argument("--calls", type=int, default=6, help="calls per generated rollout (default 6)")
-    demo.add_argument("--prompt-storage", choices=("delta", "full"), default="delta",
-                      help="store a RESOLVED call's prompt as a delta after its parent (default) or in full")
+    r = DEMO_RANGES
+    demo.add_argument("files", nargs="*",
+                      help="NeMo Gym rollout .jsonl files or folders of them (default: a generated workload)")
+    demo.add_argument("--url", type=_argument(check_s3_url),
+                      help="s3://bucket/prefix to use (default: a fresh prefix in bucket s3capture-demo)")
+    demo.add_argument("--endpoint", type=_argument(check_endpoint),
+                      help="S3 endpoint URL, http(s)://host[:port] (default: AWS_ENDPOINT_URL, else embedded moto)")
+    demo.add_argument("--workers", type=_int_in(*r["workers"]), default=4,
+                      help="model-server worker processes, %d to %d (default 4)" % r["workers"])
+    demo.add_argument("--concurrency", type=_int_in(*r["concurrency"]), default=16,
+                      help="calls in flight per worker, %d to %d (default 16)" % r["concurrency"])
+    demo.add_argument("--parallel-rollouts", type=_int_in(*r["parallel_rollouts"]), default=32,
+                      help="rollouts in flight, %d to %d (default 32)" % r["parallel_rollouts"])
+    demo.add_argument("--rollouts", type=_int_in(*r["rollouts"]),
+                      help="generated rollouts, %d to %d (default 40; not with files)" % r["rollouts"])
+    demo.add_argument("--calls", type=_int_in(*r["calls"]),
+                      help="calls per generated rollout, %d to %d (default 6; not with files)" % r["calls"])
+    demo.add_argument("--prompt-storage", choices=("delta", "full"),
+                      help="with --capture store: store a RESOLVED call's prompt as a delta after its parent "
+                      "(default) or in full")
     demo.add_argument("--capture", choices=("store", "ledger"), default="store",
                       help="store: whole token entries in S3TokenStore (default); ledger: token deltas staged "
                       "outside, token-free rows in S3CaptureLedger")
-    demo.add_argument("--staging-url", help="with --capture ledger: s3://bucket/prefix of the staged deltas "
-                      "(default: <url>-staging)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the generated workload and of worker choice (default 0)")
+    demo.add_argument("--staging-url", type=_argument(check_s3_url),
+                      help="with --capture ledger: s3://bucket/prefix of the staged deltas (default: <url>-staging)")
+    demo.add_argument("--seed", type=_int_in(*r["seed"]), default=0,
+                      help="seed of the generated workload and of worker choice, >= 0 (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
     demo.set_defaults(func=_demo)
     check = sub.add_parser(
@@ -201,12 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fence-grace", type=float, default=1.0,
                        help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)")
     check.set_defaults(func=_conformance)
+    parser.commands = {"demo": demo, "conformance": check}
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed on one line
+        return done.code if isinstance(done.code, int) else 2
     from botocore.exceptions import BotoCoreError, ClientError
 
     from s3capture.store import StoreError

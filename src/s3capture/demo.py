@@ -188,6 +188,9 @@ class _StoreWorker:
     async def serve(self, worker: int, rollout_id: str, call: ReplayCall, expected_parent: str | None) -> CallResult:
         return await _serve_call(self.store, worker, rollout_id, call, self.delta, expected_parent)
 
+    async def probe(self) -> None:
+        await probe_store(self.store.url)
+
     def request_counts(self) -> dict[str, int]:
         return {f"worker:{k}": v for k, v in self.store.request_counts.items()}
 
@@ -203,13 +206,53 @@ def _open_worker(url: str, concurrency: int, options: dict[str, Any]) -> Any:
     return _StoreWorker(url, concurrency, options["delta"])
 
 
+async def probe_store(url: str) -> None:
+    """One LIST under ``url`` (a key prefix nothing uses), with at most two attempts.
+
+    A worker's start-up check: an unreachable endpoint, missing credentials, refused credentials or
+    a missing bucket fail here, once and within seconds, instead of in every model call after
+    botocore's five attempts each. Raises ``StoreError`` (or ``ValueError`` for a bad URL).
+    """
+    from s3capture.store import S3TokenStore, default_botocore_config
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    extra = {"s3": {"addressing_style": "path"}} if endpoint else {}
+    config = default_botocore_config(10, retries={"mode": "standard", "max_attempts": 2}, **extra)
+    probe = S3TokenStore(url, botocore_config=config)
+    try:
+        await probe._list(probe.layout.root + ".s3capture-demo-probe")
+    finally:
+        await probe.close()
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or repr(error)
+    return f"{type(error).__name__}: {text}"
+
+
 def _worker_main(
     worker: int, url: str, env: dict[str, str], inbox: Any, outbox: Any, options: dict[str, Any], concurrency: int
 ) -> None:
+    """A worker process: start up (open the store, probe it), say ``ready``, then serve calls until ``None``.
+
+    Any exception that ends the worker (at start-up or later) is sent to the coordinator as one
+    ``("failed", worker, phase, line)`` message and the process exits with status 1, without a
+    traceback on stderr: the coordinator stops the run and prints that line.
+    """
     os.environ.update(env)
+    phase = ["start-up"]
 
     async def run() -> None:
         server = _open_worker(url, concurrency, options)
+        try:
+            await server.probe()
+            outbox.put(("ready", worker))
+            phase[0] = "run"
+            await serve(server)
+        finally:
+            await server.close()
+
+    async def serve(server: Any) -> None:
         loop = asyncio.get_running_loop()
         limit = asyncio.Semaphore(concurrency)
         tasks: set[asyncio.Task] = set()
@@ -233,9 +276,113 @@ def _worker_main(
         if tasks:
             await asyncio.gather(*tasks)
         outbox.put(("requests", worker, server.request_counts()))
-        await server.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except BaseException as error:  # noqa: BLE001 - one line to the coordinator, no traceback dump
+        outbox.put(("failed", worker, phase[0], _one_line(error)))
+        outbox.close()
+        outbox.join_thread()
+        sys.exit(1)
+
+
+class _WorkerPool:
+    """The coordinator's side of the worker processes.
+
+    ``start`` spawns them and waits until every one has opened its store and probed it; ``get``
+    returns the next result. Both raise ``RuntimeError`` at once when a worker reports a failure
+    or exits, and when nothing arrives for ``stall`` seconds, so a run never waits on a dead worker.
+    """
+
+    def __init__(self, workers: int, url: str, env: dict[str, str], options: dict[str, Any], concurrency: int,
+                 stall: float = 120.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(workers)]
+        self.procs = [
+            ctx.Process(target=_worker_main, args=(w, url, env, self.inboxes[w], self.outbox, options, concurrency),
+                        name=f"s3capture-demo-worker-{w}", daemon=True)
+            for w in range(workers)
+        ]
+        self.stall = stall
+        self.requests: collections.Counter = collections.Counter()
+        self._stopping = False
+
+    def start(self) -> None:
+        for proc in self.procs:
+            proc.start()
+        ready: set[int] = set()
+        while len(ready) < len(self.procs):
+            kind, *payload = self._next("start-up")
+            if kind == "ready":
+                ready.add(payload[0])
+
+    def send(self, worker: int, message: Any) -> None:
+        self.inboxes[worker].put(message)
+
+    def get(self) -> tuple:
+        return self._next("run")
+
+    def _next(self, phase: str) -> tuple:
+        deadline = time.monotonic() + self.stall
+        while True:
+            try:
+                message = self.outbox.get(timeout=0.25)
+            except queue.Empty:
+                self._raise_if_dead(phase)
+                if time.monotonic() > deadline:
+                    what = "no worker finished starting" if phase == "start-up" else "no progress"
+                    raise RuntimeError(f"{what} for {self.stall:.0f} s") from None
+                continue
+            if message[0] == "failed":
+                self._fail(*message[1:])
+            return tuple(message)
+
+    def _fail(self, worker: int, phase: str, line: str) -> None:
+        where = "at start-up" if phase == "start-up" else "during the run"
+        raise RuntimeError(f"worker {worker} failed {where}: {line}")
+
+    def _raise_if_dead(self, phase: str) -> None:
+        dead = [(w, p) for w, p in enumerate(self.procs) if p.exitcode is not None]
+        if not dead:
+            return
+        # A worker that failed sent its reason before exiting: read it rather than just the exit code.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                message = self.outbox.get(timeout=0.25)
+            except queue.Empty:
+                break
+            if message[0] == "failed":
+                self._fail(*message[1:])
+        worker, proc = dead[0]
+        where = "at start-up" if phase == "start-up" else "during the run"
+        raise RuntimeError(f"worker {worker} (pid {proc.pid}) exited {where} with status {proc.exitcode}")
+
+    def stop(self, *, abort: bool) -> None:
+        """Tell every worker to finish. Normally wait (up to 60 s) for their request counts; when the run is
+        being aborted, give them 1 s and kill the rest (a worker still starting up reads no message)."""
+        for inbox in self.inboxes:
+            inbox.put(None)
+        if not abort:
+            reported: set[int] = set()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if all(w in reported or p.exitcode is not None for w, p in enumerate(self.procs)):
+                    break
+                try:
+                    message = self.outbox.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                if message[0] == "requests":
+                    reported.add(message[1])
+                    self.requests.update(message[2])
+        deadline = time.monotonic() + (1 if abort else 10)
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
 
 
 def _check_chains(snapshot: Any, memo: dict[str, list[int]] | None = None) -> list[str]:
@@ -353,6 +500,22 @@ def run_workload(
     """
     from tqdm import tqdm
 
+    from s3capture.store import parse_s3_url
+
+    # Every argument is checked before any worker starts (a bad one would otherwise kill every worker).
+    for name, value in (("workers", workers), ("concurrency", concurrency), ("parallel_rollouts", parallel_rollouts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if capture not in ("store", "ledger"):
+        raise ValueError(f"capture must be 'store' or 'ledger', got {capture!r}")
+    parse_s3_url(url)
+    if staging_url is not None:
+        if capture != "ledger":
+            raise ValueError("staging_url applies only with capture='ledger'")
+        parse_s3_url(staging_url)
+    if not any(r.calls for r in rollouts):
+        raise ValueError(f"nothing to replay: {len(rollouts)} rollouts and no model call among them")
+
     if capture == "ledger":
         from s3capture.demo_ledger import LedgerDemoReport, build_ledger, default_staging_url
 
@@ -363,29 +526,19 @@ def run_workload(
             return build_ledger(url, staging_url, rollouts, report, bar, manifest_hook)  # type: ignore[arg-type]
 
         build_desc = "manifest+verify+retire"
-    elif capture == "store":
+    else:
         report = DemoReport(capture=capture)
 
         def build(bar: Any) -> Awaitable[None]:
             return _build(url, [r.rollout_id for r in rollouts], report, bar)
 
         build_desc = "freeze+verify+drop"
-    else:
-        raise ValueError(f"capture must be 'store' or 'ledger', got {capture!r}")
     report.rollouts, report.calls = len(rollouts), sum(len(r.calls) for r in rollouts)
     report.faithful = sum(max(0, len(r.calls) - 1) for r in rollouts)
     options = {"capture": capture, "delta": delta, "staging_url": staging_url}
     rng = random.Random(seed)
     started = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    outbox = ctx.Queue()
-    inboxes = [ctx.Queue() for _ in range(workers)]
-    procs = [
-        ctx.Process(target=_worker_main, args=(w, url, env, inboxes[w], outbox, options, concurrency), daemon=True)
-        for w in range(workers)
-    ]
-    for proc in procs:
-        proc.start()
+    pool = _WorkerPool(workers, url, env, options, concurrency)
     by_id = {r.rollout_id: r for r in rollouts}
     waiting = collections.deque(r.rollout_id for r in rollouts if r.calls)
     done_rollouts: list[str] = [r.rollout_id for r in rollouts if not r.calls]
@@ -394,21 +547,21 @@ def run_workload(
         worker = rng.randrange(workers)
         calls = by_id[rollout_id].calls
         expected_parent = calls[index - 1].model_call_id if index else None
-        inboxes[worker].put((rollout_id, calls[index], expected_parent))
+        pool.send(worker, (rollout_id, calls[index], expected_parent))
 
     in_flight = 0
     bar = tqdm(total=report.calls, desc="model calls", unit="call", disable=not progress, file=sys.stderr)
+    aborted = True
     try:
+        pool.start()  # raises at once when a worker cannot open or reach its store
         while waiting and in_flight < parallel_rollouts:
             dispatch(waiting.popleft(), 0)
             in_flight += 1
         remaining = report.calls
         while remaining:
-            try:
-                kind, *payload = outbox.get(timeout=120)
-            except queue.Empty:
-                dead = [p.pid for p in procs if not p.is_alive()]
-                raise RuntimeError(f"no progress for 120 s (dead workers: {dead})") from None
+            kind, *payload = pool.get()  # raises at once when a worker fails or dies
+            if kind != "call":
+                continue
             result: CallResult = payload[0]
             remaining -= 1
             bar.update(1)
@@ -439,24 +592,11 @@ def run_workload(
                 if waiting:
                     dispatch(waiting.popleft(), 0)
                     in_flight += 1
+        aborted = False
     finally:
         bar.close()
-        for inbox in inboxes:
-            inbox.put(None)
-        finished = 0
-        deadline = time.time() + 60
-        while finished < workers and time.time() < deadline:
-            try:
-                kind, *payload = outbox.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                break
-            if kind == "requests":
-                finished += 1
-                report.requests.update(payload[1])
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        pool.stop(abort=aborted)
+        report.requests.update(pool.requests)
     if report.errors and not report.captured:
         first = report.errors[0].split(": ", 1)[-1].splitlines()[0]
         raise RuntimeError(f"every model call failed ({len(report.errors)} errors); the first: {first}")

@@ -65,6 +65,7 @@ class StagingArea:
     """
 
     def __init__(self, url: str, *, max_concurrency: int = 32) -> None:
+        self.url = url
         self.bucket, prefix = parse_s3_url(url)
         self.prefix = f"{prefix}/" if prefix else ""
         self.endpoint_url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -200,6 +201,13 @@ class LedgerWorker:
         await self.ledger.record(commit)
         result.put_ms = (time.perf_counter() - started) * 1000
         return result
+
+    async def probe(self) -> None:
+        """The worker's start-up check: one LIST in the ledger's bucket and one in the staging bucket."""
+        from s3capture.demo import probe_store
+
+        await probe_store(self.ledger.url)
+        await probe_store(self.staging.url)
 
     def request_counts(self) -> dict[str, int]:
         counts = {f"worker:{k}": v for k, v in self.ledger.request_counts.items()}
