@@ -273,6 +273,25 @@ async def test_odd_rollout_and_call_ids_are_isolated_and_round_trip(ledgers, s3_
     assert (await reader.manifest("r10"))["records"]
 
 
+async def test_call_ids_that_extend_each_other_are_not_a_conflict(ledgers):
+    """Every LIST prefix ends in '/': recording call ``c1`` after ``c10`` (and ``c1/`` after ``c1``)
+    in one rollout sees no other call's row, and each call resolves and is listed on its own."""
+    rid = "prefix-calls"
+    cids = ["c10", "c1", "c1/", "c1/0", "c"]
+    commits = {cid: make_commit(rid, cid, REQ, assistant_output(f"answer of {cid}")) for cid in cids}
+    w = ledgers()
+    for cid in cids:
+        await w.record(commits[cid])  # a LedgerConflictError here is a LIST that saw another call
+        await ledgers().record(commits[cid])  # an identical retry from another client: still no conflict
+    m = await ledgers().manifest(rid)
+    validate_manifest(m)
+    assert m["failures"] == [] and _cids(m) == sorted(cids)
+    reader = ledgers()
+    for cid in cids:
+        r = await reader.resolve(rid, continuation(commits[cid]))
+        assert r.status == RESOLVED and r.match.model_call_id == cid, (cid, r)
+
+
 async def test_unstorable_ids_and_bad_inputs_fail_before_any_request(ledgers):
     ledger = ledgers()
     good = make_commit("r", "c", REQ, assistant_output("x"))
