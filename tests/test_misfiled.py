@@ -167,3 +167,55 @@ async def test_misfiled_entry_is_flagged_by_a_client_that_has_it_cached(fresh, s
     assert (await store.resolve(rid, _request_after(other))).status == UNRESOLVED
     snapshot = await store.freeze(rid)
     assert snapshot.incomplete and f"misfiled:{bucket.rel(rid, misfiled)}" in snapshot.reasons, snapshot.reasons
+
+
+# --------------------------------------------------------------------------- misfiled chain links
+# A delta entry's envelope names the keys of its ancestors; that list is not covered by the key's
+# SHA-256. A link naming another call's object must make the rebuild fail (UNRESOLVED), not splice
+# that call's tokens in. With the entry's digest present the final digest check would also catch
+# wrong tokens, so the entry here carries none (digest is optional in the record contract): only the
+# parent-link check stands between the forged link and a wrong RESOLVED answer.
+
+
+def _envelope(payload: bytes, chain: list[str]) -> bytes:
+    import json
+
+    import zstandard
+
+    body = b'{"chain":' + json.dumps(chain, separators=(",", ":")).encode() + b',"entry":' + payload
+    return zstandard.ZstdCompressor().compress(body + b',"format":"s3capture.entry/1"}')
+
+
+@pytest.mark.parametrize("link", ["parent", "other-call"])
+async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(fresh, s3_client, bucket_url, link):
+    from helpers import build_conversation, next_request, turn_entry
+    from s3capture.records import encode_entry
+
+    rid = f"r-chain-{link}"
+    parent_turn, child_turn = build_conversation(rid, 2)
+    parent = turn_entry(rid, parent_turn)
+    other = simple_entry(rid, "call-other", prompt=[900, 901], generation=[902], text="unrelated")
+    writer = fresh()
+    await writer.put(parent)
+    await writer.put(other)
+    child = turn_entry(rid, child_turn, delta=True, parent_cumulative=parent_turn.cumulative)
+    child.digest = None  # an entry without a digest: the parent links are all that tie its chain
+    child.validate()
+    payload = encode_entry(child)
+    bucket = _Bucket(s3_client, bucket_url, writer)
+    prefix = writer.layout.rollout(rid)
+    linked = parent if link == "parent" else other
+    chain = [bucket.rel(rid, bucket.entry_key(rid, linked.continuation_fingerprint, linked.model_call_id, entry_sha(linked)))]
+    put_bytes(s3_client, bucket.bucket, bucket.entry_key(rid, child.continuation_fingerprint, child.model_call_id, entry_sha(child)),
+              _envelope(payload, chain))
+    assert all(key.startswith(prefix) for key in bucket.entry_keys(rid))
+
+    resolution = await fresh().resolve(rid, next_request(child_turn))
+    if link == "parent":  # control: the honest link rebuilds the child's full sequence
+        assert resolution.status == RESOLVED, resolution
+        assert resolution.match.model_call_id == child_turn.call_id
+        assert list(resolution.match.cumulative_token_ids) == child_turn.cumulative
+    else:
+        assert resolution.status == UNRESOLVED, resolution
+        assert resolution.match is None
+        assert resolution.reason.startswith("unreadable_parent"), resolution.reason
