@@ -226,7 +226,8 @@ MUTANTS: list[Mutant] = [
         "if nearer.entry.parent_call_id != farther.entry.model_call_id:",
         "if False:",
         "rebuilding a delta prompt checks every parent link of the ancestor chain",
-        "tests/test_adversarial_chains.py", "tests/test_store_lineage.py", "-k", "cyclic or corrupted_ancestor",
+        "tests/test_misfiled.py", "tests/test_adversarial_chains.py", "tests/test_store_lineage.py",
+        "-k", "chain_link or cyclic or corrupted_ancestor",
     ),
     # ------------------------------------------------------------------ put and the fence
     _m(
