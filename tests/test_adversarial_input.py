@@ -78,24 +78,43 @@ async def test_malformed_tool_calls_in_request_are_unresolved(fresh, items):
 
 # Regression test (found by the adversarial review, fixed in 0d86cd4): a store rooted at P/r/<id> lives inside
 # rollout <id> of a store rooted at P; retire/delete of that rollout deletes it
+@pytest.mark.parametrize("spelling", ["{outer}", "/{outer}/", "{outer}/deeper", "{outer}/rollouts/again"])
+async def test_a_root_inside_another_roots_rollout_is_refused(fresh, bucket_url, spelling):
+    """Two stores in one bucket: ``s3://B/t`` and ``s3://B/t/rollouts/shared``. Rollout ``shared`` of the
+    first store would contain the whole second store, and retiring it would delete the second store's
+    acknowledged entries. The layout refuses any root with a ``rollouts`` segment, before any request."""
+    bucket, _ = split_bucket_url(bucket_url)
+    outer_rollout = fresh().layout.rollout("shared").rstrip("/")  # "t/rollouts/shared"
+    inner_url = f"s3://{bucket}/" + spelling.format(outer=outer_rollout)
+    with pytest.raises(ValueError, match="rollouts"):
+        fresh(url=inner_url)
+
+
 async def test_retire_in_one_root_never_deletes_another_roots_entries(fresh, s3_client, bucket_url):
-    """Two stores in one bucket: ``s3://B/t`` and ``s3://B/t/<rollouts dir>/shared``. The layout's
-    "every LIST prefix ends in /" isolates rollouts inside one root, but nothing stops a root
-    from being ``<other root>/r/<escaped id>``: rollout ``shared`` of the first store then
-    contains the whole second store, and retiring it deletes the second store's acknowledged
-    entries (freeze shows them as foreign objects)."""
+    """Roots that a store does accept beside ``s3://B/t``: ``t/shared`` (named like the rollout),
+    ``t/rollouts-shared`` and ``t-rollouts/shared`` (near the reserved segment). Retiring and deleting
+    rollout ``shared`` of the outer store leaves every one of their acknowledged entries in place, and
+    those of the outer store's rollout ``shared2`` (whose prefix extends ``shared``'s without its slash)."""
     bucket, _ = split_bucket_url(bucket_url)
     outer = fresh()  # root "t"
-    inner_url = f"s3://{bucket}/{outer.layout.rollout('shared').rstrip('/')}"
-    try:
-        inner = fresh(url=inner_url)
-    except ValueError:
-        return  # a root that nests inside another root's rollout is refused up front: fixed
-    await inner.put(simple_entry("victim", "c1"))
+    await outer.put(simple_entry("shared", "c1"))
+    await outer.put(simple_entry("shared2", "c1"))
+    inner_urls = [f"s3://{bucket}/t/shared", f"s3://{bucket}/t/rollouts-shared", f"s3://{bucket}/t-rollouts/shared"]
+    for url in inner_urls:
+        await fresh(url=url).put(simple_entry("shared", "c1"))
+        await fresh(url=url).put(simple_entry("victim", "c1"))
     await outer.retire(["shared"])
-    left = [k for k in list_keys(s3_client, bucket, inner.layout.rollout("victim")) if "/log/e/" in k]
-    snapshot = await fresh(url=inner_url).freeze("victim")
-    assert left and len(snapshot.entries) == 1, "the inner store's acknowledged entry was deleted by the outer store"
+    assert [k for k in list_keys(s3_client, bucket, outer.layout.rollout("shared")) if "/log/" in k] == []
+    await outer.delete(["shared"])
+    neighbour = await fresh().freeze("shared2")
+    assert len(neighbour.entries) == 1 and not neighbour.incomplete, neighbour.reasons
+    for url in inner_urls:
+        inner = fresh(url=url)
+        for rid in ("shared", "victim"):
+            left = [k for k in list_keys(s3_client, bucket, inner.layout.rollout(rid)) if "/log/e/" in k]
+            snapshot = await fresh(url=url).freeze(rid)
+            assert len(left) == 1 and len(snapshot.entries) == 1, f"{url}: the acknowledged entry of {rid} was deleted"
+            assert not snapshot.incomplete, snapshot.reasons
 
 
 # Regression test (found by the adversarial review, fixed in 0d86cd4): mark_incomplete refuses the same call

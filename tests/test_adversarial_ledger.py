@@ -24,9 +24,11 @@ import sys
 import uuid
 from typing import Any
 
+import msgspec
 import pytest
 import zstandard
 
+from gymcompat import require_gym
 from helpers import assistant_output, continuation, get_bytes, list_keys, make_commit, put_bytes, split_bucket_url, system, user
 from s3capture.conformance import run_conformance
 from s3capture.fingerprint import assistant_fingerprint
@@ -270,6 +272,25 @@ async def test_odd_rollout_and_call_ids_are_isolated_and_round_trip(ledgers, s3_
     assert (await reader.manifest("e\u0301"))["records"]
     await reader.retire(["r1"])
     assert (await reader.manifest("r10"))["records"]
+
+
+async def test_call_ids_that_extend_each_other_are_not_a_conflict(ledgers):
+    """Every LIST prefix ends in '/': recording call ``c1`` after ``c10`` (and ``c1/`` after ``c1``)
+    in one rollout sees no other call's row, and each call resolves and is listed on its own."""
+    rid = "prefix-calls"
+    cids = ["c10", "c1", "c1/", "c1/0", "c"]
+    commits = {cid: make_commit(rid, cid, REQ, assistant_output(f"answer of {cid}")) for cid in cids}
+    w = ledgers()
+    for cid in cids:
+        await w.record(commits[cid])  # a LedgerConflictError here is a LIST that saw another call
+        await ledgers().record(commits[cid])  # an identical retry from another client: still no conflict
+    m = await ledgers().manifest(rid)
+    validate_manifest(m)
+    assert m["failures"] == [] and _cids(m) == sorted(cids)
+    reader = ledgers()
+    for cid in cids:
+        r = await reader.resolve(rid, continuation(commits[cid]))
+        assert r.status == RESOLVED and r.match.model_call_id == cid, (cid, r)
 
 
 async def test_unstorable_ids_and_bad_inputs_fail_before_any_request(ledgers):
@@ -553,7 +574,8 @@ async def test_retire_and_delete_that_half_fail_leave_the_rollout_retired(ledger
 
 # =========================================================================== input Gym accepts
 async def test_commits_gym_accepts_at_the_edges_are_stored_and_read_back(ledgers):
-    gym = pytest.importorskip("nemo_gym.token_id_capture.staging.records")
+    require_gym()  # skip without Gym, fail under CI
+    import nemo_gym.token_id_capture.staging.records as gym
     base = make_commit("edges", "c", REQ, assistant_output("x"))
     variants = []
     for i, patch in enumerate([
@@ -584,18 +606,74 @@ async def test_commits_gym_accepts_at_the_edges_are_stored_and_read_back(ledgers
         gym.RolloutManifest.model_validate(m)
 
 
+def _big_chain(n: int) -> list[str]:
+    return [f"s3://staging/big/{i:08d}/{uuid.UUID(int=i).hex}" for i in range(n)]
+
+
+def _row_bytes(commit: dict) -> int:
+    """Bytes of the JSON row ``record`` would store for ``commit`` (before compression)."""
+    from s3capture.fingerprint import FINGERPRINT_VERSION, conversation_digest
+    from s3capture.ledger import _ROW_FORMAT, _Row
+    from s3capture.ledger_records import validate_commit
+
+    c = validate_commit(commit)
+    request = list(c.request_items)
+    row = _Row(
+        format=_ROW_FORMAT, rollout_id=c.rollout_id, record=c.record, staging_chain=list(c.staging_chain),
+        fingerprint=assistant_fingerprint(request + list(c.response_items)) or None,
+        fingerprint_version=FINGERPRINT_VERSION, context_len=len(request), context_digest=conversation_digest(request),
+    )
+    return len(msgspec.json.encode(row, order="sorted"))
+
+
+def _commit_near_the_row_limit(rid: str, cid: str, *, over: bool) -> dict:
+    """A commit whose row is the largest ``record`` accepts (within one chain key), or one key over it."""
+    from s3capture.ledger import _MAX_ROW_BYTES
+
+    c = make_commit(rid, cid, REQ, assistant_output("x"))
+    per_key = len(json.dumps(_big_chain(2)[1])) + 1
+    c["staging_chain"] = _big_chain(2)
+    n = 2 + (_MAX_ROW_BYTES - _row_bytes(c)) // per_key  # fills the row up to the limit
+    while True:
+        c["staging_chain"] = _big_chain(n)
+        size = _row_bytes(c)
+        if size > _MAX_ROW_BYTES:
+            n -= 1
+        elif _row_bytes({**c, "staging_chain": _big_chain(n + 1)}) <= _MAX_ROW_BYTES:
+            n += 1
+        else:
+            break
+    if over:
+        c["staging_chain"] = _big_chain(n + 1)
+        assert _row_bytes(c) > _MAX_ROW_BYTES
+    else:
+        assert _MAX_ROW_BYTES - per_key < _row_bytes(c) <= _MAX_ROW_BYTES
+    return c
+
+
 async def test_a_row_record_accepts_is_readable_by_every_client(ledgers):
-    c = make_commit("big", "call-1", REQ, assistant_output("x"))
-    c["staging_chain"] = [f"s3://staging/big/{i:08d}/{uuid.UUID(int=i).hex}" for i in range(120_000)]
-    w = ledgers()
-    try:
-        await w.record(c)
-    except ValueError:
-        return  # acceptable: refused before any request as too large to store
+    """The largest row ``record`` accepts (its JSON within one chain key of the reader's limit) is
+    read back whole by other clients: resolve hands back its staging chain, manifest lists it."""
+    c = _commit_near_the_row_limit("big", "call-1", over=False)
+    await ledgers().record(c)
     r_other = await ledgers().resolve("big", continuation(c))
-    assert r_other.status == RESOLVED
+    assert r_other.status == RESOLVED, r_other
+    assert r_other.match.model_call_id == "call-1"
+    assert list(r_other.match.staging_chain) == c["staging_chain"]
+    assert r_other.match.prev_len == c["record"]["cum_len"]
     m = await ledgers().manifest("big")
     assert m["failures"] == [] and _cids(m) == ["call-1"]
+    validate_manifest(m)
+
+
+async def test_a_row_over_the_limit_is_refused_before_any_request(ledgers, s3_client, bucket_url):
+    """One chain key more and ``record`` refuses the row (a RecordError, a ValueError) without storing it."""
+    c = _commit_near_the_row_limit("big-over", "call-1", over=True)
+    w = ledgers()
+    with pytest.raises(ValueError, match="limit"):
+        await w.record(c)
+    assert await _request_count(w) == 0
+    assert _keys(s3_client, bucket_url, "big-over/") == []
 
 
 # =========================================================================== the conformance suite
@@ -653,10 +731,10 @@ async def test_conformance_cli_on_a_missing_bucket_is_a_clear_error(s3_server):
 
 
 async def test_conformance_cli_with_bad_credentials_never_reports_conformant(s3_server, bucket_url):
+    if s3_server.kind == "moto":
+        pytest.skip("moto does not check credentials (the seaweedfs run checks this)")
     env = {**s3_server.env(), "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": "wrong"}
     proc = _run_cli(["conformance", bucket_url, "--endpoint", s3_server.endpoint_url,
                      "--check", "ledger_record_visibility"], env)
-    if s3_server.kind == "moto":
-        pytest.skip("moto does not check credentials")
     assert proc.returncode != 0, proc.stdout
     assert "refused" in (proc.stdout + proc.stderr) or "InvalidAccessKeyId" in (proc.stdout + proc.stderr)

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 import pytest
-from gymcompat import require_gym
+from gymcompat import require_gym, running_under_ci
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +39,8 @@ def gym() -> Any:
 
 GOLDEN = Path(__file__).parent / "golden" / "fingerprints.json"
 ROOT = Path(__file__).resolve().parent.parent
+# The shared example data sits beside the checkout: <checkout>/../shared/data/gym-example-rollouts.
+EXAMPLE_ROLLOUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -469,12 +471,15 @@ def test_golden_vectors_still_match_gym() -> None:
 
 def test_golden_tool_regenerates_the_same_file(tmp_path: Path) -> None:
     require_gym()
-    rollouts = Path("/work/shared/data/gym-example-rollouts/anyterminal_hermes.jsonl")
+    rollouts = EXAMPLE_ROLLOUTS / "anyterminal_hermes.jsonl"
     if not rollouts.exists():
-        pytest.skip(f"{rollouts} (the source of the rollout-prefix vectors) is not available here")
+        message = f"{rollouts} (the source of the rollout-prefix vectors; ../shared beside the checkout) is not available"
+        if running_under_ci():
+            pytest.fail(f"{message}; CI must provide it", pytrace=False)
+        pytest.skip(message)
     out = tmp_path / "fingerprints.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "make_golden_fingerprints.py"), "--out", str(out)],
+        [sys.executable, str(ROOT / "tools" / "make_golden_fingerprints.py"), "--rollouts", str(rollouts), "--out", str(out)],
         capture_output=True,
         text=True,
         env=_env(),

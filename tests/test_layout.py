@@ -118,6 +118,124 @@ def test_escape_known_cases(value: str, expected: str) -> None:
     assert unescape_id(expected) == value
 
 
+# Ids made of the escape's own alphabet: '.', '%' and hex digits. Each one's segment is pinned, so
+# an escape that percent-decodes, treats '.' or '%' as safe, or changes the case of its hex digits
+# fails here by name (a '%2E' and a '.' mapped to one segment would merge two rollouts).
+DOTTY_KNOWN = [
+    (".", ".2E"),
+    ("%2E", ".252E"),
+    ("%2e", ".252e"),
+    (".2E", ".2E2E"),
+    ("2E", "2E"),
+    ("E", "E"),
+    ("%", ".25"),
+    (".25", ".2E25"),
+    ("%25", ".2525"),
+    ("..2E", ".2E.2E2E"),
+    ("a.b", "a.2Eb"),
+    (".%", ".2E.25"),
+    ("%.", ".25.2E"),
+    ("%2E%2E", ".252E.252E"),
+    ("-_.", "-_.2E"),
+    ("~2E", ".7E2E"),
+    (".7E", ".2E7E"),
+    ("%7E", ".257E"),
+    ("~.", ".7E.2E"),
+    ("\u2024", ".E2.80.A4"),  # ONE DOT LEADER
+    ("\uff0e", ".EF.BC.8E"),  # FULLWIDTH FULL STOP
+    ("\uff05", ".EF.BC.85"),  # FULLWIDTH PERCENT SIGN
+]
+
+
+@pytest.mark.parametrize("value, expected", DOTTY_KNOWN, ids=[v.encode("unicode_escape").decode() for v, _ in DOTTY_KNOWN])
+def test_escape_known_cases_of_dots_percents_and_hex(value: str, expected: str) -> None:
+    assert escape_id(value) == expected
+    assert unescape_id(expected) == value
+    assert parse_log_key(f"log/i/{expected}") == ("i", value, "", "")
+
+
+def test_known_dotty_ids_have_distinct_segments() -> None:
+    values = [v for v, _ in DOTTY_KNOWN]
+    assert len(set(values)) == len(values)
+    assert len({escape_id(v) for v in values}) == len(values)
+
+
+# Ids built from the escape's own alphabet, plus look-alike code points: the ids most likely to
+# collide under a wrong escape. Pairs are built as near-collisions: the second id is the first with
+# some pieces rewritten to what a sloppy escape could confuse them with ('.' <-> '%2E', '%' <-> '.25',
+# upper <-> lower hex, '~' <-> '.7E', ...).
+DOTTY_ALPHABET = ".%0123456789ABCDEFabcdef~-_" + "\u2024\uff0e\uff05\u00e9\u00b7\U0001F600\x00"
+DOTTY_PIECES = [".", "%", "%2E", "%2e", ".2E", ".2e", "2E", ".25", "%25", "~", ".7E", "%7E", "-", "_", "..", "\uff0e", "\u2024", "\u00e9"]
+REWRITES = {
+    ".": ["%2E", "%2e", ".2E", "\uff0e", "\u2024"],
+    "%": [".25", "%25", "\uff05"],
+    "%2E": [".", ".2E", "%2e"],
+    "%2e": [".", "%2E"],
+    ".2E": [".", "%2E", ".2e"],
+    ".2e": [".2E"],
+    "2E": ["2e", ".2E"],
+    ".25": ["%"],
+    "%25": ["%"],
+    "~": [".7E", "%7E", ""],
+    ".7E": ["~"],
+    "%7E": ["~"],
+    "-": ["_", "%2D"],
+    "_": ["-", "%5F"],
+    "..": [".", "%2E%2E"],
+    "\uff0e": ["."],
+    "\u2024": ["."],
+    "\u00e9": ["e\u0301", ".C3.A9"],
+}
+dotty_ids = st.one_of(
+    st.text(alphabet=DOTTY_ALPHABET, max_size=12),
+    st.lists(st.sampled_from(DOTTY_PIECES), max_size=6).map("".join),
+)
+
+
+@st.composite
+def near_collisions(draw: st.DrawFn) -> tuple[str, str]:
+    pieces = draw(st.lists(st.sampled_from(DOTTY_PIECES) | st.text(alphabet=DOTTY_ALPHABET, max_size=2), min_size=1, max_size=6))
+    rewritten = list(pieces)
+    for index in draw(st.sets(st.integers(0, len(pieces) - 1), min_size=1)):
+        choices = REWRITES.get(pieces[index])
+        if choices:
+            rewritten[index] = draw(st.sampled_from(choices))
+    return "".join(pieces), "".join(rewritten)
+
+
+def _assert_escape_tells_apart(a: str, b: str) -> None:
+    sa, sb = escape_id(a), escape_id(b)
+    assert unescape_id(sa) == a and unescape_id(sb) == b
+    if a == b:
+        assert sa == sb
+    else:
+        assert sa != sb, (a, b, sa)
+        layout = Layout("root")
+        if a and b and _accepts(layout.rollout, a) and _accepts(layout.rollout, b):
+            ra, rb = layout.rollout(a), layout.rollout(b)
+            assert not ra.startswith(rb) and not rb.startswith(ra)
+
+
+@MANY
+@given(near_collisions())
+def test_escape_tells_near_collisions_of_dots_and_percents_apart(pair: tuple[str, str]) -> None:
+    _assert_escape_tells_apart(*pair)
+
+
+@MANY
+@given(dotty_ids, dotty_ids)
+def test_escape_of_dotty_ids_round_trips_and_is_injective_on_pairs(a: str, b: str) -> None:
+    _assert_escape_tells_apart(a, b)
+    assert SAFE_SEGMENT.match(escape_id(a)) and ".." not in escape_id(a)
+
+
+@SOME
+@given(st.lists(dotty_ids, unique=True, max_size=25))
+def test_escape_of_many_dotty_ids_is_injective(values: list[str]) -> None:
+    segments = [escape_id(v) for v in values]
+    assert len(set(segments)) == len(values), sorted(zip(segments, values))
+
+
 def test_r1_never_sees_r10() -> None:
     layout = Layout("capture")
     r1, r10 = layout.rollout("r1"), layout.rollout("r10")

@@ -395,19 +395,73 @@ def test_coerce_entry_validates_a_directly_built_entry() -> None:
         coerce_entry(bad)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [dict(prompt_token_ids=[-1]), dict(generation_token_ids=[-3], generation_log_probs=[-0.5]), dict(model=None), dict(prompt_token_ids=[1.5])],
-)
+# Entries built directly (the TokenEntry constructor checks no types) at the edges of what the
+# contract allows: coerce_entry must accept each, and what put() stores from it, freeze() must read
+# back as the same entry.
+ACCEPTED_DIRECT = {
+    "largest-token-id": dict(prompt_token_ids=[0, 2**64 - 1], generation_token_ids=[2**64 - 1], generation_log_probs=[-0.0]),
+    "no-tokens": dict(prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[]),
+    "big-floats": dict(generation_log_probs=[-1e300, -1e16], created_at=1e17, routed_experts=[[1e16, -2.5e-300], {"w": 1e22}]),
+    "tiny-floats": dict(generation_log_probs=[-5e-324, -1e-7], created_at=0.0),
+    "unicode-and-output-items": dict(
+        rollout_id="r\u00e9/\u65e5\U0001F600", model_call_id=".%2E~", model="m\u00fc",
+        output_items=[{"type": "message", "content": "\u0000\u2028\ud7ff", "n": [1, 2.5, None, True]}],
+        token_item_index=0, response_id="",
+    ),
+    "resolved-delta": dict(
+        parent_call_id="p", parent_resolution="resolved", prompt_is_delta=True, cum_len=2**40,
+        digest="f" * 64, continuation_fingerprint="a" * 64, continuation_context_len=3,
+        continuation_context_digest="b" * 64, fingerprint_version=2, prefix_requested=True, prefix_supplied=True,
+    ),
+    "unresolved-with-reason": dict(parent_resolution="unresolved", parent_resolution_reason="ambiguous", created_at=1700000000),
+}
+# Directly built entries with a wrong type or a contract violation: coerce_entry refuses each, so
+# put() never stores bytes that decode_entry would refuse.
+REFUSED_DIRECT = {
+    "negative-prompt-id": dict(prompt_token_ids=[-1]),
+    "negative-generation-id": dict(generation_token_ids=[-3], generation_log_probs=[-0.5]),
+    "token-id-over-u64": dict(prompt_token_ids=[2**64]),
+    "none-model": dict(model=None),
+    "float-token-id": dict(prompt_token_ids=[1.5]),
+    "str-token-ids": dict(generation_token_ids="12", generation_log_probs=[-0.5, -0.5]),
+    "log-prob-count-mismatch": dict(generation_log_probs=[-0.5]),
+    "output-item-not-object": dict(output_items=[1]),
+    "index-outside-output": dict(output_items=[{}], token_item_index=1),
+    "none-created-at": dict(created_at=None),
+    "newer-schema": dict(schema_version=2),
+}
+
+
+@pytest.mark.parametrize("overrides", list(ACCEPTED_DIRECT.values()), ids=list(ACCEPTED_DIRECT))
 def test_everything_coerce_entry_accepts_decodes_again(overrides: dict) -> None:
+    entry = TokenEntry(**_base(**overrides))
+    accepted = coerce_entry(entry)  # each of these is a valid entry: refusing it is a bug
+    stored = encode_entry(accepted)
+    # What put() stores, freeze() must be able to read back, as the same entry and the same bytes.
+    again = decode_entry(stored)
+    assert again.model_dump() == accepted.model_dump() == entry.model_dump()
+    assert encode_entry(again) == stored
+    assert json.loads(stored) == json.loads(json.dumps(entry.model_dump()))
+
+
+def test_everything_coerce_entry_accepts_keeps_extra_fields() -> None:
+    entry = TokenEntry(**_base())
+    entry.extra_fields.update({"zz_extra": {"nested": [1, 1e16, "\u00e9"]}, "a_first": None})
+    accepted = coerce_entry(entry)
+    again = decode_entry(encode_entry(accepted))
+    assert again.extra_fields == accepted.extra_fields == {"zz_extra": {"nested": [1, 1e16, "\u00e9"]}, "a_first": None}
+    assert encode_entry(again) == encode_entry(accepted)
+
+
+@pytest.mark.parametrize("overrides", list(REFUSED_DIRECT.values()), ids=list(REFUSED_DIRECT))
+def test_what_decode_entry_refuses_coerce_entry_refuses_too(overrides: dict) -> None:
     fields = _base(**overrides)
-    entry = TokenEntry(**fields)
-    try:
-        accepted = coerce_entry(entry)
-    except RecordError:
-        return  # refusing at write time is the correct behaviour
-    # What put() stores, freeze() must be able to read back.
-    assert _accepts(decode_entry, encode_entry(accepted)), "coerce_entry accepted an entry whose bytes decode_entry refuses"
+    with pytest.raises(RecordError):
+        coerce_entry(TokenEntry(**fields))
+    with pytest.raises(RecordError):
+        coerce_entry(fields)
+    with pytest.raises(RecordError):
+        decode_entry(json.dumps(fields))
 
 
 @MEDIUM

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from gymcompat import require_gym, running_under_ci
 
 from s3capture.replay import (
     TOKEN_KEYS,
@@ -18,22 +19,40 @@ from s3capture.replay import (
     synthetic_rollouts,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "gym-example-rollouts"
-
-needs_data = pytest.mark.skipif(
-    not DATA_DIR.is_dir(),
-    reason=f"example rollouts not found at {DATA_DIR} (expected ../shared/data/gym-example-rollouts next to the repo)",
-)
+# The shared example data sits beside the checkout: <checkout>/../shared/data/gym-example-rollouts.
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
+def _require_data(path: Path) -> Path:
+    """``path`` (shared example data); skip when it is missing, but fail under ``CI`` like ``require_gym``."""
+    if path.exists():
+        return path
+    message = f"example rollouts not found at {path} (expected ../shared/data/gym-example-rollouts next to the checkout)"
+    if running_under_ci():
+        pytest.fail(f"{message}; CI must provide them", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def example_data() -> Path:
+    return _require_data(DATA_DIR)
+
+
+needs_data = pytest.mark.usefixtures("example_data")
+
+
 def _data(name: str) -> Path:
-    path = DATA_DIR / name
-    if not path.is_file():
-        pytest.skip(f"example rollout file missing: {path}")
-    return path
+    return _require_data(DATA_DIR / name)
+
+
+def _gym_fingerprint():
+    """``nemo_gym.token_id_capture.fingerprint``: skip without Gym, fail under ``CI`` (``require_gym``)."""
+    require_gym()
+    from nemo_gym.token_id_capture import fingerprint
+
+    return fingerprint
 
 
 def _raw_lines(path: Path) -> list[dict]:
@@ -199,7 +218,7 @@ def test_loading_is_deterministic_and_streaming_matches() -> None:
 
 @needs_data
 def test_assistant_fingerprint_finds_parent_in_real_files() -> None:
-    fingerprint = pytest.importorskip("nemo_gym.token_id_capture.fingerprint")
+    fingerprint = _gym_fingerprint()
     failures: list[str] = []
     ambiguous: list[str] = []
     for rollout in load_rollouts([DATA_DIR]):
@@ -257,7 +276,7 @@ def test_reasoning_only_call_is_invisible_to_assistant_fingerprint(tmp_path: Pat
     on top of it has the same fingerprint as the call's own request: a lineage resolver would
     attribute a child of that call to its parent (call 0) instead.
     """
-    fingerprint = pytest.importorskip("nemo_gym.token_id_capture.fingerprint")
+    fingerprint = _gym_fingerprint()
     _, second = _vllm_rollout(tmp_path).calls
     child_request = second.request_items + second.output_items
     assert fingerprint.assistant_fingerprint(child_request) == fingerprint.assistant_fingerprint(second.request_items)
@@ -391,7 +410,7 @@ def test_synthetic_rollouts_shape_and_determinism() -> None:
 
 
 def test_synthetic_rollouts_fingerprint_lineage() -> None:
-    fingerprint = pytest.importorskip("nemo_gym.token_id_capture.fingerprint")
+    fingerprint = _gym_fingerprint()
     for rollout in synthetic_rollouts(3, 4, seed=1):
         for k in range(1, len(rollout.calls)):
             before, call = rollout.calls[k - 1], rollout.calls[k]

@@ -1,0 +1,546 @@
+#!/usr/bin/env python3
+"""Hand-written mutants of s3capture's core contracts, each run against the tests that must kill it.
+
+Each mutant replaces one exact snippet of ``src/`` (occasionally two in the same file) so that one
+documented contract breaks: an escape that collides, a freeze that misses a misfiled entry, a
+resolve that guesses, a put that ignores the fence, a ledger that hides a conflict, ... For every
+mutant the script copies ``src/``, ``tests/`` and ``pyproject.toml`` into a fresh temporary
+directory (the working tree is never modified), applies the mutant there, and runs the mutant's
+focused pytest selection with ``-x`` against moto, with ``PYTHONPATH`` pointing at the copy. A
+mutant is *killed* when a test fails, *survived* when the selection passes.
+
+Before the mutants, the union of all selections runs once unmutated (the baseline): a kill only
+means something when the same tests pass on the real code. A snippet that no longer matches the
+source (after a refactor) is reported as ``snippet not found`` (or ``ambiguous`` when it matches
+more than once) and the other mutants still run; update the mutant's snippet then.
+
+Dependency-free (standard library only); the Python that runs pytest needs the test dependencies.
+
+Usage::
+
+    python tools/mutation.py                        # every mutant, one at a time
+    python tools/mutation.py --list                 # the mutants, their contracts and selections
+    python tools/mutation.py --only freeze-misfiled-fingerprint escape-percent-2E-collides
+    python tools/mutation.py --jobs 2 --markdown results.md
+    python tools/mutation.py --python /path/to/venv/bin/python --servers moto
+    python tools/mutation.py --only escape-percent-2E-collides --select "tests/test_layout.py -k near_collisions"
+
+Exit status: 0 when every mutant was killed; 1 when any survived; 2 when none survived but a
+mutant could not be applied or its run ended in an error or timeout, or the baseline failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COPIED = ("src", "tests", "pyproject.toml")
+IGNORED = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    """Path relative to the repository root."""
+    edits: tuple[tuple[str, str], ...]
+    """(exact old snippet, new snippet) pairs, applied in order; each old snippet must occur once."""
+    contract: str
+    tests: tuple[str, ...]
+    """pytest arguments selecting the tests that must kill the mutant."""
+
+
+def _m(name: str, file: str, old: str, new: str, contract: str, *tests: str, more: tuple[tuple[str, str], ...] = ()) -> Mutant:
+    return Mutant(name, file, ((old, new), *more), contract, tests)
+
+
+LAYOUT = "src/s3capture/layout.py"
+STORE = "src/s3capture/store.py"
+LEDGER = "src/s3capture/ledger.py"
+RECORDS = "src/s3capture/records.py"
+
+MUTANTS: list[Mutant] = [
+    # ------------------------------------------------------------------ layout
+    _m(
+        "escape-percent-2E-collides", LAYOUT,
+        'for byte in value.encode("utf-8", errors="surrogatepass"):',
+        'for byte in value.replace("%2E", ".").encode("utf-8", errors="surrogatepass"):',
+        "escape_id is injective: the ids '%2E' and '.' get different segments",
+        "tests/test_layout.py",
+    ),
+    _m(
+        "escape-dot-is-safe", LAYOUT,
+        '_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")',
+        '_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")',
+        "escape_id escapes '.' (its escape character): '%' and '.25' must not share a segment, no '..'",
+        "tests/test_layout.py",
+    ),
+    _m(
+        "escape-tilde-is-empty", LAYOUT,
+        'if value == "":\n        return "~"',
+        'if value in ("", "~"):\n        return "~"',
+        "escape_id is injective: the empty id and '~' get different segments",
+        "tests/test_layout.py",
+    ),
+    _m(
+        "root-may-nest-in-rollouts", LAYOUT,
+        'if "rollouts" in root.split("/"):',
+        "if False:",
+        "a root with a 'rollouts' segment is refused (it could nest inside another root's rollout)",
+        "tests/test_adversarial_input.py", "-k", "root",
+    ),
+    _m(
+        "scan-list-prefix-without-slash", STORE,
+        "listing, server_time = await self._list_timed(prefix)",
+        'listing, server_time = await self._list_timed(prefix.rstrip("/"))',
+        "every LIST prefix ends in '/': rollout r1 never sees (or retires) the objects of r10",
+        "tests/test_adversarial_input.py", "tests/test_store_source.py", "-k", "root or prefixes_do_not_collide",
+    ),
+    _m(
+        "ledger-row-list-prefix-without-slash", LEDGER,
+        'requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]',
+        'requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}")]',
+        "every LIST prefix ends in '/': record of call c1 never sees the row of call c10 as a conflict",
+        "tests/test_adversarial_ledger.py", "-k", "odd_rollout_and_call_ids or extend_each_other",
+    ),
+    # ------------------------------------------------------------------ freeze
+    _m(
+        "freeze-misfiled-call-id", STORE,
+        "if stored.entry.rollout_id != rollout_id or stored.entry.model_call_id != cid or (",
+        "if stored.entry.rollout_id != rollout_id or (",
+        "freeze flags an entry stored under another call id's key as misfiled",
+        "tests/test_store_source.py", "-k", "corrupt_and_foreign",
+    ),
+    _m(
+        "freeze-misfiled-fingerprint", STORE,
+        "                stored.entry.continuation_fingerprint != fp\n            ):",
+        "                False\n            ):",
+        "freeze flags an entry stored under another fingerprint's key as misfiled",
+        "tests/test_misfiled.py",
+    ),
+    _m(
+        "freeze-conflict-needs-three", STORE,
+        "if len(by_call[cid]) > 1:",
+        "if len(by_call[cid]) > 2:",
+        "freeze reports conflicting_payloads for a call id with two payloads",
+        "tests/test_store_source.py", "-k", "conflicting_payload_masks or rebuilt_entry",
+    ),
+    _m(
+        "freeze-ignores-dangling-intent", STORE,
+        'reasons.append(f"dangling_intent:{cid}")',
+        "pass",
+        "a begin_call intent without an entry masks the rollout (dangling_intent)",
+        "tests/test_store_source.py", "-k", "dangling_intent or begin_call_then_put",
+    ),
+    _m(
+        "freeze-ignores-markers", STORE,
+        'reasons.append(f"marked_incomplete:{cid}")',
+        "pass",
+        "a mark_incomplete marker masks the rollout (marked_incomplete)",
+        "tests/test_store_source.py", "-k", "mark_incomplete",
+    ),
+    _m(
+        "freeze-ignores-broken-chain", STORE,
+        "if entry.prompt_is_delta and entry.parent_call_id not in present:",
+        "if False:",
+        "a delta entry whose parent is not in the snapshot masks it (broken_chain)",
+        "tests/test_adversarial_chains.py", "-k", "without_its_parent",
+    ),
+    # ------------------------------------------------------------------ snapshot identity and drop
+    _m(
+        "snapshot-id-ignores-log-keys", STORE,
+        'hasher.update(f"{item.key[len(self.prefix):]}\\n".encode())',
+        "pass",
+        "snapshot_id is a digest of the sorted log keys: another state with as many objects has another id",
+        "tests/test_store_source.py", "-k", "snapshot or drop or freeze or foreign or conflict",
+    ),
+    _m(
+        "version-ignores-foreign", STORE,
+        "return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]",
+        "return len(self.log), hasher.hexdigest()[:32]",
+        "version counts every object under the rollout's log, foreign ones included",
+        "tests/test_store_source.py", "-k", "foreign",
+    ),
+    _m(
+        "drop-ignores-version", STORE,
+        "if scan.version_and_id() != (version, snapshot_id):",
+        "if scan.version_and_id()[1] != snapshot_id:",
+        "drop retires only when both version and snapshot_id equal the consumed snapshot's",
+        "tests/test_store_source.py", "-k", "drop_with_wrong",
+        more=(("if after.version_and_id() != (version, snapshot_id):", "if after.version_and_id()[1] != snapshot_id:"),),
+    ),
+    _m(
+        "drop-ignores-changes", STORE,
+        "if scan.version_and_id() != (version, snapshot_id):",
+        "if False:",
+        "drop returns False and keeps everything when anything changed since the snapshot",
+        "tests/test_store_source.py", "-k", "drop or after_freeze",
+        more=(("if after.version_and_id() != (version, snapshot_id):", "if False:"),),
+    ),
+    # ------------------------------------------------------------------ resolve
+    _m(
+        "resolve-uses-a-conflicted-call", STORE,
+        "        if conflicted:\n",
+        "        if False:\n",
+        "a call id with conflicting payloads makes resolve UNRESOLVED, never a guess",
+        "tests/test_store_lineage.py", "-k", "conflict",
+        more=(
+            ("singles = [keys[0] for cid, keys in by_call.items() if len(keys) == 1]",
+             "singles = [keys[0] for cid, keys in by_call.items()]"),
+        ),
+    ),
+    _m(
+        "resolve-ignores-fingerprint", STORE,
+        "if entry.rollout_id != rollout_id or entry.continuation_fingerprint != fingerprint:",
+        "if entry.rollout_id != rollout_id:",
+        "resolve returns only an entry whose own fingerprint is the request's (never a misfiled one)",
+        "tests/test_misfiled.py",
+    ),
+    _m(
+        "resolve-ignores-context", STORE,
+        "if context != entry.continuation_context_digest:\n                continue",
+        "if False:\n                continue",
+        "resolve requires the request's leading items to match the entry's recorded context digest",
+        "tests/test_store_lineage.py", "-k", "rewritten_context",
+    ),
+    _m(
+        "read-skips-sha-check", STORE,
+        "if sha is not None and hashlib.sha256(payload).hexdigest() != sha:",
+        "if False:",
+        "a reader verifies the SHA-256 in an entry's key against its bytes",
+        "tests/test_store_source.py", "-k", "corrupt_and_foreign",
+    ),
+    _m(
+        "delta-chain-skips-parent-check", STORE,
+        "if nearer.entry.parent_call_id != farther.entry.model_call_id:",
+        "if False:",
+        "rebuilding a delta prompt checks every parent link of the ancestor chain",
+        "tests/test_misfiled.py", "tests/test_adversarial_chains.py", "tests/test_store_lineage.py",
+        "-k", "chain_link or cyclic or corrupted_ancestor",
+    ),
+    # ------------------------------------------------------------------ put and the fence
+    _m(
+        "put-ignores-retired-fence", STORE,
+        '        if state == "retired":\n            await self._delete_one(key)\n            raise TokenCaptureRetiredError(\n'
+        '                f"rollout {record.rollout_id!r} is retired; the late entry',
+        '        if False:\n            await self._delete_one(key)\n            raise TokenCaptureRetiredError(\n'
+        '                f"rollout {record.rollout_id!r} is retired; the late entry',
+        "put into a retired rollout removes the entry again and raises TokenCaptureRetiredError",
+        "tests/test_store_source.py", "-k", "drop_exact or retire_removes",
+    ),
+    _m(
+        "put-ignores-frozen-fence", STORE,
+        '        if state == "frozen":\n            raise TokenCaptureFrozenError(\n'
+        '                f"rollout {record.rollout_id!r} is frozen; the late entry',
+        '        if False:\n            raise TokenCaptureFrozenError(\n'
+        '                f"rollout {record.rollout_id!r} is frozen; the late entry',
+        "put into a frozen rollout raises TokenCaptureFrozenError (the entry landed, the version moved)",
+        "tests/test_store_source.py", "-k", "after_freeze",
+    ),
+    # ------------------------------------------------------------------ capture ledger
+    _m(
+        "ledger-record-hides-conflict", LEDGER,
+        "        if others:\n",
+        "        if False:\n",
+        "record raises LedgerConflictError when another payload for the call id is stored",
+        "tests/test_ledger.py", "-k", "conflicting_record_fails",
+    ),
+    _m(
+        "ledger-resolve-ignores-conflict", LEDGER,
+        '            if len(variants) > 1:\n                return "conflict", None',
+        '            if False:\n                return "conflict", None',
+        "ledger resolve is UNRESOLVED for a call id with conflicting rows under any fingerprint",
+        "tests/test_ledger.py", "-k", "conflict",
+    ),
+    _m(
+        "ledger-ignores-retire", LEDGER,
+        'return await self._get(prefix + "retired") is not None',
+        "return False",
+        "a retired rollout's manifest and has_rows raise RolloutRetiredError, its resolve is UNRESOLVED",
+        "tests/test_ledger.py", "-k", "retire",
+    ),
+    _m(
+        "ledger-ignores-intent", LEDGER,
+        "failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)",
+        "failures.update(())",
+        "a begin_call intent without a committed or failure row is a manifest failure",
+        "tests/test_ledger.py", "-k", "dangling_begin_call",
+    ),
+    _m(
+        "ledger-reader-limit-halved", LEDGER,
+        "if out.tell() > _MAX_ROW_BYTES:",
+        "if out.tell() > _MAX_ROW_BYTES // 2:",
+        "every row record accepts is readable by every client (reader limit = writer limit)",
+        "tests/test_adversarial_ledger.py", "-k", "row_record_accepts or over_the_limit",
+    ),
+    _m(
+        "ledger-writer-limit-doubled", LEDGER,
+        "if len(body) > _MAX_ROW_BYTES:",
+        "if len(body) > 2 * _MAX_ROW_BYTES:",
+        "record refuses, before any request, a row larger than readers accept",
+        "tests/test_adversarial_ledger.py", "-k", "row_record_accepts or over_the_limit",
+    ),
+    # ------------------------------------------------------------------ records
+    _m(
+        "encode-drops-extra-fields", RECORDS,
+        "    if extra:\n        out.update(extra)\n",
+        "    if extra:\n        pass\n",
+        "unknown extra fields are written back unchanged (what coerce_entry accepts decodes to the same entry)",
+        "tests/test_records.py", "-k", "coerce_entry_accepts",
+    ),
+    _m(
+        "token-id-max-refused", RECORDS,
+        "if ids and max(ids) > _MAX_TOKEN_ID:",
+        "if ids and max(ids) >= _MAX_TOKEN_ID:",
+        "token ids up to 2**64 - 1 are valid (Gym's digest encodes them)",
+        "tests/test_records.py", "-k", "coerce_entry_accepts",
+    ),
+]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class Result:
+    mutant: Mutant
+    status: str
+    """killed, survived, not found, ambiguous, error, timeout."""
+    detail: str = ""
+    seconds: float = 0.0
+    summary: str = ""
+    output: str = field(default="", repr=False)
+
+
+def copy_repo(destination: Path) -> Path:
+    """Copy src/, tests/ and pyproject.toml to ``destination/repo``; link ``destination/shared``.
+
+    Tests find the shared example data at ``../shared`` beside the checkout, so the copy gets a
+    symlink to the real one when it exists.
+    """
+    root = destination / "repo"
+    root.mkdir(parents=True)
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, root / name, ignore=IGNORED)
+        elif source.exists():
+            shutil.copy2(source, root / name)
+    shared = REPO.parent / "shared"
+    if shared.exists():
+        (destination / "shared").symlink_to(shared, target_is_directory=True)
+    return root
+
+
+def apply(root: Path, mutant: Mutant) -> str:
+    """Apply ``mutant`` to the copy at ``root``; return "" or why it could not be applied."""
+    path = root / mutant.file
+    if not path.exists():
+        return f"file {mutant.file} not found"
+    text = path.read_text(encoding="utf-8")
+    for old, new in mutant.edits:
+        count = text.count(old)
+        first = old.strip().splitlines()[0] if old.strip() else old
+        if count == 0:
+            return f"snippet not found in {mutant.file}: {first!r}"
+        if count > 1:
+            return f"snippet ambiguous ({count} matches) in {mutant.file}: {first!r}"
+        text = text.replace(old, new, 1)
+    path.write_text(text, encoding="utf-8")
+    return ""
+
+
+def pytest_env(root: Path, servers: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root / "src")
+    env["S3CAPTURE_TEST_SERVERS"] = servers
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_import_location(python: str, root: Path, servers: str) -> str:
+    """"" when the copy's s3capture is what the tests import, else the reason it is not."""
+    probe = subprocess.run(
+        [python, "-c", "import s3capture, sys; sys.stdout.write(s3capture.__file__)"],
+        cwd=root, env=pytest_env(root, servers), capture_output=True, text=True, timeout=120,
+    )
+    if probe.returncode != 0:
+        return f"cannot import s3capture from the copy: {probe.stderr.strip()[-500:]}"
+    if not Path(probe.stdout).resolve().is_relative_to(root.resolve()):
+        return f"PYTHONPATH does not win: s3capture imports from {probe.stdout}, not from the copy {root}"
+    return ""
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+_SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected|xfailed|xpassed).*?)\s*=*$", re.MULTILINE)
+
+
+def run_pytest(python: str, root: Path, args: tuple[str, ...], servers: str, timeout: float) -> tuple[int | None, str]:
+    command = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        proc = subprocess.run(
+            command, cwd=root, env=pytest_env(root, servers), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as error:
+        out = error.stdout or ""
+        return None, out if isinstance(out, str) else out.decode(errors="replace")
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def summary_line(output: str) -> str:
+    found = _SUMMARY.findall(output)
+    return found[-1] if found else ""
+
+
+def run_mutant(mutant: Mutant, python: str, servers: str, timeout: float, keep: bool) -> Result:
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix=f"s3capture-mut-{mutant.name}-"))
+    try:
+        root = copy_repo(workdir)
+        problem = apply(root, mutant)
+        if problem:
+            status = "ambiguous" if "ambiguous" in problem else "not found"
+            return Result(mutant, status, problem, time.monotonic() - started)
+        code, output = run_pytest(python, root, mutant.tests, servers, timeout)
+        seconds = time.monotonic() - started
+        summary = summary_line(output)
+        if code is None:
+            return Result(mutant, "timeout", f"no verdict within {timeout:.0f} s", seconds, summary, output)
+        if code == 0:
+            return Result(mutant, "survived", "every selected test passed", seconds, summary, output)
+        if code == 1:
+            failed = _FAILED.findall(output)
+            return Result(mutant, "killed", failed[0] if failed else "a test failed", seconds, summary, output)
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        return Result(mutant, "error", f"pytest exited {code}: {tail}", seconds, summary, output)
+    finally:
+        if keep:
+            print(f"  (kept {workdir})", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def baseline(mutants: list[Mutant], python: str, servers: str, timeout: float) -> tuple[bool, str]:
+    """Run every distinct selection once on the unmutated copy; (passed, detail)."""
+    workdir = Path(tempfile.mkdtemp(prefix="s3capture-mut-baseline-"))
+    try:
+        root = copy_repo(workdir)
+        problem = check_import_location(python, root, servers)
+        if problem:
+            return False, problem
+        selections = list(dict.fromkeys(m.tests for m in mutants))
+        for selection in selections:
+            code, output = run_pytest(python, root, selection, servers, timeout)
+            if code != 0:
+                tail = "\n".join(output.strip().splitlines()[-15:])
+                return False, f"baseline of `{' '.join(selection)}` did not pass (exit {code}):\n{tail}"
+        return True, f"{len(selections)} selections pass unmutated"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def markdown(results: list[Result]) -> str:
+    lines = [
+        "| mutant | file | contract it breaks | tests | result | killed by / detail | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        detail = r.detail.replace("|", "\\|")
+        tests = " ".join(r.mutant.tests).replace("|", "\\|")
+        lines.append(
+            f"| `{r.mutant.name}` | {Path(r.mutant.file).name} | {r.mutant.contract} | `{tests}` | "
+            f"**{r.status}** | {detail} | {r.seconds:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--python", default=sys.executable, help="Python with the test dependencies (default: this one)")
+    parser.add_argument("--servers", default="moto", help="S3CAPTURE_TEST_SERVERS for the runs (default: moto)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run (default: 300)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default: 1)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selections")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies (paths on stderr)")
+    parser.add_argument("--markdown", type=Path, help="also write the results table (Markdown) to this file")
+    parser.add_argument("--verbose", action="store_true", help="print the pytest output of survivors and errors")
+    parser.add_argument(
+        "--select", metavar="ARGS",
+        help="pytest arguments replacing every selected mutant's own selection, e.g. "
+        "\"tests/test_layout.py -k near_collisions\" (to see which tests alone kill a mutant)",
+    )
+    args = parser.parse_args(argv)
+
+    names = [m.name for m in MUTANTS]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        parser.error(f"duplicate mutant names: {sorted(duplicates)}")
+    selected = MUTANTS
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            parser.error(f"unknown mutant(s) {unknown}; see --list")
+        selected = [m for m in MUTANTS if m.name in args.only]
+    if args.select:
+        selected = [replace(m, tests=tuple(shlex.split(args.select))) for m in selected]
+
+    if args.list:
+        for m in selected:
+            print(f"{m.name}\n    {m.file}: {m.contract}\n    pytest -x {' '.join(m.tests)}")
+        return 0
+
+    if not args.no_baseline:
+        print(f"baseline: running {len(set(m.tests for m in selected))} selections unmutated ...", flush=True)
+        ok, detail = baseline(selected, args.python, args.servers, args.timeout)
+        print(f"baseline: {detail}", flush=True)
+        if not ok:
+            return 2
+
+    results: list[Result] = []
+    width = max(len(m.name) for m in selected)
+
+    def report(result: Result) -> None:
+        results.append(result)
+        extra = f" [{result.summary}]" if result.summary else ""
+        print(f"{result.status.upper():>9}  {result.mutant.name:<{width}}  {result.seconds:5.0f}s  {result.detail}{extra}", flush=True)
+        if args.verbose and result.status in ("survived", "error", "timeout") and result.output:
+            print("\n".join("    " + line for line in result.output.strip().splitlines()[-30:]), flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(run_mutant, m, args.python, args.servers, args.timeout, args.keep) for m in selected]
+        for future in concurrent.futures.as_completed(futures):
+            report(future.result())
+
+    order = {m.name: i for i, m in enumerate(selected)}
+    results.sort(key=lambda r: order[r.mutant.name])
+    counts = {status: sum(r.status == status for r in results) for status in ("killed", "survived", "not found", "ambiguous", "error", "timeout")}
+    print()
+    print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(results)} mutants)")
+    for r in results:
+        if r.status != "killed":
+            print(f"  {r.status}: {r.mutant.name} - {r.mutant.contract} ({r.detail})")
+    if args.markdown:
+        args.markdown.write_text(markdown(results), encoding="utf-8")
+        print(f"results table written to {args.markdown}")
+    if counts["survived"]:
+        return 1
+    if len(results) != counts["killed"]:
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
