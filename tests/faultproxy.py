@@ -27,9 +27,9 @@ One request per client connection (every answer says ``Connection: close``). A r
 * ``ListEmpty()`` - answer a LIST with a 200 and an empty body;
 * ``ListSiblings()`` - forward a LIST with the prefix's trailing ``/`` removed, so keys of sibling
   prefixes come back too (``r1/`` answered with ``r1000/``);
-* ``ListSkip(index=-1)`` - drop one ``<Contents>`` of the page (default: the last, as at a page
-  boundary);
-* ``ListNoToken()`` - a truncated page whose continuation token was removed;
+* ``ListSkip(index=-1, match=None)`` - drop one ``<Contents>`` of the page (default: the last, as
+  at a page boundary; with ``match``, those whose key contains it);
+* ``ListNoToken(max_keys=None)`` - a truncated page whose continuation token was removed;
 * ``ListPaged(max_keys, repeat=False)`` - ask the server for pages of ``max_keys``; with ``repeat``,
   each later page repeats the previous page's last key;
 * ``ListHideYoung(ms)`` - drop the keys this proxy saw PUT less than ``ms`` ago.
@@ -165,11 +165,14 @@ class ListSiblings:
 @dataclass
 class ListSkip:
     index: int = -1
+    match: str | None = None
+    """Drop the ``<Contents>`` whose key contains this instead (every one that does)."""
 
 
 @dataclass
 class ListNoToken:
-    pass
+    max_keys: int | None = None
+    """Also ask the server for pages of this many keys (so that the page is truncated)."""
 
 
 @dataclass
@@ -391,7 +394,9 @@ class FaultProxy:
     def _rewrite_list_body(self, request: Request, action: Any, body: bytes) -> bytes:
         items = _CONTENTS.findall(body)
         keep = list(items)
-        if isinstance(action, ListSkip) and items:
+        if isinstance(action, ListSkip) and action.match is not None:
+            keep = [i for i in items if action.match.encode() not in i]
+        elif isinstance(action, ListSkip) and items:
             del keep[action.index]
         elif isinstance(action, ListHideYoung):
             now = time.monotonic()
@@ -441,7 +446,7 @@ class FaultProxy:
                 return
             if self.credentials is not None and request.access_key and request.access_key != self.credentials[0]:
                 self._sign(request)  # the client holds a key the server does not know
-            if isinstance(action, (ListSiblings, ListPaged)):
+            if isinstance(action, (ListSiblings, ListPaged)) or (isinstance(action, ListNoToken) and action.max_keys):
                 self._rewrite_list_request(request, action)
             if isinstance(action, ApplyLate):
                 task = asyncio.ensure_future(self._late(request, action.delay))
