@@ -86,6 +86,8 @@ class Request:
     """``time.monotonic()`` when the proxy had read the request."""
     forwarded: float | None = None
     """``time.monotonic()`` when it was sent to the server (``None``: never)."""
+    client_key: str = ""
+    """The access key id the client signed with (``access_key`` changes when the proxy signs again)."""
 
     @property
     def path(self) -> str:
@@ -336,7 +338,9 @@ class FaultProxy:
                 if size == 0:
                     break
             body = b"".join(chunks)
-        return Request(method, target, headers, body, arrived=time.monotonic())
+        request = Request(method, target, headers, body, arrived=time.monotonic())
+        request.client_key = request.access_key
+        return request
 
     def _sign(self, request: Request) -> None:
         """Sign ``request`` again (SigV4) with the server's credentials, in place."""
@@ -432,7 +436,7 @@ class FaultProxy:
                 return
             self.seen.append((request.method, request.path, request.query))
             self.requests.append(request)
-            if request.access_key and request.access_key in self.expired_keys:
+            if request.client_key and request.client_key in self.expired_keys:
                 action: Any = s3_error(403, "ExpiredToken", "The provided token has expired.", "Forbidden")
             else:
                 action = await self.rule(request) if self.rule is not None else None

@@ -490,7 +490,7 @@ async def test_8_expired_credentials_are_refreshed_without_a_restart(fresh, prox
     snapshot = await fresh(fence_grace=GRACE).freeze("r")
     assert cids(snapshot) == ["c1", "c3"]
     assert snapshot.incomplete, "the spilled marker was never replayed"
-    assert any(r.access_key == "NEWKEYID" for r in proxy.requests)
+    assert any(r.client_key == "NEWKEYID" for r in proxy.requests)
 
 
 # =========================================================================== 9
