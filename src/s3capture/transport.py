@@ -265,6 +265,7 @@ class S3Transport:
         if os.getpid() != self._pid:
             # A forked child must not share the parent's sockets: start afresh, never close the
             # parent's clients from here.
+            _disown(self._states)
             self._states = weakref.WeakKeyDictionary()
             self._pid = os.getpid()
         loop = asyncio.get_running_loop()
@@ -371,6 +372,7 @@ class S3Transport:
         """
         self._closed = True
         if os.getpid() != self._pid:
+            _disown(self._states)
             self._states = weakref.WeakKeyDictionary()
             return
         try:
@@ -553,6 +555,23 @@ class S3Transport:
                     raise
 
         await self._call("DELETE", key, run)
+
+
+def _disown(states: Any) -> None:
+    """In a forked child: make the parent's HTTP clients inert before they are dropped.
+
+    Dropping them lets aiohttp's connector finalizer close its pooled connections, and closing a
+    transport of the parent's event loop unregisters its socket from the epoll instance that the
+    child shares with the parent: the parent's next request on that connection then waits for a
+    read timeout (30 s). Marking each connector closed makes its finalizer a no-op; the child's
+    copies of the sockets are released with the process.
+    """
+    for state in list(states.values()):
+        http = getattr(getattr(state.client, "_endpoint", None), "http_session", None)
+        for session in list((getattr(http, "_sessions", None) or {}).values()):
+            connector = getattr(session, "connector", None)
+            if connector is not None and hasattr(connector, "_closed"):
+                connector._closed = True
 
 
 def _backoff(attempt: int) -> float:
