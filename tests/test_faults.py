@@ -111,6 +111,13 @@ def keys_under(s3_client: Any, bucket_url: str, rel: str) -> list[str]:
     return list_keys(s3_client, bucket, root + rel)
 
 
+def spilled(directory: Any) -> list[Any]:
+    """The spill files in ``directory`` (not claims of a replay, not their locks)."""
+    if not directory.exists():
+        return []
+    return [p for p in directory.iterdir() if p.is_file() and not p.name.endswith((".replay", ".lock"))]
+
+
 def ledger_chain(rollout: str, n: int) -> list[dict]:
     out: list[dict] = []
     request = list(REQ)
@@ -371,7 +378,7 @@ async def test_5_a_cancelled_marker_is_spilled_before_the_cancellation_propagate
     finally:
         release.set()
         proxy.rule = None
-    assert list(spill.glob("spill-*")), "the cancelled marker and failure row were not spilled"
+    assert spilled(spill), "the cancelled marker and failure row were not spilled"
     replayed = ok(await outcome(fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE, spill_dir=spill).replay_spill()), "replay")
     assert replayed >= 2
     snapshot = await fresh(fence_grace=GRACE).freeze("r")
@@ -393,7 +400,7 @@ async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered
         b.rule = rule_for(lambda r: r.method == "PUT" and "/log/x/" in r.path, slow_down())
         on_b = fresh(endpoint_url=b.endpoint, spill_dir=spill, botocore_config=no_retry, fence_grace=GRACE)
         await on_b.mark_incomplete("rb", "c1")  # B is down for markers: spilled
-        assert list(spill.glob("spill-*"))
+        assert spilled(spill)
         on_a = fresh(endpoint_url=a.endpoint, spill_dir=spill, fence_grace=GRACE)
         await on_a.mark_incomplete("ra", "c9")  # a successful write on A replays A's spill only
         await on_a.replay_spill()
@@ -407,7 +414,7 @@ async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered
         # PID the next replayer has too (containers: PID 1).
         b.rule = rule_for(lambda r: r.method == "PUT" and "/log/x/" in r.path, slow_down())
         await on_b.mark_incomplete("rc", "c1")
-        (path,) = [p for p in spill.glob("spill-*") if not p.name.endswith((".replay", ".lock"))]
+        (path,) = spilled(spill)
         os.replace(path, f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay")
         b.rule = None
         replayed = ok(await outcome(fresh(endpoint_url=b.endpoint, spill_dir=spill, fence_grace=GRACE).replay_spill()), "replay")
@@ -481,13 +488,13 @@ async def test_8_expired_credentials_are_refreshed_without_a_restart(fresh, prox
     proxy.expired_keys = {"OLDKEYID"}
     result = await outcome(store.mark_incomplete("r", "c2"))  # the old key has expired: spilled
     ok(result, "mark_incomplete with a spill_dir")
-    assert list(spill.glob("spill-*")), "the marker was neither stored nor spilled"
+    assert spilled(spill), "the marker was neither stored nor spilled"
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "NEWKEYID")  # the credentials are rotated
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "new-secret")
     ok(await outcome(store.put(simple_entry("r", "c3"))), "put after the credentials were rotated")
     ok(await outcome(store.replay_spill()), "replay_spill after the credentials were rotated")
-    snapshot = await fresh(fence_grace=GRACE).freeze("r")
+    snapshot = await fresh(endpoint_url=proxy.endpoint, session=None, fence_grace=GRACE).freeze("r")
     assert cids(snapshot) == ["c1", "c3"]
     assert snapshot.incomplete, "the spilled marker was never replayed"
     assert any(r.client_key == "NEWKEYID" for r in proxy.requests)
@@ -544,8 +551,10 @@ def test_9_a_store_used_after_fork_works_in_the_child(s3_env, bucket_url):
                 pytest.fail("the child's put hung")
             time.sleep(0.05)
         assert os.waitstatus_to_exitcode(status) == 0, "the store failed in a child after fork"
+        started = time.monotonic()
         snapshot = loop.run_until_complete(store.freeze("r"))
         assert cids(snapshot) == ["child", "parent"]
+        assert time.monotonic() - started < 5, "the parent's store stalled after the child used it"
         loop.run_until_complete(store.close())
     finally:
         loop.close()
@@ -618,7 +627,7 @@ async def test_10_non_canonical_entry_bytes_mask_and_never_resolve(fresh, s3_cli
 
 
 # =========================================================================== 11
-@pytest.mark.parametrize("root", ["runs/./42", "runs/x/../42", "./42", "runs/.."])
+@pytest.mark.parametrize("root", ["runs/./42", "runs/x/../42", "./42"])
 async def test_11_roots_a_server_rewrites_are_refused_at_construction(s3_env, bucket_url, root):
     """"s3://bkt/runs/./42 or …/x/../42 is accepted by the constructor; SeaweedFS then answers every
     request with InvalidRequest." Required: ValueError at construction, like //."""
