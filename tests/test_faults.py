@@ -317,14 +317,15 @@ async def test_3_key_repeated_across_pages_is_retried_then_a_store_error(fresh, 
     is_store_error(await outcome(via.freeze("always")), "LIST")
 
 
-async def test_3_freeze_listing_without_its_own_fence_is_never_a_snapshot(fresh, proxy):
-    """"A freeze's LIST must show the fence that freeze just wrote [...]; a listing that lacks them
-    is stale or incomplete: retry with backoff, then raise. Never build a snapshot [...] on it."
-    The proxy hides keys PUT in the last 60 s (the entry and the fence)."""
+async def test_3_listing_without_what_this_client_just_wrote_is_never_built_on(fresh, proxy):
+    """"A freeze's LIST must show the fence that freeze just wrote, and drop's decisive LIST the
+    tombstone it just wrote; a listing that lacks them is stale or incomplete: retry with backoff,
+    then raise. Never build a snapshot or a drop decision on it." The proxy hides the keys PUT
+    through it in the last 60 s."""
     direct = fresh(fence_grace=GRACE)
     via = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
-    await direct.put(simple_entry("once", "c1"))
-    await direct.put(simple_entry("always", "c1"))
+    await via.put(simple_entry("once", "c1"))
+    await via.put(simple_entry("always", "c1"))
     proxy.rule = once(lists("once"), ListHideYoung(60_000))
     snapshot = ok(await outcome(via.freeze("once")), "freeze after one stale listing")
     assert cids(snapshot) == ["c1"] and not snapshot.incomplete, f"a stale listing gave the snapshot {cids(snapshot)}"
@@ -332,6 +333,26 @@ async def test_3_freeze_listing_without_its_own_fence_is_never_a_snapshot(fresh,
     result = await outcome(via.freeze("always"))
     is_store_error(result, "LIST")
     assert type(result).__name__ == "ListingError"
+
+    # drop's decisive LIST (after its tombstone and the retired fence) hides what was just written.
+    await direct.put(simple_entry("drop", "c1"))
+    proxy.rule = None
+    snapshot = await via.freeze("drop")
+    tombstone_sent = False
+
+    async def rule(request: Any) -> Any:
+        nonlocal tombstone_sent
+        if request.method == "PUT" and "/rollouts/drop/" in request.path:
+            # drop's own tombstone (drop/<token>, or "retired" in older versions) or retired fence
+            written = request.path.rsplit("/rollouts/drop/", 1)[1]
+            tombstone_sent |= written.startswith("drop/") or written == "retired" or b"retired" in request.body
+        if tombstone_sent and lists("drop")(request):
+            return ListHideYoung(60_000)
+        return None
+
+    proxy.rule = rule
+    result = await outcome(via.drop("drop", snapshot.snapshot_id, snapshot.version))
+    assert result is not True, "drop returned True on a decisive listing that lacks what it had just written"
 
 
 # =========================================================================== 4
