@@ -1,186 +1,76 @@
-"""A tiny fault-injecting HTTP proxy on 127.0.0.1 for adversarial tests (plus its self-test).
+"""Self-tests of the fault-injecting proxy (``tests/faultproxy.py``), one per action.
 
-The proxy sits between an ``S3TokenStore`` and the real local S3 server (moto or SeaweedFS), so
-faults are produced on the wire, not by mocking botocore: the client signs and sends real
-requests, the server really executes (or never sees) them.
-
-    proxy = FaultProxy(upstream_port)
-    await proxy.start()
-    store = S3TokenStore(url, endpoint_url=proxy.endpoint, ...)
-    proxy.rule = my_rule      # async (Request) -> Action | None
-
-Every client connection carries one request (the proxy answers ``Connection: close``). Actions:
-
-* ``None`` - forward unchanged;
-* ``Respond(status, body)`` - answer without forwarding (e.g. 501 to ``POST ?delete``);
-* ``DropResponse()`` - forward, let the server execute, then close the client connection without
-  an answer (a lost response);
-* ``Truncate(fraction)`` - forward the headers and only part of the body, then close both sides
-  (a writer killed mid-PUT);
-* an ``await`` inside the rule delays the request (hold it until an event is set).
+Each test drives the proxy with a plain boto3 client (no retries) in a worker thread, so what it
+checks is the proxy's behaviour on the wire, not s3capture's. The names below are re-exported for
+the tests that imported them from here before the proxy had its own module.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+import email.utils
+import time
 from typing import Any
-from urllib.parse import unquote, urlsplit
+
+import pytest
+
+from faultproxy import (  # noqa: F401 - re-exported
+    ApplyLate,
+    CutBody,
+    DropResponse,
+    FaultProxy,
+    ListEmpty,
+    ListHideYoung,
+    ListNoToken,
+    ListPaged,
+    ListSiblings,
+    ListSkip,
+    Request,
+    Respond,
+    ShortBody,
+    Truncate,
+    Twice,
+    internal_error,
+    not_implemented_xml,
+    once,
+    s3_error,
+    slow_down,
+)
 
 
-@dataclass
-class Request:
-    method: str
-    target: str
-    headers: dict[str, str]
-    body: bytes
+def _client(proxy: FaultProxy, server: Any, key: str | None = None) -> Any:
+    import boto3
+    from botocore.config import Config
 
-    @property
-    def path(self) -> str:
-        return unquote(urlsplit(self.target).path)
-
-    @property
-    def query(self) -> str:
-        return urlsplit(self.target).query
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=proxy.endpoint,
+        aws_access_key_id=key or server.access_key,
+        aws_secret_access_key=server.secret_key if key is None else "some-secret",
+        region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "total_max_attempts": 1}, read_timeout=5, response_checksum_validation="when_required", request_checksum_calculation="when_required"),
+    )
 
 
-@dataclass
-class Respond:
-    status: int
-    body: bytes = b""
-    reason: str = "Injected"
-    content_type: str = "application/xml"
+@pytest.fixture
+async def wire(s3_server, bucket_url):
+    """(proxy, boto3 client through it, bucket)."""
+    proxy = await FaultProxy.for_server(s3_server).start()
+    client = _client(proxy, s3_server)
+    try:
+        yield proxy, client, bucket_url[len("s3://") :].split("/")[0]
+    finally:
+        client.close()
+        await proxy.stop()
 
 
-@dataclass
-class DropResponse:
-    pass
+def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return asyncio.to_thread(fn, *args, **kwargs)
 
 
-@dataclass
-class Truncate:
-    fraction: float = 0.5
-
-
-@dataclass
-class FaultProxy:
-    upstream_port: int
-    rule: Callable[[Request], Awaitable[Any]] | None = None
-    seen: list[tuple[str, str, str]] = field(default_factory=list)
-    _server: Any = None
-    port: int = 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> FaultProxy:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _read_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[bytes, Request] | None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        lines = head.decode("latin-1").split("\r\n")
-        method, target, _ = lines[0].split(" ", 2)
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            if ":" in line:
-                name, value = line.split(":", 1)
-                headers[name.strip().lower()] = value.strip()
-        body = b""
-        if headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # botocore waits for it before the body
-            await writer.drain()
-        if "content-length" in headers:
-            body = await reader.readexactly(int(headers["content-length"]))
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
-            chunks = []
-            while True:
-                size_line = await reader.readuntil(b"\r\n")
-                size = int(size_line.split(b";")[0], 16)
-                data = await reader.readexactly(size + 2)
-                chunks.append(size_line + data)
-                if size == 0:
-                    break
-            body = b"".join(chunks)
-        return head, Request(method, target, headers, body)
-
-    @staticmethod
-    def _rewrite_head(head: bytes) -> bytes:
-        lines = head.decode("latin-1").split("\r\n")
-        kept = [l for l in lines if l and not l.lower().startswith(("connection:", "expect:"))]
-        return ("\r\n".join(kept) + "\r\nConnection: close\r\n\r\n").encode("latin-1")
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            got = await self._read_request(reader, writer)
-            if got is None:
-                return
-            head, request = got
-            self.seen.append((request.method, request.path, request.query))
-            action = await self.rule(request) if self.rule is not None else None
-            if isinstance(action, Respond):
-                body = action.body
-                writer.write(
-                    (
-                        f"HTTP/1.1 {action.status} {action.reason}\r\nContent-Type: {action.content_type}\r\n"
-                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                    ).encode()
-                    + body
-                )
-                await writer.drain()
-                return
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-            try:
-                if isinstance(action, Truncate):
-                    up_writer.write(self._rewrite_head(head) + request.body[: int(len(request.body) * action.fraction)])
-                    await up_writer.drain()
-                    await asyncio.sleep(0.2)
-                    return  # both sides are closed below: the writer "died" mid-body
-                up_writer.write(self._rewrite_head(head) + request.body)
-                await up_writer.drain()
-                response = await up_reader.read()
-                while True:
-                    more = await up_reader.read(1 << 16)
-                    if not more:
-                        break
-                    response += more
-            finally:
-                up_writer.close()
-            if isinstance(action, DropResponse):
-                return  # the server executed the request; the client never hears back
-            cut = response.find(b"\r\n\r\n")
-            if cut >= 0:
-                response = self._rewrite_head(response[: cut + 4]) + response[cut + 4 :]
-            writer.write(response)
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-
-def not_implemented_xml(code: str = "NotImplemented", message: str = "not implemented") -> bytes:
-    return (
-        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-        f"<RequestId>proxy</RequestId></Error>"
-    ).encode()
-
-
-# --------------------------------------------------------------------------- self-test
+async def _keys(client: Any, bucket: str, prefix: str = "", **kwargs: Any) -> list[str]:
+    page = await _run(client.list_objects_v2, Bucket=bucket, Prefix=prefix, **kwargs)
+    return [item["Key"] for item in page.get("Contents", [])]
 
 
 async def test_fault_proxy_forwards_faithfully(s3_server, fresh, bucket_url):
@@ -199,3 +89,114 @@ async def test_fault_proxy_forwards_faithfully(s3_server, fresh, bucket_url):
         assert any(m == "PUT" for m, _, _ in proxy.seen)
     finally:
         await proxy.stop()
+
+
+@pytest.mark.parametrize("answer", [slow_down, internal_error])
+async def test_fail_before_applying(wire, answer):
+    from botocore.exceptions import ClientError
+
+    proxy, client, bucket = wire
+    proxy.rule = once(lambda r: r.method == "PUT", answer())
+    with pytest.raises(ClientError) as caught:
+        await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x")
+    assert caught.value.response["Error"]["Code"] in ("SlowDown", "InternalError")
+    assert await _keys(client, bucket) == []
+
+
+async def test_lost_ack_is_applied(wire):
+    proxy, client, bucket = wire
+    proxy.rule = once(lambda r: r.method == "PUT", DropResponse())
+    with pytest.raises(Exception):
+        await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x")
+    assert await _keys(client, bucket) == ["k"]
+
+
+async def test_apply_late_lands_after_the_client_gave_up(wire):
+    proxy, client, bucket = wire
+    proxy.rule = once(lambda r: r.method == "PUT", ApplyLate(0.5))
+    with pytest.raises(Exception):
+        await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x")
+    assert await _keys(client, bucket) == []
+    await asyncio.sleep(0.8)
+    assert await _keys(client, bucket) == ["k"]
+
+
+async def test_twice_delivers_two_requests(wire):
+    proxy, client, bucket = wire
+    proxy.rule = once(lambda r: r.method == "PUT", Twice())
+    before = proxy.forward_count
+    await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x")
+    assert proxy.forward_count - before == 2
+
+
+async def test_truncate_never_applies(wire):
+    proxy, client, bucket = wire
+    proxy.rule = once(lambda r: r.method == "PUT", Truncate(0.5))
+    with pytest.raises(Exception):
+        await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x" * 1000)
+    await asyncio.sleep(0.1)
+    assert await _keys(client, bucket) == []
+
+
+async def test_cut_and_short_bodies(wire):
+    proxy, client, bucket = wire
+    await _run(client.put_object, Bucket=bucket, Key="k", Body=b"y" * 1000)
+
+    def read() -> bytes:
+        return client.get_object(Bucket=bucket, Key="k")["Body"].read()
+
+    proxy.rule = once(lambda r: r.method == "GET", CutBody(0.5))
+    with pytest.raises(Exception):
+        await _run(read)
+    proxy.rule = once(lambda r: r.method == "GET", ShortBody(0.5))
+    assert await _run(read) == b"y" * 500  # well-formed and short: no error at all
+    assert await _run(read) == b"y" * 1000
+
+
+async def test_list_actions(wire):
+    proxy, client, bucket = wire
+    for key in ("r1/a", "r1/b", "r1/c", "r1000/z"):
+        await _run(client.put_object, Bucket=bucket, Key=key, Body=b"")
+    lists = lambda r: r.is_list  # noqa: E731
+    proxy.rule = once(lists, ListEmpty())
+    page = await _run(client.list_objects_v2, Bucket=bucket, Prefix="r1/")
+    assert "IsTruncated" not in page and "Contents" not in page
+    proxy.rule = once(lists, ListSiblings())
+    assert await _keys(client, bucket, "r1/") == ["r1/a", "r1/b", "r1/c", "r1000/z"]
+    proxy.rule = once(lists, ListSkip())
+    assert await _keys(client, bucket, "r1/") == ["r1/a", "r1/b"]
+    proxy.rule = once(lists, ListNoToken())
+    page = await _run(client.list_objects_v2, Bucket=bucket, Prefix="r1/", MaxKeys=1)
+    assert page["IsTruncated"] and "NextContinuationToken" not in page
+    proxy.rule = once(lists, ListPaged(2, repeat=True), times=2)
+    pages = await _run(lambda: list(client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="r1/")))
+    assert [i["Key"] for p in pages for i in p["Contents"]] == ["r1/a", "r1/b", "r1/b", "r1/c"]
+    proxy.rule = None
+    await asyncio.sleep(0.5)
+    await _run(client.put_object, Bucket=bucket, Key="r1/d", Body=b"")
+    proxy.rule = once(lists, ListHideYoung(400))
+    assert await _keys(client, bucket, "r1/") == ["r1/a", "r1/b", "r1/c"]
+    await asyncio.sleep(0.5)
+    proxy.rule = once(lists, ListHideYoung(400))
+    assert await _keys(client, bucket, "r1/") == ["r1/a", "r1/b", "r1/c", "r1/d"]
+
+
+async def test_date_skew(wire):
+    proxy, client, bucket = wire
+    proxy.date_skew = 20
+    page = await _run(client.list_objects_v2, Bucket=bucket)
+    date = email.utils.parsedate_to_datetime(page["ResponseMetadata"]["HTTPHeaders"]["date"]).timestamp()
+    assert 17 < date - time.time() < 23
+
+
+async def test_expired_token_for_an_old_key_and_any_new_key_works(wire, s3_server):
+    from botocore.exceptions import ClientError
+
+    proxy, _, bucket = wire
+    proxy.expired_keys = {"OLDKEY"}
+    old, new = _client(proxy, s3_server, "OLDKEY"), _client(proxy, s3_server, "NEWKEY")
+    with pytest.raises(ClientError) as caught:
+        await _run(old.list_objects_v2, Bucket=bucket)
+    assert caught.value.response["Error"]["Code"] == "ExpiredToken"
+    await _run(new.put_object, Bucket=bucket, Key="k", Body=b"x")  # signed again with the server's key
+    assert await _keys(new, bucket) == ["k"]
