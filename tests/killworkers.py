@@ -115,13 +115,15 @@ def make_store(config: dict, name: str) -> Any:
 
     spill = Path(config["workdir"]) / "hosts" / name / "spill"
     spill.mkdir(parents=True, exist_ok=True)
-    return S3TokenStore(config["url"], fence_grace=config["fence_grace"], spill_dir=spill, max_concurrency=8)
+    return S3TokenStore(
+        config["url"], fence_grace=config["fence_grace"], spill_dir=spill, max_concurrency=8, session=SESSION
+    )
 
 
 # --------------------------------------------------------------------------- writer
 async def run_writer(config: dict, index: int) -> None:
     from s3capture.records import RecordError
-    from s3capture.protocols import TokenCaptureFrozenError
+    from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
     from s3capture.records import decode_entry
 
     workdir = Path(config["workdir"])
@@ -181,6 +183,29 @@ async def run_writer(config: dict, index: int) -> None:
                 journal.add(t="abandon", r=rid, c=cid)  # the host lost this call: never resent
                 stopped.add(rid)
 
+        # Lost-ack retries, from now until the test says stop: re-send acknowledged entries of
+        # rollouts this writer has finished (the ones the builder is freezing and dropping), as a
+        # client whose acknowledgements got lost would.
+        async def retry_loop() -> None:
+            stop = workdir / "stop"
+            while not stop.exists():
+                finished = {r["r"] for r in journal.records if r["t"] in ("done_r", "stop", "abandon")}
+                sends = {(r["r"], r["c"]): r["p"] for r in journal.records if r["t"] == "send"}
+                acked = [k for k in dict.fromkeys((r["r"], r["c"]) for r in journal.records if r["t"] == "ack")
+                         if k[0] in finished]
+                if acked:
+                    rid, cid = rng.choice(acked)
+                    event("op", "retry", rid, cid)
+                    try:
+                        await store.put(decode_entry(base64.b64decode(sends[(rid, cid)])))
+                    except TokenCaptureRetiredError:
+                        event("note", "retry-read-retired", rid, cid)
+                    except refusals:
+                        pass
+                await asyncio.sleep(rng.uniform(0, config["retry_pause"]))
+
+        retrying = asyncio.create_task(retry_loop())
+
         # 2. Continue the plan.
         for plan in plans:
             rid = plan["rid"]
@@ -215,21 +240,8 @@ async def run_writer(config: dict, index: int) -> None:
             journal.add(t="finished")
         event("finished")
 
-        # 3. Lost-ack retries: re-send acknowledged entries until told to stop.
-        acked = {(r["r"], r["c"]) for r in journal.records if r["t"] == "ack"}
-        sends = {(r["r"], r["c"]): base64.b64decode(r["p"]) for r in journal.records if r["t"] == "send"}
-        retries = [(k, sends[k]) for k in sorted(acked)]
-        stop = workdir / "stop"
-        while retries and not stop.exists():
-            (rid, cid), payload = rng.choice(retries)
-            event("op", "retry", rid, cid)
-            try:
-                await store.put(decode_entry(payload))
-            except refusals:
-                pass
-            await asyncio.sleep(rng.uniform(0, 0.01))
-        while not stop.exists():
-            await asyncio.sleep(0.05)
+        # 3. Wait for the end; the lost-ack retries go on meanwhile.
+        await retrying
     finally:
         await store.close()
     event("done")
@@ -247,6 +259,23 @@ async def run_builder(config: dict) -> None:
     store = make_store(config, "builder")
     rids = [rollout_plan(config, i)["rid"] for i in range(config["rollouts"])]
 
+    # Report the steps inside freeze and drop (fence, tombstone and manifest PUTs, deletes), so the
+    # test can kill between them: the retired fence of a drop that has not decided yet, ...
+    phase = ["freeze"]
+
+    def on_send(request: Any = None, event_name: str = "", **_: Any) -> None:
+        if request is None:
+            return
+        operation = event_name.rsplit(".", 1)[-1]
+        path = request.url.split("?")[0]
+        what = path.split("/rollouts/", 1)[1].split("/")[1] if "/rollouts/" in path else ""
+        if what == "fence":  # the frozen fence of freeze, the retired one (or its undo) of drop
+            what = f"fence-{phase[0]}"
+        event("op", "step", f"{operation}:{what}" if operation == "PutObject" else operation, "-")
+
+    client = await store._s3()
+    client.meta.events.register("before-send.s3", on_send)
+
     def consumed() -> set[str]:
         return {r["r"] for r in journal.records if r["t"] == "dropped" and r["ok"]}
 
@@ -254,6 +283,7 @@ async def run_builder(config: dict) -> None:
         if not journaled:
             journal.add(t="drop", r=rid, id=snapshot_id, v=version)
         event("op", "drop", rid, "-")
+        phase[0] = "drop"
         ok = await store.drop(rid, snapshot_id, version)
         journal.add(t="dropped", r=rid, id=snapshot_id, v=version, ok=ok)
         return ok
@@ -262,6 +292,7 @@ async def run_builder(config: dict) -> None:
         """Freeze; a trainable snapshot is consumed (journaled) and dropped."""
         journal.add(t="freeze", r=rid)
         event("op", "freeze", rid, "-")
+        phase[0] = "freeze"
         try:
             snap = await store.freeze(rid)
         except TokenCaptureFrozenError as error:  # retired, or a crashed drop's tombstone
@@ -284,15 +315,15 @@ async def run_builder(config: dict) -> None:
 
         writers_done = workdir / "writers-done"
         while not writers_done.exists():
-            # Rollouts whose writer is done with them, and (rarely) one still being written.
+            # Rollouts whose writer is done with them, and (sometimes) one still being written.
             finished: set[str] = set()
             started: set[str] = set()
             for w in range(config["writers"]):
                 for r in read_journal(workdir / f"writer-{w}.jsonl"):
-                    if "r" in r:
+                    if r["t"] == "ack":
                         started.add(r["r"])
-                        if r["t"] in ("done_r", "stop", "abandon"):
-                            finished.add(r["r"])
+                    if r["t"] in ("done_r", "stop", "abandon"):
+                        finished.add(r["r"])
             candidates = [r for r in rids if r not in consumed()]
             ready = [r for r in candidates if r in finished]
             racing = [r for r in candidates if r in started and r not in finished]
@@ -338,6 +369,26 @@ def child_main(role: str, config: dict, index: int, events: Any) -> None:
         raise SystemExit(f"unknown role {role!r}")
 
 
-# Imported here so that the forkserver preloads them and a restarted worker starts in milliseconds.
-import aioboto3  # noqa: E402,F401
-import s3capture.store  # noqa: E402,F401
+def _warm_session() -> Any:
+    """An ``aioboto3.Session`` whose botocore loader has read S3's models (one throw-away client).
+
+    Built when the forkserver imports this module, so every forked worker shares the parsed models:
+    its first client costs ~50 ms instead of ~0.5 s (several seconds on a loaded machine).
+    Credentials and endpoint are the worker's own, read from its environment later.
+    """
+    import aioboto3
+
+    session = aioboto3.Session()
+
+    async def build() -> None:
+        async with session.client(
+            "s3", endpoint_url="http://127.0.0.1:9", region_name="us-east-1",
+            aws_access_key_id="warm", aws_secret_access_key="warm",
+        ):
+            pass
+
+    asyncio.run(build())
+    return session
+
+
+SESSION = _warm_session()

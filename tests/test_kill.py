@@ -44,25 +44,34 @@ from s3capture.protocols import TokenCaptureFrozenError
 
 GRACE = 0.2
 WRITERS = 3
-CONFIG = {"writers": WRITERS, "rollouts": 9, "calls": 5, "fence_grace": GRACE, "race_probability": 0.35}
-KILLS = {"writer": 3, "builder": 4}
+CONFIG = {"writers": WRITERS, "rollouts": 9, "calls": 5, "fence_grace": GRACE, "race_probability": 0.25, "retry_pause": 0.02}
+KILLS = {"writer": 3, "builder": 6}
 """SIGKILLs per process kind (each writer, and the builder)."""
-KILL_ODDS = {"put": 0.25, "begin_call": 0.15, "mark": 0.5, "retry": 0.03, "freeze": 0.35, "drop": 0.6}
+KILL_ODDS = {"put": 0.25, "begin_call": 0.15, "mark": 0.5, "retry": 0.01, "freeze": 0.15, "drop": 0.15, "step": 0.04,
+             "PutObject:fence-freeze": 0.2, "PutObject:fence-drop": 0.35, "PutObject:drop": 0.2, "DeleteObjects": 0.3}
 """Chance that an operation's start line triggers a kill, by operation."""
-KILL_DELAY = {"drop": 0.45, "freeze": 0.05}
+KILL_DELAY = {"drop": 0.45, "freeze": 0.05, "PutObject:fence-drop": 0.06}
 """Longest delay between the start line and the kill (drop waits ``fence_grace`` + 0.1 s first)."""
+BUILDER_RESTART = 0.5
+"""Longest pause before a killed builder is restarted (seconds)."""
 RUN_TIMEOUT = 90.0
 HERE = Path(__file__).resolve().parent
 
 
 def forkserver() -> Any:
-    """A ``multiprocessing`` context whose forkserver has imported the workers' modules."""
+    """A ``multiprocessing`` context whose forkserver has imported ``killworkers`` (and so the
+    store, aioboto3 and S3's parsed models): a restarted worker runs within milliseconds.
+
+    Python 3.11's forkserver ignores the parent's ``sys.path``, so this folder goes on PYTHONPATH
+    (read when the forkserver first starts; if it already ran, workers import what they need).
+    """
     import multiprocessing
 
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(HERE) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *[p for p in paths if p]])
     ctx = multiprocessing.get_context("forkserver")
-    # Python 3.11's forkserver ignores the parent's sys.path: preload what PYTHONPATH or the
-    # installed package can import (killworkers itself is light and is imported per child).
-    ctx.set_forkserver_preload(["s3capture.store", "aioboto3", "aiobotocore.client", "helpers"])
+    ctx.set_forkserver_preload(["killworkers"])
     return ctx
 
 
@@ -79,6 +88,7 @@ class Fleet:
         self.kills: list[tuple[float, str, Any, str]] = []  # (when, name, process, operation)
         self.killed: list[tuple[str, str]] = []
         self.finished: set[str] = set()
+        self.notes: collections.Counter = collections.Counter()
         self.log: list[str] = []
         self.t0 = time.monotonic()
 
@@ -99,10 +109,12 @@ class Fleet:
         parts = text.split()
         if parts[0] == "finished":
             self.finished.add(name)
+        if parts[0] == "note":
+            self.notes[parts[1]] += 1
         if parts[0] != "op" or self.kills_left[name] <= 0:
             return
-        op = parts[1]
-        if self.rng.random() < KILL_ODDS[op]:
+        op = parts[1] if parts[1] != "step" else parts[2]
+        if self.rng.random() < KILL_ODDS.get(op, KILL_ODDS["step"]):
             self.kills_left[name] -= 1
             when = time.monotonic() + self.rng.uniform(0, KILL_DELAY.get(op, 0.03))
             self.kills.append((when, name, self.procs[name], op))
@@ -134,6 +146,7 @@ def run_fleet(config: dict, seed: int) -> Fleet:
         fleet.start(name)
     deadline = time.monotonic() + RUN_TIMEOUT
     done: set[str] = set()
+    restarts: dict[str, float] = {}
     try:
         while done != set(names):
             if time.monotonic() > deadline:
@@ -146,8 +159,13 @@ def run_fleet(config: dict, seed: int) -> Fleet:
                     f"no end after {RUN_TIMEOUT} s; done={sorted(done)}; last events:\n" + "\n".join(fleet.log[-60:])
                     + "\nstacks:\n" + stacks
                 )
-            timeout = min([0.5] + [max(0.0, k[0] - time.monotonic()) for k in fleet.kills])
-            live = {name: fleet.procs[name] for name in names if name not in done}
+            for name, when in list(restarts.items()):
+                if when <= time.monotonic():
+                    del restarts[name]
+                    fleet.start(name)  # it resumes from its journal
+            pending = [k[0] for k in fleet.kills] + list(restarts.values())
+            timeout = min([0.5] + [max(0.0, when - time.monotonic()) for when in pending])
+            live = {name: fleet.procs[name] for name in names if name not in done and name not in restarts}
             ready = wait([fleet.conns[n] for n in live] + [p.sentinel for p in live.values()], timeout)
             for name in live:
                 conn = fleet.conns[name]
@@ -166,7 +184,9 @@ def run_fleet(config: dict, seed: int) -> Fleet:
                 code = proc.exitcode
                 fleet.conns[name].close()
                 if code == -signal.SIGKILL:
-                    fleet.start(name)  # restart: it resumes from its journal
+                    # Writers come back at once; the builder's host takes a while (its killed
+                    # drop may have left the retired fence up meanwhile).
+                    restarts[name] = time.monotonic() + (fleet.rng.uniform(0, BUILDER_RESTART) if name == "builder" else 0)
                 elif code == 0:
                     done.add(name)
                     fleet.note(name, "done")
@@ -199,7 +219,7 @@ async def test_sigkilled_writers_and_builder_lose_no_acknowledged_entry(s3_serve
     report = check_invariants(config, writers, builder, fresh, s3_client, bucket_url)
     summary = await report
     kills = collections.Counter(op for _, op in fleet.killed)
-    print(f"\n[{s3_server.kind} seed={seed}] {elapsed:.1f} s, kills by operation {dict(kills)}, {summary}")
+    print(f"\n[{s3_server.kind} seed={seed}] {elapsed:.1f} s, kills by operation {dict(kills)}, {summary}, {dict(fleet.notes)}")
     assert sum(kills.values()) >= 6, f"too few kills to mean anything: {fleet.killed}"
 
 
