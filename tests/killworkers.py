@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import hashlib
 import json
 import os
@@ -206,11 +207,11 @@ async def run_writer(config: dict, index: int) -> None:
 
         retrying = asyncio.create_task(retry_loop())
 
-        # 2. Continue the plan.
-        for plan in plans:
+        # 2. Continue the plan: this host's rollouts run concurrently, each call after the last.
+        async def run_rollout(plan: dict) -> None:
             rid = plan["rid"]
             if rid in stopped or any(r["t"] == "done_r" and r["r"] == rid for r in journal.records):
-                continue
+                return
             for i, turn in enumerate(plan["turns"]):
                 cid = turn.call_id
                 if done.get((rid, cid)) in ("send", "mark"):
@@ -222,20 +223,18 @@ async def run_writer(config: dict, index: int) -> None:
                 except TokenCaptureFrozenError as error:
                     journal.add(t="intent_err", r=rid, c=cid, e=type(error).__name__)
                     journal.add(t="stop", r=rid)
-                    break
+                    return
                 journal.add(t="intent_ok", r=rid, c=cid)
-                await asyncio.sleep(rng.uniform(0, 0.02))  # "generation"
+                await asyncio.sleep(rng.uniform(0, 0.05))  # "generation"
                 if plan["marked"] == i:
                     await mark(rid, cid, journaled=False)
                     break
                 if not await put(rid, cid, payload_of(plan, i), journaled=False):
                     journal.add(t="stop", r=rid)
-                    break
-            else:
-                journal.add(t="done_r", r=rid)
-                continue
-            if not any(r["t"] == "stop" and r["r"] == rid for r in journal.records):
-                journal.add(t="done_r", r=rid)
+                    return
+            journal.add(t="done_r", r=rid)
+
+        await asyncio.gather(*(run_rollout(plan) for plan in plans))
         if not any(r["t"] == "finished" for r in journal.records):
             journal.add(t="finished")
         event("finished")
@@ -261,7 +260,7 @@ async def run_builder(config: dict) -> None:
 
     # Report the steps inside freeze and drop (fence, tombstone and manifest PUTs, deletes), so the
     # test can kill between them: the retired fence of a drop that has not decided yet, ...
-    phase = ["freeze"]
+    phase: contextvars.ContextVar[str] = contextvars.ContextVar("phase", default="freeze")  # per task
 
     def on_send(request: Any = None, event_name: str = "", **_: Any) -> None:
         if request is None:
@@ -269,9 +268,8 @@ async def run_builder(config: dict) -> None:
         operation = event_name.rsplit(".", 1)[-1]
         path = request.url.split("?")[0]
         what = path.split("/rollouts/", 1)[1].split("/")[1] if "/rollouts/" in path else ""
-        if what == "fence":  # the frozen fence of freeze, the retired one (or its undo) of drop
-            what = f"fence-{phase[0]}"
-        event("op", "step", f"{operation}:{what}" if operation == "PutObject" else operation, "-")
+        step = f"{operation}:{what}" if operation == "PutObject" else operation
+        event("op", f"{phase.get()}/{step}", "-", "-")  # e.g. drop/PutObject:fence
 
     client = await store._s3()
     client.meta.events.register("before-send.s3", on_send)
@@ -283,7 +281,7 @@ async def run_builder(config: dict) -> None:
         if not journaled:
             journal.add(t="drop", r=rid, id=snapshot_id, v=version)
         event("op", "drop", rid, "-")
-        phase[0] = "drop"
+        phase.set("drop")
         ok = await store.drop(rid, snapshot_id, version)
         journal.add(t="dropped", r=rid, id=snapshot_id, v=version, ok=ok)
         return ok
@@ -292,7 +290,7 @@ async def run_builder(config: dict) -> None:
         """Freeze; a trainable snapshot is consumed (journaled) and dropped."""
         journal.add(t="freeze", r=rid)
         event("op", "freeze", rid, "-")
-        phase[0] = "freeze"
+        phase.set("freeze")
         try:
             snap = await store.freeze(rid)
         except TokenCaptureFrozenError as error:  # retired, or a crashed drop's tombstone
@@ -333,11 +331,16 @@ async def run_builder(config: dict) -> None:
                 await consume(rng.choice(ready))
             await asyncio.sleep(rng.uniform(0.02, 0.1))
 
-        # Final pass: everything the writers left behind.
-        for rid in rids:
-            for _ in range(3):
-                if rid in consumed() or await consume(rid) != "changed":
-                    break
+        # Final pass: everything the writers left behind, a few rollouts at a time.
+        limit = asyncio.Semaphore(3)
+
+        async def final(rid: str) -> None:
+            async with limit:
+                for _ in range(3):
+                    if rid in consumed() or await consume(rid) != "changed":
+                        break
+
+        await asyncio.gather(*(final(rid) for rid in rids))
         journal.add(t="final")
     finally:
         await store.close()
