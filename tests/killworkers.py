@@ -3,9 +3,10 @@
 The test starts ``child_main`` in processes forked by a ``multiprocessing`` forkserver that has
 imported this module (so a restart costs milliseconds, not an interpreter start-up). ``config``
 comes from the test (bucket URL, AWS environment, work directory, plan, seed). Each process sends
-one message per store operation it is about to start (``op <name> <rollout> <call>``)
-so the test can SIGKILL it mid-operation, and keeps a journal (JSON lines, each fsynced) under the
-work directory from which a restarted process resumes:
+one message on its pipe per store operation it is about to start (``op <name> <rollout> <call>``;
+the builder also ``op <freeze|drop>/<request>`` per request inside freeze and drop), so the test can
+SIGKILL it mid-operation, and keeps a journal (JSON lines, each fsynced) in the work directory from
+which a restarted process resumes:
 
 writer journal (``writer-<i>.jsonl``):
     intent / intent_ok / intent_err   around ``begin_call``
@@ -21,9 +22,11 @@ builder journal (``builder.jsonl``):
 
 A restarted writer resends, byte for byte from its journal, every entry it journaled (acknowledged
 or not; the acknowledged ones are identical retries) and every marker it had not seen stored, then
-continues its plan. A restarted builder first re-runs a drop it was killed in (same id and version).
-After its plan, a writer keeps re-sending its acknowledged entries (lost-ack retries racing the
-builder's drops) until the test creates ``stop``.
+continues its plan (its rollouts concurrently). A restarted builder first re-runs a drop it was
+killed in (same id and version). Meanwhile a writer keeps re-sending the acknowledged entries of
+rollouts it finished (lost-ack retries racing the builder's drops) until the test creates ``stop``.
+The builder freezes finished rollouts (and sometimes one still being written) until the test
+creates ``writers-done``, then freezes every rollout not consumed once more and exits.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
