@@ -19,9 +19,9 @@ a drop it was killed in. After the run the test checks, with a fresh store and a
    the consumed snapshot or still in its rollout (byte-identical), and a rollout with a returned
    ``begin_call`` and no entry, or a marker, is incomplete.
 
-A drop killed after its tombstone and before it decided leaves a rollout that ``freeze`` refuses
-("being dropped"); if anything landed meanwhile, re-running the drop returns False and the rollout
-stays so (only retire or delete clear it). The test accepts that and checks the listing instead.
+A drop killed after its tombstone and before it decided has deleted nothing (a drop writes the
+retire tombstone before deleting); a later freeze ignores its tombstone, so the rollout is frozen
+and consumed again rather than wedged.
 """
 
 from __future__ import annotations

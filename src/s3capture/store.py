@@ -419,9 +419,7 @@ class S3TokenStore(RolloutObjects):
         a listing that hid one key cannot make a chain with a hole trainable. A lost *last* call
         leaves no such trace; ``begin_call`` intents close that gap (``docs/design.md``).
 
-        Raises ``TokenCaptureRetiredError`` for a retired rollout (delete it to reuse the id), and
-        also while another client's ``drop`` of it is in progress or after one crashed midway
-        (retire or delete it then). Raises ``StoreError`` (``ListingError`` for a listing that does
+        Raises ``TokenCaptureRetiredError`` for a retired rollout (delete it to reuse the id). Raises ``StoreError`` (``ListingError`` for a listing that does
         not show the fence this freeze wrote, after retries) when the store fails.
         """
         prefix = self.layout.rollout(rollout_id)
@@ -433,13 +431,11 @@ class S3TokenStore(RolloutObjects):
         if scan.retired:
             await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
-        if scan.drops:
-            # A drop is deciding (it restores the fence either way) or crashed while deleting:
-            # its records may be partly gone, so never hand them out.
-            raise TokenCaptureRetiredError(
-                f"rollout {rollout_id!r} is being dropped (or a drop crashed midway: "
-                f"{scan.drops[0].key[len(prefix):]}); retire or delete it before reusing the id"
-            )
+        # A drop's own tombstone (``drop/<token>``) without the retire tombstone means that drop had
+        # not decided to succeed (it writes ``retired`` before deleting anything): nothing is gone.
+        # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
+        # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
+        # entries this freeze loads vanish (masked) and its drop fails (retired).
         reasons: list[str] = []
         by_call: dict[str, dict[str, ListedObject]] = collections.defaultdict(dict)
         intents: set[str] = set()
