@@ -120,20 +120,12 @@ async def test_entry_moved_under_another_fingerprint_is_misfiled_and_never_resol
     assert (await fresh().resolve(rid, _request_after("a"))).status == UNRESOLVED
 
 
-# freeze files the entry objects it lists by (call id, SHA-256), so of two objects with the same
-# call id and bytes only the one listed last is read and compared with its key: a misfiled copy whose
-# key sorts before the genuine one is never read and the rollout freezes complete.
-COPY_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG (store.freeze): a byte-identical copy under another fingerprint is dropped unread when its key "
-    "sorts before the genuine key (by_call is keyed by SHA-256), so it is neither misfiled nor incomplete",
-)
-
-
+# Regression (found by the mutation work): freeze filed the objects it lists by (call id, SHA-256),
+# so of two objects with the same call id and bytes only the one listed last was read and compared
+# with its key: a misfiled copy whose key sorted before the genuine one froze complete.
 @pytest.mark.parametrize(
     "sorts_before",
-    [pytest.param(True, marks=COPY_BUG, id="fp-sorts-before"), pytest.param(False, id="fp-sorts-after")],
+    [pytest.param(True, id="fp-sorts-before"), pytest.param(False, id="fp-sorts-after")],
 )
 async def test_entry_copied_under_another_fingerprint_is_misfiled_and_never_resolves(fresh, s3_client, bucket_url, sorts_before):
     """The genuine object stays: the copy has the same call id and SHA-256 as it, in either LIST order."""

@@ -437,12 +437,14 @@ class S3TokenStore(RolloutObjects):
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
         reasons: list[str] = []
-        by_call: dict[str, dict[str, ListedObject]] = collections.defaultdict(dict)
+        # call id -> SHA-256 -> every listed key holding those bytes (a copy under another
+        # fingerprint's key has the same SHA-256 and must be read and judged too).
+        by_call: dict[str, dict[str, list[ListedObject]]] = collections.defaultdict(dict)
         intents: set[str] = set()
         for item in scan.log:
             kind, cid, fp, sha = parse_log_key(item.key[len(prefix):])  # type: ignore[misc]
             if kind == "e":
-                by_call[cid][sha] = item
+                by_call[cid].setdefault(sha, []).append(item)
             elif kind == "i":
                 intents.add(cid)
             else:
@@ -460,7 +462,7 @@ class S3TokenStore(RolloutObjects):
                 return item, None, f"vanished:{rel}"
             return item, stored, ""
 
-        wanted = [item for variants in by_call.values() for item in variants.values()]
+        wanted = [item for variants in by_call.values() for items in variants.values() for item in items]
         loaded = await asyncio.gather(*(load(item) for item in wanted))
         payloads: dict[str, dict[str, _Stored]] = collections.defaultdict(dict)
         for item, stored, problem in loaded:
