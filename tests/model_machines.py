@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -71,6 +72,8 @@ def ci_settings(**overrides: Any) -> settings:
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
+    if os.environ.get("S3CAPTURE_MODEL_NO_SHRINK"):  # report the first failing run as it is (faster)
+        values["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     values.update(overrides)
     return settings(**values)
 
