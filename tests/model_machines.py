@@ -50,11 +50,13 @@ __all__ = ["Stats", "Violation", "ci_settings", "store_machine", "ledger_machine
 GRACE = 0.2
 """``fence_grace`` of every client (they must agree); drop waits GRACE + 0.1 s after a freeze."""
 ROLLOUTS = ("r0", "r1")
-TURNS = 4
+TURNS = 3
 CLIENTS = 3
-FAULT_KINDS = ("503", "lost", "transient503", "transientlost")
+FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow")
 FAULT_SCOPES = ("PUT", "GET", "LIST", "DELETE", "ALL")
-RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3)
+RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3, 0.35, 0.45)
+SLOW = 0.3
+"""Seconds the ``slow`` fault holds a request before forwarding it (it widens race windows)."""
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>injected by the model test</Message><RequestId>fault</RequestId></Error>"
@@ -64,7 +66,7 @@ _SLOWDOWN = (
 def ci_settings(**overrides: Any) -> settings:
     """The fixed, small CI budget (about 10-40 s per machine and server)."""
     values: dict[str, Any] = dict(
-        max_examples=12,
+        max_examples=10,
         stateful_step_count=15,
         deadline=None,
         derandomize=True,
@@ -125,7 +127,9 @@ class FaultSwitch:
     ``503``: answer 503 SlowDown without forwarding (not applied), on every attempt;
     ``lost``: forward, let the server apply it, then close the connection without an answer;
     ``transient503`` / ``transientlost``: the same on a request's first attempt only (botocore's
-    ``amz-sdk-request: attempt=N`` header), so botocore's retry succeeds.
+    ``amz-sdk-request: attempt=N`` header), so botocore's retry succeeds;
+    ``slow``: hold the request ``SLOW`` seconds, then forward it (applied late; this widens the
+    windows between an operation's requests, e.g. drop's retired fence and its decisive LIST).
     """
 
     def __init__(self, stats: Stats, name: str) -> None:
@@ -146,6 +150,9 @@ class FaultSwitch:
             if attempt not in ("attempt=1", ""):
                 return None
         self.stats.faults[f"{kind}:{op}"] += 1
+        if kind == "slow":
+            await asyncio.sleep(SLOW)
+            return None
         if kind.endswith("503"):
             return Respond(503, _SLOWDOWN, reason="Slow Down")
         return DropResponse()
@@ -543,7 +550,7 @@ class TokenStoreMachine(_Machine):
         for ack in m.puts:
             if ack.end < before:
                 self.stats.check(
-                    snap.shas.get(ack.cid) == ack.sha,
+                    snap.shas.get(ack.cid) == ack.key,
                     "acknowledged_put_in_trainable_snapshot",
                     lambda: f"{desc()} lacks acknowledged put {ack.cid} {ack.key[:8]}",
                 )
@@ -613,7 +620,31 @@ class TokenStoreMachine(_Machine):
         self.do(self.op_put(client, rollout, var))
 
     @precondition(lambda self: any(m.attempted for m in self.model.values()))
-    @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), conflict=st.booleans(), other=st.integers(1, 2))
+    def put_again(self, client: int, data: st.DataObject, conflict: bool, other: int) -> None:
+        """An identical retry of a payload put before, or another payload for its call id."""
+        if conflict:
+            self.conflicting_put(client, data, other)
+        else:
+            self.retry_put(client, data)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          marker=st.sampled_from((False, False, True)))
+    def custody(self, client: int, rollout: str, turn: int, marker: bool) -> None:
+        """A ``begin_call`` intent, or (less often: it masks the rest of the generation) a marker."""
+        if marker:
+            self.mark_incomplete(client, rollout, turn)
+        else:
+            self.begin_call(client, rollout, turn)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), delete=st.sampled_from((True, True, False)))
+    def remove(self, client: int, rollout: str, delete: bool) -> None:
+        """``delete`` (a new generation of the id) or ``retire`` one rollout."""
+        if delete:
+            self.delete(client, rollout)
+        else:
+            self.retire(client, rollout)
+
     def retry_put(self, client: int, data: st.DataObject) -> None:
         """An identical retry of a payload put before (acknowledged or not)."""
         choices = sorted((r, sha) for r, m in self.model.items() for shas in m.attempted.values() for sha in shas)
@@ -623,21 +654,58 @@ class TokenStoreMachine(_Machine):
         var = self.by_sha[sha]
         self.do(self.op_put(client, rollout, var))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1))
+    def conflicting_put(self, client: int, data: st.DataObject, other: int) -> None:
+        """Another payload for a call id put before (a conflict)."""
+        choices = sorted((r, var.cid) for r, m in self.model.items() for shas in m.attempted.values()
+                         for var in (self.by_sha[s] for s in shas))
+        if not choices:
+            return
+        rollout, cid = data.draw(st.sampled_from(choices))
+        turn = int(cid.rsplit("-", 1)[1])
+        tried = {self.by_sha[s].sha for s in self.model[rollout].attempted[cid]}
+        pick = next((v for v in ((other, 3 - other, 0)) if self.variant(rollout, turn, v).sha not in tried), other)
+        self.do(self.op_put(client, rollout, self.variant(rollout, turn, pick)))
+
     def begin_call(self, client: int, rollout: str, turn: int) -> None:
         self.do(self.op_begin(client, rollout, turn))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1))
     def mark_incomplete(self, client: int, rollout: str, turn: int) -> None:
         self.do(self.op_mark(client, rollout, turn))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
-    def freeze(self, client: int, rollout: str) -> None:
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), intent=st.booleans())
+    def put_next(self, client: int, rollout: str, intent: bool) -> None:
+        """The next call of the rollout's conversation (the first turn without a payload), as a
+        harness serves it: optionally ``begin_call`` first, then ``put`` on the same client."""
+        m = self.model[rollout]
+        turn = next((t for t in range(TURNS) if not m.attempted.get(f"call-{t:03d}")), TURNS - 1)
+        if intent and not self.do(self.op_begin(client, rollout, turn)).ok:
+            return
+        self.do(self.op_put(client, rollout, self.variant(rollout, turn, 0)))
+
+    @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
+          intents=st.booleans(), turns=st.integers(1, TURNS), consume=st.booleans())
+    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, consume: bool) -> None:
+        """A whole attempt: delete the id, serve ``turns`` calls in order, freeze, maybe drop."""
+        self.delete(builder, rollout)
+        for _ in range(turns):
+            self.put_next(writer, rollout, intents)
+        self.resolve(builder, rollout, turns - 1, 0)
+        self.do(self.op_freeze(builder, rollout))
+        if consume:
+            self.do(self.op_drop(builder, rollout, 0))
+
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
+    def freeze(self, client: int, data: st.DataObject) -> None:
+        """Freeze a rollout written since its last freeze (any rollout when there is none)."""
+        fresh = [r for r, m in self.model.items() if m.writes and (not m.snaps or max(m.writes) > m.snaps[-1].start)]
+        rollout = data.draw(st.sampled_from(fresh or list(ROLLOUTS)))
         self.do(self.op_freeze(client, rollout))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), pick=st.sampled_from((0, 0, 0, 1, 2)))
-    def drop(self, client: int, rollout: str, pick: int) -> None:
-        """Drop the latest snapshot (pick 0) or a stale one."""
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), pick=st.sampled_from((0, 0, 0, 1, 2)))
+    def drop(self, client: int, data: st.DataObject, pick: int) -> None:
+        """Drop the latest snapshot (pick 0) or a stale one, of a rollout frozen in this generation."""
+        frozen = [r for r, m in self.model.items() if m.snaps]
+        rollout = data.draw(st.sampled_from(frozen or list(ROLLOUTS)))
         self.do(self.op_drop(client, rollout, pick))
 
     def op_retire(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
@@ -657,11 +725,9 @@ class TokenStoreMachine(_Machine):
 
         return (f"retire({rollout})", client, go, delay, after)
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
     def delete(self, client: int, rollout: str) -> None:
         m = self.model[rollout]
         store = self.clients[client]
@@ -721,8 +787,8 @@ class TokenStoreMachine(_Machine):
                              lambda: f"{out.describe()} although {var.cid} {var.sha[:8]} was acknowledged")
 
     @rule(a=st.integers(0, CLIENTS - 1), b=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          kind=st.sampled_from(("put+freeze", "put+drop", "mark+drop", "begin+freeze", "put+put", "freeze+freeze",
-                                "put+retire")),
+          kind=st.sampled_from(("put+freeze", "put+drop", "retry+drop", "mark+drop", "begin+freeze", "put+put",
+                                "freeze+freeze", "put+retire", "retry+freeze")),
           turn=st.integers(0, TURNS - 1), v=st.sampled_from((0, 0, 1)),
           da=st.sampled_from(RACE_DELAYS), db=st.sampled_from(RACE_DELAYS))
     def race(self, a: int, b: int, rollout: str, kind: str, turn: int, v: int, da: float, db: float) -> None:
@@ -733,6 +799,10 @@ class TokenStoreMachine(_Machine):
         for who, what, delay in ((a, first, da), (b, second, db)):
             if what == "put":
                 ops.append(self.op_put(who, rollout, var if not ops else self.variant(rollout, (turn + 1) % TURNS, 0), delay))
+            elif what == "retry":  # an identical retry of a payload put before, when there is one
+                tried = sorted(sha for shas in self.model[rollout].attempted.values() for sha in shas)
+                again = self.by_sha[tried[turn % len(tried)]] if tried else var
+                ops.append(self.op_put(who, rollout, again, delay))
             elif what == "freeze":
                 ops.append(self.op_freeze(who, rollout, delay))
             elif what == "drop":
@@ -913,7 +983,22 @@ class LedgerMachine(_Machine):
         self.do(self.op_record(client, rollout, c))
 
     @precondition(lambda self: any(m.attempted for m in self.model.values()))
-    @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), conflict=st.booleans(), other=st.integers(1, 2))
+    def record_again(self, client: int, data: st.DataObject, conflict: bool, other: int) -> None:
+        """An identical retry of a commit recorded before, or another commit for its call id."""
+        if conflict:
+            self.conflicting_record(client, data, other)
+        else:
+            self.retry_record(client, data)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), delete=st.booleans())
+    def remove(self, client: int, rollout: str, delete: bool) -> None:
+        """``retire`` or ``delete`` one rollout."""
+        if delete:
+            self.delete(client, rollout)
+        else:
+            self.retire(client, rollout)
+
     def retry_record(self, client: int, data: st.DataObject) -> None:
         """An identical retry of a commit recorded before (acknowledged or not)."""
         choices = sorted((r, cid, v) for r, m in self.model.items() for cid, vs in m.attempted.items() for v in vs)
@@ -922,6 +1007,17 @@ class LedgerMachine(_Machine):
         rollout, cid, v = data.draw(st.sampled_from(choices))
         c = self.commit(rollout, int(cid.rsplit("-", 1)[1]), v)
         self.do(self.op_record(client, rollout, c))
+
+    def conflicting_record(self, client: int, data: st.DataObject, other: int) -> None:
+        """Another commit for a call id recorded before (a conflict)."""
+        choices = sorted((r, cid) for r, m in self.model.items() for cid in m.attempted)
+        if not choices:
+            return
+        rollout, cid = data.draw(st.sampled_from(choices))
+        turn = int(cid.rsplit("-", 1)[1])
+        tried = self.model[rollout].attempted[cid]
+        pick = next((v for v in (other, 3 - other, 0) if v not in tried), other)
+        self.do(self.op_record(client, rollout, self.commit(rollout, turn, pick)))
 
     @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
           reason=st.sampled_from(("unresolved_parent", "timeout")))
@@ -946,15 +1042,34 @@ class LedgerMachine(_Machine):
         if out.ok:
             m.intents.append((cid, out.end))
 
+    @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
+          intents=st.booleans(), turns=st.integers(1, TURNS), retire=st.booleans())
+    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, retire: bool) -> None:
+        """A whole attempt: delete the id, record ``turns`` calls in order, read the manifest, maybe retire."""
+        self.delete(builder, rollout)
+        for _ in range(turns):
+            self.record_next(writer, rollout, intents)
+        self.resolve(builder, rollout, turns - 1, 0)
+        self.do(self.op_manifest(builder, rollout))
+        if retire:
+            self.do(self.op_retire(builder, rollout))
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), intent=st.booleans())
+    def record_next(self, client: int, rollout: str, intent: bool) -> None:
+        """The next call of the conversation (first turn without a row), optionally after its intent."""
+        m = self.model[rollout]
+        turn = next((t for t in range(TURNS) if not m.attempted.get(f"call-{t:03d}")), TURNS - 1)
+        if intent:
+            self.begin_call(client, rollout, turn)
+        self.do(self.op_record(client, rollout, self.commit(rollout, turn, 0)))
+
     @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
     def manifest(self, client: int, rollout: str) -> None:
         self.do(self.op_manifest(client, rollout))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
     def delete(self, client: int, rollout: str) -> None:
         ledger = self.clients[client]
         m = self.model[rollout]
