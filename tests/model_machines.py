@@ -683,16 +683,26 @@ class TokenStoreMachine(_Machine):
         self.do(self.op_put(client, rollout, self.variant(rollout, turn, 0)))
 
     @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          intents=st.booleans(), turns=st.integers(1, TURNS), consume=st.booleans())
-    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, consume: bool) -> None:
-        """A whole attempt: delete the id, serve ``turns`` calls in order, freeze, maybe drop."""
+          intents=st.booleans(), turns=st.integers(1, TURNS), conflict=st.sampled_from((None, None, 0, 1, 2)),
+          consume=st.sampled_from(("no", "drop", "drop+retry")), delay=st.sampled_from(RACE_DELAYS))
+    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None,
+                  consume: str, delay: float) -> None:
+        """A whole attempt: delete the id, serve ``turns`` calls in order (optionally one call again
+        with another payload), resolve, freeze, and maybe drop, alone or racing an identical retry
+        of the last put (a retry that may read the drop's tentative retired fence)."""
         self.delete(builder, rollout)
         for _ in range(turns):
             self.put_next(writer, rollout, intents)
+        if conflict is not None:
+            turn = min(conflict, turns - 1)
+            self.do(self.op_put(builder, rollout, self.variant(rollout, turn, 2 if turn == conflict else 1)))
         self.resolve(builder, rollout, turns - 1, 0)
         self.do(self.op_freeze(builder, rollout))
-        if consume:
+        if consume == "drop":
             self.do(self.op_drop(builder, rollout, 0))
+        elif consume == "drop+retry":
+            last = self.variant(rollout, turns - 1, 0)
+            self.race_ops([self.op_drop(builder, rollout, 0), self.op_put(writer, rollout, last, delay)])
 
     @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
     def freeze(self, client: int, data: st.DataObject) -> None:
@@ -1043,12 +1053,18 @@ class LedgerMachine(_Machine):
             m.intents.append((cid, out.end))
 
     @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          intents=st.booleans(), turns=st.integers(1, TURNS), retire=st.booleans())
-    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, retire: bool) -> None:
-        """A whole attempt: delete the id, record ``turns`` calls in order, read the manifest, maybe retire."""
+          intents=st.booleans(), turns=st.integers(1, TURNS), conflict=st.sampled_from((None, None, 0, 1, 2)),
+          retire=st.booleans())
+    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None,
+                  retire: bool) -> None:
+        """A whole attempt: delete the id, record ``turns`` calls in order (optionally one call again
+        with another commit), resolve, read the manifest, maybe retire."""
         self.delete(builder, rollout)
         for _ in range(turns):
             self.record_next(writer, rollout, intents)
+        if conflict is not None:
+            turn = min(conflict, turns - 1)
+            self.do(self.op_record(builder, rollout, self.commit(rollout, turn, 2 if turn == conflict else 1)))
         self.resolve(builder, rollout, turns - 1, 0)
         self.do(self.op_manifest(builder, rollout))
         if retire:
