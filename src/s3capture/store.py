@@ -391,7 +391,11 @@ class S3TokenStore(RolloutObjects):
             # After a freeze a drop may be racing: only a fence read after landing tells whether the
             # marker could still invalidate the consumed snapshot.
             try:
-                state = await self._fence_state(prefix)
+                fence, tombstone = await asyncio.gather(self._fence_state(prefix), self._get(prefix + "retired"))
+                # And the retire tombstone (immutable, never removed by a freeze): a freeze of a
+                # retired rollout rewrites its fence as "frozen" until its LIST shows it the
+                # tombstone, and a marker that read the fence then must still learn "retired".
+                state = "retired" if tombstone is not None else fence
             except Exception:  # noqa: BLE001 - the marker landed; a failed re-read must not fail it
                 pass
         if isinstance(stored, BaseException):

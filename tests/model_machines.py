@@ -1,0 +1,1179 @@
+"""Model-based state machines of ``S3TokenStore`` and ``S3CaptureLedger`` against a real S3 server.
+
+Shared by ``tests/test_model.py`` (a small fixed budget in CI) and ``tools/chaos.py`` (long runs).
+``docs/reliability.md`` states the invariants and how to run both.
+
+Each hypothesis example is one run of a machine: a fresh bucket on the server, one event loop,
+three clients of one class on that bucket (client 0 talks to the server directly, clients 1 and 2
+each through their own ``FaultProxy`` whose faults are switched on and off by rules). Rules issue
+the protocol's operations on two rollouts, sometimes two at once (a race, with small start
+delays), and a model tracks what each operation's outcome promises:
+
+* an operation that returned is *acknowledged*; one that raised is not, but may have landed (a
+  lost response applies the request, then drops the answer);
+* time is this process's ``time.monotonic()``; "acknowledged before X" means the operation
+  returned before X was called, so every request of it was answered before X sent its first.
+
+After every operation the machine checks the invariants of ``docs/reliability.md``; a violated
+one raises ``Violation`` (an ``AssertionError``: hypothesis then shrinks the run to a minimal one).
+Every check, operation and fault is counted in ``Stats`` (printed by ``tools/chaos.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from helpers import assistant_output, build_conversation, canonical, make_commit, make_entry, user
+
+try:  # the extended proxy (branch h-faults), when merged
+    from faultproxy import DropResponse, FaultProxy, Respond  # type: ignore[import-not-found]
+except ImportError:  # the proxy of the adversarial tests
+    from test_adversarial_faultproxy import DropResponse, FaultProxy, Respond
+
+from s3capture.errors import StoreError
+from s3capture.protocols import RolloutRetiredError, TokenCaptureFrozenError, TokenCaptureRetiredError
+from s3capture.records import ParentResolutionStatus, RecordError
+
+__all__ = ["Stats", "Violation", "ci_settings", "store_machine", "ledger_machine", "GRACE"]
+
+GRACE = 0.2
+"""``fence_grace`` of every client (they must agree); drop waits GRACE + 0.1 s after a freeze."""
+ROLLOUTS = ("r0", "r1")
+TURNS = 3
+CLIENTS = 3
+FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow")
+FAULT_SCOPES = ("PUT", "GET", "LIST", "DELETE", "ALL")
+RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3, 0.35, 0.45)
+SLOW = 0.3
+"""Seconds the ``slow`` fault holds a request before forwarding it (it widens race windows)."""
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>injected by the model test</Message><RequestId>fault</RequestId></Error>"
+)
+
+
+def ci_settings(**overrides: Any) -> settings:
+    """The fixed, small CI budget (about 10-40 s per machine and server)."""
+    values: dict[str, Any] = dict(
+        max_examples=10,
+        stateful_step_count=15,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    if os.environ.get("S3CAPTURE_MODEL_NO_SHRINK"):  # report the first failing run as it is (faster)
+        values["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
+    values.update(overrides)
+    return settings(**values)
+
+
+class Violation(AssertionError):
+    """An invariant of docs/reliability.md does not hold."""
+
+
+@dataclass
+class Stats:
+    """What the machines did: operations by outcome, faults injected, invariant checks made."""
+
+    ops: collections.Counter = field(default_factory=collections.Counter)
+    faults: collections.Counter = field(default_factory=collections.Counter)
+    checks: collections.Counter = field(default_factory=collections.Counter)
+    violations: list[str] = field(default_factory=list)
+    runs: int = 0
+    steps: int = 0
+    log: Callable[[str], None] | None = None
+
+    def say(self, text: str) -> None:
+        if self.log is not None:
+            self.log(text)
+
+    def check(self, ok: bool, name: str, message: Callable[[], str] | str) -> None:
+        self.checks[name] += 1
+        if not ok:
+            text = f"{name}: {message() if callable(message) else message}"
+            self.violations.append(text)
+            self.say(f"    VIOLATION {text}")
+            raise Violation(text)
+
+
+# --------------------------------------------------------------------------- faults
+def _op_of(request: Any) -> str:
+    method, query = request.method, request.query
+    if method == "GET" and "list-type" in query:
+        return "LIST"
+    if method in ("GET", "HEAD"):
+        return "GET"
+    if method == "DELETE" or (method == "POST" and "delete" in query):
+        return "DELETE"
+    return method
+
+
+class FaultSwitch:
+    """The rule of one client's proxy: off, or a fault kind on one S3 operation class.
+
+    ``503``: answer 503 SlowDown without forwarding (not applied), on every attempt;
+    ``lost``: forward, let the server apply it, then close the connection without an answer;
+    ``transient503`` / ``transientlost``: the same on a request's first attempt only (botocore's
+    ``amz-sdk-request: attempt=N`` header), so botocore's retry succeeds;
+    ``slow``: hold the request ``SLOW`` seconds, then forward it (applied late; this widens the
+    windows between an operation's requests, e.g. drop's retired fence and its decisive LIST).
+    """
+
+    def __init__(self, stats: Stats, name: str) -> None:
+        self.stats = stats
+        self.name = name
+        self.kind: str | None = None
+        self.scope = "ALL"
+
+    async def __call__(self, request: Any) -> Any:
+        kind = self.kind
+        if kind is None:
+            return None
+        op = _op_of(request)
+        if self.scope != "ALL" and op != self.scope:
+            return None
+        if kind.startswith("transient"):
+            attempt = request.headers.get("amz-sdk-request", "attempt=1").split(";")[0].strip()
+            if attempt not in ("attempt=1", ""):
+                return None
+        self.stats.faults[f"{kind}:{op}"] += 1
+        if kind == "slow":
+            await asyncio.sleep(SLOW)
+            return None
+        if kind.endswith("503"):
+            return Respond(503, _SLOWDOWN, reason="Slow Down")
+        return DropResponse()
+
+
+# --------------------------------------------------------------------------- common plumbing
+@dataclass
+class Outcome:
+    name: str
+    client: int
+    start: float
+    end: float
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def describe(self) -> str:
+        what = f"-> {type(self.error).__name__}: {str(self.error)[:120]}" if self.error else f"-> {_short(self.value)}"
+        return f"{self.name} (client {self.client}, {1000 * (self.end - self.start):.0f} ms) {what}"
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "ok"
+    if hasattr(value, "snapshot_id") and hasattr(value, "entries"):
+        return (
+            f"snapshot v{value.version} {value.snapshot_id[:8]} entries={sorted(e.model_call_id for e in value.entries)} "
+            f"incomplete={value.incomplete} {list(getattr(value, 'reasons', ()))[:4]}"
+        )
+    if hasattr(value, "status"):
+        match = getattr(value, "match", None)
+        return f"{value.status.name} {getattr(value, 'reason', '')} {match.model_call_id if match else ''}".strip()
+    if isinstance(value, dict) and "records" in value:
+        return f"records={[r['model_call_id'] for r in value['records']]} failures={[(f['model_call_id'], f['reason']) for f in value['failures']]}"
+    return str(value)[:160]
+
+
+_ALLOWED_ERRORS = (StoreError,)
+
+
+class _Machine(RuleBasedStateMachine):
+    """Bucket, loop, proxies and clients of one run; subclasses set ``client_class``."""
+
+    server: Any = None
+    stats: Stats = Stats()
+    client_class: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        import aioboto3
+
+        from conftest import make_boto3_client
+        from s3capture.transport import default_botocore_config
+
+        self.stats.runs += 1
+        self.loop = asyncio.new_event_loop()
+        if getattr(type(self), "_raw", None) is None:
+            type(self)._raw = make_boto3_client(self.server)
+            type(self)._session = aioboto3.Session()  # credentials and service model, loaded once
+        self.raw = type(self)._raw
+        self.bucket = f"s3capture-model-{uuid.uuid4().hex[:16]}"
+        self.raw.create_bucket(Bucket=self.bucket)
+        self.url = f"s3://{self.bucket}/m"
+        self.switches = [FaultSwitch(self.stats, f"client {i}") for i in range(CLIENTS)]
+        self.proxies: list[Any] = []
+        session = type(self)._session
+        # Two attempts and short timeouts: a fault that stays on fails an operation in about a second.
+        config = default_botocore_config(
+            32, retries={"mode": "standard", "max_attempts": 2}, connect_timeout=2, read_timeout=10
+        )
+        self.clients: list[Any] = []
+        for i in range(CLIENTS):
+            endpoint = self.server.client_kwargs()["endpoint_url"]
+            if i > 0:
+                proxy = FaultProxy(self.server.port)
+                self.loop.run_until_complete(proxy.start())
+                proxy.rule = self.switches[i]
+                self.proxies.append(proxy)
+                endpoint = proxy.endpoint
+            self.clients.append(self.make_client(endpoint, session, config))
+        self.stats.say(f"run {self.stats.runs}: bucket {self.bucket}")
+
+    def make_client(self, endpoint: str, session: Any, config: Any) -> Any:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        try:
+            for client in self.clients:
+                try:
+                    self.loop.run_until_complete(client.close())
+                except Exception:  # noqa: BLE001 - teardown is best effort
+                    pass
+            for proxy in self.proxies:
+                self.loop.run_until_complete(proxy.stop())
+        finally:
+            self.loop.close()
+            from conftest import delete_bucket_quietly
+
+            delete_bucket_quietly(self.raw, self.bucket)
+
+    # ------------------------------------------------------------------ running operations
+    async def _timed(self, name: str, client: int, fn: Callable[[], Any], delay: float = 0.0) -> Outcome:
+        if delay:
+            await asyncio.sleep(delay)
+        start = time.monotonic()
+        try:
+            value = await fn()
+            out = Outcome(name, client, start, time.monotonic(), value)
+        except Exception as error:  # noqa: BLE001 - the outcome is judged by the model
+            out = Outcome(name, client, start, time.monotonic(), error=error)
+        self.stats.ops[f"{name.split('(')[0]}:{'ok' if out.ok else type(out.error).__name__}"] += 1
+        return out
+
+    def run(self, name: str, client: int, fn: Callable[[], Any]) -> Outcome:
+        self.stats.steps += 1
+        self.racing = []
+        out = self.loop.run_until_complete(self._timed(name, client, fn))
+        self.stats.say(f"  {out.describe()}")
+        return out
+
+    def do(self, op: tuple) -> Outcome:
+        """Run one operation tuple ``(name, client, fn, delay, after)`` and judge it with ``after``."""
+        out = self.run(op[0], op[1], op[2])
+        op[4](out)
+        return out
+
+    def race_ops(self, ops: list[tuple]) -> list[Outcome]:
+        """Run operation tuples at once; judge them in order of completion, so that time-based
+        checks see the state each one ran in."""
+        outs = self.run_together([op[:4] for op in ops])
+        self.racing = outs  # what ran alongside, for checks that depend on it
+        judged = sorted(zip(outs, ops), key=lambda pair: pair[0].end)
+        for out, op in judged:
+            op[4](out)
+        return outs
+
+    def run_together(self, ops: list[tuple[str, int, Callable[[], Any], float]]) -> list[Outcome]:
+        self.stats.steps += 1
+        async def together() -> list[Outcome]:
+            return list(await asyncio.gather(*(self._timed(*op) for op in ops)))
+
+        outs = self.loop.run_until_complete(together())
+        self.stats.say("  race: " + " | ".join(o.describe() for o in outs))
+        return list(outs)
+
+    def expect_error_types(self, out: Outcome, allowed: tuple[type[BaseException], ...]) -> None:
+        """Every failure a caller sees is one of the documented types (never a raw aiohttp error)."""
+        if out.error is not None:
+            self.stats.check(
+                isinstance(out.error, allowed + _ALLOWED_ERRORS),
+                "documented_error_type",
+                lambda: f"{out.name} raised {type(out.error).__name__}: {out.error}",
+            )
+
+    def raw_keys(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        for page in self.raw.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            keys.extend(item["Key"] for item in page.get("Contents", []))
+        return keys
+
+    # ------------------------------------------------------------------ faults
+    @rule(client=st.integers(1, CLIENTS - 1), kind=st.sampled_from((None, *FAULT_KINDS)),
+          scope=st.sampled_from(FAULT_SCOPES))
+    def fault(self, client: int, kind: str | None, scope: str) -> None:
+        """Switch client ``client``'s proxy to a fault (``kind`` on ``scope``) or off (None)."""
+        self.switches[client].kind = kind
+        self.switches[client].scope = scope
+        self.stats.ops["fault_on" if kind else "fault_off"] += 1
+        self.stats.say(f"  fault: client {client} {kind} on {scope}" if kind else f"  fault off: client {client}")
+
+    def faulted(self, client: int) -> bool:
+        return self.switches[client].kind is not None
+
+
+# --------------------------------------------------------------------------- token store model
+@dataclass
+class _Ack:
+    cid: str
+    key: str  # sha for puts, "" for intents and markers
+    start: float
+    end: float
+
+
+@dataclass
+class _Snap:
+    snap: Any
+    start: float
+    end: float
+    shas: dict[str, str]  # cid -> sha of the entry handed out
+
+
+@dataclass
+class _StoreRollout:
+    gen: int = 0
+    dirty: bool = False
+    """A removal failed midway in this or an earlier generation: leftovers may exist."""
+    puts: list[_Ack] = field(default_factory=list)  # acknowledged
+    landed: dict[str, dict[str, float]] = field(default_factory=lambda: collections.defaultdict(dict))
+    """cid -> sha -> when it is known to have landed (acknowledged, or refused as frozen)."""
+    attempted: dict[str, set[str]] = field(default_factory=lambda: collections.defaultdict(set))
+    intents: list[_Ack] = field(default_factory=list)
+    markers: list[_Ack] = field(default_factory=list)
+    writes: list[float] = field(default_factory=list)  # start times of every mutating operation
+    fenced_at: float | None = None  # a freeze returned (a frozen fence exists unless removed since)
+    retired_at: float | None = None  # retire returned or drop returned True
+    maybe_removed: bool = False  # a retire, drop or delete raised: state unknown
+    snaps: list[_Snap] = field(default_factory=list)
+    freezes: list[tuple[float, float]] = field(default_factory=list)  # every freeze call, failed or not
+    dropped: _Snap | None = None
+    drop_end: float = 0.0
+
+
+class _Variant:
+    """One payload for (rollout, turn): variant 0 is the conversation's, 1 the same output with
+    other tokens (a conflict under the same fingerprint), 2 another output (another fingerprint)."""
+
+    def __init__(self, rollout: str, turn: int, variant: int, delta: bool) -> None:
+        conv = build_conversation(rollout, TURNS)
+        t = conv[turn]
+        generation = list(t.generation) + ([77] if variant == 1 else [])
+        self.output = assistant_output(f"other answer {turn} of {rollout}") if variant == 2 else t.output_items
+        parent_cum = conv[turn - 1].cumulative if turn else None
+        self.entry = make_entry(
+            rollout,
+            t.call_id,
+            t.request_items,
+            self.output,
+            t.prompt,
+            generation,
+            parent_call_id=t.parent_call_id,
+            parent_cumulative=parent_cum,
+            delta=delta and variant == 0 and turn > 0,
+        )
+        self.cid = t.call_id
+        self.sha = hashlib.sha256(canonical(self.entry)).hexdigest()
+        self.cumulative = tuple(t.prompt) + tuple(generation)
+        self.digest = self.entry.digest
+        self.request = list(t.request_items) + list(self.output) + [user(f"after {turn}")]
+        self.output_key = repr(self.output)
+
+
+class TokenStoreMachine(_Machine):
+    """Several ``S3TokenStore`` clients on one bucket, with faults (docs/reliability.md)."""
+
+    def make_client(self, endpoint: str, session: Any, config: Any) -> Any:
+        from s3capture.store import S3TokenStore
+
+        return S3TokenStore(
+            self.url, endpoint_url=endpoint, session=session, botocore_config=config, fence_grace=GRACE
+        )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delta = False
+        self.model = {r: _StoreRollout() for r in ROLLOUTS}
+        self.variants: dict[tuple[str, int, int], _Variant] = {}
+        self.by_sha: dict[str, _Variant] = {}
+
+    @initialize(delta=st.sampled_from((False, False, True)))
+    def choose_mode(self, delta: bool) -> None:
+        self.delta = delta
+        self.stats.say(f"  mode: {'delta' if delta else 'full'} prompts")
+
+    def variant(self, rollout: str, turn: int, v: int) -> _Variant:
+        key = (rollout, turn, v)
+        if key not in self.variants:
+            self.variants[key] = made = _Variant(rollout, turn, v, self.delta)
+            self.by_sha[made.sha] = made
+        return self.variants[key]
+
+    # ------------------------------------------------------------------ operations (model updates)
+    def op_put(self, client: int, rollout: str, var: _Variant, delay: float = 0.0) -> tuple:
+        m = self.model[rollout]
+        store = self.clients[client]
+        m.attempted[var.cid].add(var.sha)
+
+        async def go() -> Any:
+            m.writes.append(time.monotonic())
+            return await store.put(var.entry)
+
+        return (f"put({rollout},{var.cid},{var.sha[:6]})", client, go, delay, lambda out: self.after_put(rollout, var, out))
+
+    def after_put(self, rollout: str, var: _Variant, out: Outcome) -> None:
+        m = self.model[rollout]
+        self.expect_error_types(out, (TokenCaptureFrozenError, RecordError))
+        if out.ok:
+            m.puts.append(_Ack(var.cid, var.sha, out.start, out.end))
+            m.landed[var.cid].setdefault(var.sha, out.end)
+        elif isinstance(out.error, TokenCaptureFrozenError) and not isinstance(out.error, TokenCaptureRetiredError):
+            m.landed[var.cid].setdefault(var.sha, out.end)  # documented: it landed and moved the version
+        self.check_fenced_write(rollout, out)
+
+    def check_fenced_write(self, rollout: str, out: Outcome) -> None:
+        """A write that starts after the rollout was retired raises TokenCaptureRetiredError, after a
+        freeze TokenCaptureFrozenError (a failing store may also raise StoreError)."""
+        m = self.model[rollout]
+        if m.retired_at is not None and m.retired_at < out.start:
+            allowed: tuple[type[BaseException], ...] = (TokenCaptureRetiredError, StoreError, RecordError)
+            freezes = m.freezes + [(o.start, o.end) for o in getattr(self, "racing", []) if o.name == f"freeze({rollout})"]
+            if "mark_incomplete" not in out.name and any(a < out.end and b > out.start for a, b in freezes):
+                # Documented: a freeze of a retired rollout rewrites its fence as "frozen" until its
+                # LIST shows the tombstone; a put or begin_call reading it then is refused as frozen.
+                allowed += (TokenCaptureFrozenError,)
+            self.stats.check(
+                isinstance(out.error, allowed),
+                "write_after_retire_raises_retired",
+                lambda: f"{out.describe()} after the rollout was retired",
+            )
+        elif m.fenced_at is not None and m.fenced_at < out.start and "mark_incomplete" not in out.name:
+            self.stats.check(
+                isinstance(out.error, (TokenCaptureFrozenError, StoreError, RecordError)),
+                "write_after_freeze_raises_frozen",
+                lambda: f"{out.describe()} after the rollout was frozen",
+            )
+
+    def op_begin(self, client: int, rollout: str, turn: int, delay: float = 0.0) -> tuple:
+        m = self.model[rollout]
+        store = self.clients[client]
+        cid = build_conversation(rollout, TURNS)[turn].call_id
+
+        async def go() -> Any:
+            m.writes.append(time.monotonic())
+            return await store.begin_call(rollout, cid)
+
+        return (f"begin_call({rollout},{cid})", client, go, delay, lambda out: self.after_begin(rollout, out))
+
+    def after_begin(self, rollout: str, out: Outcome) -> None:
+        self.expect_error_types(out, (TokenCaptureFrozenError,))
+        cid = out.name.split(",")[1].rstrip(")")
+        if out.ok:
+            self.model[rollout].intents.append(_Ack(cid, "", out.start, out.end))
+        self.check_fenced_write(rollout, out)
+
+    def op_mark(self, client: int, rollout: str, turn: int, delay: float = 0.0) -> tuple:
+        m = self.model[rollout]
+        store = self.clients[client]
+        cid = build_conversation(rollout, TURNS)[turn].call_id
+
+        async def go() -> Any:
+            m.writes.append(time.monotonic())
+            return await store.mark_incomplete(rollout, cid)
+
+        return (f"mark_incomplete({rollout},{cid})", client, go, delay, lambda out: self.after_mark(rollout, out))
+
+    def after_mark(self, rollout: str, out: Outcome) -> None:
+        self.expect_error_types(out, (TokenCaptureRetiredError,))
+        cid = out.name.split(",")[1].rstrip(")")
+        if out.ok:
+            self.model[rollout].markers.append(_Ack(cid, "", out.start, out.end))
+        self.check_fenced_write(rollout, out)
+
+    def op_freeze(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
+        store = self.clients[client]
+        return (f"freeze({rollout})", client, lambda: store.freeze(rollout), delay, lambda out: self.after_freeze(rollout, out))
+
+    def after_freeze(self, rollout: str, out: Outcome) -> None:
+        m = self.model[rollout]
+        m.freezes.append((out.start, out.end))
+        self.expect_error_types(out, (TokenCaptureRetiredError,))
+        if m.retired_at is not None and m.retired_at < out.start:
+            self.stats.check(not out.ok, "freeze_after_retire_raises", lambda: out.describe())
+        if not out.ok:
+            return
+        snap = out.value
+        shas: dict[str, str] = {}
+        for entry in snap.entries:
+            sha = hashlib.sha256(canonical(entry)).hexdigest()
+            self.stats.check(entry.model_call_id not in shas, "one_entry_per_call", lambda: out.describe())
+            self.stats.check(
+                sha in self.by_sha and entry.rollout_id == rollout,
+                "no_phantom_entries",
+                lambda: f"{out.describe()}: entry {entry.model_call_id} {sha[:8]} was never put to {rollout}",
+            )
+            shas[entry.model_call_id] = sha
+        record = _Snap(snap, out.start, out.end, shas)
+        if not snap.incomplete:
+            self.check_complete_snapshot(rollout, record, out.start, "freeze")
+            for entry in snap.entries:
+                self.stats.check(
+                    entry.parent_call_id is None or entry.parent_call_id in shas,
+                    "no_missing_parent_in_trainable",
+                    lambda: f"{out.describe()}: {entry.model_call_id}'s parent {entry.parent_call_id} is missing",
+                )
+        # Idempotent across clients: nothing was written since the previous freeze -> same pair.
+        previous = [s for s in m.snaps if s.end < out.start]
+        if previous and not m.dirty:
+            last = previous[-1]
+            if not any(t >= last.start for t in m.writes) and not m.maybe_removed:
+                self.stats.check(
+                    (snap.version, snap.snapshot_id, snap.incomplete)
+                    == (last.snap.version, last.snap.snapshot_id, last.snap.incomplete),
+                    "freeze_is_idempotent",
+                    lambda: f"{out.describe()} after {_short(last.snap)} with no write between",
+                )
+        m.snaps.append(record)
+        m.fenced_at = m.fenced_at or out.end
+
+    def check_complete_snapshot(self, rollout: str, snap: _Snap, before: float, why: str) -> None:
+        """``snap`` is trainable: everything acknowledged before ``before`` must be in it."""
+        m = self.model[rollout]
+        desc = lambda: f"{why}: trainable {_short(snap.snap)}"  # noqa: E731
+        for ack in m.puts:
+            if ack.end < before:
+                self.stats.check(
+                    snap.shas.get(ack.cid) == ack.key,
+                    "acknowledged_put_in_trainable_snapshot",
+                    lambda: f"{desc()} lacks acknowledged put {ack.cid} {ack.key[:8]}",
+                )
+        for cid, landed in m.landed.items():
+            known = [sha for sha, t in landed.items() if t < before]
+            self.stats.check(
+                len(known) < 2, "conflict_masks", lambda: f"{desc()} although {cid} has payloads {known}"
+            )
+        for ack in m.intents:
+            if ack.end < before:
+                self.stats.check(
+                    ack.cid in snap.shas, "dangling_intent_masks", lambda: f"{desc()} lacks intended call {ack.cid}"
+                )
+        for ack in m.markers:
+            if ack.end < before:
+                self.stats.check(False, "marker_masks", lambda: f"{desc()} although {ack.cid} was marked incomplete")
+
+    def op_drop(self, client: int, rollout: str, pick: int, delay: float = 0.0) -> tuple:
+        m = self.model[rollout]
+        store = self.clients[client]
+        snap = m.snaps[-1 - pick % len(m.snaps)] if m.snaps else None
+        sid, version = (snap.snap.snapshot_id, snap.snap.version) if snap else ("0" * 32, 0)
+
+        async def go() -> Any:
+            m.writes.append(time.monotonic())
+            return await store.drop(rollout, sid, version)
+
+        return (f"drop({rollout},v{version},{sid[:8]})", client, go, delay, lambda out: self.after_drop(rollout, snap, out))
+
+    def after_drop(self, rollout: str, snap: _Snap | None, out: Outcome) -> None:
+        m = self.model[rollout]
+        self.expect_error_types(out, ())
+        if not out.ok:
+            m.maybe_removed = True
+            return
+        if out.value is not True:
+            return
+        self.stats.check(snap is not None, "drop_needs_a_snapshot", lambda: out.describe())
+        self.stats.check(
+            m.retired_at is None or m.retired_at > out.start, "drop_of_retired_fails", lambda: out.describe()
+        )
+        assert snap is not None
+        for later in m.snaps:
+            if later.start > snap.start and later.end < out.start:
+                self.stats.check(
+                    (later.snap.version, later.snap.snapshot_id) == (snap.snap.version, snap.snap.snapshot_id),
+                    "stale_drop_fails",
+                    lambda: f"{out.describe()} although a later freeze saw {_short(later.snap)}",
+                )
+        m.dropped = snap
+        m.drop_end = out.end
+        m.retired_at = out.end
+
+    @invariant()
+    def dropped_snapshot_holds_every_acknowledged_write(self) -> None:
+        """A drop returned True of a trainable snapshot: every write acknowledged in this
+        generation (before or after it) is in that snapshot, and no marker was acknowledged."""
+        for rollout, m in self.model.items():
+            if m.dropped is not None and not m.dropped.snap.incomplete:
+                self.check_complete_snapshot(rollout, m.dropped, float("inf"), "dropped")
+
+    # ------------------------------------------------------------------ rules
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          v=st.sampled_from((0, 0, 0, 0, 1, 2)))
+    def put(self, client: int, rollout: str, turn: int, v: int) -> None:
+        var = self.variant(rollout, turn, v)
+        self.do(self.op_put(client, rollout, var))
+
+    @precondition(lambda self: any(m.attempted for m in self.model.values()))
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), conflict=st.booleans(), other=st.integers(1, 2))
+    def put_again(self, client: int, data: st.DataObject, conflict: bool, other: int) -> None:
+        """An identical retry of a payload put before, or another payload for its call id."""
+        if conflict:
+            self.conflicting_put(client, data, other)
+        else:
+            self.retry_put(client, data)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          marker=st.sampled_from((False, False, True)))
+    def custody(self, client: int, rollout: str, turn: int, marker: bool) -> None:
+        """A ``begin_call`` intent, or (less often: it masks the rest of the generation) a marker."""
+        if marker:
+            self.mark_incomplete(client, rollout, turn)
+        else:
+            self.begin_call(client, rollout, turn)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), delete=st.sampled_from((True, True, False)))
+    def remove(self, client: int, rollout: str, delete: bool) -> None:
+        """``delete`` (a new generation of the id) or ``retire`` one rollout."""
+        if delete:
+            self.delete(client, rollout)
+        else:
+            self.retire(client, rollout)
+
+    def retry_put(self, client: int, data: st.DataObject) -> None:
+        """An identical retry of a payload put before (acknowledged or not)."""
+        choices = sorted((r, sha) for r, m in self.model.items() for shas in m.attempted.values() for sha in shas)
+        if not choices:
+            return
+        rollout, sha = data.draw(st.sampled_from(choices))
+        var = self.by_sha[sha]
+        self.do(self.op_put(client, rollout, var))
+
+    def conflicting_put(self, client: int, data: st.DataObject, other: int) -> None:
+        """Another payload for a call id put before (a conflict)."""
+        choices = sorted((r, var.cid) for r, m in self.model.items() for shas in m.attempted.values()
+                         for var in (self.by_sha[s] for s in shas))
+        if not choices:
+            return
+        rollout, cid = data.draw(st.sampled_from(choices))
+        turn = int(cid.rsplit("-", 1)[1])
+        tried = {self.by_sha[s].sha for s in self.model[rollout].attempted[cid]}
+        pick = next((v for v in ((other, 3 - other, 0)) if self.variant(rollout, turn, v).sha not in tried), other)
+        self.do(self.op_put(client, rollout, self.variant(rollout, turn, pick)))
+
+    def begin_call(self, client: int, rollout: str, turn: int) -> None:
+        self.do(self.op_begin(client, rollout, turn))
+
+    def mark_incomplete(self, client: int, rollout: str, turn: int) -> None:
+        self.do(self.op_mark(client, rollout, turn))
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), intent=st.booleans())
+    def put_next(self, client: int, rollout: str, intent: bool) -> None:
+        """The next call of the rollout's conversation (the first turn without a payload), as a
+        harness serves it: optionally ``begin_call`` first, then ``put`` on the same client."""
+        m = self.model[rollout]
+        turn = next((t for t in range(TURNS) if not m.attempted.get(f"call-{t:03d}")), TURNS - 1)
+        if intent and not self.do(self.op_begin(client, rollout, turn)).ok:
+            return
+        self.do(self.op_put(client, rollout, self.variant(rollout, turn, 0)))
+
+    @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
+          intents=st.booleans(), turns=st.integers(1, TURNS), conflict=st.sampled_from((None, None, 0, 1, 2)),
+          consume=st.sampled_from(("no", "drop", "drop+retry")), delay=st.sampled_from(RACE_DELAYS))
+    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None,
+                  consume: str, delay: float) -> None:
+        """A whole attempt: delete the id, serve ``turns`` calls in order (optionally one call again
+        with another payload), resolve, freeze, and maybe drop, alone or racing an identical retry
+        of the last put (a retry that may read the drop's tentative retired fence)."""
+        self.delete(builder, rollout)
+        for _ in range(turns):
+            self.put_next(writer, rollout, intents)
+        if conflict is not None:
+            turn = min(conflict, turns - 1)
+            self.do(self.op_put(builder, rollout, self.variant(rollout, turn, 2 if turn == conflict else 1)))
+        self.resolve(builder, rollout, turns - 1, 0)
+        self.do(self.op_freeze(builder, rollout))
+        if consume == "drop":
+            self.do(self.op_drop(builder, rollout, 0))
+        elif consume == "drop+retry":
+            last = self.variant(rollout, turns - 1, 0)
+            self.race_ops([self.op_drop(builder, rollout, 0), self.op_put(writer, rollout, last, delay)])
+
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
+    def freeze(self, client: int, data: st.DataObject) -> None:
+        """Freeze a rollout written since its last freeze (any rollout when there is none)."""
+        fresh = [r for r, m in self.model.items() if m.writes and (not m.snaps or max(m.writes) > m.snaps[-1].start)]
+        rollout = data.draw(st.sampled_from(fresh or list(ROLLOUTS)))
+        self.do(self.op_freeze(client, rollout))
+
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), pick=st.sampled_from((0, 0, 0, 1, 2)))
+    def drop(self, client: int, data: st.DataObject, pick: int) -> None:
+        """Drop the latest snapshot (pick 0) or a stale one, of a rollout frozen in this generation."""
+        frozen = [r for r, m in self.model.items() if m.snaps]
+        rollout = data.draw(st.sampled_from(frozen or list(ROLLOUTS)))
+        self.do(self.op_drop(client, rollout, pick))
+
+    def op_retire(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
+        m = self.model[rollout]
+        store = self.clients[client]
+
+        async def go() -> Any:
+            m.writes.append(time.monotonic())
+            return await store.retire([rollout])
+
+        def after(out: Outcome) -> None:
+            self.expect_error_types(out, ())
+            if out.ok:
+                m.retired_at = m.retired_at or out.end
+            else:
+                m.maybe_removed = True
+
+        return (f"retire({rollout})", client, go, delay, after)
+
+    def retire(self, client: int, rollout: str) -> None:
+        self.do(self.op_retire(client, rollout))
+
+    def delete(self, client: int, rollout: str) -> None:
+        m = self.model[rollout]
+        store = self.clients[client]
+        prefix = store.layout.rollout(rollout)
+
+        async def go() -> Any:
+            m.writes.append(time.monotonic())
+            return await store.delete([rollout])
+
+        out = self.run(f"delete({rollout})", client, go)
+        self.expect_error_types(out, ())
+        if out.ok:
+            left = self.raw_keys(prefix)
+            self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
+        self.model[rollout] = _StoreRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          v=st.sampled_from((0, 0, 1, 2)))
+    def resolve(self, client: int, rollout: str, turn: int, v: int) -> None:
+        var = self.variant(rollout, turn, v)
+        store = self.clients[client]
+        out = self.run(f"resolve({rollout},after {var.cid} v{v})", client, lambda: store.resolve(rollout, var.request))
+        self.expect_error_types(out, ())
+        if not out.ok:
+            return
+        m = self.model[rollout]
+        res = out.value
+        self.stats.check(res.status != ParentResolutionStatus.ROOT, "resolve_not_root", lambda: out.describe())
+        same_output = {
+            s: self.by_sha[s] for s in m.attempted.get(var.cid, set()) if self.by_sha[s].output_key == var.output_key
+        }
+        if res.status == ParentResolutionStatus.RESOLVED:
+            match = res.match
+            self.stats.check(
+                match.model_call_id == var.cid, "resolve_right_parent",
+                lambda: f"{out.describe()}: the request continues {var.cid}",
+            )
+            allowed = same_output if not m.dirty else {
+                s: w for s, w in self.by_sha.items() if w.cid == var.cid and w.output_key == var.output_key
+            }
+            self.stats.check(
+                any(tuple(match.cumulative_token_ids) == w.cumulative and match.digest == w.digest for w in allowed.values()),
+                "resolve_right_tokens",
+                lambda: f"{out.describe()}: tokens {match.cumulative_token_ids} are no payload of {var.cid} continued",
+            )
+            landed = [s for s in same_output if s in m.landed.get(var.cid, {}) and m.landed[var.cid][s] < out.start]
+            if m.retired_at is None and not m.maybe_removed:
+                self.stats.check(
+                    len(landed) < 2, "resolve_unresolved_on_conflict",
+                    lambda: f"{out.describe()} although {var.cid} has payloads {landed} under this fingerprint",
+                )
+        elif (
+            not m.dirty and not m.maybe_removed and m.retired_at is None and set(same_output) == {var.sha}
+            and any(a.key == var.sha and a.end < out.start for a in m.puts)
+        ):
+            self.stats.check(False, "resolve_finds_acknowledged_parent",
+                             lambda: f"{out.describe()} although {var.cid} {var.sha[:8]} was acknowledged")
+
+    @rule(a=st.integers(0, CLIENTS - 1), b=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
+          kind=st.sampled_from(("put+freeze", "put+drop", "retry+drop", "mark+drop", "begin+freeze", "put+put",
+                                "freeze+freeze", "put+retire", "retry+freeze")),
+          turn=st.integers(0, TURNS - 1), v=st.sampled_from((0, 0, 1)),
+          da=st.sampled_from(RACE_DELAYS), db=st.sampled_from(RACE_DELAYS))
+    def race(self, a: int, b: int, rollout: str, kind: str, turn: int, v: int, da: float, db: float) -> None:
+        """Two operations at once on two clients, with small start delays."""
+        var = self.variant(rollout, turn, v)
+        first, second = kind.split("+")
+        ops: list[tuple] = []
+        for who, what, delay in ((a, first, da), (b, second, db)):
+            if what == "put":
+                ops.append(self.op_put(who, rollout, var if not ops else self.variant(rollout, (turn + 1) % TURNS, 0), delay))
+            elif what == "retry":  # an identical retry of a payload put before, when there is one
+                tried = sorted(sha for shas in self.model[rollout].attempted.values() for sha in shas)
+                again = self.by_sha[tried[turn % len(tried)]] if tried else var
+                ops.append(self.op_put(who, rollout, again, delay))
+            elif what == "freeze":
+                ops.append(self.op_freeze(who, rollout, delay))
+            elif what == "drop":
+                ops.append(self.op_drop(who, rollout, 0, delay))
+            elif what == "mark":
+                ops.append(self.op_mark(who, rollout, turn, delay))
+            elif what == "begin":
+                ops.append(self.op_begin(who, rollout, turn, delay))
+            elif what == "retire":
+                ops.append(self.op_retire(who, rollout, delay))
+        self.race_ops(ops)
+
+
+# --------------------------------------------------------------------------- ledger model
+@dataclass
+class _LedgerRollout:
+    gen: int = 0
+    dirty: bool = False
+    rows: list[tuple[str, int, float]] = field(default_factory=list)  # acknowledged (cid, variant, end)
+    landed: dict[str, dict[int, float]] = field(default_factory=lambda: collections.defaultdict(dict))
+    attempted: dict[str, set[int]] = field(default_factory=lambda: collections.defaultdict(set))
+    failures: list[tuple[str, str, float]] = field(default_factory=list)  # acknowledged
+    failure_attempted: set[str] = field(default_factory=set)
+    intents: list[tuple[str, float]] = field(default_factory=list)
+    retired_at: float | None = None
+    maybe_removed: bool = False
+
+
+class _Commit:
+    """Variant 0: the conversation's commit; 1: the same call rebuilt (admitted_at differs, a
+    conflict under the same fingerprint); 2: another response (another fingerprint)."""
+
+    def __init__(self, rollout: str, turn: int, variant: int) -> None:
+        conv = build_conversation(rollout, TURNS)
+        parent = _Commit(rollout, turn - 1, 0).commit if turn else None
+        t = conv[turn]
+        response = assistant_output(f"other answer {turn} of {rollout}") if variant == 2 else t.output_items
+        request = list(t.request_items) if not turn else list(_Commit(rollout, turn - 1, 0).continuation)
+        self.commit = make_commit(rollout, t.call_id, request, response, parent=parent)
+        if variant == 1:
+            self.commit["record"]["admitted_at"] = 1700000001.0
+        self.cid = t.call_id
+        self.variant = variant
+        self.continuation = [*request, *response, user(f"after {turn}")]
+        self.response_key = repr(response)
+
+
+class LedgerMachine(_Machine):
+    """Several ``S3CaptureLedger`` clients on one bucket, with faults (docs/reliability.md)."""
+
+    def make_client(self, endpoint: str, session: Any, config: Any) -> Any:
+        from s3capture.ledger import S3CaptureLedger
+
+        return S3CaptureLedger(self.url, endpoint_url=endpoint, session=session, botocore_config=config)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = {r: _LedgerRollout() for r in ROLLOUTS}
+        self.commits: dict[tuple[str, int, int], _Commit] = {}
+
+    def commit(self, rollout: str, turn: int, v: int) -> _Commit:
+        key = (rollout, turn, v)
+        if key not in self.commits:
+            self.commits[key] = _Commit(rollout, turn, v)
+        return self.commits[key]
+
+    def op_record(self, client: int, rollout: str, c: _Commit, delay: float = 0.0) -> tuple:
+        ledger = self.clients[client]
+        self.model[rollout].attempted[c.cid].add(c.variant)
+        return (f"record({rollout},{c.cid},v{c.variant})", client, lambda: ledger.record(c.commit), delay,
+                lambda out: self.after_record(rollout, c, out))
+
+    def after_record(self, rollout: str, c: _Commit, out: Outcome) -> None:
+        from s3capture.ledger import LedgerConflictError
+
+        self.expect_error_types(out, (LedgerConflictError,))
+        m = self.model[rollout]
+        if out.ok:
+            m.rows.append((c.cid, c.variant, out.end))
+        if out.ok or isinstance(out.error, LedgerConflictError):
+            m.landed[c.cid].setdefault(c.variant, out.end)
+
+    def op_manifest(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
+        ledger = self.clients[client]
+        return (f"manifest({rollout})", client, lambda: ledger.manifest(rollout), delay,
+                lambda out: self.after_manifest(rollout, out))
+
+    def after_manifest(self, rollout: str, out: Outcome) -> None:
+        from s3capture.ledger_records import (
+            LEDGER_CONFLICTING_ROWS_REASON as CONFLICT,
+            UNCOMMITTED_CALL_REASON as UNCOMMITTED,
+        )
+
+        self.expect_error_types(out, (RolloutRetiredError,))
+        m = self.model[rollout]
+        if m.retired_at is not None and m.retired_at < out.start:
+            self.stats.check(
+                isinstance(out.error, (RolloutRetiredError, StoreError)), "manifest_after_retire_raises",
+                lambda: out.describe(),
+            )
+        if not out.ok:
+            return
+        man = out.value
+        records = {r["model_call_id"]: r for r in man["records"]}
+        failures = {(f["model_call_id"], f["reason"]) for f in man["failures"]}
+        failed = {cid for cid, _ in failures}
+        desc = lambda: out.describe()  # noqa: E731
+        self.stats.check(len(records) == len(man["records"]), "one_row_per_call", desc)
+        for cid, rec in records.items():
+            known = [c for (r, _, _), c in self.commits.items() if r == rollout and c.cid == cid]
+            self.stats.check(
+                any(_same_record(rec, c.commit["record"]) for c in known), "no_phantom_rows",
+                lambda: f"{desc()}: row of {cid} was never recorded",
+            )
+        for cid, landed in m.landed.items():
+            known = [v for v, t in landed.items() if t < out.start]
+            if len(known) >= 2:
+                self.stats.check(
+                    (cid, CONFLICT) in failures and cid not in records, "conflict_in_failures",
+                    lambda: f"{desc()}: {cid} has rows {known}",
+                )
+        for cid, v, end in m.rows:
+            if end >= out.start:
+                continue
+            mine = self.commit(rollout, int(cid.rsplit("-", 1)[1]), v).commit["record"]
+            if m.attempted[cid] == {v} and not m.dirty:  # (a failed delete may have left other rows)
+                self.stats.check(
+                    cid in records and _same_record(records[cid], mine), "acknowledged_row_in_manifest",
+                    lambda: f"{desc()}: lacks acknowledged row {cid} v{v}",
+                )
+            else:
+                self.stats.check(
+                    cid in records or (cid, CONFLICT) in failures, "acknowledged_row_in_manifest",
+                    lambda: f"{desc()}: lacks acknowledged row {cid} v{v} (nor a conflict)",
+                )
+        for cid, reason, end in m.failures:
+            if end < out.start:
+                self.stats.check(
+                    (cid, reason) in failures, "acknowledged_failure_in_manifest",
+                    lambda: f"{desc()}: lacks failure {cid} {reason}",
+                )
+        for cid, end in m.intents:
+            if end < out.start and cid not in m.attempted and cid not in m.failure_attempted and not m.dirty:
+                self.stats.check(
+                    (cid, UNCOMMITTED) in failures, "intent_without_row_in_failures",
+                    lambda: f"{desc()}: intent {cid} has no row",
+                )
+            elif end < out.start:
+                self.stats.check(
+                    cid in records or cid in failed, "intent_without_row_in_failures",
+                    lambda: f"{desc()}: intent {cid} is neither a row nor a failure",
+                )
+        if not failures:
+            for cid, rec in records.items():
+                self.stats.check(
+                    rec["parent_call_id"] is None or rec["parent_call_id"] in records, "no_missing_parent_in_trainable",
+                    lambda: f"{desc()}: {cid}'s parent {rec['parent_call_id']} has no row",
+                )
+
+    def op_retire(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
+        ledger = self.clients[client]
+        return (f"retire({rollout})", client, lambda: ledger.retire([rollout]), delay,
+                lambda out: self.after_retire(rollout, out))
+
+    def after_retire(self, rollout: str, out: Outcome) -> None:
+        self.expect_error_types(out, ())
+        m = self.model[rollout]
+        if out.ok:
+            m.retired_at = m.retired_at or out.end
+        else:
+            m.maybe_removed = True
+
+    # ------------------------------------------------------------------ rules
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          v=st.sampled_from((0, 0, 0, 0, 1, 2)))
+    def record(self, client: int, rollout: str, turn: int, v: int) -> None:
+        c = self.commit(rollout, turn, v)
+        self.do(self.op_record(client, rollout, c))
+
+    @precondition(lambda self: any(m.attempted for m in self.model.values()))
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), conflict=st.booleans(), other=st.integers(1, 2))
+    def record_again(self, client: int, data: st.DataObject, conflict: bool, other: int) -> None:
+        """An identical retry of a commit recorded before, or another commit for its call id."""
+        if conflict:
+            self.conflicting_record(client, data, other)
+        else:
+            self.retry_record(client, data)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), delete=st.booleans())
+    def remove(self, client: int, rollout: str, delete: bool) -> None:
+        """``retire`` or ``delete`` one rollout."""
+        if delete:
+            self.delete(client, rollout)
+        else:
+            self.retire(client, rollout)
+
+    def retry_record(self, client: int, data: st.DataObject) -> None:
+        """An identical retry of a commit recorded before (acknowledged or not)."""
+        choices = sorted((r, cid, v) for r, m in self.model.items() for cid, vs in m.attempted.items() for v in vs)
+        if not choices:
+            return
+        rollout, cid, v = data.draw(st.sampled_from(choices))
+        c = self.commit(rollout, int(cid.rsplit("-", 1)[1]), v)
+        self.do(self.op_record(client, rollout, c))
+
+    def conflicting_record(self, client: int, data: st.DataObject, other: int) -> None:
+        """Another commit for a call id recorded before (a conflict)."""
+        choices = sorted((r, cid) for r, m in self.model.items() for cid in m.attempted)
+        if not choices:
+            return
+        rollout, cid = data.draw(st.sampled_from(choices))
+        turn = int(cid.rsplit("-", 1)[1])
+        tried = self.model[rollout].attempted[cid]
+        pick = next((v for v in (other, 3 - other, 0) if v not in tried), other)
+        self.do(self.op_record(client, rollout, self.commit(rollout, turn, pick)))
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          reason=st.sampled_from(("unresolved_parent", "timeout")))
+    def record_failure(self, client: int, rollout: str, turn: int, reason: str) -> None:
+        ledger = self.clients[client]
+        m = self.model[rollout]
+        cid = build_conversation(rollout, TURNS)[turn].call_id
+        m.failure_attempted.add(cid)
+        out = self.run(f"record_failure({rollout},{cid},{reason})", client,
+                       lambda: ledger.record_failure(rollout, cid, reason))
+        self.expect_error_types(out, ())
+        if out.ok:
+            m.failures.append((cid, reason, out.end))
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1))
+    def begin_call(self, client: int, rollout: str, turn: int) -> None:
+        ledger = self.clients[client]
+        m = self.model[rollout]
+        cid = build_conversation(rollout, TURNS)[turn].call_id
+        out = self.run(f"begin_call({rollout},{cid})", client, lambda: ledger.begin_call(rollout, cid))
+        self.expect_error_types(out, ())
+        if out.ok:
+            m.intents.append((cid, out.end))
+
+    @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
+          intents=st.booleans(), turns=st.integers(1, TURNS), conflict=st.sampled_from((None, None, 0, 1, 2)),
+          retire=st.booleans())
+    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None,
+                  retire: bool) -> None:
+        """A whole attempt: delete the id, record ``turns`` calls in order (optionally one call again
+        with another commit), resolve, read the manifest, maybe retire."""
+        self.delete(builder, rollout)
+        for _ in range(turns):
+            self.record_next(writer, rollout, intents)
+        if conflict is not None:
+            turn = min(conflict, turns - 1)
+            self.do(self.op_record(builder, rollout, self.commit(rollout, turn, 2 if turn == conflict else 1)))
+        self.resolve(builder, rollout, turns - 1, 0)
+        self.do(self.op_manifest(builder, rollout))
+        if retire:
+            self.do(self.op_retire(builder, rollout))
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), intent=st.booleans())
+    def record_next(self, client: int, rollout: str, intent: bool) -> None:
+        """The next call of the conversation (first turn without a row), optionally after its intent."""
+        m = self.model[rollout]
+        turn = next((t for t in range(TURNS) if not m.attempted.get(f"call-{t:03d}")), TURNS - 1)
+        if intent:
+            self.begin_call(client, rollout, turn)
+        self.do(self.op_record(client, rollout, self.commit(rollout, turn, 0)))
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS))
+    def manifest(self, client: int, rollout: str) -> None:
+        self.do(self.op_manifest(client, rollout))
+
+    def retire(self, client: int, rollout: str) -> None:
+        self.do(self.op_retire(client, rollout))
+
+    def delete(self, client: int, rollout: str) -> None:
+        ledger = self.clients[client]
+        m = self.model[rollout]
+        prefix = ledger.layout.rollout(rollout)
+        out = self.run(f"delete({rollout})", client, lambda: ledger.delete([rollout]))
+        self.expect_error_types(out, ())
+        if out.ok:
+            left = self.raw_keys(prefix)
+            self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
+        self.model[rollout] = _LedgerRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
+
+    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
+          v=st.sampled_from((0, 0, 1, 2)))
+    def resolve(self, client: int, rollout: str, turn: int, v: int) -> None:
+        c = self.commit(rollout, turn, v)
+        ledger = self.clients[client]
+        out = self.run(f"resolve({rollout},after {c.cid} v{v})", client, lambda: ledger.resolve(rollout, c.continuation))
+        self.expect_error_types(out, ())
+        if not out.ok:
+            return
+        m = self.model[rollout]
+        res = out.value
+        self.stats.check(res.status != ParentResolutionStatus.ROOT, "resolve_not_root", lambda: out.describe())
+        if res.status == ParentResolutionStatus.RESOLVED:
+            match = res.match
+            rec = c.commit["record"]
+            self.stats.check(
+                match.model_call_id == c.cid
+                and match.prev_len == rec["cum_len"]
+                and list(match.staging_chain) == c.commit["staging_chain"]
+                and match.digest == rec["cumulative_hash"],
+                "resolve_right_parent",
+                lambda: f"{out.describe()}: the request continues {c.cid} (cum_len {rec['cum_len']})",
+            )
+            self.stats.check(
+                m.retired_at is None or m.retired_at > out.start, "resolve_unresolved_after_retire", lambda: out.describe()
+            )
+            landed = [w for w, t in m.landed.get(c.cid, {}).items() if t < out.start]
+            if m.retired_at is None and not m.maybe_removed:
+                self.stats.check(
+                    len(landed) < 2, "resolve_unresolved_on_conflict",
+                    lambda: f"{out.describe()} although {c.cid} has rows {landed}",
+                )
+        elif (
+            not m.dirty and not m.maybe_removed and m.retired_at is None and m.attempted.get(c.cid) == {v}
+            and any(cid == c.cid and w == v and end < out.start for cid, w, end in m.rows)
+        ):
+            self.stats.check(False, "resolve_finds_acknowledged_parent",
+                             lambda: f"{out.describe()} although {c.cid} v{v} was acknowledged")
+
+    @rule(a=st.integers(0, CLIENTS - 1), b=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
+          kind=st.sampled_from(("record+manifest", "record+retire", "record+record", "manifest+retire")),
+          turn=st.integers(0, TURNS - 1), v=st.sampled_from((0, 0, 1)),
+          da=st.sampled_from(RACE_DELAYS[:4]), db=st.sampled_from(RACE_DELAYS[:4]))
+    def race(self, a: int, b: int, rollout: str, kind: str, turn: int, v: int, da: float, db: float) -> None:
+        first, second = kind.split("+")
+        ops: list[tuple] = []
+        for who, what, delay in ((a, first, da), (b, second, db)):
+            if what == "record":
+                c = self.commit(rollout, turn, v) if not ops else self.commit(rollout, turn, 0)
+                ops.append(self.op_record(who, rollout, c, delay))
+            elif what == "manifest":
+                ops.append(self.op_manifest(who, rollout, delay))
+            elif what == "retire":
+                ops.append(self.op_retire(who, rollout, delay))
+        self.race_ops(ops)
+
+
+def _same_record(stored: dict, mine: dict) -> bool:
+    return all(stored.get(k) == v for k, v in mine.items())
+
+
+# --------------------------------------------------------------------------- factories
+def store_machine(server: Any, stats: Stats) -> type[TokenStoreMachine]:
+    """A ``TokenStoreMachine`` bound to a running ``LocalS3Server`` and a ``Stats``."""
+    return type("TokenStoreModel", (TokenStoreMachine,), {"server": server, "stats": stats})
+
+
+def ledger_machine(server: Any, stats: Stats) -> type[LedgerMachine]:
+    """A ``LedgerMachine`` bound to a running ``LocalS3Server`` and a ``Stats``."""
+    return type("LedgerModel", (LedgerMachine,), {"server": server, "stats": stats})
