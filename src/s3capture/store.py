@@ -165,19 +165,20 @@ class S3TokenStore(RolloutObjects):
         if fence_grace < 0:
             raise ValueError("fence_grace must be >= 0 seconds")
         self._fence_grace = fence_grace
-        self._fence_seen: collections.OrderedDict[str, float] = collections.OrderedDict()
-        """rollout id -> ``time.monotonic()`` by which this client knew the rollout's fence existed
-        (its own freeze's fence PUT returned, or a listing showed the fence); bounded."""
+        self._fence_seen: collections.OrderedDict[str, tuple[float, int, str]] = collections.OrderedDict()
+        """rollout id -> (``time.monotonic()`` after this client's freeze's fence PUT returned, and
+        that freeze's version and snapshot id); bounded. ``drop`` trusts the time only for that
+        exact snapshot, so a stale record (the id deleted and reused by another client) is never
+        used to shorten its wait."""
 
     def _forget_rollout(self, rollout_id: str) -> None:
         for key in [k for k in self._call_keys if k[0] == rollout_id]:
             del self._call_keys[key]
         self._fence_seen.pop(rollout_id, None)
 
-    def _saw_fence(self, rollout_id: str, when: float) -> None:
-        """Remember the latest moment this client knew the fence existed (later is safer: drop
-        waits from it)."""
-        self._fence_seen[rollout_id] = max(when, self._fence_seen.get(rollout_id, 0.0))
+    def _saw_fence(self, rollout_id: str, when: float, version: int, snapshot_id: str) -> None:
+        """Remember when this client's freeze knew its fence existed, for that snapshot."""
+        self._fence_seen[rollout_id] = (when, version, snapshot_id)
         self._fence_seen.move_to_end(rollout_id)
         while len(self._fence_seen) > 100_000:
             self._fence_seen.popitem(last=False)
@@ -314,13 +315,14 @@ class S3TokenStore(RolloutObjects):
             # Never delete the key: it is content-addressed, so an acknowledged put of the same
             # bytes may own it. A late object in a retired rollout is removed by retire or delete.
             raise TokenCaptureRetiredError(
-                f"rollout {record.rollout_id!r} is retired; the late entry {record.model_call_id!r} is discarded "
-                "(no reader uses it; retire or delete removes it)"
+                f"rollout {record.rollout_id!r} is retired (or a drop of it is deciding); the late entry "
+                f"{record.model_call_id!r} may be discarded: it may have landed, but do not count it as captured"
             )
         if state == "frozen":
             raise TokenCaptureFrozenError(
-                f"rollout {record.rollout_id!r} is frozen; the late entry {record.model_call_id!r} landed and changed "
-                "the version, so the consumed snapshot's conditional drop will fail and keep the evidence"
+                f"rollout {record.rollout_id!r} is frozen; the late entry {record.model_call_id!r} landed, and unless "
+                "the freeze's listing already showed it, it changed the version, so the consumed snapshot's "
+                "conditional drop fails and keeps the evidence"
             )
 
     async def _delta_chain(self, record: TokenEntry, prefix: str) -> tuple[str, ...]:
@@ -360,7 +362,9 @@ class S3TokenStore(RolloutObjects):
         state = await self._fence_state(prefix)
         if state == "retired":
             # The intent key is shared by every begin_call of this call id: never delete it here.
-            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; do not dispatch {model_call_id!r}")
+            raise TokenCaptureRetiredError(
+                f"rollout {rollout_id!r} is retired (or a drop of it is deciding); do not dispatch {model_call_id!r}"
+            )
         if state == "frozen":
             raise TokenCaptureFrozenError(f"rollout {rollout_id!r} is frozen; do not dispatch {model_call_id!r}")
 
@@ -387,23 +391,25 @@ class S3TokenStore(RolloutObjects):
         except asyncio.CancelledError:
             self._spill_on_cancel(key, b"", f"mark_incomplete({rollout_id!r}, {model_call_id!r})")
             raise
-        if not isinstance(stored, BaseException) and (state != "open" or time.monotonic() - started > self._fence_grace):
-            # After a freeze a drop may be racing: only a fence read after landing tells whether the
-            # marker could still invalidate the consumed snapshot.
-            try:
-                fence, tombstone = await asyncio.gather(self._fence_state(prefix), self._get(prefix + "retired"))
-                # And the retire tombstone (immutable, never removed by a freeze): a freeze of a
-                # retired rollout rewrites its fence as "frozen" until its LIST shows it the
-                # tombstone, and a marker that read the fence then must still learn "retired".
-                state = "retired" if tombstone is not None else fence
-            except Exception:  # noqa: BLE001 - the marker landed; a failed re-read must not fail it
-                pass
         if isinstance(stored, BaseException):
-            if not self._spill_dir or not isinstance(stored, Exception):
+            # Failed, or cancelled from inside (close() cancels requests that outlive it): the PUT
+            # may or may not have landed. Spill it; a replay of a marker that landed is a no-op.
+            if not self._spill_dir:
                 raise stored
             self._spill(key)
-            log.warning("mark_incomplete for %r spilled to %s: %s", rollout_id, self._spill_dir, stored)
+            log.warning("mark_incomplete for %r spilled to %s: %r", rollout_id, self._spill_dir, stored)
+            if not isinstance(stored, Exception):
+                raise stored
             return
+        if state != "open" or time.monotonic() - started > self._fence_grace:
+            # After a freeze a drop may be racing: only a fence read after landing tells whether the
+            # marker could still invalidate the consumed snapshot. With it, the retire tombstone
+            # (immutable, never removed by a freeze): a freeze of a retired rollout rewrites its
+            # fence as "frozen" until its LIST shows it the tombstone, and a marker that read the
+            # fence then must still learn "retired". If this read fails, the marker landed but
+            # nothing says whether a drop already consumed the rollout: raise, never acknowledge.
+            fence, tombstone = await asyncio.gather(self._fence_state(prefix), self._get(prefix + "retired"))
+            state = "retired" if tombstone is not None else fence
         if state == "retired":
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
         await self._replay_spill_quietly()
@@ -428,7 +434,7 @@ class S3TokenStore(RolloutObjects):
         """
         prefix = self.layout.rollout(rollout_id)
         await self._put(prefix + "fence", FENCE_FROZEN)
-        self._saw_fence(rollout_id, time.monotonic())
+        fenced_at = time.monotonic()
         # A listing that does not show the fence just written is stale or incomplete: never build a
         # snapshot on it (retried, then ListingError).
         scan = await self._scan(rollout_id, require=["fence"])
@@ -502,6 +508,7 @@ class S3TokenStore(RolloutObjects):
                     # Its prompt is only a suffix: it cannot even be rebuilt.
                     reasons.append(f"broken_chain:{entry.model_call_id}")
         version, snapshot_id = scan.version_and_id()
+        self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
         reasons.sort()
         incomplete = bool(reasons)
         manifest_key = f"{prefix}snap/{version:020d}-{snapshot_id}"
@@ -547,10 +554,14 @@ class S3TokenStore(RolloutObjects):
         prefix = self.layout.rollout(rollout_id)
         scan = await self._scan(rollout_id)
         if not scan.fence or scan.retired or scan.version_and_id() != (version, snapshot_id):
+            self._fence_seen.pop(rollout_id, None)
             return False
-        if rollout_id not in self._fence_seen:
-            self._saw_fence(rollout_id, scan.seen_at)
-        wait = self._fence_seen[rollout_id] + self._fence_grace + _CLOCK_SLACK - time.monotonic()
+        # Wait from when this client's own freeze of exactly this snapshot had its fence in place,
+        # else from this LIST (which showed the fence, so it returned after the fence existed).
+        seen_at, seen_version, seen_id = self._fence_seen.get(rollout_id, (scan.seen_at, version, snapshot_id))
+        if (seen_version, seen_id) != (version, snapshot_id):
+            seen_at = scan.seen_at
+        wait = seen_at + self._fence_grace + _CLOCK_SLACK - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
         tombstone = f"drop/{uuid.uuid4().hex}"
@@ -567,6 +578,7 @@ class S3TokenStore(RolloutObjects):
         await self._write_retired(prefix)
         await self._delete_keys([i.key for i in after.records])
         self._cache.discard_prefix(prefix)
+        self._fence_seen.pop(rollout_id, None)
         return True
 
     # ------------------------------------------------------------------ LineageResolver

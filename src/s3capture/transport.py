@@ -248,6 +248,7 @@ class S3Transport:
         self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
         self._pid = os.getpid()
         self._closed = False
+        self._closing: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task] = weakref.WeakKeyDictionary()
         self.request_counts: collections.Counter[str] = collections.Counter()
         """HTTP requests sent, by S3 operation (retries included)."""
 
@@ -311,21 +312,30 @@ class S3Transport:
     def _count_request(self, event_name: str = "", **_: Any) -> None:
         self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
 
-    async def _refresh(self, state: _LoopState, generation: int) -> None:
-        """Rebuild the client with credentials resolved again (after an expired-token answer)."""
+    async def _refresh(self, state: _LoopState, generation: int) -> bool:
+        """After an expired-token answer: resolve the standard credential chain again and rebuild
+        the client when it yields other credentials. Returns whether the request is worth retrying.
+
+        A caller's session is never touched (its own providers refresh what can be refreshed), and
+        credentials that did not change rebuild nothing, so a permanent error is no retry storm.
+        """
+        if not self._owns_session:
+            return False
+        import aioboto3
+
         async with state.lock:
             if state.generation != generation or state.client is None:
-                return  # another request refreshed it already
+                return True  # another request rebuilt it already
+            fresh = aioboto3.Session()
+            old, new = await _frozen_credentials(self._session), await _frozen_credentials(fresh)
+            if new is None or new == old:
+                return False
             if state.stack is not None:
                 state.retired.append(state.stack)  # closed at close(): requests may still use it
             state.client, state.stack = None, None
-            if self._owns_session:
-                self._session = None
-            else:
-                inner = getattr(self._session, "_session", None)
-                if inner is not None and hasattr(inner, "_credentials"):
-                    inner._credentials = None  # the caller's session resolves its chain again
+            self._session = fresh
         log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
+        return True
 
     async def _call(self, operation: str, key: str, fn: Callable[[Any], Awaitable[T]]) -> T:
         """Run ``fn(client)`` under the bounds, mapping every failure to ``StoreError``."""
@@ -345,8 +355,7 @@ class S3Transport:
             except (StoreError, RecordError, asyncio.CancelledError):
                 raise
             except Exception as error:
-                if attempt == 0 and _code(error) in _CREDENTIAL_ERRORS:
-                    await self._refresh(state, generation)
+                if attempt == 0 and _code(error) in _CREDENTIAL_ERRORS and await self._refresh(state, generation):
                     continue
                 raise self._wrap(error, operation, key) from error
             finally:
@@ -366,27 +375,40 @@ class S3Transport:
 
     async def close(self, timeout: float = 30.0) -> None:
         """Wait for requests in flight (up to ``timeout`` seconds, then cancel them), then close
-        this loop's client. Idempotent.
+        the clients. Idempotent; a second ``close`` waits for the first.
 
-        After it returns, no request of this transport is in flight in this loop and none starts
-        (later calls raise ``StoreError``). Clients of other, already finished event loops cannot be
-        closed any more and are dropped.
+        After it returns, no request of this transport is in flight and none starts (later calls
+        raise ``StoreError``): the clients of event loops still running in other threads are
+        closed on their own loops. Clients of loops that no longer run cannot be closed any more
+        and are dropped.
         """
         self._closed = True
         if os.getpid() != self._pid:
             _disown(self._states)
             self._states = weakref.WeakKeyDictionary()
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # pragma: no cover - close() is a coroutine
-            return
-        for other in list(self._states):
-            if other is not loop:
-                del self._states[other]
-        state = self._states.pop(loop, None)
-        if state is None:
-            return
+        loop = asyncio.get_running_loop()
+        job = self._closing.get(loop)
+        if job is None:
+            job = self._closing[loop] = loop.create_task(self._close_all(loop, timeout))
+        await asyncio.shield(job)
+
+    async def _close_all(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        states = list(self._states.items())
+        self._states = weakref.WeakKeyDictionary()
+        jobs: list[Awaitable[None]] = []
+        for other, state in states:
+            if other is loop:
+                jobs.append(self._close_state(state, timeout))
+            elif other.is_running() and not other.is_closed():
+                future = asyncio.run_coroutine_threadsafe(self._close_state(state, timeout), other)
+                jobs.append(asyncio.wrap_future(future))
+        for result in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.warning("close(): %r", result)
+
+    async def _close_state(self, state: _LoopState, timeout: float) -> None:
+        """Close one loop's client, on that loop, after its requests in flight."""
         async with state.lock:  # waits for a client being opened right now
             try:
                 await asyncio.wait_for(state.idle.wait(), timeout)
@@ -506,6 +528,7 @@ class S3Transport:
             try:
                 out: list[ListedObject] = []
                 seen: set[str] = set()
+                tokens: set[str] = set()
                 token: str | None = None
                 while True:
                     page = await self._list_page_once(prefix, 1000, token, seen)
@@ -513,6 +536,13 @@ class S3Transport:
                     token = page.next_token
                     if token is None:
                         break
+                    if token in tokens:
+                        raise _Unverified(
+                            f"LIST {prefix!r} returned continuation token {token[:40]!r} twice (a paging cycle)",
+                            operation="LIST",
+                            key=prefix,
+                        )
+                    tokens.add(token)
                 missing = required - seen
                 if missing:
                     raise _Unverified(
@@ -582,6 +612,18 @@ def _disown(states: Any) -> None:
             connector = getattr(session, "connector", None)
             if connector is not None and hasattr(connector, "_closed"):
                 connector._closed = True
+
+
+async def _frozen_credentials(session: Any) -> tuple[str, str, str | None] | None:
+    """``(access key, secret, token)`` a session resolves now, or ``None``."""
+    try:
+        credentials = await session._session.get_credentials()
+        if credentials is None:
+            return None
+        frozen = await credentials.get_frozen_credentials()
+        return frozen.access_key, frozen.secret_key, frozen.token
+    except Exception:  # noqa: BLE001 - an unresolvable chain is "no new credentials"
+        return None
 
 
 def _backoff(attempt: int) -> float:
