@@ -90,10 +90,16 @@ async def test_acknowledged_put_is_not_lost_by_a_drop_whose_list_spans_pages(fre
     drop = asyncio.create_task(dropper.drop(rid, snapshot.snapshot_id, snapshot.version))
     await asyncio.wait_for(page2.held.wait(), 30)
 
-    # Meanwhile the put lands (after the first page) well within fence_grace: acknowledged.
+    # Meanwhile the put lands (after the first page), normally well within fence_grace: acknowledged.
+    # (On a loaded machine it may outlast the grace, re-read the fence and be refused as frozen,
+    # which keeps the promise too; then the drop must still not lose anything acknowledged.)
     stall.release.set()
-    await asyncio.wait_for(late, 30)  # returns: acknowledged
-    assert time.monotonic() - started < GRACE
+    try:
+        await asyncio.wait_for(late, 30)
+        acknowledged = True
+    except TokenCaptureFrozenError:
+        acknowledged = time.monotonic() - started < GRACE
+        assert not acknowledged, "put('b-late') was refused as frozen although it finished within fence_grace"
 
     # The second page is answered after the fence is fence_grace + 1 s old by the store's clock.
     await asyncio.sleep(GRACE + 1.2)
@@ -103,7 +109,7 @@ async def test_acknowledged_put_is_not_lost_by_a_drop_whose_list_spans_pages(fre
     assert "b-late" not in {e.model_call_id for e in snapshot.entries}
     # put('b-late') was acknowledged and is not in the consumed snapshot: its drop must fail.
     # (Today the drop succeeds; the entry is left behind as an orphan in a retired rollout.)
-    assert not dropped, "acknowledged put('b-late') is missing from a snapshot whose drop succeeded"
+    assert not (acknowledged and dropped), "acknowledged put('b-late') is missing from a snapshot whose drop succeeded"
 
 
 # Regression test (found by the adversarial review, fixed in 0d86cd4): a slow mark_incomplete that read the

@@ -234,8 +234,11 @@ async def test_2_drop_on_a_clock_skewed_store_waits_on_one_clock(fresh, proxy):
     snapshot = await builder.freeze("r")
     started = time.monotonic()
     dropped = await builder.drop("r", snapshot.snapshot_id, snapshot.version)
-    ok(await outcome(late), "the late put")  # acknowledged
-    assert not dropped or "c-late" in cids(snapshot), (
+    result = await outcome(late)
+    # Acknowledged within the grace (the scenario); on a loaded machine the put may outlast the
+    # grace, re-read the fence and be refused as frozen, which also keeps the promise.
+    assert result is None or isinstance(result, TokenCaptureFrozenError), result
+    assert result is not None or not dropped or "c-late" in cids(snapshot), (
         f"drop returned True after {time.monotonic() - started:.2f} s although the acknowledged put of c-late is "
         f"not in the consumed snapshot {cids(snapshot)}"
     )
