@@ -398,16 +398,21 @@ class FaultProxy:
     def _rewrite_list_body(self, request: Request, action: Any, body: bytes) -> bytes:
         items = _CONTENTS.findall(body)
         keep = list(items)
+        def key_of(item: bytes) -> str:
+            found = re.search(rb"<Key>(.*?)</Key>", item, re.S)
+            name = found.group(1).decode() if found else ""
+            # Ceph encodes "/" as %2F under encoding-type=url (botocore asks for it and decodes).
+            return unquote(name) if request.params.get("encoding-type") == "url" else name
+
         if isinstance(action, ListSkip) and action.match is not None:
-            keep = [i for i in items if action.match.encode() not in i]
+            keep = [i for i in items if action.match not in key_of(i)]
         elif isinstance(action, ListSkip) and items:
             del keep[action.index]
         elif isinstance(action, ListHideYoung):
             now = time.monotonic()
 
             def young(item: bytes) -> bool:
-                key = re.search(rb"<Key>(.*?)</Key>", item, re.S)
-                when = self.put_times.get(key.group(1).decode() if key else "")
+                when = self.put_times.get(key_of(item))
                 return when is not None and now - when < action.ms / 1000
 
             keep = [i for i in items if not young(i)]
