@@ -133,6 +133,14 @@ MUTANTS: list[Mutant] = [
         "tests/test_misfiled.py",
     ),
     _m(
+        "freeze-reads-one-copy-per-sha", STORE,
+        "by_call[cid].setdefault(sha, []).append(item)",
+        "by_call[cid][sha] = [item]",
+        "freeze reads and judges every listed key of an entry's bytes: a copy under another fingerprint's key is "
+        "misfiled in either LIST order",
+        "tests/test_misfiled.py", "-k", "copied_under_another_fingerprint",
+    ),
+    _m(
         "freeze-conflict-needs-three", STORE,
         "if len(by_call[cid]) > 1:",
         "if len(by_call[cid]) > 2:",
@@ -285,7 +293,7 @@ MUTANTS: list[Mutant] = [
         "wait = self._fence_seen[rollout_id] + self._fence_grace + _CLOCK_SLACK - time.monotonic()",
         "wait = 0.0",
         "drop waits fence_grace on this client's monotonic clock since it knew the fence existed",
-        "tests/test_faults.py", "tests/test_adversarial_fence.py", "-k", "test_2_drop or not_lost_by_a_drop or outlived",
+        "tests/test_faults.py", "tests/test_adversarial_fence.py", "-k", "test_2_drop or outlived",
     ),
     # ------------------------------------------------------------------ issue 7: holes and bytes
     _m(
