@@ -67,6 +67,9 @@ def _m(name: str, file: str, old: str, new: str, contract: str, *tests: str, mor
 
 LAYOUT = "src/s3capture/layout.py"
 STORE = "src/s3capture/store.py"
+ROLLOUTS = "src/s3capture/rollouts.py"
+TRANSPORT = "src/s3capture/transport.py"
+SPILL = "src/s3capture/spill.py"
 LEDGER = "src/s3capture/ledger.py"
 RECORDS = "src/s3capture/records.py"
 
@@ -101,9 +104,9 @@ MUTANTS: list[Mutant] = [
         "tests/test_adversarial_input.py", "-k", "root",
     ),
     _m(
-        "scan-list-prefix-without-slash", STORE,
-        "listing, server_time = await self._list_timed(prefix)",
-        'listing, server_time = await self._list_timed(prefix.rstrip("/"))',
+        "scan-list-prefix-without-slash", ROLLOUTS,
+        "listing = await self._list(prefix, require=",
+        'listing = await self._list(prefix.rstrip("/"), require=',
         "every LIST prefix ends in '/': rollout r1 never sees (or retires) the objects of r10",
         "tests/test_adversarial_input.py", "tests/test_store_source.py", "-k", "root or prefixes_do_not_collide",
     ),
@@ -130,6 +133,14 @@ MUTANTS: list[Mutant] = [
         "tests/test_misfiled.py",
     ),
     _m(
+        "freeze-reads-one-copy-per-sha", STORE,
+        "by_call[cid].setdefault(sha, []).append(item)",
+        "by_call[cid][sha] = [item]",
+        "freeze reads and judges every listed key of an entry's bytes: a copy under another fingerprint's key is "
+        "misfiled in either LIST order",
+        "tests/test_misfiled.py", "-k", "copied_under_another_fingerprint",
+    ),
+    _m(
         "freeze-conflict-needs-three", STORE,
         "if len(by_call[cid]) > 1:",
         "if len(by_call[cid]) > 2:",
@@ -152,21 +163,21 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-ignores-broken-chain", STORE,
-        "if entry.prompt_is_delta and entry.parent_call_id not in present:",
+        "if entry.parent_call_id is not None and entry.parent_call_id not in present:",
         "if False:",
         "a delta entry whose parent is not in the snapshot masks it (broken_chain)",
         "tests/test_adversarial_chains.py", "-k", "without_its_parent",
     ),
     # ------------------------------------------------------------------ snapshot identity and drop
     _m(
-        "snapshot-id-ignores-log-keys", STORE,
+        "snapshot-id-ignores-log-keys", ROLLOUTS,
         'hasher.update(f"{item.key[len(self.prefix):]}\\n".encode())',
         "pass",
         "snapshot_id is a digest of the sorted log keys: another state with as many objects has another id",
         "tests/test_store_source.py", "-k", "snapshot or drop or freeze or foreign or conflict",
     ),
     _m(
-        "version-ignores-foreign", STORE,
+        "version-ignores-foreign", ROLLOUTS,
         "return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]",
         "return len(self.log), hasher.hexdigest()[:32]",
         "version counts every object under the rollout's log, foreign ones included",
@@ -174,19 +185,19 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "drop-ignores-version", STORE,
-        "if scan.version_and_id() != (version, snapshot_id):",
-        "if scan.version_and_id()[1] != snapshot_id:",
+        "or scan.version_and_id() != (version, snapshot_id):",
+        "or scan.version_and_id()[1] != snapshot_id:",
         "drop retires only when both version and snapshot_id equal the consumed snapshot's",
         "tests/test_store_source.py", "-k", "drop_with_wrong",
-        more=(("if after.version_and_id() != (version, snapshot_id):", "if after.version_and_id()[1] != snapshot_id:"),),
+        more=(("or after.version_and_id() != (version, snapshot_id):", "or after.version_and_id()[1] != snapshot_id:"),),
     ),
     _m(
         "drop-ignores-changes", STORE,
-        "if scan.version_and_id() != (version, snapshot_id):",
-        "if False:",
+        " or scan.version_and_id() != (version, snapshot_id):",
+        ":",
         "drop returns False and keeps everything when anything changed since the snapshot",
         "tests/test_store_source.py", "-k", "drop or after_freeze",
-        more=(("if after.version_and_id() != (version, snapshot_id):", "if False:"),),
+        more=((" or after.version_and_id() != (version, snapshot_id):", ":"),),
     ),
     # ------------------------------------------------------------------ resolve
     _m(
@@ -232,11 +243,9 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ put and the fence
     _m(
         "put-ignores-retired-fence", STORE,
-        '        if state == "retired":\n            await self._delete_one(key)\n            raise TokenCaptureRetiredError(\n'
-        '                f"rollout {record.rollout_id!r} is retired; the late entry',
-        '        if False:\n            await self._delete_one(key)\n            raise TokenCaptureRetiredError(\n'
-        '                f"rollout {record.rollout_id!r} is retired; the late entry',
-        "put into a retired rollout removes the entry again and raises TokenCaptureRetiredError",
+        '        if state == "retired":\n            # Never delete the key: it is content-addressed',
+        '        if False:\n            # Never delete the key: it is content-addressed',
+        "put into a retired rollout raises TokenCaptureRetiredError",
         "tests/test_store_source.py", "-k", "drop_exact or retire_removes",
     ),
     _m(
@@ -247,6 +256,74 @@ MUTANTS: list[Mutant] = [
         '                f"rollout {record.rollout_id!r} is frozen; the late entry',
         "put into a frozen rollout raises TokenCaptureFrozenError (the entry landed, the version moved)",
         "tests/test_store_source.py", "-k", "after_freeze",
+    ),
+    # ------------------------------------------------------------------ issue 7: verified listings
+    _m(
+        "list-keeps-keys-outside-prefix", TRANSPORT,
+        'outside the requested prefix; ignored", prefix, key)\n            continue\n',
+        'outside the requested prefix; ignored", prefix, key)\n',
+        "a verified listing ignores keys outside the requested prefix: retire, delete and drop of r1 never "
+        "delete (or count) objects of r1000",
+        "tests/test_faults.py", "-k", "test_3_sibling_prefix",
+    ),
+    _m(
+        "list-empty-200-is-no-objects", TRANSPORT,
+        'if "IsTruncated" not in page:',
+        "if False:",
+        "a 200 LIST with an empty or unparseable body is a store error (retried, then StoreError), never 'no objects'",
+        "tests/test_faults.py", "tests/test_mutation_gaps.py", "-k", "test_3_empty_list_body or empty_200_list",
+    ),
+    _m(
+        "freeze-list-need-not-show-fence", STORE,
+        'scan = await self._scan(rollout_id, require=["fence"])',
+        "scan = await self._scan(rollout_id)",
+        "freeze's listing must show the fence that freeze just wrote (a stale listing is retried, then ListingError)",
+        "tests/test_faults.py", "-k", "test_3_listing_without_what",
+    ),
+    # ------------------------------------------------------------------ issue 7: fences and drop
+    _m(
+        "put-retired-deletes-shared-key", STORE,
+        '        if state == "retired":\n            # Never delete the key: it is content-addressed',
+        '        if state == "retired":\n            await self._delete_one(key)\n            # Never delete the key: it is content-addressed',
+        "a put that reads the rollout retired never deletes its key (an acknowledged identical put may own it)",
+        "tests/test_faults.py", "tests/test_store_source.py", "-k", "test_1_put_that_finds or drop_exact or retire_removes",
+    ),
+    _m(
+        "drop-skips-fence-grace", STORE,
+        "wait = self._fence_seen[rollout_id] + self._fence_grace + _CLOCK_SLACK - time.monotonic()",
+        "wait = 0.0",
+        "drop waits fence_grace on this client's monotonic clock since it knew the fence existed",
+        "tests/test_faults.py", "tests/test_adversarial_fence.py", "-k", "test_2_drop or outlived",
+    ),
+    # ------------------------------------------------------------------ issue 7: holes and bytes
+    _m(
+        "missing-parent-only-for-deltas", STORE,
+        "if entry.parent_call_id is not None and entry.parent_call_id not in present:",
+        "if entry.prompt_is_delta and entry.parent_call_id not in present:",
+        "any entry (full prompt or delta) whose parent_call_id is not in the snapshot masks it (missing_parent)",
+        "tests/test_faults.py", "-k", "test_4_a_hole",
+    ),
+    _m(
+        "decode-accepts-non-canonical-bytes", STORE,
+        "if encode_entry(entry) != payload:",
+        "if False:",
+        "a reader accepts only entry bytes equal to the canonical re-encoding of what it decoded",
+        "tests/test_faults.py", "-k", "test_10_non_canonical",
+    ),
+    # ------------------------------------------------------------------ issue 7: spill
+    _m(
+        "cancelled-marker-not-spilled", STORE,
+        '            self._spill_on_cancel(key, b"", f"mark_incomplete({rollout_id!r}, {model_call_id!r})")\n',
+        "            pass\n",
+        "a mark_incomplete cancelled by the caller is spilled (fsynced) before the cancellation propagates",
+        "tests/test_faults.py", "-k", "test_5_a_cancelled",
+    ),
+    _m(
+        "spill-skips-crashed-claims", SPILL,
+        "            if any(claim.path == leftover for claim in claims):\n                continue\n",
+        "            continue\n",
+        "a spill claim left by a crashed replayer is recovered by whoever takes its lock (never judged by PID)",
+        "tests/test_faults.py", "tests/test_adversarial_spill.py", "-k", "test_6_the_spill or spilled_during_a_replay",
     ),
     # ------------------------------------------------------------------ capture ledger
     _m(
