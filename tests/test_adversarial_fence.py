@@ -23,7 +23,7 @@ from s3capture.protocols import TokenCaptureFrozenError
 from s3capture.store import S3TokenStore
 
 REQ = [system("Be brief."), user("Count.")]
-GRACE = 2.0  # the default; every client of the bucket uses it
+GRACE = 2.0  # twice the default, for a loaded machine; every client of the bucket uses it
 
 
 def entry(rollout_id: str, cid: str) -> Any:

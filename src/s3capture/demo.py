@@ -647,7 +647,7 @@ def format_report(report: DemoReport, *, where: str) -> str:
     lines = [
         f"s3capture demo against {where}",
         f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s;"
-        f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 2 s old)",
+        f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 0.1 s old)",
         *resolution_lines(report),
         f"  snapshots: trainable {report.trainable}, masked {report.masked}; dropped after consumption {report.dropped}/{report.rollouts}",
         f"  chains checked {report.chains_checked}, broken {len(report.chains_broken)}",
