@@ -364,6 +364,9 @@ class _StoreRollout:
     maybe_removed: bool = False  # a retire, drop or delete raised: state unknown
     snaps: list[_Snap] = field(default_factory=list)
     freezes: list[tuple[float, float]] = field(default_factory=list)  # every freeze call, failed or not
+    retire_start: float | None = None  # start of the latest retire that returned or drop that returned True
+    broken_freezes: list[float] = field(default_factory=list)
+    """End times of freezes that raised an error other than TokenCaptureRetiredError (a fault)."""
     dropped: _Snap | None = None
     drop_end: float = 0.0
 
@@ -459,6 +462,15 @@ class TokenStoreMachine(_Machine):
                 # Documented: a freeze of a retired rollout rewrites its fence as "frozen" until its
                 # LIST shows the tombstone; a put or begin_call reading it then is refused as frozen.
                 allowed += (TokenCaptureFrozenError,)
+            elif "mark_incomplete" not in out.name and any(
+                end > (m.retire_start or 0.0) for end in m.broken_freezes
+            ):
+                # Documented (docs/reliability.md, Finding 2): a freeze of a retired rollout that a
+                # fault interrupted after it PUT the frozen fence, before it restored the retired one,
+                # leaves the fence "frozen" until the next retire, drop or delete; a put or
+                # begin_call reading it is refused as frozen. Only a freeze that raised since the
+                # latest retire (or one overlapping it) can have done that.
+                allowed += (TokenCaptureFrozenError,)
             self.stats.check(
                 isinstance(out.error, allowed),
                 "write_after_retire_raises_retired",
@@ -515,6 +527,8 @@ class TokenStoreMachine(_Machine):
         m = self.model[rollout]
         m.freezes.append((out.start, out.end))
         self.expect_error_types(out, (TokenCaptureRetiredError,))
+        if not out.ok and not isinstance(out.error, TokenCaptureRetiredError):
+            m.broken_freezes.append(out.end)
         if m.retired_at is not None and m.retired_at < out.start:
             self.stats.check(not out.ok, "freeze_after_retire_raises", lambda: out.describe())
         if not out.ok:
@@ -613,6 +627,7 @@ class TokenStoreMachine(_Machine):
         m.dropped = snap
         m.drop_end = out.end
         m.retired_at = out.end
+        m.retire_start = out.start
 
     @invariant()
     def dropped_snapshot_holds_every_acknowledged_write(self) -> None:
@@ -740,6 +755,7 @@ class TokenStoreMachine(_Machine):
             self.expect_error_types(out, ())
             if out.ok:
                 m.retired_at = m.retired_at or out.end
+                m.retire_start = out.start
             else:
                 m.maybe_removed = True
 
