@@ -208,6 +208,17 @@ def internal_error() -> Respond:
     return s3_error(500, "InternalError", "We encountered an internal error.", "Internal Server Error")
 
 
+class Outage:
+    """A rule: every request is answered 503 ServiceUnavailable while ``down`` is true (the store
+    goes down and comes back at the same endpoint)."""
+
+    def __init__(self, down: bool = True) -> None:
+        self.down = down
+
+    async def __call__(self, request: Request) -> Any:
+        return s3_error(503, "ServiceUnavailable", "down", "Service Unavailable") if self.down else None
+
+
 def once(predicate: Callable[[Request], bool], action: Any, times: int = 1) -> Callable[[Request], Awaitable[Any]]:
     """A rule answering ``action`` for the first ``times`` requests matching ``predicate``."""
     left = [times]

@@ -477,18 +477,13 @@ async def test_deep_rows_are_stored_compressed_and_read_back(ledgers, s3_client,
 
 async def test_a_failure_row_spills_when_the_store_is_down_and_is_replayed(ledgers, s3_server, bucket_url, tmp_path):
     from botocore.config import Config
-    from test_adversarial_faultproxy import FaultProxy, Respond, not_implemented_xml
+    from faultproxy import FaultProxy, Outage
 
     from s3capture.store import StoreError
 
     # The store goes down and comes back at the same endpoint: a spill belongs to its endpoint.
     proxy = await FaultProxy(s3_server.port).start()
-    down = True
-
-    async def rule(request):
-        return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable") if down else None
-
-    proxy.rule = rule
+    outage = proxy.rule = Outage()
     config = Config(retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"})
     try:
         long_id = "c" * 600  # stored under a hashed stand-in: the spilled body keeps the real id
@@ -499,7 +494,7 @@ async def test_a_failure_row_spills_when_the_store_is_down_and_is_replayed(ledge
         assert len(spill.read_bytes().splitlines()) == 2
         assert (await ledgers().manifest("r"))["failures"] == []  # not stored yet: the known window
 
-        down = False
+        outage.down = False
         live = ledgers(endpoint_url=proxy.endpoint, botocore_config=config, spill_dir=tmp_path)
         await live.record_failure("q", "call-1", "worker_capture_failed")  # a successful write replays the spill
         assert not spill.exists()
@@ -508,7 +503,7 @@ async def test_a_failure_row_spills_when_the_store_is_down_and_is_replayed(ledge
             ("call-7", "worker_capture_failed"),
             (long_id, "unresolved_parent"),
         ]
-        down = True
+        outage.down = True
         no_spill = ledgers(endpoint_url=proxy.endpoint, botocore_config=config)
         with pytest.raises(StoreError):
             await no_spill.record_failure("r", "call-8", "worker_capture_failed")

@@ -7,30 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-from faultproxy import FaultProxy, ListEmpty, once
+from faultproxy import ListEmpty, once
+from test_faults import outcome, proxy  # noqa: F401 - proxy is a fixture
 from helpers import assistant_output, list_keys, make_commit, simple_entry, split_bucket_url, system, user
 from s3capture.errors import StoreError
 
 GRACE = 0.3
 REQ = [system("Be brief."), user("Name a colour.")]
-
-
-@pytest.fixture
-async def proxy(s3_server):
-    started = await FaultProxy.for_server(s3_server).start()
-    try:
-        yield started
-    finally:
-        await started.stop()
-
-
-async def outcome(awaitable: Any) -> Any:
-    try:
-        return await awaitable
-    except Exception as error:  # noqa: BLE001 - judged by the assertions
-        return error
 
 
 def lists(rollout: str) -> Any:

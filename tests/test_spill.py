@@ -7,7 +7,7 @@ from botocore.config import Config
 
 from helpers import simple_entry
 from s3capture.protocols import TokenCaptureRetiredError
-from test_adversarial_faultproxy import FaultProxy, Respond, not_implemented_xml
+from faultproxy import FaultProxy, Outage
 
 from s3capture.store import S3TokenStore, StoreError, parse_s3_url
 
@@ -22,12 +22,7 @@ async def test_marker_spills_when_store_is_down_and_replays_later(s3_env, s3_ser
     # The store goes down and comes back at the same endpoint (a fault proxy answering 503): the
     # spill belongs to (endpoint, bucket, prefix), so only a client of that endpoint replays it.
     proxy = await FaultProxy(s3_server.port).start()
-    down = True
-
-    async def rule(request):
-        return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable") if down else None
-
-    proxy.rule = rule
+    outage = proxy.rule = Outage()
     config = Config(retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"})
     try:
         dead = S3TokenStore(bucket_url, endpoint_url=proxy.endpoint, botocore_config=config, spill_dir=tmp_path)
@@ -37,7 +32,7 @@ async def test_marker_spills_when_store_is_down_and_replays_later(s3_env, s3_ser
             await dead.close()
         (spill,) = tmp_path.glob("spill-*.jsonl")
         assert b"call-7" in spill.read_bytes()
-        down = False
+        outage.down = False
         live = S3TokenStore(bucket_url, endpoint_url=proxy.endpoint, botocore_config=config, spill_dir=tmp_path)
         try:
             # A successful put replays the pending spill: the store answers again.

@@ -57,7 +57,7 @@ from s3capture.records import (
     encode_entry,
     to_gym,
 )
-from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutObjects, RolloutScan, parse_s3_url
+from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutObjects, parse_s3_url
 from s3capture.transport import ListedObject, default_botocore_config
 
 __all__ = [
