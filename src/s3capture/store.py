@@ -36,6 +36,7 @@ import msgspec
 import zstandard
 
 from s3capture import fingerprint as _fp
+from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.errors import ListingError, StoreError
@@ -79,6 +80,10 @@ _CLOCK_SLACK = 0.1
 """Seconds ``drop`` adds to ``fence_grace``: monotonic clocks of two hosts may run at slightly
 different rates, and a put measures its own duration on its host's clock."""
 
+_FENCE_SEEN_LIMIT = 10_000
+"""Rollouts whose freeze time ``drop`` remembers (~300 bytes each, measured: under 3 MiB). A
+forgotten one only makes its drop wait ``fence_grace`` from the drop's own LIST instead."""
+
 CHAIN_KEYS = 16
 """How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
 entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
@@ -93,6 +98,20 @@ class FrozenSnapshot(TokenCaptureSnapshot):
     """
 
     reasons: tuple[str, ...] = ()
+
+
+def _shallow_copy(entry: TokenEntry) -> TokenEntry:
+    """A copy of a cached entry whose scalar fields, token-id and log-probability lists and
+    top-level containers are its own; nested items are shared (see ``S3TokenStore._hand_out``)."""
+    out = entry.__copy__()
+    out.prompt_token_ids = list(entry.prompt_token_ids)
+    out.generation_token_ids = list(entry.generation_token_ids)
+    out.generation_log_probs = list(entry.generation_log_probs)
+    out.output_items = list(entry.output_items)
+    extra = entry.__dict__.get("_extra")
+    if extra:
+        out.__dict__["_extra"] = dict(extra)
+    return out
 
 
 class _Envelope(msgspec.Struct, kw_only=True):
@@ -158,8 +177,11 @@ class S3TokenStore(RolloutObjects):
         if entry_type == "gym":
             import nemo_gym.token_id_capture.records  # noqa: F401 - fail early with ImportError
         self.entry_type = entry_type
-        self._call_keys: collections.OrderedDict[tuple[str, str], set[str]] = collections.OrderedDict()
-        self._call_keys_limit = 200_000
+        self._call_keys = CallKeys()
+        """(rollout, call id) -> keys of its entries; bounded by rows and bytes, forgotten when the
+        rollout is frozen, dropped, retired or deleted."""
+        self._manifests: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        """Sealed-manifest writes in flight: manifest key -> (rollout id, task); see ``_seal_later``."""
         self._compressor = zstandard.ZstdCompressor(level=compression_level)
         self._max_entry_bytes = max_entry_bytes
         if fence_grace < 0:
@@ -172,15 +194,14 @@ class S3TokenStore(RolloutObjects):
         used to shorten its wait."""
 
     def _forget_rollout(self, rollout_id: str) -> None:
-        for key in [k for k in self._call_keys if k[0] == rollout_id]:
-            del self._call_keys[key]
+        self._call_keys.forget(rollout_id)
         self._fence_seen.pop(rollout_id, None)
 
     def _saw_fence(self, rollout_id: str, when: float, version: int, snapshot_id: str) -> None:
         """Remember when this client's freeze knew its fence existed, for that snapshot."""
         self._fence_seen[rollout_id] = (when, version, snapshot_id)
         self._fence_seen.move_to_end(rollout_id)
-        while len(self._fence_seen) > 100_000:
+        while len(self._fence_seen) > _FENCE_SEEN_LIMIT:
             self._fence_seen.popitem(last=False)
 
     # ------------------------------------------------------------------ encoding
@@ -236,15 +257,7 @@ class S3TokenStore(RolloutObjects):
         return _Stored(entry, chain, _heap_estimate(entry, len(payload)))
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
-        key = (rollout_id, model_call_id)
-        keys = self._call_keys.get(key)
-        if keys is None:
-            keys = self._call_keys[key] = set()
-            while len(self._call_keys) > self._call_keys_limit:
-                self._call_keys.popitem(last=False)
-        else:
-            self._call_keys.move_to_end(key)
-        keys.add(rel)
+        self._call_keys.add(rollout_id, model_call_id, rel)
 
     def _read_limit(self) -> int:
         # A zstd frame of incompressible data is at most a little larger than the data itself.
@@ -418,8 +431,10 @@ class S3TokenStore(RolloutObjects):
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
-        Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
-        cached (in parallel), and one PUT of the sealed manifest unless it already exists.
+        Requests: PUT the fence, then one LIST page per 1,000 keys and one GET per entry not yet
+        cached (in parallel). The sealed manifest (unless it already exists) is PUT in the
+        background after the snapshot is derived: ``settle`` waits for it, and ``drop``,
+        ``retire``, ``delete`` and ``close`` do so themselves.
         ``version`` is the number of log objects and ``snapshot_id`` a digest of their sorted keys
         and ETags, so two clients freezing the same state agree. The snapshot is ``incomplete`` when
         any call id has conflicting payloads, an intent has no entry, a marker exists, or any object
@@ -447,59 +462,74 @@ class S3TokenStore(RolloutObjects):
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
         reasons: list[str] = []
-        # call id -> SHA-256 -> every listed key holding those bytes (a copy under another
-        # fingerprint's key has the same SHA-256 and must be read and judged too).
-        by_call: dict[str, dict[str, list[ListedObject]]] = collections.defaultdict(dict)
+        plen = len(prefix)
+        # call id -> SHA-256 -> every listed key holding those bytes, with its fingerprint (a copy
+        # under another fingerprint's key has the same SHA-256 and must be read and judged too).
+        # Each key was parsed once, by the scan.
+        by_call: dict[str, dict[str, list[tuple[ListedObject, str]]]] = {}
         intents: set[str] = set()
-        for item in scan.log:
-            kind, cid, fp, sha = parse_log_key(item.key[len(prefix):])  # type: ignore[misc]
+        for item, (kind, cid, fp, sha) in zip(scan.log, scan.parsed):
             if kind == "e":
-                by_call[cid].setdefault(sha, []).append(item)
+                by_call.setdefault(cid, {}).setdefault(sha, []).append((item, fp))
             elif kind == "i":
                 intents.add(cid)
             else:
                 reasons.append(f"marked_incomplete:{cid}")
         for item in scan.foreign:
-            reasons.append(f"foreign_object:{item.key[len(prefix):]}")
+            reasons.append(f"foreign_object:{item.key[plen:]}")
 
-        async def load(item: ListedObject) -> tuple[ListedObject, _Stored | None, str]:
-            rel = item.key[len(prefix):]
-            try:
-                stored = await self._load(item.key, rel.rsplit("/", 1)[-1][:-4], item.size)
-            except RecordError as error:
-                return item, None, f"unreadable:{rel}:{error}"
+        wanted = [
+            (item, cid, fp, sha) for cid, variants in by_call.items() for sha, items in variants.items() for item, fp in items
+        ]
+        # Cached entries are taken without a task each (a warm freeze is one LIST and no GET); only
+        # the misses are fetched, in parallel.
+        loaded: list[tuple[_Stored | None, str]] = [(None, "")] * len(wanted)
+        misses: list[int] = []
+        cache = self._cache
+        for index, (item, _, _, _) in enumerate(wanted):
+            stored = cache.get(item.key)
             if stored is None:
-                return item, None, f"vanished:{rel}"
-            return item, stored, ""
+                misses.append(index)
+            else:
+                loaded[index] = (stored, "")
 
-        wanted = [item for variants in by_call.values() for items in variants.values() for item in items]
-        loaded = await asyncio.gather(*(load(item) for item in wanted))
-        payloads: dict[str, dict[str, _Stored]] = collections.defaultdict(dict)
-        for item, stored, problem in loaded:
-            rel = item.key[len(prefix):]
-            _, cid, fp, sha = parse_log_key(rel)  # type: ignore[misc]
+        async def load(item: ListedObject, sha: str) -> tuple[_Stored | None, str]:
+            try:
+                stored = await self._load(item.key, sha, item.size)
+            except RecordError as error:
+                return None, f"unreadable:{item.key[plen:]}:{error}"
+            if stored is None:
+                return None, f"vanished:{item.key[plen:]}"
+            return stored, ""
+
+        if misses:
+            fetched = await asyncio.gather(*(load(wanted[i][0], wanted[i][3]) for i in misses))
+            for index, result in zip(misses, fetched):
+                loaded[index] = result
+        payloads: dict[str, dict[str, tuple[str, _Stored]]] = {}
+        for (item, cid, fp, sha), (stored, problem) in zip(wanted, loaded):
             if problem:
                 reasons.append(problem)
                 continue
             assert stored is not None
-            if stored.entry.rollout_id != rollout_id or stored.entry.model_call_id != cid or (
-                stored.entry.continuation_fingerprint != fp
-            ):
-                reasons.append(f"misfiled:{rel}")
+            entry = stored.entry
+            if entry.rollout_id != rollout_id or entry.model_call_id != cid or entry.continuation_fingerprint != fp:
+                reasons.append(f"misfiled:{item.key[plen:]}")
                 continue
-            self._remember(rollout_id, cid, rel)
-            payloads[cid][sha] = stored
-        entries: list[TokenEntry] = []
+            payloads.setdefault(cid, {})[sha] = (item.key, stored)
+        chosen: list[tuple[str, str, _Stored]] = []
         for cid in sorted(by_call):
             if len(by_call[cid]) > 1:
                 reasons.append(f"conflicting_payloads:{cid}")
                 continue
             if cid in payloads and len(payloads[cid]) == 1:
-                entries.append(next(iter(payloads[cid].values())).entry)
-        for cid in sorted(intents - set(by_call)):
+                ((sha, (key, stored)),) = payloads[cid].items()
+                chosen.append((key, sha, stored))
+        for cid in sorted(intents - by_call.keys()):
             reasons.append(f"dangling_intent:{cid}")
-        present = {entry.model_call_id for entry in entries}
-        for entry in entries:
+        present = {stored.entry.model_call_id for _, _, stored in chosen}
+        for _, _, stored in chosen:
+            entry = stored.entry
             if entry.parent_call_id is not None and entry.parent_call_id not in present:
                 # A continuation whose parent is not in the snapshot: the chain has a hole (a lost
                 # entry, or a listing that skipped a key), whatever the prompt's storage.
@@ -509,10 +539,70 @@ class S3TokenStore(RolloutObjects):
                     reasons.append(f"broken_chain:{entry.model_call_id}")
         version, snapshot_id = scan.version_and_id()
         self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
+        # A frozen rollout takes no more writes: its call-key map is not needed again.
+        self._call_keys.forget(rollout_id)
         reasons.sort()
         incomplete = bool(reasons)
         manifest_key = f"{prefix}snap/{version:020d}-{snapshot_id}"
-        if all(item.key != manifest_key for item in scan.snaps):
+        if manifest_key not in self._manifests and all(item.key != manifest_key for item in scan.snaps):
+            self._seal_later(rollout_id, manifest_key, prefix, version, snapshot_id, incomplete, list(reasons), scan)
+        if incomplete:
+            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
+        if self.entry_type == "gym":
+            out: tuple[Any, ...] = tuple(to_gym(stored.entry) for _, _, stored in chosen)
+        else:
+            out = tuple(await self._hand_out(chosen))
+        return FrozenSnapshot(rollout_id, out, incomplete, snapshot_id, version, tuple(reasons))
+
+    async def _hand_out(self, chosen: list[tuple[str, str, _Stored]]) -> list[TokenEntry]:
+        """The entries a snapshot returns, none of which shares a mutable part with what internal
+        readers use.
+
+        Internal readers (``resolve``, delta chains, ``freeze``'s checks) use only an entry's
+        scalar fields and its token-id lists. So the first hand-out of a cached entry is a shallow
+        copy with its own token-id and log-probability lists (microseconds, not a validated
+        re-decode); its nested ``output_items``, ``routed_experts`` and extra fields are shared with
+        the cache, which marks the entry ``lent``. A later hand-out of a lent entry re-encodes it and
+        checks the SHA-256 in its key: unchanged, it hands out an independent decode of those bytes;
+        changed (a caller mutated a nested part in place), it drops the cached object and GETs the
+        entry again. No caller ever sees another caller's mutations.
+        """
+        out: list[TokenEntry] = []
+        refetch: list[tuple[int, str, str]] = []
+        for key, sha, stored in chosen:
+            if not stored.lent:
+                stored.lent = True
+                out.append(_shallow_copy(stored.entry))
+                continue
+            payload = encode_entry(stored.entry)
+            if hashlib.sha256(payload).hexdigest() == sha:
+                out.append(decode_entry(payload))
+                continue
+            self._cache.discard(key)
+            refetch.append((len(out), key, sha))
+            out.append(stored.entry)  # placeholder, replaced below
+        for position, key, sha in refetch:
+            data = await self._get(key, self._read_limit())
+            if data is None:
+                raise StoreError(f"freeze: {key} vanished while its snapshot was handed out")
+            out[position] = self._decode_object(data, sha).entry
+        return out
+
+    def _seal_later(
+        self, rollout_id: str, key: str, prefix: str, version: int, snapshot_id: str, incomplete: bool,
+        reasons: list[str], scan: Any,
+    ) -> None:
+        """Write the sealed manifest in the background (a tracked task, off freeze's latency path).
+
+        The manifest is a record of what the freeze saw; nothing derives state from it, and the
+        contract's snapshot is complete without it. ``drop``, ``retire`` and ``delete`` of the
+        rollout and ``close`` wait for it (so it never lands after the rollout's objects were
+        removed); a failure is logged, and the next freeze of the rollout, whose LIST does not show
+        the manifest, writes it again.
+        """
+        objects = scan.log + scan.foreign
+
+        async def seal() -> None:
             manifest = {
                 "format": _MANIFEST_FORMAT,
                 "rollout_id": rollout_id,
@@ -522,18 +612,34 @@ class S3TokenStore(RolloutObjects):
                 "reasons": reasons,
                 "objects": [
                     {"key": i.key[len(prefix):], "etag": i.etag, "size": i.size}
-                    for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
+                    for i in sorted(objects, key=lambda i: i.key)
                 ],
             }
-            await self._put(manifest_key, msgspec.json.encode(manifest))
-        if incomplete:
-            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
-        # Hand back copies: the cached objects stay immutable whatever the caller does with these.
-        if self.entry_type == "gym":
-            out: tuple[Any, ...] = tuple(to_gym(e) for e in entries)
-        else:
-            out = tuple(coerce_entry(e) for e in entries)
-        return FrozenSnapshot(rollout_id, out, incomplete, snapshot_id, version, tuple(reasons))
+            try:
+                await self._put(key, msgspec.json.encode(manifest))
+            except Exception as error:  # noqa: BLE001 - logged; the next freeze writes it again
+                log.warning("sealed manifest %s was not written (the next freeze of %r writes it): %s", key, rollout_id, error)
+            finally:
+                self._manifests.pop(key, None)
+
+        self._manifests[key] = (rollout_id, asyncio.get_running_loop().create_task(seal()))
+
+    async def settle(self, rollout_id: str | None = None) -> None:
+        """Wait for this client's background manifest writes (of one rollout, or all of them).
+
+        ``freeze`` returns before its sealed manifest is stored; ``drop``, ``retire``, ``delete``
+        and ``close`` call this themselves. Never raises for a failed manifest (it is logged and
+        rewritten by the next freeze).
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            tasks = [
+                task for rid, task in list(self._manifests.values())
+                if (rollout_id is None or rid == rollout_id) and task.get_loop() is loop and not task.done()
+            ]
+            if not tasks:
+                return
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact frozen snapshot that was consumed; False if anything changed since.
@@ -552,6 +658,7 @@ class S3TokenStore(RolloutObjects):
         retries) when the store fails; ``ValueError`` for an unstorable id.
         """
         prefix = self.layout.rollout(rollout_id)
+        await self.settle(rollout_id)  # a manifest must not land after the rollout's objects are removed
         scan = await self._scan(rollout_id)
         if not scan.fence or scan.retired or scan.version_and_id() != (version, snapshot_id):
             self._fence_seen.pop(rollout_id, None)
@@ -578,8 +685,32 @@ class S3TokenStore(RolloutObjects):
         await self._write_retired(prefix)
         await self._delete_keys([i.key for i in after.records])
         self._cache.discard_prefix(prefix)
-        self._fence_seen.pop(rollout_id, None)
+        self._forget_rollout(rollout_id)
         return True
+
+    async def retire(self, rollout_ids: Sequence[str]) -> Any:
+        # Pending manifests first: none may land in a rollout after its objects were removed.
+        if self._manifests:
+            await self.settle()
+        removal = await super().retire(rollout_ids)
+        for rollout_id in rollout_ids:
+            self._forget_rollout(rollout_id)
+        return removal
+
+    retire.__doc__ = RolloutObjects.retire.__doc__
+
+    async def delete(self, rollout_ids: Sequence[str]) -> Any:
+        if self._manifests:
+            await self.settle()
+        return await super().delete(rollout_ids)
+
+    delete.__doc__ = RolloutObjects.delete.__doc__
+
+    async def close(self) -> None:
+        """Wait for background manifest writes, then close as ``RolloutObjects.close`` does."""
+        if self._manifests:
+            await self.settle()
+        await super().close()
 
     # ------------------------------------------------------------------ LineageResolver
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
