@@ -254,7 +254,7 @@ class S3TokenStore(RolloutObjects):
             # Valid JSON that is not the canonical encoding (a repeated key decodes last-wins, a
             # reordered or respaced object, ...): its digest and its tokens may disagree.
             raise RecordError("stored entry bytes are not the canonical encoding of the entry they decode to")
-        return _Stored(entry, chain, _heap_estimate(entry, len(payload)))
+        return _Stored(entry, chain, _heap_estimate(entry, payload))
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
         self._call_keys.add(rollout_id, model_call_id, rel)
@@ -321,7 +321,7 @@ class S3TokenStore(RolloutObjects):
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.
             state = await self._fence_state(prefix)
-        self._cache.put(key, _Stored(record, chain, _heap_estimate(record, len(payload))))
+        self._cache.put(key, _Stored(record, chain, _heap_estimate(record, payload)))
         self._remember(record.rollout_id, record.model_call_id, rel)
         await self._replay_spill_quietly()
         if state == "retired":
