@@ -180,8 +180,6 @@ class S3TokenStore(RolloutObjects):
         self._call_keys = CallKeys()
         """(rollout, call id) -> keys of its entries; bounded by rows and bytes, forgotten when the
         rollout is frozen, dropped, retired or deleted."""
-        self._manifests: dict[str, tuple[str, asyncio.Task[None]]] = {}
-        """Sealed-manifest writes in flight: manifest key -> (rollout id, task); see ``_seal_later``."""
         self._compressor = zstandard.ZstdCompressor(level=compression_level)
         self._max_entry_bytes = max_entry_bytes
         if fence_grace < 0:
@@ -431,10 +429,8 @@ class S3TokenStore(RolloutObjects):
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
-        Requests: PUT the fence, then one LIST page per 1,000 keys and one GET per entry not yet
-        cached (in parallel). The sealed manifest (unless it already exists) is PUT in the
-        background after the snapshot is derived: ``settle`` waits for it, and ``drop``,
-        ``retire``, ``delete`` and ``close`` do so themselves.
+        Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
+        cached (in parallel), and one PUT of the sealed manifest unless it already exists.
         ``version`` is the number of log objects and ``snapshot_id`` a digest of their sorted keys
         and ETags, so two clients freezing the same state agree. The snapshot is ``incomplete`` when
         any call id has conflicting payloads, an intent has no entry, a marker exists, or any object
@@ -544,8 +540,22 @@ class S3TokenStore(RolloutObjects):
         reasons.sort()
         incomplete = bool(reasons)
         manifest_key = f"{prefix}snap/{version:020d}-{snapshot_id}"
-        if manifest_key not in self._manifests and all(item.key != manifest_key for item in scan.snaps):
-            self._seal_later(rollout_id, manifest_key, prefix, version, snapshot_id, incomplete, list(reasons), scan)
+        if all(item.key != manifest_key for item in scan.snaps):
+            # Awaited, not written in the background: a background PUT could land after another
+            # client's retire or delete of the rollout and leave a stray object there (docs/design.md).
+            manifest = {
+                "format": _MANIFEST_FORMAT,
+                "rollout_id": rollout_id,
+                "version": version,
+                "snapshot_id": snapshot_id,
+                "incomplete": incomplete,
+                "reasons": reasons,
+                "objects": [
+                    {"key": i.key[plen:], "etag": i.etag, "size": i.size}
+                    for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
+                ],
+            }
+            await self._put(manifest_key, msgspec.json.encode(manifest))
         if incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         if self.entry_type == "gym":
@@ -588,59 +598,6 @@ class S3TokenStore(RolloutObjects):
             out[position] = self._decode_object(data, sha).entry
         return out
 
-    def _seal_later(
-        self, rollout_id: str, key: str, prefix: str, version: int, snapshot_id: str, incomplete: bool,
-        reasons: list[str], scan: Any,
-    ) -> None:
-        """Write the sealed manifest in the background (a tracked task, off freeze's latency path).
-
-        The manifest is a record of what the freeze saw; nothing derives state from it, and the
-        contract's snapshot is complete without it. ``drop``, ``retire`` and ``delete`` of the
-        rollout and ``close`` wait for it (so it never lands after the rollout's objects were
-        removed); a failure is logged, and the next freeze of the rollout, whose LIST does not show
-        the manifest, writes it again.
-        """
-        objects = scan.log + scan.foreign
-
-        async def seal() -> None:
-            manifest = {
-                "format": _MANIFEST_FORMAT,
-                "rollout_id": rollout_id,
-                "version": version,
-                "snapshot_id": snapshot_id,
-                "incomplete": incomplete,
-                "reasons": reasons,
-                "objects": [
-                    {"key": i.key[len(prefix):], "etag": i.etag, "size": i.size}
-                    for i in sorted(objects, key=lambda i: i.key)
-                ],
-            }
-            try:
-                await self._put(key, msgspec.json.encode(manifest))
-            except Exception as error:  # noqa: BLE001 - logged; the next freeze writes it again
-                log.warning("sealed manifest %s was not written (the next freeze of %r writes it): %s", key, rollout_id, error)
-            finally:
-                self._manifests.pop(key, None)
-
-        self._manifests[key] = (rollout_id, asyncio.get_running_loop().create_task(seal()))
-
-    async def settle(self, rollout_id: str | None = None) -> None:
-        """Wait for this client's background manifest writes (of one rollout, or all of them).
-
-        ``freeze`` returns before its sealed manifest is stored; ``drop``, ``retire``, ``delete``
-        and ``close`` call this themselves. Never raises for a failed manifest (it is logged and
-        rewritten by the next freeze).
-        """
-        loop = asyncio.get_running_loop()
-        while True:
-            tasks = [
-                task for rid, task in list(self._manifests.values())
-                if (rollout_id is None or rid == rollout_id) and task.get_loop() is loop and not task.done()
-            ]
-            if not tasks:
-                return
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact frozen snapshot that was consumed; False if anything changed since.
 
@@ -658,7 +615,6 @@ class S3TokenStore(RolloutObjects):
         retries) when the store fails; ``ValueError`` for an unstorable id.
         """
         prefix = self.layout.rollout(rollout_id)
-        await self.settle(rollout_id)  # a manifest must not land after the rollout's objects are removed
         scan = await self._scan(rollout_id)
         if not scan.fence or scan.retired or scan.version_and_id() != (version, snapshot_id):
             self._fence_seen.pop(rollout_id, None)
@@ -689,28 +645,12 @@ class S3TokenStore(RolloutObjects):
         return True
 
     async def retire(self, rollout_ids: Sequence[str]) -> Any:
-        # Pending manifests first: none may land in a rollout after its objects were removed.
-        if self._manifests:
-            await self.settle()
         removal = await super().retire(rollout_ids)
         for rollout_id in rollout_ids:
-            self._forget_rollout(rollout_id)
+            self._forget_rollout(rollout_id)  # no more writes: its call keys and fence time go
         return removal
 
     retire.__doc__ = RolloutObjects.retire.__doc__
-
-    async def delete(self, rollout_ids: Sequence[str]) -> Any:
-        if self._manifests:
-            await self.settle()
-        return await super().delete(rollout_ids)
-
-    delete.__doc__ = RolloutObjects.delete.__doc__
-
-    async def close(self) -> None:
-        """Wait for background manifest writes, then close as ``RolloutObjects.close`` does."""
-        if self._manifests:
-            await self.settle()
-        await super().close()
 
     # ------------------------------------------------------------------ LineageResolver
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
