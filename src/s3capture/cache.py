@@ -18,36 +18,26 @@ __all__ = ["LRU", "Stored", "CallKeys", "entry_heap_estimate"]
 ENTRY_OVERHEAD = 2_500
 """Heap of a decoded entry besides its arrays and content (the struct, its small fields, list
 headers) plus its cache slot (``Stored``, the key string, the LRU's link), measured."""
-_ARRAYS = (b'"generation_log_probs":[', b'"generation_token_ids":[', b'"prompt_token_ids":[')
+ID_TEXT = 7
+"""Typical bytes of one token id in canonical JSON (up to 6 digits and a comma)."""
+PROB_TEXT = 20
+"""Typical bytes of one log probability in canonical JSON (a float32 in shortest float64 form)."""
 
 
 def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
     """Python heap of a decoded, cached entry, within 1.5x of what tracemalloc measures (both ways,
-    ``tests/test_memory.py``): 36 bytes per token id (an int object and its list slot), 32 per
-    log probability (a float and its slot), 1.5 per byte of the rest of its canonical JSON (text,
-    dicts, small fields), plus ``ENTRY_OVERHEAD``, and never less than the JSON itself.
+    ``tests/test_memory.py``): 36 bytes per token id (an int object and its list slot), 32 per log
+    probability (a float and its slot), 1.5 per byte of the rest of its canonical JSON (text, dicts,
+    small fields), plus ``ENTRY_OVERHEAD``; never less than the JSON itself. O(1): no scan.
 
-    ``payload`` is the entry's canonical bytes (or only their length). The text of the three arrays
-    is found in the canonical bytes (keys are sorted, so each array's key appears once at the top
-    level) and left out of "the rest", which the earlier estimate (3 bytes per JSON byte on top of
-    the per-token counts) counted twice: it over-counted the heap 2-3x.
+    ``payload`` is the entry's canonical bytes (or their length). "The rest" leaves out the
+    arrays' typical text (``ID_TEXT``, ``PROB_TEXT`` per element): the earlier estimate (3 bytes per
+    JSON byte on top of the per-token counts) counted that text twice and over-counted 2-3x.
     """
+    size = payload if isinstance(payload, int) else len(payload)
     ids = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
     probs = len(entry.generation_log_probs)
-    if isinstance(payload, int):
-        size = payload
-        arrays = 7 * ids + 20 * probs  # typical text: 6-digit ids, 19-character float32 log probs
-    else:
-        size = len(payload)
-        arrays = 0
-        for name, count in zip(_ARRAYS, (probs, len(entry.generation_token_ids), len(entry.prompt_token_ids))):
-            start = payload.find(name)
-            end = payload.find(b"]", start) if start >= 0 else -1
-            if end < 0 or (count and payload.count(b",", start, end) != count - 1):
-                arrays = 7 * ids + 20 * probs  # not where canonical bytes put it: typical sizes
-                break
-            arrays += end - start - len(name)
-    rest = max(0, size - arrays)
+    rest = max(0, size - ID_TEXT * ids - PROB_TEXT * probs)
     return max(size, ENTRY_OVERHEAD + 36 * ids + 32 * probs + (3 * rest) // 2)
 
 

@@ -181,6 +181,7 @@ class S3TokenStore(RolloutObjects):
         """(rollout, call id) -> keys of its entries; bounded by rows and bytes, forgotten when the
         rollout is frozen, dropped, retired or deleted."""
         self._compressor = zstandard.ZstdCompressor(level=compression_level)
+        self._decompressor = zstandard.ZstdDecompressor()
         self._max_entry_bytes = max_entry_bytes
         if fence_grace < 0:
             raise ValueError("fence_grace must be >= 0 seconds")
@@ -215,6 +216,16 @@ class S3TokenStore(RolloutObjects):
             if len(data) > limit:
                 raise RecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
             return data
+        try:
+            size = zstandard.frame_content_size(data)
+        except zstandard.ZstdError:
+            size = -1
+        if 0 <= size <= limit:
+            # One frame that states its size (what put writes): one call on a reused decompressor.
+            try:
+                return self._decompressor.decompress(data, allow_extra_data=False)
+            except zstandard.ZstdError:
+                pass  # several frames, or damage: the streaming path below decides
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
         out = io.BytesIO()
         while True:
