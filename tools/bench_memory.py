@@ -63,7 +63,7 @@ async def run(args: argparse.Namespace) -> tuple[list[list[Any]], str]:
             gc.collect()
             samples.append(
                 [done, rss_mib(), store._cache.nbytes / 2**20, len(store._cache), len(store._call_keys),
-                 store._call_keys.nbytes / 2**10, len(store._fence_seen), time.perf_counter() - started]
+                 getattr(store._call_keys, "nbytes", float("nan")) / 2**10, len(store._fence_seen), time.perf_counter() - started]
             )
 
         async def rollout(r: int) -> None:
