@@ -99,3 +99,18 @@ def test_bench_ledger_quick_prints_its_tables() -> None:
     assert "| S3CaptureLedger.record " in out and "| bare PUT of the row bytes (peer) " in out
     assert "cold client (cache empty)" in out and "warm client (row cached)" in out
     assert "Gym: model_validate(wire)" in out
+
+
+def test_bench_freeze_quick_prints_its_table() -> None:
+    require_moto()
+    out = run_tool("bench_freeze.py", "--quick")
+    assert "### freeze vs its floor on moto" in out, out
+    for row in ("bare LIST + parallel GETs (floor, cold)", "bare LIST (floor, warm)", "freeze, cold (empty cache)", "freeze, warm (entries cached)"):
+        assert f"| {row} " in out, out
+
+
+def test_bench_memory_small_run_prints_its_series_and_verdict() -> None:
+    require_moto()
+    out = run_tool("bench_memory.py", "--rollouts", "12", "--calls", "100", "--cache-mib", "1", "--parallel", "4")
+    assert "### RSS over 12 rollouts x 100 calls" in out, out
+    assert "| 1,000 " in out and "after the cache filled" in out, out
