@@ -55,6 +55,8 @@ from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredErro
 from s3capture.records import ParentResolutionStatus, encode_entry
 from s3capture.store import S3TokenStore, StoreError
 
+pytestmark = pytest.mark.all_transports  # every test runs on aioboto3 and obstore (tests/conftest.py)
+
 GRACE = 0.3
 """fence_grace of every client in these tests (all clients of a bucket must agree)."""
 REQ = [system("Be brief."), user("Name a colour.")]

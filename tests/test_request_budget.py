@@ -31,6 +31,8 @@ from s3capture.protocols import TokenCaptureFrozenError
 from s3capture.records import ParentResolutionStatus
 from s3capture.store import CHAIN_KEYS, S3TokenStore
 
+pytestmark = pytest.mark.all_transports  # every test runs on aioboto3 and obstore (tests/conftest.py)
+
 RESOLVED = ParentResolutionStatus.RESOLVED
 PUT, GET, LIST = "PutObject", "GetObject", "ListObjectsV2"
 

@@ -28,7 +28,7 @@ from s3capture.errors import StoreError
 from s3capture.layout import Layout, parse_log_key
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.spill import Spill
-from s3capture.transport import ListedObject, ListPage, S3Transport
+from s3capture.transport import ListedObject, ListPage, Transport, make_transport
 
 __all__ = ["RolloutObjects", "RolloutScan", "parse_s3_url", "FENCE_FROZEN", "FENCE_RETIRED"]
 
@@ -107,12 +107,14 @@ class RolloutObjects:
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
         spill_dir: str | os.PathLike | None = None,
+        transport: str | Transport | None = None,
     ) -> None:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
         self.layout = Layout(prefix)
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        self.transport = S3Transport(
+        self.transport = make_transport(
+            transport,
             self.bucket,
             endpoint_url=self.endpoint_url,
             botocore_config=botocore_config,
@@ -139,7 +141,8 @@ class RolloutObjects:
         return True if self.transport.opened else None
 
     async def _s3(self) -> Any:
-        """The aiobotocore client of the running loop (for request hooks in tests and tools)."""
+        """The underlying client of the running loop (aiobotocore's, or obstore's store and the
+        listing session); opens it. Request hooks belong on ``transport.add_hook``."""
         return await self.transport.client()
 
     async def _put(self, key: str, body: bytes) -> None:

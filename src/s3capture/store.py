@@ -118,6 +118,9 @@ class S3TokenStore(RolloutObjects):
         max_concurrency: bound on requests in flight from this client (at most the pool size).
         compression_level: zstd level for stored entries.
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
+        transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
+            about a seventh of the client CPU per request) or a ``s3capture.transport.Transport``;
+            ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
             store; they are replayed by the next ``mark_incomplete``, ``replay_spill`` or ``close``.
         fence_grace: seconds. A ``put`` slower than this reads the fence again after landing, and
@@ -142,6 +145,7 @@ class S3TokenStore(RolloutObjects):
         compression_level: int = 3,
         max_entry_bytes: int = 256 * 1024 * 1024,
         spill_dir: str | os.PathLike | None = None,
+        transport: str | Any = None,
         fence_grace: float = 1.0,
     ) -> None:
         super().__init__(
@@ -152,6 +156,7 @@ class S3TokenStore(RolloutObjects):
             cache_bytes=cache_bytes,
             max_concurrency=max_concurrency,
             spill_dir=spill_dir,
+            transport=transport,
         )
         if entry_type not in ("s3capture", "gym"):
             raise ValueError(f"entry_type must be 's3capture' or 'gym', got {entry_type!r}")
