@@ -118,11 +118,15 @@ class ObstoreTransport(Transport):
         self._attempts, self._connect_timeout, self._read_timeout = _settings(botocore_config)
         import botocore.session
 
+        self._profile: str | None = None
+        self._owns_credentials = True
         if isinstance(session, botocore.session.Session) and not type(session).__module__.startswith("aiobotocore"):
-            botocore_session = session
+            botocore_session = session  # the caller's: its own providers refresh what can be refreshed
+            self._owns_credentials = False
         else:  # an aioboto3 session (async credentials) or none: the same profile, read synchronously
             profile = getattr(session, "profile_name", None) if session is not None else None
-            botocore_session = botocore.session.Session(profile=profile if profile not in (None, "default") else None)
+            self._profile = profile if profile not in (None, "default") else None
+            botocore_session = botocore.session.Session(profile=self._profile)
         self._botocore = botocore_session
         region = getattr(session, "region_name", None) if session is not None else None
         self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or self._botocore.get_config_variable("region") or "us-east-1"
@@ -144,13 +148,40 @@ class ObstoreTransport(Transport):
             return self._credentials.get_frozen_credentials()
 
     def _provide(self) -> dict[str, Any]:
-        """obstore's credential provider: the chain's credentials, asked again within 5 minutes
-        when they are temporary."""
+        """obstore's credential provider: the chain's current credentials, asked for again after
+        a minute (botocore refreshes temporary ones before they expire; a rotation found by
+        ``_refresh`` reaches every client within that minute)."""
         frozen = self._frozen()
-        expires = None
-        if frozen.token:
-            expires = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=5)
+        expires = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=1)
         return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token, "expires_at": expires}
+
+    async def _refresh(self, state: Any, generation: int) -> bool:
+        """After an expired-token answer: resolve the standard credential chain again and rebuild
+        this loop's client when it yields credentials other than the ones that failed. A caller's
+        own botocore session is never replaced; unchanged credentials rebuild nothing (no retry
+        storm on a permanent error)."""
+        if not self._owns_credentials:
+            return False
+        import botocore.session
+
+        async with state.lock:
+            if state.generation != generation or state.client is None:
+                return True  # another request rebuilt it already
+            used = state.client[2]
+            fresh = botocore.session.Session(profile=self._profile)
+            credentials = fresh.get_credentials()
+            if credentials is None:
+                return False
+            frozen = credentials.get_frozen_credentials()
+            if (frozen.access_key, frozen.secret_key, frozen.token) == used:
+                return False
+            with self._credentials_lock:
+                self._botocore, self._credentials = fresh, credentials
+            if state.stack is not None:
+                state.retired.append(state.stack)  # closed at close(): requests may still use it
+            state.client, state.stack = None, None
+        log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
+        return True
 
     # ------------------------------------------------------------------ client per loop
     def _forked(self, states: Any) -> None:
@@ -194,7 +225,8 @@ class ObstoreTransport(Transport):
             skip_auto_headers=("User-Agent",),
         )
         stack.push_async_callback(http.close)
-        return store, http
+        frozen = self._frozen()
+        return store, http, (frozen.access_key, frozen.secret_key, frozen.token)
 
     def _error_code(self, error: BaseException) -> str:
         response = getattr(error, "response", None)
