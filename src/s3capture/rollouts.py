@@ -39,7 +39,13 @@ FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; raises ``ValueError`` otherwise."""
+    """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; raises ``ValueError`` otherwise.
+
+    Control characters are refused: URL parsing silently drops tabs and newlines, which would
+    store everything under a different prefix than the one configured."""
+    bad = next((c for c in url if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"an s3:// URL may not contain control characters ({bad!r} in {url!r})")
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
         raise ValueError(f"expected an s3://bucket/prefix URL, got {url!r}")
