@@ -107,6 +107,9 @@ class Layout:
             # S3 keeps such keys verbatim, but servers that resolve paths (SeaweedFS, proxies)
             # rewrite or refuse them, so the keys written would not be the keys listed.
             raise ValueError(f"prefix {root!r} contains a '.' or '..' path segment")
+        if "\\" in root:
+            # SeaweedFS stores "a\\b" as another key than the one written (tests/test_transport.py).
+            raise ValueError(f"prefix {root!r} contains a backslash, which S3-compatible servers rewrite")
         if "rollouts" in root.split("/"):
             raise ValueError(
                 f"prefix {root!r} contains a 'rollouts' segment; it could nest inside another s3capture root's "
