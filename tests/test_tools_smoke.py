@@ -83,6 +83,14 @@ def test_bench_cpu_quick_prints_its_tables() -> None:
     assert "s3capture freeze, cache_bytes=8 MiB" in out and "Gym TokenCaptureStore.freeze_now" in out
 
 
+def test_bench_encode_quick_prints_its_tables() -> None:
+    require_gym()  # Gym's records and orjson are the peer
+    out = run_tool("bench_encode.py", "--quick")
+    for heading in ("### put-side encode CPU per entry", "### stored bytes per token and compression CPU per zstd level"):
+        assert heading in out, out
+    assert "(peer)" in out and "zstd 1 + trained dictionary" in out and "÷ Gym's canonical path:" in out
+
+
 def test_bench_ledger_quick_prints_its_tables() -> None:
     require_moto()
     require_gym()  # its package imports staging.records

@@ -26,6 +26,7 @@ import hashlib
 import io
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ from s3capture.records import (
     compute_digest,
     decode_entry,
     encode_entry,
+    prepare_entry,
     to_gym,
 )
 from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutObjects, parse_s3_url
@@ -74,6 +76,7 @@ log = logging.getLogger("s3capture")
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _ENVELOPE_FORMAT = "s3capture.entry/1"
+_ENVELOPE_TAIL = b',"format":"' + _ENVELOPE_FORMAT.encode() + b'"}'
 _MANIFEST_FORMAT = "s3capture.manifest/1"
 _CLOCK_SLACK = 0.1
 """Seconds ``drop`` adds to ``fence_grace``: monotonic clocks of two hosts may run at slightly
@@ -116,7 +119,8 @@ class S3TokenStore(RolloutObjects):
             pydantic ``TokenEntry``) for entries handed back by ``freeze``.
         cache_bytes: bound on the estimated heap of decoded immutable objects kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client (at most the pool size).
-        compression_level: zstd level for stored entries.
+        compression_level: zstd level for stored entries (default 1: see ``docs/design.md``,
+            "Encode CPU"; every level is readable by every reader).
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
             about a seventh of the client CPU per request) or a ``s3capture.transport.Transport``;
@@ -142,7 +146,7 @@ class S3TokenStore(RolloutObjects):
         entry_type: str = "s3capture",
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
-        compression_level: int = 3,
+        compression_level: int = 1,
         max_entry_bytes: int = 256 * 1024 * 1024,
         spill_dir: str | os.PathLike | None = None,
         transport: str | Any = None,
@@ -165,7 +169,9 @@ class S3TokenStore(RolloutObjects):
         self.entry_type = entry_type
         self._call_keys: collections.OrderedDict[tuple[str, str], set[str]] = collections.OrderedDict()
         self._call_keys_limit = 200_000
-        self._compressor = zstandard.ZstdCompressor(level=compression_level)
+        self._compression_level = compression_level
+        self._compressors = threading.local()
+        self._compressor()  # a bad level fails here, not in the first put
         self._max_entry_bytes = max_entry_bytes
         if fence_grace < 0:
             raise ValueError("fence_grace must be >= 0 seconds")
@@ -189,10 +195,18 @@ class S3TokenStore(RolloutObjects):
             self._fence_seen.popitem(last=False)
 
     # ------------------------------------------------------------------ encoding
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        """This thread's compressor. A ``ZstdCompressor`` must not be used by two threads at once
+        (it releases the GIL while compressing); within a thread, ``put`` compresses without
+        awaiting, so one event loop's tasks never share it concurrently either."""
+        compressor = getattr(self._compressors, "zstd", None)
+        if compressor is None:
+            compressor = self._compressors.zstd = zstandard.ZstdCompressor(level=self._compression_level)
+        return compressor
+
     def _encode_object(self, payload: bytes, chain: Sequence[str]) -> bytes:
-        envelope = b'{"chain":' + msgspec.json.encode(list(chain)) + b',"entry":' + payload
-        envelope += b',"format":"' + _ENVELOPE_FORMAT.encode() + b'"}'
-        return self._compressor.compress(envelope)
+        envelope = b"".join((b'{"chain":', msgspec.json.encode(list(chain)), b',"entry":', payload, _ENVELOPE_TAIL))
+        return self._compressor().compress(envelope)
 
     def _decompress(self, data: bytes) -> bytes:
         # The envelope adds its format tag and up to CHAIN_KEYS ancestor keys to the entry bytes.
@@ -291,11 +305,11 @@ class S3TokenStore(RolloutObjects):
                 landed; no reader uses it, and only retire or delete removes it).
             StoreError: the store failed the request.
         """
-        # A validated copy: what we store is what every reader can decode, and a caller mutating
-        # its entry after put cannot change our cached view of an immutable object.
-        record = coerce_entry(entry)
+        # A validated private copy and its canonical bytes, in one pass: what we store is what every
+        # reader can decode, and a caller mutating its entry after put cannot change our cached
+        # view of an immutable object.
+        record, payload = prepare_entry(entry)
         prefix = self.layout.rollout(record.rollout_id)
-        payload = encode_entry(record)
         if len(payload) > self._max_entry_bytes:
             raise ValueError(
                 f"entry {record.model_call_id!r} is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}"
