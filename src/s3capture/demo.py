@@ -156,9 +156,9 @@ async def _serve_call(
             expected_parent is None or resolution.match.model_call_id == expected_parent
         )
         stamp_lineage(entry, resolution.match.model_call_id, parent_resolution=RESOLVED)
-        # Every 16th call stores its full prompt: a fresh resolver then rebuilds any chain from the
-        # nearest anchor in one round trip of at most 16 parallel GETs (CHAIN_KEYS).
-        if delta and parent_ok and call.index % 16:
+        # Every RESOLVED call stores only its prompt suffix, as Gym's delta_records does; the store's
+        # own checkpoints keep a fresh resolve at three round trips whatever the depth.
+        if delta and parent_ok:
             store_prompt_as_delta(entry, parent_tokens)
     else:
         stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus(resolution.status), reason=resolution.reason)
