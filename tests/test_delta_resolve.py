@@ -131,7 +131,7 @@ async def test_fresh_client_resolves_a_1000_call_delta_rollout_in_three_round_tr
         assert_resolved_to(resolution, turns[index])
         counts = rec.counts()
         assert set(counts) <= {LIST, GET} and counts[LIST] == 1, (index, counts)
-        assert counts[GET] <= K + 2, (index, counts)
+        assert counts[GET] <= K + 1, (index, counts)
         assert round_trips(rec) <= 3, (index, rec.sequence)
         assert elapsed < 5, (index, elapsed)
         # What it fetched: the candidate, and either its own checkpoint or the nearest checkpoint (or
@@ -355,7 +355,7 @@ async def test_objects_written_before_checkpoints_still_resolve(fresh, s3_client
     cold = fresh()
     rec = await RequestRecorder.attach(cold)
     assert_resolved_to(await cold.resolve("r-old", next_request(turns[-1])), turns[-1])
-    assert round_trips(rec) <= 3 and rec.counts()[GET] <= K + 2
+    assert round_trips(rec) <= 3 and rec.counts()[GET] <= K + 1
 
 
 async def test_readers_that_predate_checkpoints_read_new_objects(fresh, s3_client, bucket_url, monkeypatch):

@@ -338,7 +338,8 @@ class S3TokenStore(RolloutObjects):
     async def put(self, entry: Any) -> None:
         """Durably store one ``TokenEntry`` (s3capture's, NeMo Gym's pydantic one, or a dict).
 
-        One round trip: the content-addressed PUT and a GET of the rollout's fence in parallel.
+        One round trip: the content-addressed PUT and a GET of the rollout's fence in parallel
+        (and, beside every ``CHECKPOINT_EVERY``-th delta entry, the PUT of its checkpoint).
         When it returns, the entry is durable and visible to every client's ``resolve`` and
         ``freeze``. A byte-identical retry rewrites the same key (a no-op); a different payload
         for the same call id lands beside it and readers see the conflict.
@@ -718,7 +719,9 @@ class S3TokenStore(RolloutObjects):
         """Return ROOT, RESOLVED (exactly one proven parent) or UNRESOLVED with a reason.
 
         Requests: one LIST of the request fingerprint's prefix and GETs of the candidates not yet
-        cached (two round trips), plus GETs of the uncached ancestors of a delta winner. A call id
+        cached (two round trips), plus, for a delta winner whose tokens are not memoized, one
+        parallel round trip: its own checkpoint, or its nearest checkpoint and the entries after it
+        (more only where a checkpoint is missing or fails its digest). A call id
         with more than one payload under the fingerprint counts as zero candidates; candidates
         must match the recorded request context (``conversation_digest`` of the leading items);
         several candidates count as one only when their cumulative tokens are identical. Raises
