@@ -654,7 +654,7 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f"  put     latency: {_percentiles(report.put_ms)}",
         f"  resolve latency: {_percentiles(report.resolve_ms)}",
         f"  stored: {report.stored_bytes:,} bytes in {report.entry_objects} entry objects (including intents, markers,"
-        f" fences); Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
+        f" fences, delta checkpoints); Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
         + (f" ({report.stored_bytes / max(1, report.tokens):.2f} vs {report.gym_jsonl_bytes / max(1, report.tokens):.2f} bytes per stored token)" if report.tokens else ""),
         f"  Gym JSONL of the same calls with full prompts: {report.gym_full_jsonl_bytes:,} bytes"
         f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"
