@@ -107,3 +107,15 @@ def test_bench_ledger_quick_prints_its_tables() -> None:
     assert "| S3CaptureLedger.record " in out and "| bare PUT of the row bytes (peer) " in out
     assert "cold client (cache empty)" in out and "warm client (row cached)" in out
     assert "Gym: model_validate(wire)" in out
+
+
+def test_bench_resolve_quick_prints_its_table() -> None:
+    require_moto()
+    out = run_tool("bench_resolve.py", "--quick", "--servers", "moto")
+    assert "### resolve on moto" in out, out
+    delta_cold = [line for line in out.splitlines() if line.startswith("| delta, 40 calls") and "| cold " in line]
+    assert len(delta_cold) == 2, out  # loopback and behind the delay proxy
+    for line in delta_cold:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[11] == "3", line  # round trips: LIST, candidate, checkpoint + deltas
+        assert cells[12].startswith("2 /"), line  # checkpoints beside calls 16 and 32

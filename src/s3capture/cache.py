@@ -31,6 +31,10 @@ class Stored:
     nbytes: int
     cumulative: tuple[int, ...] | None = None
     """Memo of the entry's cumulative tokens once rebuilt (counted in ``nbytes``)."""
+    cum_base: str = ""
+    """Envelope hint: key (relative to the rollout) of the checkpoint of ``chain[0]``'s tokens."""
+    cum_self: str = ""
+    """Envelope hint: key (relative to the rollout) of the checkpoint of this entry's own tokens."""
 
 
 class LRU:

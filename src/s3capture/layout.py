@@ -8,6 +8,8 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/log/e/<fp>/<cid>/<sha256>.zst  entry: zstd(envelope JSON); sha256 of the canonical entry bytes
     rollouts/<rid>/log/i/<cid>                    begin_call intent (empty)
     rollouts/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
+    rollouts/<rid>/cum/<digest>.zst               delta checkpoint: zstd(cumulative token ids of an entry whose
+                                                  Gym ``digest`` names the key); derived data, not in the version
     rollouts/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
     rollouts/<rid>/ledger/row/<cid>/<sha256>.json capture-ledger row (CaptureLedger.record); sha256 of its bytes
     rollouts/<rid>/ledger-index/<fp>/<cid>/<sha256> ledger fingerprint index of that row (empty)
@@ -37,6 +39,7 @@ _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 _HEX = "0123456789ABCDEF"
 _ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
 _HASHED = re.compile(r"^~h[0-9a-f]{64}$")
+_CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
 
 # Longest suffix s3capture appends to a rollout prefix without a call id, and with one.
 _SNAP_SUFFIX = len("snap/") + 20 + 1 + 32
@@ -161,6 +164,20 @@ class Layout:
         if len(rollout_prefix.encode()) + _ENTRY_SUFFIX + len(cid) > MAX_KEY_BYTES:
             raise ValueError(f"model_call_id is too long to store: keys would exceed S3's {MAX_KEY_BYTES}-byte limit")
         return cid
+
+
+def checkpoint_rel(digest: str) -> str:
+    """Key (relative to the rollout prefix) of the delta checkpoint holding the cumulative tokens
+    whose Gym ``digest`` is ``digest``; raises ``ValueError`` unless it is 64 lower-case hex digits."""
+    rel = f"cum/{digest}.zst"
+    if not _CHECKPOINT.fullmatch(rel):
+        raise ValueError(f"not a token digest: {digest!r}")
+    return rel
+
+
+def is_checkpoint_rel(rel: str) -> bool:
+    """Whether a key relative to a rollout prefix has the exact shape of a delta checkpoint."""
+    return _CHECKPOINT.fullmatch(rel) is not None
 
 
 def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:

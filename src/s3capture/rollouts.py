@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 from s3capture.cache import LRU
 from s3capture.errors import StoreError
-from s3capture.layout import Layout, parse_log_key
+from s3capture.layout import Layout, is_checkpoint_rel, parse_log_key
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.spill import Spill
 from s3capture.transport import ListedObject, ListPage, Transport, make_transport
@@ -68,13 +68,16 @@ class RolloutScan:
     log: list[ListedObject] = field(default_factory=list)
     snaps: list[ListedObject] = field(default_factory=list)
     foreign: list[ListedObject] = field(default_factory=list)
+    checkpoints: list[ListedObject] = field(default_factory=list)
+    """Delta checkpoints (``cum/<digest>.zst``): derived from entries, so outside the version and
+    the snapshot id, but removed with the rest."""
     seen_at: float = 0.0
     """``time.monotonic()`` when the listing returned (this client's clock)."""
 
     @property
     def records(self) -> list[ListedObject]:
-        """Every object a retire removes: log, manifests, foreign keys and drop tombstones."""
-        return self.log + self.snaps + self.foreign + self.drops
+        """Every object a retire removes: log, manifests, foreign keys, drop tombstones and checkpoints."""
+        return self.log + self.snaps + self.foreign + self.drops + self.checkpoints
 
     @property
     def all_keys(self) -> list[str]:
@@ -269,6 +272,8 @@ class RolloutObjects:
                 scan.snaps.append(item)
             elif rel.startswith("log/") and parse_log_key(rel) is not None:
                 scan.log.append(item)
+            elif rel.startswith("cum/") and is_checkpoint_rel(rel):
+                scan.checkpoints.append(item)
             else:
                 scan.foreign.append(item)
         return scan
