@@ -20,6 +20,12 @@ others are skipped. ``external`` is an S3 endpoint you run yourself, described b
 ``AWS_SECRET_ACCESS_KEY`` (optional ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``); the tests
 create and delete buckets named ``s3capture-test-*`` there. See docs/testing.md.
 
+Choosing transports: modules marked ``pytest.mark.all_transports`` (conformance, Gym's
+conformance, request budgets, fault injection) run every test once per transport selected by
+``S3CAPTURE_TEST_TRANSPORTS`` (``aioboto3,obstore`` when unset; test ids ``[...-obstore]``); the
+autouse ``transport_kind`` fixture sets ``S3CAPTURE_TRANSPORT`` for them, so every store a test
+builds uses that transport. Other tests use ``S3CAPTURE_TRANSPORT`` (``aioboto3`` when unset).
+
 A selected server whose software is missing (e.g. no Ceph packages on a laptop) is skipped with a
 one-line reason; under ``CI`` (``CI=true``) it fails instead, as does a server that cannot start.
 """
@@ -171,10 +177,55 @@ class ExternalS3Server:
 _EXTERNAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
+TRANSPORT_KINDS = ("aioboto3", "obstore")
+_TRANSPORTS_VAR = "S3CAPTURE_TEST_TRANSPORTS"
+
+
+def selected_transports() -> tuple[str, ...]:
+    """Transports selected by ``S3CAPTURE_TEST_TRANSPORTS`` (both when unset or empty)."""
+    raw = os.environ.get(_TRANSPORTS_VAR, "").strip()
+    if not raw:
+        return TRANSPORT_KINDS
+    chosen = tuple(dict.fromkeys(p.strip().lower() for p in raw.split(",") if p.strip()))
+    unknown = [k for k in chosen if k not in TRANSPORT_KINDS]
+    if unknown:
+        raise pytest.UsageError(f"{_TRANSPORTS_VAR}={raw!r}: unknown transport(s) {unknown}; choose from {list(TRANSPORT_KINDS)}")
+    return chosen
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "all_transports: run each test once per transport in S3CAPTURE_TEST_TRANSPORTS (aioboto3, obstore)"
+    )
+    selected_transports()  # fail early on a typo
     # fail early on a typo in S3CAPTURE_TEST_SERVERS or a missing external endpoint setting
     if EXTERNAL in selected_servers():
         ExternalS3Server.from_env()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "transport_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker("all_transports"):
+        metafunc.parametrize("transport_kind", TRANSPORT_KINDS, ids=TRANSPORT_KINDS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def transport_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The transport this test's stores use: a parameter in ``all_transports`` modules (exported
+    as ``S3CAPTURE_TRANSPORT``), else ``S3CAPTURE_TRANSPORT`` or ``aioboto3``."""
+    kind = getattr(request, "param", None)
+    if kind is None:
+        return os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3")
+    if kind not in selected_transports():
+        pytest.skip(f"{kind} transport not selected ({_TRANSPORTS_VAR}={os.environ.get(_TRANSPORTS_VAR)!r})")
+    if kind == "obstore":
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            if running_under_ci():
+                pytest.fail("the obstore transport is required under CI: pip install 's3capture[obstore]'", pytrace=False)
+            pytest.skip("obstore is not installed (pip install 's3capture[obstore]')")
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", kind)
+    return kind
 
 
 def skip_unless_selected(kind: str) -> None:

@@ -168,11 +168,12 @@ def _key_of(url: str, bucket: str) -> str:
 
 @dataclass
 class RequestRecorder:
-    """Records every S3 request a store's aiobotocore client sends, through its botocore events.
+    """Records every S3 request a store sends, through its transport's request hooks (so it works
+    on every transport: ``Transport.add_hook``).
 
-    ``before-send.s3`` records ``(operation, key)`` and raises the in-flight count;
-    ``response-received.s3`` lowers it. ``sequence`` interleaves ``("send", op)`` and
-    ``("recv", op)`` in the order the client saw them.
+    The ``before`` hook records ``(operation, key)`` and raises the in-flight count; the ``after``
+    hook lowers it. ``sequence`` interleaves ``("send", op)`` and ``("recv", op)`` in the order the
+    client saw them. A LIST's key is the listed prefix.
     """
 
     bucket: str
@@ -184,21 +185,17 @@ class RequestRecorder:
     @classmethod
     async def attach(cls, store: Any) -> "RequestRecorder":
         recorder = cls(store.bucket)
-        client = await store._s3()
-        client.meta.events.register("before-send.s3", recorder._before_send)
-        client.meta.events.register("response-received.s3", recorder._response_received)
+        store.transport.add_hook(before=recorder._before_send, after=recorder._response_received)
         return recorder
 
-    def _before_send(self, event_name: str = "", request: Any = None, **_: Any) -> None:
-        operation = event_name.rsplit(".", 1)[-1]
-        key = _key_of(request.url, self.bucket) if request is not None else ""
+    def _before_send(self, operation: str, key: str, continuation: str | None = None) -> None:
         self.sent.append((operation, key, time.monotonic()))
         self.sequence.append(("send", operation))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def _response_received(self, event_name: str = "", **_: Any) -> None:
-        self.sequence.append(("recv", event_name.rsplit(".", 1)[-1]))
+    def _response_received(self, operation: str, key: str, continuation: str | None = None) -> None:
+        self.sequence.append(("recv", operation))
         self.in_flight -= 1
 
     def reset(self) -> None:

@@ -264,17 +264,12 @@ async def run_builder(config: dict) -> None:
     # test can kill between them: the retired fence of a drop that has not decided yet, ...
     phase: contextvars.ContextVar[str] = contextvars.ContextVar("phase", default="freeze")  # per task
 
-    def on_send(request: Any = None, event_name: str = "", **_: Any) -> None:
-        if request is None:
-            return
-        operation = event_name.rsplit(".", 1)[-1]
-        path = request.url.split("?")[0]
-        what = path.split("/rollouts/", 1)[1].split("/")[1] if "/rollouts/" in path else ""
+    def on_send(operation: str, key: str, continuation: str | None) -> None:
+        what = key.split("/rollouts/", 1)[1].split("/")[1] if "/rollouts/" in key else ""
         step = f"{operation}:{what}" if operation == "PutObject" else operation
         event("op", f"{phase.get()}/{step}", "-", "-")  # e.g. drop/PutObject:fence
 
-    client = await store._s3()
-    client.meta.events.register("before-send.s3", on_send)
+    store.transport.add_hook(before=on_send)
 
     def consumed() -> set[str]:
         return {r["r"] for r in journal.records if r["t"] == "dropped" and r["ok"]}

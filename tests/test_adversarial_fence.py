@@ -1,6 +1,6 @@
 """Adversarial: the fence_grace argument of docs/design.md (stale-drop window) and markers racing drop.
 
-A stalled request is produced by an awaiting handler on the client's own ``before-send`` event:
+A stalled request is produced by an awaiting ``before`` request hook of the client's transport:
 the request is really sent to the server when released (the same technique as
 tests/test_concurrency.py).
 """
@@ -32,7 +32,8 @@ def entry(rollout_id: str, cid: str) -> Any:
 
 
 class Hold:
-    """Holds requests of one client that match a predicate at ``before-send`` until released."""
+    """Holds requests of one client that match ``predicate(key, continuation)`` until released
+    (a ``before`` request hook of its transport)."""
 
     def __init__(self, predicate: Any) -> None:
         self.predicate = predicate
@@ -41,17 +42,16 @@ class Hold:
         self.answered: list[str] = []
 
     async def attach(self, store: S3TokenStore, operation: str) -> None:
-        client = await store._s3()
-        client.meta.events.register(f"before-send.s3.{operation}", self._before)
-        client.meta.events.register("response-received.s3", self._after)
+        self.operation = operation
+        store.transport.add_hook(before=self._before, after=self._after)
 
-    async def _before(self, request: Any = None, **_: Any) -> None:
-        if request is not None and self.predicate(request):
+    async def _before(self, operation: str, key: str, continuation: str | None) -> None:
+        if operation == self.operation and self.predicate(key, continuation):
             self.held.set()
             await self.release.wait()
 
-    def _after(self, event_name: str = "", **_: Any) -> None:
-        self.answered.append(event_name.rsplit(".", 1)[-1])
+    def _after(self, operation: str, key: str, continuation: str | None) -> None:
+        self.answered.append(operation)
 
 
 # Regression test (found by the adversarial review, fixed in 0d86cd4): drop's grace check uses the Date of the
@@ -71,7 +71,7 @@ async def test_acknowledged_put_is_not_lost_by_a_drop_whose_list_spans_pages(fre
 
     # A worker's put of call "b-late" (sorts into the first page) reads the fence "open" ...
     writer = fresh(fence_grace=GRACE)
-    stall = Hold(lambda request: "/log/e/" in request.url)
+    stall = Hold(lambda key, _: "/log/e/" in key)
     await stall.attach(writer, "PutObject")
     started = time.monotonic()
     late = asyncio.create_task(writer.put(entry(rid, "b-late")))
@@ -85,7 +85,7 @@ async def test_acknowledged_put_is_not_lost_by_a_drop_whose_list_spans_pages(fre
 
     # ... and drops at once. Its LIST's first page is served; the second page is slow.
     dropper = fresh(fence_grace=GRACE)
-    page2 = Hold(lambda request: "continuation-token" in request.url)
+    page2 = Hold(lambda _, continuation: continuation is not None)
     await page2.attach(dropper, "ListObjectsV2")
     drop = asyncio.create_task(dropper.drop(rid, snapshot.snapshot_id, snapshot.version))
     await asyncio.wait_for(page2.held.wait(), 30)
@@ -128,7 +128,7 @@ async def test_acknowledged_marker_is_not_silently_outlived_by_a_drop(fresh, s3_
     assert not snapshot.incomplete
 
     worker = fresh(fence_grace=GRACE)
-    stall = Hold(lambda request: "/log/x/" in request.url)
+    stall = Hold(lambda key, _: "/log/x/" in key)
     await stall.attach(worker, "PutObject")
     marking = asyncio.create_task(worker.mark_incomplete(rid, "c-1"))
     await asyncio.wait_for(stall.held.wait(), 30)
@@ -152,8 +152,8 @@ class HoldSecond(Hold):
         super().__init__(predicate)
         self.passed = 0
 
-    async def _before(self, request: Any = None, **_: Any) -> None:
-        if request is not None and self.predicate(request):
+    async def _before(self, operation: str, key: str, continuation: str | None) -> None:
+        if operation == self.operation and self.predicate(key, continuation):
             self.passed += 1
             if self.passed == 2:
                 self.held.set()
@@ -173,9 +173,8 @@ async def test_freeze_racing_retire_never_leaves_a_retired_rollout_unretired(fre
     await fresh().put(entry(rid, "c-0"))
     retirer = fresh()
 
-    def fence_or_tombstone(request: Any) -> bool:
-        path = request.url.split("?")[0]
-        return path.endswith(("/retired", "/fence"))
+    def fence_or_tombstone(key: str, continuation: str | None) -> bool:
+        return key.endswith(("/retired", "/fence"))
 
     hold = HoldSecond(fence_or_tombstone)
     await hold.attach(retirer, "PutObject")
@@ -204,7 +203,7 @@ async def test_marker_landing_between_drops_list_and_its_fence_fails_the_drop(fr
     snapshot = await builder.freeze(rid)
     dropper = fresh(fence_grace=GRACE)
     # Hold drop's first write after its final LIST (tombstone or fence, whichever comes first).
-    hold = Hold(lambda request: request.url.split("?")[0].endswith(("/retired", "/fence")))
+    hold = Hold(lambda key, _: key.endswith(("/retired", "/fence")))
     await hold.attach(dropper, "PutObject")
     dropping = asyncio.create_task(dropper.drop(rid, snapshot.snapshot_id, snapshot.version))
     await asyncio.wait_for(hold.held.wait(), 30)

@@ -192,7 +192,7 @@ async def test_two_fresh_clients_freezing_concurrently_agree(fresh):
 
 
 class Stall:
-    """Holds the writer's entry PutObject at ``before-send`` until released, and notes when the
+    """Holds the writer's entry PutObject (a ``before`` request hook) until released, and notes when the
     writer's fence GET has been answered. The request is sent to the server when released."""
 
     def __init__(self) -> None:
@@ -201,17 +201,16 @@ class Stall:
         self.release = asyncio.Event()
 
     async def attach(self, store: S3TokenStore) -> None:
-        client = await store._s3()
-        client.meta.events.register("before-send.s3.PutObject", self._before_put)
-        client.meta.events.register("response-received.s3.GetObject", self._after_get)
+        store.transport.add_hook(before=self._before_put, after=self._after_get)
 
-    async def _before_put(self, request: Any = None, **_: Any) -> None:
-        if request is not None and "/log/e/" in request.url:
+    async def _before_put(self, operation: str, key: str, continuation: str | None) -> None:
+        if operation == "PutObject" and "/log/e/" in key:
             self.put_held.set()
             await self.release.wait()
 
-    def _after_get(self, **_: Any) -> None:
-        self.fence_answered.set()
+    def _after_get(self, operation: str, key: str, continuation: str | None) -> None:
+        if operation == "GetObject":
+            self.fence_answered.set()
 
 
 async def start_stalled_put(fresh: Any, rollout_id: str, entry: Any, *, intent: bool) -> tuple[asyncio.Task, Stall]:

@@ -30,6 +30,8 @@ from s3capture.ledger_records import to_wire, validate_commit
 from s3capture.protocols import TokenCaptureFrozenError
 from s3capture.store import S3TokenStore
 
+pytestmark = pytest.mark.all_transports  # every test runs on aioboto3 and obstore (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "conformance.md"
 NAMES = [name for name, _, _ in CHECKS]

@@ -10,7 +10,11 @@ import uuid
 
 from gymcompat import require_gym
 
+import pytest
+
 from s3capture.store import S3TokenStore
+
+pytestmark = pytest.mark.all_transports  # every test runs on aioboto3 and obstore (tests/conftest.py)
 
 GYM_CHECKS = {
     "put_then_freeze_visibility",

@@ -211,18 +211,24 @@ async def test_delta_resolve_gets_only_uncached_ancestors(fresh):
         assert rec.counts() == {LIST: 1}
 
 
-async def test_deep_delta_resolve_fetches_each_ancestor_once(fresh):
+async def test_deep_delta_resolve_fetches_one_checkpoint_and_the_deltas_after_it(fresh):
     depth = 2 * CHAIN_KEYS + 8
     turns = build_conversation("r", depth)
     writer = fresh()
+    entries = []
     for index, turn in enumerate(turns):
-        await writer.put(turn_entry("r", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None))
+        entries.append(turn_entry("r", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None))
+        await writer.put(entries[-1])
     resolver = fresh()
     rec = await RequestRecorder.attach(resolver)
     resolution = await resolver.resolve("r", next_request(turns[-1]))
     assert list(resolution.match.cumulative_token_ids) == turns[-1].cumulative
-    assert rec.counts() == {LIST: 1, GET: depth}
-    assert len(set(rec.keys(GET))) == depth
+    # The last checkpoint sits beside call 2K; the deepest call needs it and the calls after it.
+    base = 2 * CHAIN_KEYS
+    checkpoint = writer.layout.rollout("r") + f"cum/{entries[base].digest}.zst"
+    assert rec.counts() == {LIST: 1, GET: 1 + (depth - base)}
+    assert sorted(rec.keys(GET)) == sorted([checkpoint, *(entry_key(resolver, e) for e in entries[base:])])
+    assert rec.max_in_flight == depth - base
 
 
 # --------------------------------------------------------------------------- freeze

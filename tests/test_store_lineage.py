@@ -306,14 +306,15 @@ async def test_delta_chain_resolves_with_one_client_reused(fresh):
 async def test_corrupted_ancestor_makes_delta_resolve_unresolved(fresh, s3_client, bucket_url, damage):
     turns = await build_delta_chain(fresh, "r-delta", DEPTH, fresh_each_step=False)
     bucket, _ = split_bucket_url(bucket_url)
-    # Call 5 sits outside the deepest call's own CHAIN_KEYS window: it is reached by the rebuild.
-    victim = turns[5]
+    # The deepest call (39) is rebuilt from the checkpoint of call 32 and the deltas 33..38: call 36
+    # is one of the ancestors its rebuild needs.
+    victim = turns[DEPTH - 4]
     key = entry_key_of(bucket_url, s3_client, "r-delta", victim.call_id)
     if damage == "garbage":
         put_bytes(s3_client, bucket, key, b"\x00not an entry")
     elif damage == "re-encoded":
         # A well-formed entry with other tokens stored under the victim's (now wrong) key.
-        forged = turn_entry("r-delta", victim, delta=True, parent_cumulative=turns[4].cumulative)
+        forged = turn_entry("r-delta", victim, delta=True, parent_cumulative=turns[DEPTH - 5].cumulative)
         forged.generation_token_ids = [7, 7, 7]
         from s3capture.records import encode_entry
 
@@ -322,16 +323,17 @@ async def test_corrupted_ancestor_makes_delta_resolve_unresolved(fresh, s3_clien
     elif damage == "deleted":
         s3_client.delete_object(Bucket=bucket, Key=key)
     else:
-        # The envelope's ancestor list is not covered by the key's SHA-256: drop one ancestor.
-        victim = turns[DEPTH - 1 - CHAIN_KEYS]  # the first ancestor named by the deepest call
-        key = entry_key_of(bucket_url, s3_client, "r-delta", victim.call_id)
+        # The envelope's ancestor list is not covered by the key's SHA-256: drop one ancestor from
+        # the middle of the deepest call's own chain.
+        key = entry_key_of(bucket_url, s3_client, "r-delta", turns[-1].call_id)
         raw = zstandard.ZstdDecompressor().stream_reader(
             io.BytesIO(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
         ).read()
-        cut = raw.index(b',"entry":')
+        cut = raw.index(b',"cum_base":')
         chain = json.loads(raw[len(b'{"chain":'):cut])
-        assert len(chain) == CHAIN_KEYS
-        tampered = b'{"chain":' + json.dumps(chain[:-1], separators=(",", ":")).encode() + raw[cut:]
+        assert len(chain) == (DEPTH - 1) % CHAIN_KEYS
+        del chain[3]
+        tampered = b'{"chain":' + json.dumps(chain, separators=(",", ":")).encode() + raw[cut:]
         put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(tampered))
 
     deepest = turns[-1]
@@ -340,8 +342,8 @@ async def test_corrupted_ancestor_makes_delta_resolve_unresolved(fresh, s3_clien
     assert resolution.match is None
     assert resolution.reason.startswith("unreadable_parent"), resolution.reason
     # Calls that do not descend from the damaged object still resolve.
-    early = turns[3]
-    assert_resolved(await fresh().resolve("r-delta", next_request(early)), early.call_id, early.cumulative)
+    for early in (turns[3], turns[2 * CHAIN_KEYS]):
+        assert_resolved(await fresh().resolve("r-delta", next_request(early)), early.call_id, early.cumulative)
 
 
 async def test_delta_put_with_unknown_parent_raises(fresh, s3_client, bucket_url):

@@ -83,6 +83,14 @@ def test_bench_cpu_quick_prints_its_tables() -> None:
     assert "s3capture freeze, cache_bytes=8 MiB" in out and "Gym TokenCaptureStore.freeze_now" in out
 
 
+def test_bench_encode_quick_prints_its_tables() -> None:
+    require_gym()  # Gym's records and orjson are the peer
+    out = run_tool("bench_encode.py", "--quick")
+    for heading in ("### put-side encode CPU per entry", "### stored bytes per token and compression CPU per zstd level"):
+        assert heading in out, out
+    assert "(peer)" in out and "zstd 1 + trained dictionary" in out and "÷ Gym's canonical path:" in out
+
+
 def test_bench_ledger_quick_prints_its_tables() -> None:
     require_moto()
     require_gym()  # its package imports staging.records
@@ -114,3 +122,15 @@ def test_bench_memory_small_run_prints_its_series_and_verdict() -> None:
     out = run_tool("bench_memory.py", "--rollouts", "12", "--calls", "100", "--cache-mib", "1", "--parallel", "4")
     assert "### RSS over 12 rollouts x 100 calls" in out, out
     assert "| 1,000 " in out and "after the cache filled" in out, out
+
+
+def test_bench_resolve_quick_prints_its_table() -> None:
+    require_moto()
+    out = run_tool("bench_resolve.py", "--quick", "--servers", "moto")
+    assert "### resolve on moto" in out, out
+    delta_cold = [line for line in out.splitlines() if line.startswith("| delta, 40 calls") and "| cold " in line]
+    assert len(delta_cold) == 2, out  # loopback and behind the delay proxy
+    for line in delta_cold:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[11] == "3", line  # round trips: LIST, candidate, checkpoint + deltas
+        assert cells[12].startswith("2 /"), line  # checkpoints beside calls 16 and 32

@@ -53,6 +53,10 @@ class Stored:
     lent: bool = False
     """``freeze`` handed out a copy sharing this entry's nested items (``output_items``,
     ``routed_experts``, extra fields); a later hand-out must check them against the key's SHA-256."""
+    cum_base: str = ""
+    """Envelope hint: key (relative to the rollout) of the checkpoint of ``chain[0]``'s tokens."""
+    cum_self: str = ""
+    """Envelope hint: key (relative to the rollout) of the checkpoint of this entry's own tokens."""
 
 
 class LRU:

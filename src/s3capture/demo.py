@@ -156,9 +156,9 @@ async def _serve_call(
             expected_parent is None or resolution.match.model_call_id == expected_parent
         )
         stamp_lineage(entry, resolution.match.model_call_id, parent_resolution=RESOLVED)
-        # Every 16th call stores its full prompt: a fresh resolver then rebuilds any chain from the
-        # nearest anchor in one round trip of at most 16 parallel GETs (CHAIN_KEYS).
-        if delta and parent_ok and call.index % 16:
+        # Every RESOLVED call stores only its prompt suffix, as Gym's delta_records does; the store's
+        # own checkpoints keep a fresh resolve at three round trips whatever the depth.
+        if delta and parent_ok:
             store_prompt_as_delta(entry, parent_tokens)
     else:
         stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus(resolution.status), reason=resolution.reason)
@@ -654,7 +654,7 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f"  put     latency: {_percentiles(report.put_ms)}",
         f"  resolve latency: {_percentiles(report.resolve_ms)}",
         f"  stored: {report.stored_bytes:,} bytes in {report.entry_objects} entry objects (including intents, markers,"
-        f" fences); Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
+        f" fences, delta checkpoints); Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
         + (f" ({report.stored_bytes / max(1, report.tokens):.2f} vs {report.gym_jsonl_bytes / max(1, report.tokens):.2f} bytes per stored token)" if report.tokens else ""),
         f"  Gym JSONL of the same calls with full prompts: {report.gym_full_jsonl_bytes:,} bytes"
         f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"

@@ -8,6 +8,8 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/log/e/<fp>/<cid>/<sha256>.zst  entry: zstd(envelope JSON); sha256 of the canonical entry bytes
     rollouts/<rid>/log/i/<cid>                    begin_call intent (empty)
     rollouts/<rid>/log/x/<cid>/<uuid>             mark_incomplete marker (empty)
+    rollouts/<rid>/cum/<digest>.zst               delta checkpoint: zstd(cumulative token ids of an entry whose
+                                                  Gym ``digest`` names the key); derived data, not in the version
     rollouts/<rid>/snap/<version>-<snapshot_id>   sealed manifest written by freeze
     rollouts/<rid>/ledger/row/<cid>/<sha256>.json capture-ledger row (CaptureLedger.record); sha256 of its bytes
     rollouts/<rid>/ledger-index/<fp>/<cid>/<sha256> ledger fingerprint index of that row (empty)
@@ -36,6 +38,7 @@ MAX_SEGMENT_BYTES = 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
 _HASHED = re.compile(r"^~h[0-9a-f]{64}$")
+_CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
 
 # Longest suffix s3capture appends to a rollout prefix without a call id, and with one.
 _SNAP_SUFFIX = len("snap/") + 20 + 1 + 32
@@ -109,6 +112,9 @@ class Layout:
             # S3 keeps such keys verbatim, but servers that resolve paths (SeaweedFS, proxies)
             # rewrite or refuse them, so the keys written would not be the keys listed.
             raise ValueError(f"prefix {root!r} contains a '.' or '..' path segment")
+        if "\\" in root:
+            # SeaweedFS stores "a\\b" as another key than the one written (tests/test_transport.py).
+            raise ValueError(f"prefix {root!r} contains a backslash, which S3-compatible servers rewrite")
         if "rollouts" in root.split("/"):
             raise ValueError(
                 f"prefix {root!r} contains a 'rollouts' segment; it could nest inside another s3capture root's "
@@ -166,6 +172,18 @@ _ENTRY_KEY = re.compile(r"log/e/([^/]+)/([^/]+)/([0-9a-f]{64})\.zst")
 _INTENT_KEY = re.compile(r"log/i/([^/]+)")
 _MARKER_KEY = re.compile(r"log/x/([^/]+)/([^/]+)")
 _SHA = re.compile(r"[0-9a-f]{64}")
+def checkpoint_rel(digest: str) -> str:
+    """Key (relative to the rollout prefix) of the delta checkpoint holding the cumulative tokens
+    whose Gym ``digest`` is ``digest``; raises ``ValueError`` unless it is 64 lower-case hex digits."""
+    rel = f"cum/{digest}.zst"
+    if not _CHECKPOINT.fullmatch(rel):
+        raise ValueError(f"not a token digest: {digest!r}")
+    return rel
+
+
+def is_checkpoint_rel(rel: str) -> bool:
+    """Whether a key relative to a rollout prefix has the exact shape of a delta checkpoint."""
+    return _CHECKPOINT.fullmatch(rel) is not None
 
 
 def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:

@@ -141,6 +141,9 @@ class S3CaptureLedger(RolloutObjects):
         session: an ``aioboto3.Session``; defaults to one from the standard credential chain.
         cache_bytes: bound on the estimated heap of decoded rows kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client.
+        transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
+            about a seventh of the client CPU per request) or a ``s3capture.transport.Transport``;
+            ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``record_failure`` durably spills a failure row it could
             not store; spilled rows are replayed by the next ``record_failure``, ``replay_spill``
             or ``close`` (the same spill file ``S3TokenStore`` uses for its markers).
@@ -159,6 +162,7 @@ class S3CaptureLedger(RolloutObjects):
         cache_bytes: int = 64 * 1024 * 1024,
         max_concurrency: int = 32,
         spill_dir: str | os.PathLike | None = None,
+        transport: str | Any = None,
     ) -> None:
         super().__init__(
             url,
@@ -168,6 +172,7 @@ class S3CaptureLedger(RolloutObjects):
             cache_bytes=cache_bytes,
             max_concurrency=max_concurrency,
             spill_dir=spill_dir,
+            transport=transport,
         )
         self._compressor = zstandard.ZstdCompressor(level=3)
 

@@ -42,6 +42,7 @@ __all__ = [
     "encode_entry",
     "decode_entry",
     "coerce_entry",
+    "prepare_entry",
     "to_gym",
     "compute_digest",
     "cumulative_tokens",
@@ -131,6 +132,10 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
             ids = getattr(self, name)
             if ids and max(ids) > _MAX_TOKEN_ID:
                 raise RecordError(f"{name} holds a token id over 2**64 - 1, which Gym's digest cannot encode")
+        return self._validate_contract()
+
+    def _validate_contract(self) -> "TokenEntry":
+        """``validate`` without the schema version and token id range checks (already done by the caller)."""
         if len(self.generation_token_ids) != len(self.generation_log_probs):
             raise RecordError(
                 "generation_token_ids and generation_log_probs must have the same length "
@@ -205,21 +210,140 @@ def decode_entry(data: bytes | str) -> TokenEntry:
 
 
 def coerce_entry(entry: Any) -> TokenEntry:
-    """Return an s3capture ``TokenEntry`` for an s3capture entry, a Gym pydantic entry or a dict.
+    """Return a validated private copy of an s3capture entry, a Gym pydantic entry or a dict.
 
-    A Gym ``TokenEntry`` is converted through its JSON-mode dump, so extra fields survive.
+    The copy shares no mutable object with ``entry``. A Gym ``TokenEntry`` keeps its extra fields.
     Raises ``TypeError`` for other objects and ``RecordError`` for invalid data.
     """
+    fast = _fast_copy(entry)
+    if fast is not None:
+        return fast[0]
+    return _coerce_general(entry)
+
+
+def prepare_entry(entry: Any) -> tuple[TokenEntry, bytes]:
+    """Validate ``entry`` once and return ``(coerce_entry(entry), encode_entry(coerce_entry(entry)))``.
+
+    The put path: one validation, one private copy, one encode. Raises like ``coerce_entry`` and
+    ``encode_entry``.
+    """
+    fast = _fast_copy(entry)
+    if fast is not None:
+        record, plain = fast
+        if plain and -1e16 < record.created_at < 1e16:
+            extra = record.__dict__.get("_extra")
+            if not extra:
+                return record, _json_encoder.encode(record)
+            out = msgspec.to_builtins(record)
+            out.update(extra)
+            return record, _json_encoder.encode(out)
+        return record, encode_entry(record)
+    record = _coerce_general(entry)
+    return record, encode_entry(record)
+
+
+def _coerce_general(entry: Any) -> TokenEntry:
+    """The reference conversion (every input, every error message); ``_fast_copy`` must agree with it."""
     if isinstance(entry, TokenEntry):
         # The constructor checks no types; a round trip through builtins checks them all and
         # returns a copy the caller cannot mutate behind our back.
         return _from_mapping(entry.model_dump())
     if isinstance(entry, dict):
-        return _from_mapping(entry)
+        record = _from_mapping(entry)
+        # msgspec.convert copies containers of known types only: copy what the caller still shares.
+        record.output_items = copy.deepcopy(record.output_items)
+        record.routed_experts = copy.deepcopy(record.routed_experts)
+        return record
     dump = getattr(entry, "model_dump", None)
     if callable(dump):
         return _from_mapping(dump(mode="json"))
     raise TypeError(f"expected a TokenEntry (s3capture or NeMo Gym) or a dict, got {type(entry).__name__}")
+
+
+# The fast path checks the token arrays inside msgspec's C conversion: ids up to 2**63 - 1 (the
+# rest of Gym's u64 range takes the general path) and log probabilities in (-1e16, 1e16), which
+# excludes NaN and infinities and is where msgspec spells a float exactly as orjson does.
+_FAST_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]]
+_FAST_PROBS = list[Annotated[float, msgspec.Meta(gt=-1e16, lt=1e16)]]
+_ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_gym_fast_types: dict[type, bool] = {}
+
+
+def _is_plain_gym_type(cls: type) -> bool:
+    """Whether ``cls`` is NeMo Gym's own pydantic ``TokenEntry`` with no custom serialization, so its
+    ``__dict__`` plus ``__pydantic_extra__`` hold exactly what ``model_dump(mode="json")`` dumps."""
+    known = _gym_fast_types.get(cls)
+    if known is None:
+        decorators = getattr(cls, "__pydantic_decorators__", None)
+        known = (
+            cls.__name__ == "TokenEntry"
+            and cls.__module__ == "nemo_gym.token_id_capture.records"
+            and decorators is not None
+            and not decorators.field_serializers
+            and not decorators.model_serializers
+            and not getattr(cls, "__pydantic_computed_fields__", None)
+            and set(getattr(cls, "__pydantic_fields__", ())) <= _FIELD_NAMES
+        )
+        _gym_fast_types[cls] = known
+    return known
+
+
+def _fast_copy(entry: Any) -> tuple[TokenEntry, bool] | None:
+    """A validated private copy of ``entry`` in one pass, and whether its nested content is "plain"
+    (no float msgspec spells differently from orjson). ``None`` sends the caller to
+    ``_coerce_general``, which decides every case this path does not prove (and raises its errors).
+
+    Equivalent to ``_coerce_general`` where it returns: the token arrays are checked and copied by
+    one ``msgspec.convert`` each, the other known fields by one ``convert`` of the struct, and the
+    nested JSON values (output items, routed experts, extra fields) are scanned for non-JSON types
+    and deep-copied by ``msgspec.to_builtins``, which is the identity on plain JSON values.
+    """
+    kind = type(entry)
+    if kind is TokenEntry:
+        fields = msgspec.structs.asdict(entry)
+        extra = entry.__dict__.get("_extra") or None
+    elif kind is dict:
+        fields = {k: v for k, v in entry.items() if k in _FIELD_NAMES}
+        extra = {k: v for k, v in entry.items() if k not in _FIELD_NAMES} if len(fields) != len(entry) else None
+    elif _is_plain_gym_type(kind):
+        raw = entry.__dict__
+        fields = {k: v for k, v in raw.items() if k in _FIELD_NAMES}
+        extra = dict(entry.__pydantic_extra__ or {}) or None
+        if len(fields) != len(raw):
+            return None
+    else:
+        return None
+    try:
+        _check_schema_version(fields.get("schema_version", TOKEN_ENTRY_RECORD_SCHEMA_VERSION))
+        prompt = msgspec.convert(fields["prompt_token_ids"], _FAST_IDS, strict=False)
+        generation = msgspec.convert(fields["generation_token_ids"], _FAST_IDS, strict=False)
+        probs = msgspec.convert(fields["generation_log_probs"], _FAST_PROBS, strict=False)
+        nested = [fields.get("output_items"), fields.get("routed_experts"), extra]
+        from s3capture.fingerprint import _scan_plain
+
+        plain = _scan_plain(nested)  # raises ValueError for non-JSON content
+        items, routed, extra = msgspec.to_builtins(nested)
+        for name in _ARRAYS:
+            fields[name] = ()
+        if "output_items" in fields:
+            fields["output_items"] = items
+        record = msgspec.convert(fields, TokenEntry, strict=False)
+    except (KeyError, ValueError, TypeError, msgspec.ValidationError):
+        return None
+    record.prompt_token_ids = prompt
+    record.generation_token_ids = generation
+    record.generation_log_probs = probs
+    record.routed_experts = routed
+    if extra:
+        record.__dict__["_extra"] = extra
+    created_at = record.created_at
+    if not math.isfinite(created_at):
+        return None
+    try:
+        record._validate_contract()
+    except RecordError:
+        return None
+    return record, plain
 
 
 def _check_finite(entry: TokenEntry) -> None:
@@ -240,7 +364,8 @@ def _has_big_float(entry: TokenEntry, extra: dict | None) -> bool:
     from s3capture.fingerprint import _scan_plain
 
     probs = entry.generation_log_probs
-    if probs and (min(probs) <= -1e16 or max(probs) >= 1e16):
+    # The sum of magnitudes bounds each one (one C-speed pass); only past the bound look closer.
+    if probs and not sum(map(abs, probs)) < 1e16 and (min(probs) <= -1e16 or max(probs) >= 1e16):
         return True
     if abs(entry.created_at) >= 1e16:
         return True

@@ -25,10 +25,10 @@ from urllib.parse import urlparse
 
 from s3capture.cache import LRU
 from s3capture.errors import StoreError
-from s3capture.layout import Layout, parse_log_key
+from s3capture.layout import Layout, is_checkpoint_rel, parse_log_key
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.spill import Spill
-from s3capture.transport import ListedObject, ListPage, S3Transport
+from s3capture.transport import ListedObject, ListPage, Transport, make_transport
 
 __all__ = ["RolloutObjects", "RolloutScan", "parse_s3_url", "FENCE_FROZEN", "FENCE_RETIRED"]
 
@@ -39,7 +39,13 @@ FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; raises ``ValueError`` otherwise."""
+    """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; raises ``ValueError`` otherwise.
+
+    Control characters are refused: URL parsing silently drops tabs and newlines, which would
+    store everything under a different prefix than the one configured."""
+    bad = next((c for c in url if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"an s3:// URL may not contain control characters ({bad!r} in {url!r})")
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
         raise ValueError(f"expected an s3://bucket/prefix URL, got {url!r}")
@@ -64,13 +70,16 @@ class RolloutScan:
     """``parse_log_key`` of each key of ``log`` (same order): every key is parsed once, here."""
     snaps: list[ListedObject] = field(default_factory=list)
     foreign: list[ListedObject] = field(default_factory=list)
+    checkpoints: list[ListedObject] = field(default_factory=list)
+    """Delta checkpoints (``cum/<digest>.zst``): derived from entries, so outside the version and
+    the snapshot id, but removed with the rest."""
     seen_at: float = 0.0
     """``time.monotonic()`` when the listing returned (this client's clock)."""
 
     @property
     def records(self) -> list[ListedObject]:
-        """Every object a retire removes: log, manifests, foreign keys and drop tombstones."""
-        return self.log + self.snaps + self.foreign + self.drops
+        """Every object a retire removes: log, manifests, foreign keys, drop tombstones and checkpoints."""
+        return self.log + self.snaps + self.foreign + self.drops + self.checkpoints
 
     @property
     def all_keys(self) -> list[str]:
@@ -109,12 +118,14 @@ class RolloutObjects:
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
         spill_dir: str | os.PathLike | None = None,
+        transport: str | Transport | None = None,
     ) -> None:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
         self.layout = Layout(prefix)
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        self.transport = S3Transport(
+        self.transport = make_transport(
+            transport,
             self.bucket,
             endpoint_url=self.endpoint_url,
             botocore_config=botocore_config,
@@ -141,7 +152,8 @@ class RolloutObjects:
         return True if self.transport.opened else None
 
     async def _s3(self) -> Any:
-        """The aiobotocore client of the running loop (for request hooks in tests and tools)."""
+        """The underlying client of the running loop (aiobotocore's, or obstore's store and the
+        listing session); opens it. Request hooks belong on ``transport.add_hook``."""
         return await self.transport.client()
 
     async def _put(self, key: str, body: bytes) -> None:
@@ -263,6 +275,8 @@ class RolloutObjects:
             elif rel.startswith("log/") and (parsed := parse_log_key(rel)) is not None:
                 scan.log.append(item)
                 scan.parsed.append(parsed)
+            elif rel.startswith("cum/") and is_checkpoint_rel(rel):
+                scan.checkpoints.append(item)
             else:
                 scan.foreign.append(item)
         return scan

@@ -20,12 +20,16 @@ Usage::
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import hashlib
 import io
 import logging
 import os
+import struct
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,7 +44,7 @@ from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.errors import ListingError, StoreError
-from s3capture.layout import escape_id, parse_log_key
+from s3capture.layout import checkpoint_rel, escape_id, is_checkpoint_rel, parse_log_key
 from s3capture.protocols import (
     LineageMatch,
     LineageResolution,
@@ -56,6 +60,8 @@ from s3capture.records import (
     compute_digest,
     decode_entry,
     encode_entry,
+    encode_token_ids,
+    prepare_entry,
     to_gym,
 )
 from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutObjects, parse_s3_url
@@ -69,12 +75,14 @@ __all__ = [
     "parse_s3_url",
     "default_botocore_config",
     "CHAIN_KEYS",
+    "CHECKPOINT_EVERY",
 ]
 
 log = logging.getLogger("s3capture")
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _ENVELOPE_FORMAT = "s3capture.entry/1"
+_ENVELOPE_TAIL = b',"format":"' + _ENVELOPE_FORMAT.encode() + b'"}'
 _MANIFEST_FORMAT = "s3capture.manifest/1"
 _CLOCK_SLACK = 0.1
 """Seconds ``drop`` adds to ``fence_grace``: monotonic clocks of two hosts may run at slightly
@@ -85,8 +93,16 @@ _FENCE_SEEN_LIMIT = 10_000
 forgotten one only makes its drop wait ``fence_grace`` from the drop's own LIST instead."""
 
 CHAIN_KEYS = 16
-"""How many nearest ancestor keys a delta entry's envelope carries (bounded, so storage is O(1) per
-entry; a chain deeper than this is rebuilt in one more round trip per ``CHAIN_KEYS`` ancestors)."""
+"""How many nearest ancestor keys a delta entry's envelope carries at most (bounded, so storage is
+O(1) per entry). A chain deeper than this is rebuilt from a checkpoint, or without one in one more
+round trip per ``CHAIN_KEYS`` ancestors."""
+
+CHECKPOINT_EVERY = CHAIN_KEYS
+"""K: ``put`` writes a checkpoint (the entry's cumulative tokens, ``cum/<digest>.zst``) beside every
+delta entry that is K calls below its chain's last checkpoint or full-prompt anchor, so a fresh
+resolver rebuilds any delta entry from one checkpoint and at most K - 1 deltas (``docs/design.md``)."""
+
+_TOKEN_HEADER = 9  # encode_token_ids: version byte + big-endian u64 count
 
 @dataclass(frozen=True)
 class FrozenSnapshot(TokenCaptureSnapshot):
@@ -115,11 +131,55 @@ def _shallow_copy(entry: TokenEntry) -> TokenEntry:
 
 
 class _Envelope(msgspec.Struct, kw_only=True):
-    """The stored object: canonical entry bytes plus the keys of its delta ancestors."""
+    """The stored object: canonical entry bytes plus the keys of its delta ancestors.
+
+    ``chain``: keys of the nearest ancestors, farthest first, ending at the parent. ``cum_base``:
+    the checkpoint of ``chain[0]``'s cumulative tokens; ``cum_self``: the checkpoint of this
+    entry's own. Both are optional hints outside the canonical bytes (a reader verifies what they
+    name against the entries' digests); objects written before them decode with ``""``, and
+    readers that predate them ignore them (unknown fields are skipped).
+    """
 
     format: str
     entry: msgspec.Raw
     chain: list[str] = []
+    cum_base: str = ""
+    cum_self: str = ""
+
+
+class _Link(msgspec.Struct):
+    """Where a new delta entry hangs: its envelope's chain and base checkpoint, and its parent."""
+
+    chain: tuple[str, ...]
+    cum_base: str
+    parent_key: str
+    parent: _Stored
+
+
+def _decode_tokens(raw: bytes) -> list[int] | None:
+    """Token ids from Gym's digest encoding (``encode_token_ids``); ``None`` if malformed."""
+    if len(raw) < _TOKEN_HEADER or raw[0] != 1:
+        return None
+    count = int.from_bytes(raw[1:_TOKEN_HEADER], "big")
+    if len(raw) != _TOKEN_HEADER + 8 * count:
+        return None
+    ids = array.array("Q")
+    if ids.itemsize != 8:  # pragma: no cover - a platform whose unsigned long long is not 64 bits
+        return list(struct.unpack(f">{count}Q", raw[_TOKEN_HEADER:]))
+    ids.frombytes(raw[_TOKEN_HEADER:])
+    if sys.byteorder == "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def _checkpoint_matches(rel: str, tokens: list[int], entry: TokenEntry) -> bool:
+    """Whether checkpoint ``rel`` holds exactly ``entry``'s cumulative tokens (by its digest)."""
+    digest = entry.digest
+    if not digest or rel != f"cum/{digest}.zst":
+        return False
+    if entry.cum_len is not None and entry.cum_len != len(tokens):
+        return False
+    return compute_digest(tokens) == digest
 
 
 
@@ -135,8 +195,12 @@ class S3TokenStore(RolloutObjects):
             pydantic ``TokenEntry``) for entries handed back by ``freeze``.
         cache_bytes: bound on the estimated heap of decoded immutable objects kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client (at most the pool size).
-        compression_level: zstd level for stored entries.
+        compression_level: zstd level for stored entries (default 1: see ``docs/design.md``,
+            "Encode CPU"; every level is readable by every reader).
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
+        transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
+            about a seventh of the client CPU per request) or a ``s3capture.transport.Transport``;
+            ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
             store; they are replayed by the next ``mark_incomplete``, ``replay_spill`` or ``close``.
         fence_grace: seconds. A ``put`` slower than this reads the fence again after landing, and
@@ -158,9 +222,10 @@ class S3TokenStore(RolloutObjects):
         entry_type: str = "s3capture",
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
-        compression_level: int = 3,
+        compression_level: int = 1,
         max_entry_bytes: int = 256 * 1024 * 1024,
         spill_dir: str | os.PathLike | None = None,
+        transport: str | Any = None,
         fence_grace: float = 1.0,
     ) -> None:
         super().__init__(
@@ -171,6 +236,7 @@ class S3TokenStore(RolloutObjects):
             cache_bytes=cache_bytes,
             max_concurrency=max_concurrency,
             spill_dir=spill_dir,
+            transport=transport,
         )
         if entry_type not in ("s3capture", "gym"):
             raise ValueError(f"entry_type must be 's3capture' or 'gym', got {entry_type!r}")
@@ -180,8 +246,9 @@ class S3TokenStore(RolloutObjects):
         self._call_keys = CallKeys()
         """(rollout, call id) -> keys of its entries; bounded by rows and bytes, forgotten when the
         rollout is frozen, dropped, retired or deleted."""
-        self._compressor = zstandard.ZstdCompressor(level=compression_level)
-        self._decompressor = zstandard.ZstdDecompressor()
+        self._compression_level = compression_level
+        self._compressors = threading.local()
+        self._compressor()  # a bad level fails here, not in the first put
         self._max_entry_bytes = max_entry_bytes
         if fence_grace < 0:
             raise ValueError("fence_grace must be >= 0 seconds")
@@ -204,10 +271,30 @@ class S3TokenStore(RolloutObjects):
             self._fence_seen.popitem(last=False)
 
     # ------------------------------------------------------------------ encoding
-    def _encode_object(self, payload: bytes, chain: Sequence[str]) -> bytes:
-        envelope = b'{"chain":' + msgspec.json.encode(list(chain)) + b',"entry":' + payload
-        envelope += b',"format":"' + _ENVELOPE_FORMAT.encode() + b'"}'
-        return self._compressor.compress(envelope)
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        """This thread's decompressor (as ``_compressor``: one thread at a time, never across an await)."""
+        decompressor = getattr(self._compressors, "unzstd", None)
+        if decompressor is None:
+            decompressor = self._compressors.unzstd = zstandard.ZstdDecompressor()
+        return decompressor
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        """This thread's compressor. A ``ZstdCompressor`` must not be used by two threads at once
+        (it releases the GIL while compressing); within a thread, ``put`` compresses without
+        awaiting, so one event loop's tasks never share it concurrently either."""
+        compressor = getattr(self._compressors, "zstd", None)
+        if compressor is None:
+            compressor = self._compressors.zstd = zstandard.ZstdCompressor(level=self._compression_level)
+        return compressor
+
+    def _encode_object(self, payload: bytes, chain: Sequence[str], cum_base: str = "", cum_self: str = "") -> bytes:
+        parts = [b'{"chain":', msgspec.json.encode(list(chain))]
+        if cum_base:
+            parts += [b',"cum_base":', msgspec.json.encode(cum_base)]
+        if cum_self:
+            parts += [b',"cum_self":', msgspec.json.encode(cum_self)]
+        parts += [b',"entry":', payload, _ENVELOPE_TAIL]
+        return self._compressor().compress(b"".join(parts))
 
     def _decompress(self, data: bytes) -> bytes:
         # The envelope adds its format tag and up to CHAIN_KEYS ancestor keys to the entry bytes.
@@ -223,7 +310,7 @@ class S3TokenStore(RolloutObjects):
         if 0 <= size <= limit:
             # One frame that states its size (what put writes): one call on a reused decompressor.
             try:
-                return self._decompressor.decompress(data, allow_extra_data=False)
+                return self._decompressor().decompress(data, allow_extra_data=False)
             except zstandard.ZstdError:
                 pass  # several frames, or damage: the streaming path below decides
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
@@ -244,6 +331,7 @@ class S3TokenStore(RolloutObjects):
         except zstandard.ZstdError as error:
             raise RecordError(f"object is not valid zstd: {error}") from None
         chain: tuple[str, ...] = ()
+        cum_base = cum_self = ""
         payload = raw
         if raw.startswith(b'{"chain":'):
             try:
@@ -254,6 +342,9 @@ class S3TokenStore(RolloutObjects):
                 raise RecordError(f"unknown envelope format {envelope.format!r}")
             payload = bytes(envelope.entry)
             chain = tuple(envelope.chain)
+            # Checkpoint hints of another shape are ignored, never fetched: they are only hints.
+            cum_base = envelope.cum_base if is_checkpoint_rel(envelope.cum_base) else ""
+            cum_self = envelope.cum_self if is_checkpoint_rel(envelope.cum_self) else ""
         if len(payload) > self._max_entry_bytes:
             raise RecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
@@ -263,7 +354,7 @@ class S3TokenStore(RolloutObjects):
             # Valid JSON that is not the canonical encoding (a repeated key decodes last-wins, a
             # reordered or respaced object, ...): its digest and its tokens may disagree.
             raise RecordError("stored entry bytes are not the canonical encoding of the entry they decode to")
-        return _Stored(entry, chain, _heap_estimate(entry, payload))
+        return _Stored(entry, chain, _heap_estimate(entry, payload), cum_base=cum_base, cum_self=cum_self)
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
         self._call_keys.add(rollout_id, model_call_id, rel)
@@ -295,7 +386,8 @@ class S3TokenStore(RolloutObjects):
     async def put(self, entry: Any) -> None:
         """Durably store one ``TokenEntry`` (s3capture's, NeMo Gym's pydantic one, or a dict).
 
-        One round trip: the content-addressed PUT and a GET of the rollout's fence in parallel.
+        One round trip: the content-addressed PUT and a GET of the rollout's fence in parallel
+        (and, beside every ``CHECKPOINT_EVERY``-th delta entry, the PUT of its checkpoint).
         When it returns, the entry is durable and visible to every client's ``resolve`` and
         ``freeze``. A byte-identical retry rewrites the same key (a no-op); a different payload
         for the same call id lands beside it and readers see the conflict.
@@ -308,11 +400,11 @@ class S3TokenStore(RolloutObjects):
                 landed; no reader uses it, and only retire or delete removes it).
             StoreError: the store failed the request.
         """
-        # A validated copy: what we store is what every reader can decode, and a caller mutating
-        # its entry after put cannot change our cached view of an immutable object.
-        record = coerce_entry(entry)
+        # A validated private copy and its canonical bytes, in one pass: what we store is what every
+        # reader can decode, and a caller mutating its entry after put cannot change our cached
+        # view of an immutable object.
+        record, payload = prepare_entry(entry)
         prefix = self.layout.rollout(record.rollout_id)
-        payload = encode_entry(record)
         if len(payload) > self._max_entry_bytes:
             raise ValueError(
                 f"entry {record.model_call_id!r} is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}"
@@ -320,17 +412,34 @@ class S3TokenStore(RolloutObjects):
         sha = hashlib.sha256(payload).hexdigest()
         rel = self.layout.entry_rel(prefix, record.continuation_fingerprint, record.model_call_id, sha)
         chain: tuple[str, ...] = ()
+        cum_base = cum_self = ""
+        checkpoint: list[int] | None = None
         if record.prompt_is_delta:
-            chain = await self._delta_chain(record, prefix)
-        body = self._encode_object(payload, chain)
+            link = await self._delta_chain(record, prefix)
+            chain, cum_base = link.chain, link.cum_base
+            if len(chain) >= CHECKPOINT_EVERY:
+                checkpoint = await self._checkpoint_tokens(prefix, record, link)
+                if checkpoint is not None:
+                    cum_self = checkpoint_rel(record.digest or "")
+        body = self._encode_object(payload, chain, cum_base, cum_self)
         key = prefix + rel
+        requests = [self._put(key, body), self._fence_state(prefix)]
+        if checkpoint is not None:
+            # Derived, immutable and content-addressed: sent with the entry, so put stays one
+            # round trip. A checkpoint that fails to land only costs readers a longer walk.
+            requests.append(self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint))))
+        await self.transport.client()  # opening a cold client is not part of the race window timed below
         started = time.monotonic()
-        _, state = await asyncio.gather(self._put(key, body), self._fence_state(prefix))
+        state = (await asyncio.gather(*requests))[1]
         if state == "open" and time.monotonic() - started > self._fence_grace:
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.
             state = await self._fence_state(prefix)
-        self._cache.put(key, _Stored(record, chain, _heap_estimate(record, payload)))
+        mine = _Stored(record, chain, _heap_estimate(record, payload), cum_base=cum_base, cum_self=cum_self)
+        if checkpoint is not None:
+            mine.cumulative = tuple(checkpoint)
+            mine.nbytes += 8 * len(checkpoint)
+        self._cache.put(key, mine)
         self._remember(record.rollout_id, record.model_call_id, rel)
         await self._replay_spill_quietly()
         if state == "retired":
@@ -347,8 +456,10 @@ class S3TokenStore(RolloutObjects):
                 "conditional drop fails and keeps the evidence"
             )
 
-    async def _delta_chain(self, record: TokenEntry, prefix: str) -> tuple[str, ...]:
-        """Keys (relative to the rollout prefix) of a delta entry's ancestors, anchor first."""
+    async def _delta_chain(self, record: TokenEntry, prefix: str) -> _Link:
+        """The envelope chain of a delta entry: keys (relative to the rollout prefix) of its
+        ancestors back to the nearest checkpoint or full-prompt anchor (farthest first, at most
+        ``CHAIN_KEYS``), and the checkpoint of the farthest one, if it has one."""
         parent_id = record.parent_call_id or ""
         keys = self._call_keys.get((record.rollout_id, parent_id))
         if not keys:
@@ -366,9 +477,58 @@ class S3TokenStore(RolloutObjects):
         parent = await self._load(prefix + parent_rel, parent_rel.rsplit("/", 1)[-1][:-4])
         if parent is None:
             raise RecordError(f"delta entry {record.model_call_id!r}: parent {parent_id!r} disappeared")
+        parent_key = prefix + parent_rel
         if not parent.entry.prompt_is_delta:
-            return (parent_rel,)
-        return (*parent.chain, parent_rel)[-CHAIN_KEYS:]
+            return _Link((parent_rel,), "", parent_key, parent)  # a full-prompt anchor
+        if parent.cum_self:
+            return _Link((parent_rel,), parent.cum_self, parent_key, parent)
+        if len(parent.chain) < CHAIN_KEYS:
+            # Same farthest ancestor as the parent's chain, so the same base checkpoint (if any).
+            return _Link((*parent.chain, parent_rel), parent.cum_base, parent_key, parent)
+        # The parent's window is full and it has no checkpoint (an object written before
+        # checkpoints, or one whose checkpoint could not be computed): slide the window.
+        return _Link((*parent.chain, parent_rel)[-CHAIN_KEYS:], "", parent_key, parent)
+
+    async def _checkpoint_tokens(self, prefix: str, record: TokenEntry, link: _Link) -> list[int] | None:
+        """The cumulative tokens of the delta entry ``record`` for its checkpoint, or ``None`` when
+        they cannot be proven: no digest to name and verify them by, or a parent chain that does
+        not rebuild. Free when the parent's tokens are memoized (this client resolved it)."""
+        digest = record.digest or ""
+        try:
+            checkpoint_rel(digest)
+            tokens = await self._cumulative(prefix, link.parent_key, link.parent)
+        except (RecordError, ValueError) as error:
+            log.info("no checkpoint for %r: %s", record.model_call_id, error)
+            return None
+        tokens.extend(record.prompt_token_ids)
+        tokens.extend(record.generation_token_ids)
+        if (record.cum_len is not None and record.cum_len != len(tokens)) or compute_digest(tokens) != digest:
+            log.warning("no checkpoint for %r: its delta prompt does not rebuild its digest", record.model_call_id)
+            return None
+        return tokens
+
+    async def _put_checkpoint(self, key: str, body: bytes) -> None:
+        try:
+            await self._put(key, body)
+        except StoreError as error:
+            log.warning("checkpoint %s was not stored (readers walk the chain instead): %s", key, error)
+
+    async def _load_checkpoint(self, prefix: str, rel: str) -> list[int] | None:
+        """Token ids stored in checkpoint ``rel``; ``None`` when it is missing, oversize or malformed.
+        Not verified here: the caller checks them against the digest of the entry they belong to."""
+        try:
+            data = await self._get(prefix + rel, self._read_limit())
+            if data is None:
+                return None
+            return _decode_tokens(self._decompress(data))
+        except (RecordError, zstandard.ZstdError) as error:
+            log.warning("checkpoint %s%s is unreadable: %s", prefix, rel, error)
+            return None
+
+    def _memoize(self, key: str, stored: _Stored, tokens: list[int]) -> None:
+        if stored.cumulative is None:
+            stored.cumulative = tuple(tokens)
+            self._cache.grow(key, stored, 8 * len(tokens))
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record a pre-dispatch intent for a model call (the custody extension).
@@ -668,7 +828,9 @@ class S3TokenStore(RolloutObjects):
         """Return ROOT, RESOLVED (exactly one proven parent) or UNRESOLVED with a reason.
 
         Requests: one LIST of the request fingerprint's prefix and GETs of the candidates not yet
-        cached (two round trips), plus GETs of the uncached ancestors of a delta winner. A call id
+        cached (two round trips), plus, for a delta winner whose tokens are not memoized, one
+        parallel round trip: its own checkpoint, or its nearest checkpoint and the entries after it
+        (more only where a checkpoint is missing or fails its digest). A call id
         with more than one payload under the fingerprint counts as zero candidates; candidates
         must match the recorded request context (``conversation_digest`` of the leading items);
         several candidates count as one only when their cumulative tokens are identical. Raises
@@ -750,16 +912,25 @@ class S3TokenStore(RolloutObjects):
     async def _cumulative(self, prefix: str, key: str, stored: _Stored) -> list[int]:
         """Cumulative tokens of an entry, rebuilding a delta prompt through its ancestors.
 
-        A delta entry's envelope names its nearest ``CHAIN_KEYS`` ancestors (farthest first). Each
-        round trip fetches one such window in parallel; the walk stops at the nearest ancestor whose
-        cumulative tokens are memoized or at a full-prompt anchor. Every parent link is checked, a
-        key seen twice (a forged cycle) or a chain over 100,000 calls is refused, and the rebuilt
-        tokens must match the entry's digest. Raises ``RecordError`` for a missing or broken chain.
+        An entry with its own checkpoint (``cum_self``) costs one GET. Otherwise its envelope names
+        its nearest ancestors back to the last checkpoint or anchor (farthest first, at most
+        ``CHAIN_KEYS``) and the checkpoint of the farthest (``cum_base``): one round trip fetches
+        them all in parallel. A checkpoint counts only if its tokens match the digest (and
+        ``cum_len``) of the entry it belongs to; a missing, corrupt or forged one is ignored and the
+        walk goes on window by window, stopping at the nearest ancestor whose cumulative tokens are
+        memoized or at a full-prompt anchor. Every parent link is checked, a key seen twice (a
+        forged cycle) or a chain over 100,000 calls is refused, and the rebuilt tokens must match
+        the entry's digest. Raises ``RecordError`` for a missing or broken chain.
         """
         if stored.cumulative is not None:
             return list(stored.cumulative)
         if not stored.entry.prompt_is_delta:
             return [*stored.entry.prompt_token_ids, *stored.entry.generation_token_ids]
+        if stored.cum_self:
+            own = await self._load_checkpoint(prefix, stored.cum_self)
+            if own is not None and _checkpoint_matches(stored.cum_self, own, stored.entry):
+                self._memoize(key, stored, own)
+                return own
         # path: (key, stored) from the entry back towards the base, nearest first.
         path: list[tuple[str, _Stored]] = [(key, stored)]
         seen = {key}
@@ -771,7 +942,13 @@ class S3TokenStore(RolloutObjects):
             keys = [prefix + rel for rel in current.chain]
             if seen.intersection(keys) or len(path) > 100_000:
                 raise RecordError(f"delta chain of {stored.entry.model_call_id!r} is cyclic or too deep")
-            ancestors = await asyncio.gather(*(self._load(k, k.rsplit("/", 1)[-1][:-4]) for k in keys))
+            loads: list[Any] = [self._load(k, k.rsplit("/", 1)[-1][:-4]) for k in keys]
+            farthest_cached = self._cache.get(keys[0])
+            if current.cum_base and (farthest_cached is None or farthest_cached.cumulative is None):
+                loads.append(self._load_checkpoint(prefix, current.cum_base))
+            fetched = await asyncio.gather(*loads)
+            ancestors = fetched[: len(keys)]
+            base_tokens = fetched[len(keys)] if len(fetched) > len(keys) else None
             window: list[tuple[str, _Stored]] = []
             for ancestor_key, ancestor in zip(keys, ancestors):
                 if ancestor is None:
@@ -781,6 +958,9 @@ class S3TokenStore(RolloutObjects):
                 if nearer.entry.parent_call_id != farther.entry.model_call_id:
                     raise RecordError(f"ancestor chain of {stored.entry.model_call_id!r} is broken at {farther.entry.model_call_id!r}")
             seen.update(keys)
+            farthest_key, farthest = window[0]
+            if base_tokens is not None and _checkpoint_matches(current.cum_base, base_tokens, farthest.entry):
+                self._memoize(farthest_key, farthest, base_tokens)
             for ancestor_key, ancestor in reversed(window):
                 if ancestor.cumulative is not None:
                     base = list(ancestor.cumulative)
@@ -797,8 +977,6 @@ class S3TokenStore(RolloutObjects):
             tokens.extend(link.entry.generation_token_ids)
         if stored.entry.digest and compute_digest(tokens) != stored.entry.digest:
             raise RecordError(f"rebuilt tokens of {stored.entry.model_call_id!r} fail their digest")
-        if stored.cumulative is None:
-            stored.cumulative = tuple(tokens)
-            self._cache.grow(key, stored, 8 * len(tokens))
+        self._memoize(key, stored, tokens)
         return tokens
 

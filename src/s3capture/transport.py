@@ -30,6 +30,7 @@ import asyncio
 import base64
 import collections
 import hashlib
+import inspect
 import logging
 import os
 import random
@@ -47,7 +48,7 @@ from botocore.parsers import ResponseParserError
 from s3capture.errors import ListingError, StoreError
 from s3capture.records import RecordError
 
-__all__ = ["S3Transport", "ListedObject", "ListPage", "default_botocore_config"]
+__all__ = ["Transport", "S3Transport", "ListedObject", "ListPage", "RequestHook", "default_botocore_config", "make_transport"]
 
 log = logging.getLogger("s3capture")
 
@@ -204,28 +205,61 @@ class _LoopState:
     retired: list[AsyncExitStack] = field(default_factory=list)
 
 
-class S3Transport:
-    """The object operations of one bucket, over aioboto3.
+@dataclass(frozen=True)
+class _Got:
+    """One GET answer: the body read whole, and what the headers said about it."""
+
+    data: bytes
+    length: int | None
+    etag: str
+
+
+class _BodyFailed(Exception):
+    """A GET body that failed while streaming (cut, reset, timed out); the GET is asked again."""
+
+
+class _TooLarge(Exception):
+    """A GET whose Content-Length is over the caller's limit (the body is not read)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+
+RequestHook = Callable[[str, str, "str | None"], Any]
+"""``hook(operation, key, continuation)``: called before a request is sent (``before``) or after
+it is answered or failed (``after``); ``operation`` is the S3 API name (``PutObject``,
+``GetObject``, ``ListObjectsV2``, ``DeleteObjects``, ``DeleteObject``), ``key`` the object key (the
+first key of a DeleteObjects batch, the prefix of a LIST), ``continuation`` a LIST page's
+continuation token (else ``None``). A ``before`` hook may return an awaitable, which the request
+waits for (tests use this to hold a request)."""
+
+
+class Transport:
+    """The object operations of one bucket: the seam between the stores and an S3 client.
+
+    Subclasses implement five single requests (``_put_once``, ``_get_once``, ``_list_once``,
+    ``_delete_batch_once``, ``_delete_one_once``) and how to open a client; everything the stores
+    rely on lives here, once, for every transport: the client per event loop and per process, the
+    bound on requests in flight, request hooks, error mapping to ``StoreError``, bounded re-reads
+    of a failed GET body (with the MD5-ETag check), and the verified listing (``_verify_page``).
 
     Parameters:
         bucket: the bucket name.
         endpoint_url: S3 endpoint (``None``: AWS itself).
-        botocore_config: a ``botocore.config.Config``; ``None`` for ``default_botocore_config()``
-            (path-style addressing when an endpoint is set).
-        session: an ``aioboto3.Session``; ``None`` builds one from the standard credential chain
-            (and builds it again when credentials expire).
         max_concurrency: requests in flight from this transport, per event loop (>= 1).
         read_attempts: GETs of one object whose body fails before ``StoreError`` (>= 1).
         list_attempts: listings of one prefix that fail verification before ``ListingError``.
     """
+
+    name = "base"
+    """The name ``transport=`` selects this implementation by."""
 
     def __init__(
         self,
         bucket: str,
         *,
         endpoint_url: str | None = None,
-        botocore_config: Any = None,
-        session: Any = None,
         max_concurrency: int = 32,
         read_attempts: int = 4,
         list_attempts: int = 5,
@@ -236,12 +270,6 @@ class S3Transport:
             raise ValueError("read_attempts and list_attempts must be >= 1")
         self.bucket = bucket
         self.endpoint_url = endpoint_url
-        if botocore_config is None:
-            extra = {"s3": {"addressing_style": "path"}} if endpoint_url else {}
-            botocore_config = default_botocore_config(max(max_concurrency, 10), **extra)
-        self._config = botocore_config
-        self._session = session
-        self._owns_session = session is None
         self._max_concurrency = max_concurrency
         self._read_attempts = read_attempts
         self._list_attempts = list_attempts
@@ -249,8 +277,39 @@ class S3Transport:
         self._pid = os.getpid()
         self._closed = False
         self._closing: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task] = weakref.WeakKeyDictionary()
+        self._before: list[RequestHook] = []
+        self._after: list[RequestHook] = []
         self.request_counts: collections.Counter[str] = collections.Counter()
-        """HTTP requests sent, by S3 operation (retries included)."""
+        """HTTP requests sent, by S3 operation (see each transport for whether retries count)."""
+
+    # ------------------------------------------------------------------ hooks
+    def add_hook(self, before: RequestHook | None = None, after: RequestHook | None = None) -> None:
+        """Call ``before(operation, key, continuation)`` before every request and ``after(...)``
+        after every answer (or failure) of this transport, on every event loop (``RequestHook``).
+        For tests and tools (request recorders, timelines); hooks must be cheap and must not raise."""
+        if before is not None:
+            self._before.append(before)
+        if after is not None:
+            self._after.append(after)
+
+    async def _send(
+        self, operation: str, key: str, request: Callable[[], Awaitable[T]], continuation: str | None = None
+    ) -> T:
+        """One HTTP request (or one request of the underlying client, with its own retries)."""
+        for hook in self._before:
+            waited = hook(operation, key, continuation)
+            if inspect.isawaitable(waited):
+                await waited
+        self._counted(operation)
+        try:
+            return await request()
+        finally:
+            for hook in self._after:
+                hook(operation, key, continuation)
+
+    def _counted(self, operation: str) -> None:
+        """Count one request (transports that see every HTTP attempt count there instead)."""
+        self.request_counts[operation] += 1
 
     # ------------------------------------------------------------------ client per loop and process
     @property
@@ -264,9 +323,7 @@ class S3Transport:
 
     def _state(self) -> _LoopState:
         if os.getpid() != self._pid:
-            # A forked child must not share the parent's sockets: start afresh, never close the
-            # parent's clients from here.
-            _disown(self._states)
+            self._forked(self._states)
             self._states = weakref.WeakKeyDictionary()
             self._pid = os.getpid()
         loop = asyncio.get_running_loop()
@@ -279,8 +336,11 @@ class S3Transport:
             state.idle.set()
         return state
 
+    def _forked(self, states: Any) -> None:
+        """In a forked child, before the parent's clients are forgotten (never closed from here)."""
+
     async def client(self) -> Any:
-        """The aiobotocore S3 client of the running event loop (opened on first use)."""
+        """The underlying client of the running event loop (opened on first use)."""
         return (await self._client(self._state()))[0]
 
     async def _client(self, state: _LoopState) -> tuple[Any, int]:
@@ -290,52 +350,24 @@ class S3Transport:
             if self._closed:
                 raise StoreError(f"this s3capture client for s3://{self.bucket} is closed")
             if state.client is None:
-                if self._session is None:
-                    import aioboto3
-
-                    self._session = aioboto3.Session()
                 stack = AsyncExitStack()
-                client = await stack.enter_async_context(
-                    self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
-                )
-                client.meta.events.register("before-send.s3", self._count_request)
-                client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
-                # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
-                # whole extra round trip before the body is sent; objects are small and every PUT
-                # is idempotent, so send the body at once.
-                client.meta.events.unregister("before-call.s3", botocore_handlers.add_expect_header)
+                client = await self._open(stack)
                 state.sem = asyncio.Semaphore(self._max_concurrency)
                 state.stack, state.client = stack, client
                 state.generation += 1
             return state.client, state.generation
 
-    def _count_request(self, event_name: str = "", **_: Any) -> None:
-        self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
+    async def _open(self, stack: AsyncExitStack) -> Any:
+        """Open this loop's client; register its clean-up on ``stack``."""
+        raise NotImplementedError
 
     async def _refresh(self, state: _LoopState, generation: int) -> bool:
-        """After an expired-token answer: resolve the standard credential chain again and rebuild
-        the client when it yields other credentials. Returns whether the request is worth retrying.
+        """After a credential error: whether a rebuilt client is worth one more attempt."""
+        return False
 
-        A caller's session is never touched (its own providers refresh what can be refreshed), and
-        credentials that did not change rebuild nothing, so a permanent error is no retry storm.
-        """
-        if not self._owns_session:
-            return False
-        import aioboto3
-
-        async with state.lock:
-            if state.generation != generation or state.client is None:
-                return True  # another request rebuilt it already
-            fresh = aioboto3.Session()
-            old, new = await _frozen_credentials(self._session), await _frozen_credentials(fresh)
-            if new is None or new == old:
-                return False
-            if state.stack is not None:
-                state.retired.append(state.stack)  # closed at close(): requests may still use it
-            state.client, state.stack = None, None
-            self._session = fresh
-        log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
-        return True
+    def _error_code(self, error: BaseException) -> str:
+        """The S3 error code of a failed request (``""`` when there is none)."""
+        return _code(error)
 
     async def _call(self, operation: str, key: str, fn: Callable[[Any], Awaitable[T]]) -> T:
         """Run ``fn(client)`` under the bounds, mapping every failure to ``StoreError``."""
@@ -355,7 +387,7 @@ class S3Transport:
             except (StoreError, RecordError, asyncio.CancelledError):
                 raise
             except Exception as error:
-                if attempt == 0 and _code(error) in _CREDENTIAL_ERRORS and await self._refresh(state, generation):
+                if attempt == 0 and self._error_code(error) in _CREDENTIAL_ERRORS and await self._refresh(state, generation):
                     continue
                 raise self._wrap(error, operation, key) from error
             finally:
@@ -365,7 +397,7 @@ class S3Transport:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _wrap(self, error: BaseException, operation: str, key: str) -> StoreError:
-        code = _code(error)
+        code = self._error_code(error)
         where = f"{operation} s3://{self.bucket}/{key}"
         if code == "NoSuchBucket":
             return StoreError(f"bucket {self.bucket!r} does not exist ({where})", operation=operation, key=key)
@@ -384,7 +416,7 @@ class S3Transport:
         """
         self._closed = True
         if os.getpid() != self._pid:
-            _disown(self._states)
+            self._forked(self._states)
             self._states = weakref.WeakKeyDictionary()
             return
         loop = asyncio.get_running_loop()
@@ -424,22 +456,47 @@ class S3Transport:
         for stack in stacks:
             await stack.aclose()
 
+    # ------------------------------------------------------------------ single requests (per transport)
+    async def _put_once(self, client: Any, key: str, body: bytes) -> None:
+        raise NotImplementedError
+
+    async def _get_once(self, client: Any, key: str, limit: int | None) -> _Got | None:
+        """GET ``key``: ``None`` when absent; raises ``_TooLarge`` (Content-Length over ``limit``,
+        body unread) or ``_BodyFailed`` (the body failed while streaming)."""
+        raise NotImplementedError
+
+    async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
+        """One ListObjectsV2 request, parsed to botocore's shape (``IsTruncated``, ``Contents``
+        of ``Key``/``ETag``/``Size``/``LastModified``, ``NextContinuationToken``); raises
+        ``_Unverified`` for a body that cannot be parsed."""
+        raise NotImplementedError
+
+    async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
+        """One DeleteObjects request: the per-key errors (``Key``, ``Code``, ``Message``), or
+        ``None`` when the store does not implement it."""
+        raise NotImplementedError
+
+    async def _delete_one_once(self, client: Any, key: str) -> None:
+        """One DELETE; a missing key is not an error."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ object operations
     async def put(self, key: str, body: bytes) -> None:
-        """PUT ``body`` at ``key`` (botocore retries 5xx and lost responses: every PUT here is
+        """PUT ``body`` at ``key`` (the client retries 5xx and lost responses: every PUT here is
         idempotent). Raises ``StoreError``."""
 
         async def run(client: Any) -> None:
-            await client.put_object(Bucket=self.bucket, Key=key, Body=body)
+            await self._send("PutObject", key, lambda: self._put_once(client, key, body))
 
         await self._call("PUT", key, run)
 
     async def get(self, key: str, limit: int | None = None) -> bytes | None:
         """GET an object's bytes, or ``None`` when it does not exist.
 
-        A body that fails while streaming, or ends short of its ``Content-Length``, is fetched
-        again (``read_attempts`` in all). With ``limit``, raises ``RecordError`` instead of reading
-        an object larger than ``limit`` bytes. Raises ``StoreError``.
+        A body that fails while streaming, ends short of its ``Content-Length``, or does not match
+        its MD5 ETag, is fetched again (``read_attempts`` in all). With ``limit``, raises
+        ``RecordError`` instead of reading an object larger than ``limit`` bytes. Raises
+        ``StoreError``.
         """
 
         async def run(client: Any) -> bytes | None:
@@ -449,22 +506,15 @@ class S3Transport:
                 if attempt:
                     await asyncio.sleep(_backoff(attempt))
                 try:
-                    response = await client.get_object(Bucket=self.bucket, Key=key)
-                except ClientError as error:
-                    if _code(error) in _NOT_FOUND:
-                        return None
-                    raise
-                expected = response.get("ContentLength")
-                etag = str(response.get("ETag") or "").strip('"').lower()
-                if limit is not None and int(expected or 0) > limit:
-                    response["Body"].close()
-                    raise RecordError(f"object is {expected} bytes, over the read limit {limit}")
-                try:
-                    async with response["Body"] as stream:
-                        data = await stream.read()
-                except _BODY_ERRORS as error:
-                    problem = f"body failed after {type(error).__name__}: {error}"
+                    got = await self._send("GetObject", key, lambda: self._get_once(client, key, limit))
+                except _TooLarge as error:
+                    raise RecordError(f"object is {error.length} bytes, over the read limit {limit}") from None
+                except _BodyFailed as error:
+                    problem = str(error)
                     continue
+                if got is None:
+                    return None
+                data, expected, etag = got.data, got.length, got.etag
                 if expected is not None and len(data) != int(expected):
                     problem = f"body is {len(data)} bytes, its Content-Length says {expected}"
                     continue
@@ -500,15 +550,10 @@ class S3Transport:
         raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
 
     async def _list_page_once(self, prefix: str, max_keys: int, token: str | None, seen: set[str]) -> ListPage:
-        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
-        if token:
-            params["ContinuationToken"] = token
-
         async def run(client: Any) -> dict:
-            try:
-                return await client.list_objects_v2(**params)
-            except ResponseParserError as error:
-                raise _Unverified(f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix) from None
+            return await self._send(
+                "ListObjectsV2", prefix, lambda: self._list_once(client, prefix, max_keys, token), token
+            )
 
         return _verify_page(await self._call("LIST", prefix, run), prefix, seen)
 
@@ -564,15 +609,10 @@ class S3Transport:
             batch = keys[start : start + 1000]
 
             async def run(client: Any, batch: list[str] = batch) -> bool:
-                try:
-                    response = await client.delete_objects(
-                        Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                    )
-                except ClientError as error:
-                    if _code(error) in _NOT_IMPLEMENTED:
-                        return False
-                    raise
-                errors = [e for e in response.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
+                errors = await self._send("DeleteObjects", batch[0], lambda: self._delete_batch_once(client, batch))
+                if errors is None:
+                    return False
+                errors = [e for e in errors if e.get("Code") not in _NOT_FOUND]
                 if errors:
                     raise StoreError(
                         f"DeleteObjects failed for {len(errors)} keys, first: {errors[0]}",
@@ -588,13 +628,153 @@ class S3Transport:
         """DELETE one key (missing is not an error). Raises ``StoreError``."""
 
         async def run(client: Any) -> None:
-            try:
-                await client.delete_object(Bucket=self.bucket, Key=key)
-            except ClientError as error:
-                if _code(error) not in _NOT_FOUND:
-                    raise
+            await self._send("DeleteObject", key, lambda: self._delete_one_once(client, key))
 
         await self._call("DELETE", key, run)
+
+
+class S3Transport(Transport):
+    """The object operations of one bucket over aioboto3 (``transport="aioboto3"``, the default).
+
+    Parameters (besides ``Transport``'s):
+        botocore_config: a ``botocore.config.Config``; ``None`` for ``default_botocore_config()``
+            (path-style addressing when an endpoint is set).
+        session: an ``aioboto3.Session``; ``None`` builds one from the standard credential chain
+            (and builds it again when credentials expire).
+
+    Retries of requests (5xx, throttling, connection errors) are botocore's standard retry mode;
+    ``request_counts`` counts every HTTP attempt, retries included. An ``ExpiredToken``-class
+    answer resolves the credential chain again and rebuilds the client when the credentials
+    changed (a caller's own session is never touched).
+    """
+
+    name = "aioboto3"
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        endpoint_url: str | None = None,
+        botocore_config: Any = None,
+        session: Any = None,
+        max_concurrency: int = 32,
+        read_attempts: int = 4,
+        list_attempts: int = 5,
+    ) -> None:
+        super().__init__(
+            bucket,
+            endpoint_url=endpoint_url,
+            max_concurrency=max_concurrency,
+            read_attempts=read_attempts,
+            list_attempts=list_attempts,
+        )
+        if botocore_config is None:
+            extra = {"s3": {"addressing_style": "path"}} if endpoint_url else {}
+            botocore_config = default_botocore_config(max(max_concurrency, 10), **extra)
+        self._config = botocore_config
+        self._session = session
+        self._owns_session = session is None
+
+    def _counted(self, operation: str) -> None:
+        pass  # counted per HTTP attempt by the before-send event (_count_request)
+
+    def _forked(self, states: Any) -> None:
+        # A forked child must not share the parent's sockets: start afresh, never close the
+        # parent's clients from here.
+        _disown(states)
+
+    async def _open(self, stack: AsyncExitStack) -> Any:
+        if self._session is None:
+            import aioboto3
+
+            self._session = aioboto3.Session()
+        client = await stack.enter_async_context(
+            self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
+        )
+        client.meta.events.register("before-send.s3", self._count_request)
+        client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
+        # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
+        # whole extra round trip before the body is sent; objects are small and every PUT
+        # is idempotent, so send the body at once.
+        client.meta.events.unregister("before-call.s3", botocore_handlers.add_expect_header)
+        return client
+
+    def _count_request(self, event_name: str = "", **_: Any) -> None:
+        self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
+
+    async def _refresh(self, state: _LoopState, generation: int) -> bool:
+        """After an expired-token answer: resolve the standard credential chain again and rebuild
+        the client when it yields other credentials. Returns whether the request is worth retrying.
+
+        A caller's session is never touched (its own providers refresh what can be refreshed), and
+        credentials that did not change rebuild nothing, so a permanent error is no retry storm.
+        """
+        if not self._owns_session:
+            return False
+        import aioboto3
+
+        async with state.lock:
+            if state.generation != generation or state.client is None:
+                return True  # another request rebuilt it already
+            fresh = aioboto3.Session()
+            old, new = await _frozen_credentials(self._session), await _frozen_credentials(fresh)
+            if new is None or new == old:
+                return False
+            if state.stack is not None:
+                state.retired.append(state.stack)  # closed at close(): requests may still use it
+            state.client, state.stack = None, None
+            self._session = fresh
+        log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
+        return True
+
+    async def _put_once(self, client: Any, key: str, body: bytes) -> None:
+        await client.put_object(Bucket=self.bucket, Key=key, Body=body)
+
+    async def _get_once(self, client: Any, key: str, limit: int | None) -> _Got | None:
+        try:
+            response = await client.get_object(Bucket=self.bucket, Key=key)
+        except ClientError as error:
+            if _code(error) in _NOT_FOUND:
+                return None
+            raise
+        expected = response.get("ContentLength")
+        etag = str(response.get("ETag") or "").strip('"').lower()
+        if limit is not None and int(expected or 0) > limit:
+            response["Body"].close()
+            raise _TooLarge(int(expected))
+        try:
+            async with response["Body"] as stream:
+                data = await stream.read()
+        except _BODY_ERRORS as error:
+            raise _BodyFailed(f"body failed after {type(error).__name__}: {error}") from None
+        return _Got(data, int(expected) if expected is not None else None, etag)
+
+    async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
+        if token:
+            params["ContinuationToken"] = token
+        try:
+            return await client.list_objects_v2(**params)
+        except ResponseParserError as error:
+            raise _Unverified(f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix) from None
+
+    async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
+        try:
+            response = await client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+            )
+        except ClientError as error:
+            if _code(error) in _NOT_IMPLEMENTED:
+                return None
+            raise
+        return list(response.get("Errors", ()))
+
+    async def _delete_one_once(self, client: Any, key: str) -> None:
+        try:
+            await client.delete_object(Bucket=self.bucket, Key=key)
+        except ClientError as error:
+            if _code(error) not in _NOT_FOUND:
+                raise
 
 
 def _disown(states: Any) -> None:
@@ -629,3 +809,38 @@ async def _frozen_credentials(session: Any) -> tuple[str, str, str | None] | Non
 def _backoff(attempt: int) -> float:
     """Seconds before retry ``attempt`` (1, 2, ...): exponential from 50 ms with full jitter."""
     return random.uniform(0.5, 1.0) * 0.05 * (2 ** (attempt - 1))
+
+
+TRANSPORT_ENV = "S3CAPTURE_TRANSPORT"
+"""Environment variable naming the default transport (``aioboto3`` or ``obstore``)."""
+TRANSPORTS = ("aioboto3", "obstore")
+
+
+def make_transport(
+    transport: str | Transport | None,
+    bucket: str,
+    *,
+    endpoint_url: str | None = None,
+    botocore_config: Any = None,
+    session: Any = None,
+    max_concurrency: int = 32,
+) -> Transport:
+    """The transport a store asked for: a ``Transport`` instance as given, else by name
+    (``"aioboto3"`` or ``"obstore"``); ``None`` reads ``S3CAPTURE_TRANSPORT`` (default
+    ``"aioboto3"``, chosen by measurement in ``docs/design.md``).
+
+    Raises ``ValueError`` for an unknown name and ``ImportError`` (with the install command) when
+    the obstore extra is missing.
+    """
+    if isinstance(transport, Transport):
+        return transport
+    name = (transport or os.environ.get(TRANSPORT_ENV) or "aioboto3").strip().lower()
+    kwargs = dict(endpoint_url=endpoint_url, botocore_config=botocore_config, session=session, max_concurrency=max_concurrency)
+    if name == "aioboto3":
+        return S3Transport(bucket, **kwargs)
+    if name == "obstore":
+        from s3capture.transport_obstore import ObstoreTransport
+
+        return ObstoreTransport(bucket, **kwargs)
+    source = "transport" if transport else TRANSPORT_ENV
+    raise ValueError(f"{source} must be one of {', '.join(TRANSPORTS)} (or a Transport), got {name!r}")

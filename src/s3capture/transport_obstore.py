@@ -1,0 +1,375 @@
+"""The obstore transport: PUT, GET and DELETE through Rust's ``object_store``, LIST verified here.
+
+``pip install 's3capture[obstore]'``; selected by ``transport="obstore"`` on a store or ledger, or
+by ``S3CAPTURE_TRANSPORT=obstore``. Everything the stores rely on (bounds, hooks, error mapping,
+re-reads of failed GET bodies, the verified listing) is ``s3capture.transport.Transport``'s, shared
+with the aioboto3 transport; this module supplies only the single requests.
+
+- **PUT, GET, DeleteObjects, DELETE** go through ``obstore`` (the Python binding of ``object_store``),
+  which spends about a seventh of botocore's client CPU per request. Its own retry policy
+  (exponential backoff on 5xx, throttling and connection errors) retries them; ``request_counts``
+  counts one request per call (object_store's internal retries are not visible).
+- **LIST** is one signed HTTP request per page (aiohttp, SigV4 from botocore), parsed with the
+  standard library's XML parser, because ``object_store`` hides what the verified listing must see:
+  it ends a listing at a page without a continuation token even when the page says it is truncated,
+  and reads a body without ``IsTruncated`` as an empty page. Failed LIST requests (5xx, throttling,
+  connection errors) are retried with exponential backoff and full jitter, like botocore's
+  standard mode.
+- **Credentials** come from botocore's standard chain (environment, profile, SSO, container and
+  instance metadata), the same chain the aioboto3 transport uses; temporary credentials are
+  resolved again before they expire.
+- **Keys reach the server byte for byte**: ``object_store`` refuses empty and ``.``/``..`` segments
+  (which ``s3capture.layout`` never builds and which roots may not contain) and sends every other
+  key unchanged (``tests/test_transport.py`` checks every key shape the layout builds).
+- **Not fork-safe**: ``object_store``'s runtime does not survive ``fork()``. A forked child that
+  uses an obstore transport after its parent did gets ``StoreError`` at once (not a hang); use the
+  ``spawn`` start method, or the aioboto3 transport, in forking workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+import os
+import random
+import re
+import threading
+import xml.etree.ElementTree as ET
+from contextlib import AsyncExitStack
+from typing import Any
+from urllib.parse import quote, unquote_plus
+
+from s3capture.errors import StoreError
+from s3capture.transport import _NOT_FOUND, _NOT_IMPLEMENTED, Transport, _BodyFailed, _Got, _TooLarge, _Unverified
+
+__all__ = ["ObstoreTransport"]
+
+log = logging.getLogger("s3capture")
+
+_RUNTIME_PID: int | None = None
+"""The process in which obstore's runtime was first used (it does not survive ``fork``)."""
+_RUNTIME_LOCK = threading.Lock()
+
+_XML_CODE = re.compile(r"<Code>([A-Za-z0-9_.-]+)</Code>")
+_STATUS = re.compile(r"\b(?:status|Status)[: ]+(\d{3})\b")
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+_RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling", "RequestTimeTooSkewed"})
+
+
+class _S3HTTPError(Exception):
+    """A non-2xx answer to one of this module's own requests, shaped like botocore's ``ClientError``
+    (``response["Error"]["Code"]``) so that ``Transport`` maps it the same way."""
+
+    def __init__(self, operation: str, status: int, code: str, message: str) -> None:
+        super().__init__(f"{operation} answered HTTP {status} {code}: {message[:200]}")
+        self.response = {"Error": {"Code": code or str(status), "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+def _settings(botocore_config: Any) -> tuple[int, float, float]:
+    """``(max_attempts, connect_timeout, read_timeout)`` from a botocore ``Config`` (or defaults),
+    so one configuration means the same on both transports."""
+    attempts, connect, read = 5, 5.0, 30.0
+    if botocore_config is not None:
+        retries = getattr(botocore_config, "retries", None) or {}
+        attempts = int(retries.get("total_max_attempts") or retries.get("max_attempts") or attempts)
+        connect = float(getattr(botocore_config, "connect_timeout", None) or connect)
+        read = float(getattr(botocore_config, "read_timeout", None) or read)
+    return max(attempts, 1), connect, read
+
+
+class ObstoreTransport(Transport):
+    """The object operations of one bucket over obstore (``transport="obstore"``).
+
+    Parameters (besides ``Transport``'s):
+        botocore_config: a ``botocore.config.Config`` whose retry attempts and timeouts are
+            applied here too (``None``: 5 attempts, 5 s connect, 30 s read timeouts).
+        session: an ``aioboto3.Session`` or ``botocore.session.Session`` whose profile and region
+            are used; ``None``: the standard credential chain and ``AWS_REGION`` /
+            ``AWS_DEFAULT_REGION`` (``us-east-1`` when unset).
+
+    Raises ``ImportError`` with the install command when obstore is missing.
+    """
+
+    name = "obstore"
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        endpoint_url: str | None = None,
+        botocore_config: Any = None,
+        session: Any = None,
+        max_concurrency: int = 32,
+        read_attempts: int = 4,
+        list_attempts: int = 5,
+    ) -> None:
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            raise ImportError("transport='obstore' needs obstore: pip install 's3capture[obstore]'") from None
+        super().__init__(
+            bucket,
+            endpoint_url=endpoint_url,
+            max_concurrency=max_concurrency,
+            read_attempts=read_attempts,
+            list_attempts=list_attempts,
+        )
+        self._attempts, self._connect_timeout, self._read_timeout = _settings(botocore_config)
+        import botocore.session
+
+        self._profile: str | None = None
+        self._owns_credentials = True
+        if isinstance(session, botocore.session.Session) and not type(session).__module__.startswith("aiobotocore"):
+            botocore_session = session  # the caller's: its own providers refresh what can be refreshed
+            self._owns_credentials = False
+        else:  # an aioboto3 session (async credentials) or none: the same profile, read synchronously
+            profile = getattr(session, "profile_name", None) if session is not None else None
+            self._profile = profile if profile not in (None, "default") else None
+            botocore_session = botocore.session.Session(profile=self._profile)
+        self._botocore = botocore_session
+        region = getattr(session, "region_name", None) if session is not None else None
+        self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or self._botocore.get_config_variable("region") or "us-east-1"
+        self._credentials: Any = None
+        self._credentials_lock = threading.Lock()
+        if endpoint_url:
+            self._base = endpoint_url.rstrip("/") + "/" + quote(bucket, safe="")
+        else:
+            self._base = f"https://s3.{self.region}.amazonaws.com/{quote(bucket, safe='')}"
+
+    # ------------------------------------------------------------------ credentials
+    def _frozen(self) -> Any:
+        """Frozen credentials of the standard chain (refreshed by botocore when temporary)."""
+        with self._credentials_lock:
+            if self._credentials is None:
+                self._credentials = self._botocore.get_credentials()
+                if self._credentials is None:
+                    raise StoreError(f"no AWS credentials found for s3://{self.bucket} (the standard credential chain is empty)")
+            return self._credentials.get_frozen_credentials()
+
+    def _provide(self) -> dict[str, Any]:
+        """obstore's credential provider: the chain's current credentials, asked for again after
+        a minute (botocore refreshes temporary ones before they expire; a rotation found by
+        ``_refresh`` reaches every client within that minute)."""
+        frozen = self._frozen()
+        expires = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=1)
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token, "expires_at": expires}
+
+    async def _refresh(self, state: Any, generation: int) -> bool:
+        """After an expired-token answer: resolve the standard credential chain again and rebuild
+        this loop's client when it yields credentials other than the ones that failed. A caller's
+        own botocore session is never replaced; unchanged credentials rebuild nothing (no retry
+        storm on a permanent error)."""
+        if not self._owns_credentials:
+            return False
+        import botocore.session
+
+        async with state.lock:
+            if state.generation != generation or state.client is None:
+                return True  # another request rebuilt it already
+            used = state.client[2]
+            fresh = botocore.session.Session(profile=self._profile)
+            credentials = fresh.get_credentials()
+            if credentials is None:
+                return False
+            frozen = credentials.get_frozen_credentials()
+            if (frozen.access_key, frozen.secret_key, frozen.token) == used:
+                return False
+            with self._credentials_lock:
+                self._botocore, self._credentials = fresh, credentials
+            if state.stack is not None:
+                state.retired.append(state.stack)  # closed at close(): requests may still use it
+            state.client, state.stack = None, None
+        log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
+        return True
+
+    # ------------------------------------------------------------------ client per loop
+    def _forked(self, states: Any) -> None:
+        pass  # nothing to disown: the check in _open refuses to use obstore here at all
+
+    async def _open(self, stack: AsyncExitStack) -> Any:
+        global _RUNTIME_PID
+        with _RUNTIME_LOCK:
+            if _RUNTIME_PID is not None and _RUNTIME_PID != os.getpid():
+                raise StoreError(
+                    "transport='obstore' cannot be used in a process forked after obstore ran in its parent "
+                    "(object_store's runtime does not survive fork): use the 'spawn' start method, or transport='aioboto3'"
+                )
+            _RUNTIME_PID = os.getpid()
+        import aiohttp
+        from obstore.store import S3Store
+
+        config: dict[str, Any] = {"region": self.region, "virtual_hosted_style_request": False}
+        if self.endpoint_url:
+            config["endpoint"] = self.endpoint_url
+        store = S3Store(
+            self.bucket,
+            config=config,
+            client_options={
+                "allow_http": bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
+                "connect_timeout": _dt.timedelta(seconds=self._connect_timeout),
+                "timeout": _dt.timedelta(seconds=self._read_timeout),
+                "pool_max_idle_per_host": str(max(self._max_concurrency, 10)),
+            },
+            retry_config={
+                "max_retries": self._attempts - 1,
+                "retry_timeout": _dt.timedelta(seconds=max(60.0, self._read_timeout * 2)),
+                "backoff": {"init_backoff": _dt.timedelta(milliseconds=50), "max_backoff": _dt.timedelta(seconds=5), "base": 2},
+            },
+            credential_provider=self._provide,
+        )
+        http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max(self._max_concurrency, 10)),
+            timeout=aiohttp.ClientTimeout(sock_connect=self._connect_timeout, sock_read=self._read_timeout),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        stack.push_async_callback(http.close)
+        frozen = self._frozen()
+        return store, http, (frozen.access_key, frozen.secret_key, frozen.token)
+
+    def _error_code(self, error: BaseException) -> str:
+        response = getattr(error, "response", None)
+        if response:
+            return str(response.get("Error", {}).get("Code", ""))
+        import obstore.exceptions as oe
+
+        if isinstance(error, oe.NotFoundError):
+            return "NoSuchKey"
+        text = str(error)
+        match = _XML_CODE.search(text)
+        if match:
+            return match.group(1)
+        if isinstance(error, oe.PermissionDeniedError):
+            return "AccessDenied"
+        if isinstance(error, oe.UnauthenticatedError):
+            return "InvalidAccessKeyId"
+        match = _STATUS.search(text)
+        return match.group(1) if match else ""
+
+    # ------------------------------------------------------------------ single requests
+    async def _put_once(self, client: Any, key: str, body: bytes) -> None:
+        import obstore
+
+        await obstore.put_async(client[0], key, body, use_multipart=False)
+
+    async def _get_once(self, client: Any, key: str, limit: int | None) -> _Got | None:
+        import obstore
+        import obstore.exceptions as oe
+
+        try:
+            result = await obstore.get_async(client[0], key)
+        except oe.NotFoundError:
+            return None
+        except Exception as error:
+            if self._error_code(error) in _NOT_FOUND:
+                return None
+            raise
+        meta = result.meta
+        size = meta.get("size")
+        etag = str(meta.get("e_tag") or "").strip('"').lower()
+        if limit is not None and size is not None and int(size) > limit:
+            raise _TooLarge(int(size))
+        try:
+            data = bytes(await result.bytes_async())
+        except Exception as error:  # noqa: BLE001 - any failure while the body streams is re-read
+            raise _BodyFailed(f"body failed after {type(error).__name__}: {error}") from None
+        return _Got(data, int(size) if size is not None else None, etag)
+
+    async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
+        import obstore
+
+        try:
+            await obstore.delete_async(client[0], keys)
+        except Exception as error:
+            if self._error_code(error) in _NOT_IMPLEMENTED:
+                return None
+            raise
+        return []
+
+    async def _delete_one_once(self, client: Any, key: str) -> None:
+        import obstore
+
+        try:
+            await obstore.delete_async(client[0], key)
+        except Exception as error:
+            if self._error_code(error) not in _NOT_FOUND:
+                raise
+
+    async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
+        params = [("encoding-type", "url"), ("list-type", "2"), ("max-keys", str(max_keys)), ("prefix", prefix)]
+        if token:
+            params.insert(0, ("continuation-token", token))
+        query = "&".join(f"{name}={quote(value, safe='-_.~')}" for name, value in params)
+        url = f"{self._base}?{query}"
+        body = await self._signed_get(client[1], "ListObjectsV2", url)
+        return _parse_list(body, prefix)
+
+    async def _signed_get(self, http: Any, operation: str, url: str) -> bytes:
+        """One SigV4-signed GET, retried on 5xx, throttling and connection errors (up to the
+        configured attempts, exponential backoff with full jitter); other answers raise."""
+        import aiohttp
+        import yarl
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        for attempt in range(self._attempts):
+            if attempt:
+                await asyncio.sleep(random.uniform(0, min(20.0, 0.05 * 2**attempt)))
+                self.request_counts[operation] += 1  # a retry is one more HTTP request
+            request = AWSRequest(method="GET", url=url)
+            S3SigV4Auth(self._frozen(), "s3", self.region).add_auth(request)
+            try:
+                async with http.get(yarl.URL(url, encoded=True), headers=dict(request.headers.items())) as response:
+                    body = await response.read()
+                    status = response.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
+                if attempt + 1 < self._attempts:
+                    continue
+                raise
+            if status == 200:
+                return body
+            text = body.decode("utf-8", "replace")
+            match = _XML_CODE.search(text)
+            code = match.group(1) if match else str(status)
+            if (status in _RETRY_STATUS or code in _RETRY_CODES) and attempt + 1 < self._attempts:
+                continue
+            raise _S3HTTPError(operation, status, code, text)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _parse_list(body: bytes, prefix: str) -> dict:
+    """A ListObjectsV2 body in botocore's shape (keys URL-decoded as botocore does), or
+    ``_Unverified`` for a body that is not a listing. ``IsTruncated`` is present only when the
+    body says it, so ``_verify_page`` can refuse a page without it."""
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as error:
+        raise _Unverified(f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix) from None
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    if root.tag != ns + "ListBucketResult":
+        raise _Unverified(f"LIST {prefix!r} answered with a {root.tag!r} document, not a listing", operation="LIST", key=prefix)
+    page: dict[str, Any] = {}
+    truncated = root.findtext(ns + "IsTruncated")
+    if truncated is not None:
+        page["IsTruncated"] = truncated.strip().lower() == "true"
+    token = root.findtext(ns + "NextContinuationToken")
+    if token:
+        page["NextContinuationToken"] = token
+    encoded = (root.findtext(ns + "EncodingType") or "").strip().lower() == "url"
+    contents = []
+    for item in root.iterfind(ns + "Contents"):
+        key = item.findtext(ns + "Key")
+        if key is not None and encoded:
+            key = unquote_plus(key)
+        entry: dict[str, Any] = {"Key": key, "ETag": item.findtext(ns + "ETag") or "", "Size": int(item.findtext(ns + "Size") or 0)}
+        modified = item.findtext(ns + "LastModified")
+        if modified:
+            try:
+                entry["LastModified"] = _dt.datetime.fromisoformat(modified.replace("Z", "+00:00"))
+            except ValueError:
+                pass
+        contents.append(entry)
+    if contents:
+        page["Contents"] = contents
+    return page

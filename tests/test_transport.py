@@ -1,0 +1,118 @@
+"""The transport seam: selection, key fidelity and listing parsing, on every transport.
+
+Every key the layout builds, under every root a user may configure, must reach the server byte
+for byte on both transports (obstore's ``Path`` refuses empty and dot segments and could encode
+characters); a key written one way and listed another would be a lost entry.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_entry, split_bucket_url
+from s3capture.ledger import S3CaptureLedger
+from s3capture.store import S3TokenStore
+from s3capture.transport import S3Transport, Transport, _verify_page, make_transport
+
+pytestmark = pytest.mark.all_transports
+
+ROOTS = ["", "plain", "a b/c+d", "x%y/\u00fc/z*!()@$", "t~/a=b&c/semi;colon", "quote\"s'/<a>/{b}|^`[c]"]
+IDS = ["r1", "r/with/slashes", "caf\u00e9 \u2603", "..", "~", "a%2Fb"]
+
+
+def _server_keys(s3_client, bucket: str) -> set[str]:
+    keys: set[str] = set()
+    for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys.update(item["Key"] for item in page.get("Contents", ()))
+    return keys
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=[f"root{i}" for i in range(len(ROOTS))])
+async def test_every_key_the_layout_builds_reaches_the_server_byte_for_byte(s3_env, s3_client, bucket_url, root, transport_kind):
+    bucket, _ = split_bucket_url(bucket_url)
+    url = f"s3://{bucket}/{root}" if root else f"s3://{bucket}"
+    store = S3TokenStore(url, fence_grace=0.05)
+    ledger = S3CaptureLedger(url)
+    assert store.transport.name == transport_kind
+    written: list[str] = []
+    for client in (store, ledger):
+        client.transport.add_hook(before=lambda op, key, _c: written.append(key) if op == "PutObject" else None)
+    try:
+        for rid in IDS:
+            await store.begin_call(rid, "c/1")
+            await store.put(make_entry(rid, "c/1", [{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "yo"}], [1, 2], [3]))
+            await store.mark_incomplete(rid, "c:2 \u00e9")
+            snapshot = await store.freeze(rid)
+            # What the store lists back is what it wrote, and so is what another client sees.
+            assert snapshot.version == 3, (rid, snapshot)
+            assert [e.model_call_id for e in snapshot.entries] == ["c/1"]
+        await ledger.begin_call("ledger-r", "c/1")
+    finally:
+        await store.close()
+        await ledger.close()
+    on_server = _server_keys(s3_client, bucket)
+    assert written and set(written) <= on_server, sorted(set(written) - on_server)[:5]
+    prefix = f"{root.strip('/')}/" if root else ""
+    assert all(key.startswith(prefix + "rollouts/") for key in on_server), sorted(on_server)[:5]
+
+
+@pytest.mark.parametrize("control", ["\t", "\n", "\r", "\x00", "\x7f"])
+def test_a_root_with_a_control_character_is_refused_not_silently_changed(control):
+    # urllib drops tabs and newlines from URLs: "s3://b/a\tb" would have stored under "ab".
+    with pytest.raises(ValueError, match="control characters"):
+        S3TokenStore(f"s3://bkt/a{control}b")
+
+
+def test_a_root_with_a_backslash_is_refused():
+    # SeaweedFS lists "a\\b/..." under another key than the one written: the fence would vanish.
+    with pytest.raises(ValueError, match="backslash"):
+        S3TokenStore("s3://bkt/a\\b")
+
+
+def test_transport_is_chosen_by_argument_then_environment(monkeypatch, transport_kind):
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", transport_kind)
+    assert make_transport(None, "bkt", endpoint_url="http://127.0.0.1:9").name == transport_kind
+    assert isinstance(make_transport("aioboto3", "bkt"), S3Transport)
+    given = S3Transport("bkt")
+    assert make_transport(given, "bkt") is given
+    with pytest.raises(ValueError, match="transport must be one of"):
+        make_transport("boto2", "bkt")
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", "curl")
+    with pytest.raises(ValueError, match="S3CAPTURE_TRANSPORT must be one of"):
+        make_transport(None, "bkt")
+    with pytest.raises(ValueError, match="S3CAPTURE_TRANSPORT must be one of"):
+        S3TokenStore("s3://bkt/p")
+
+
+def test_obstore_listing_parser_keeps_what_verification_needs():
+    pytest.importorskip("obstore")
+    from s3capture.transport_obstore import _parse_list
+    from s3capture.transport import _Unverified
+
+    ns = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
+    page = _parse_list(
+        f"<ListBucketResult {ns}><IsTruncated>true</IsTruncated><EncodingType>url</EncodingType>"
+        "<NextContinuationToken>tok</NextContinuationToken>"
+        "<Contents><Key>p/a+b%2Fc%25</Key><ETag>&quot;abc&quot;</ETag><Size>7</Size>"
+        "<LastModified>2026-11-30T10:00:00.000Z</LastModified></Contents></ListBucketResult>".encode(),
+        "p/",
+    )
+    verified = _verify_page(page, "p/", set())
+    assert [(o.key, o.etag, o.size) for o in verified.objects] == [("p/a b/c%", "abc", 7)]
+    assert verified.next_token == "tok"
+    # A page that does not say whether it is truncated is not "no objects".
+    with pytest.raises(_Unverified):
+        _verify_page(_parse_list(f"<ListBucketResult {ns}></ListBucketResult>".encode(), "p/"), "p/", set())
+    # Truncated without a token: refused (object_store would end the listing here).
+    truncated = _parse_list(f"<ListBucketResult {ns}><IsTruncated>true</IsTruncated></ListBucketResult>".encode(), "p/")
+    with pytest.raises(_Unverified):
+        _verify_page(truncated, "p/", set())
+    for body in (b"", b"<html>gateway</html>", b"<ListBucketResult"):
+        with pytest.raises(_Unverified):
+            _parse_list(body, "p/")
+
+
+def test_a_transport_is_a_transport(transport_kind):
+    store = S3TokenStore("s3://bkt/p", transport=transport_kind, endpoint_url="http://127.0.0.1:9")
+    assert isinstance(store.transport, Transport)
+    assert store.transport.name == transport_kind
