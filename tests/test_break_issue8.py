@@ -1,0 +1,177 @@
+"""Adversarial review of issue 8 (transport seam, delta checkpoints, freeze hand-out, encoder).
+
+Each test here failed on the branch it was written against (h-break from main); each one states
+the promise it checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+import zstandard
+from helpers import build_conversation, next_request, put_bytes, simple_entry, split_bucket_url, turn_entry
+
+from s3capture.errors import StoreError
+from s3capture.layout import Layout
+from s3capture.records import ParentResolutionStatus, RecordError, encode_entry, prepare_entry
+
+RESOLVED = ParentResolutionStatus.RESOLVED
+UNRESOLVED = ParentResolutionStatus.UNRESOLVED
+
+
+def rollout_prefix(bucket_url: str, rollout_id: str) -> tuple[str, str]:
+    bucket, root = split_bucket_url(bucket_url)
+    return bucket, Layout(root.rstrip("/")).rollout(rollout_id)
+
+
+def entry_key(prefix: str, entry: Any) -> str:
+    sha = hashlib.sha256(encode_entry(entry)).hexdigest()
+    return prefix + Layout("").entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
+
+
+def read_envelope(s3_client: Any, bucket: str, key: str) -> dict:
+    body = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return json.loads(zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 24))
+
+
+def write_envelope(s3_client: Any, bucket: str, key: str, envelope: dict) -> None:
+    """Rewrite an entry object's envelope (chain, hints), keeping its entry bytes exactly, so the
+    SHA-256 in its key still matches: the envelope's hints are outside what the key covers."""
+    raw = zstandard.ZstdDecompressor().decompress(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), max_output_size=1 << 24)
+    entry = raw[raw.index(b',"entry":') + len(b',"entry":') : raw.rindex(b',"format":')]
+    fields = {k: v for k, v in envelope.items() if k not in ("entry", "format")}
+    body = b"{" + b",".join(json.dumps(k).encode() + b":" + json.dumps(v, separators=(",", ":")).encode() for k, v in sorted(fields.items()))
+    body += b',"entry":' + entry + b',"format":"s3capture.entry/1"}'
+    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
+
+
+async def put_chain(writer: Any, rollout_id: str, depth: int) -> tuple[list[Any], list[Any]]:
+    turns = build_conversation(rollout_id, depth)
+    entries = []
+    for index, turn in enumerate(turns):
+        entry = turn_entry(rollout_id, turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        await writer.put(entry)
+        entries.append(entry)
+    return turns, entries
+
+
+# --------------------------------------------------------------------------- forged chain hints
+# The envelope's ``chain`` is, like ``cum_base``/``cum_self``, outside the SHA-256 in the key: a
+# hint. The checkpoint hints are shape-checked (``is_checkpoint_rel``) and "never fetched" when
+# odd; the chain's entries are not checked at all and are joined to the rollout prefix and GET.
+# design.md: "Nothing in a rollout's prefix can crash a reader"; resolve's contract: UNRESOLVED.
+
+FORGED_RELS = {
+    "dotdot": "../other/log/e/x/c/" + "0" * 64 + ".zst",
+    "empty": "",
+    "double-slash": "log/e//c/" + "0" * 64 + ".zst",
+    "too-long": "log/e/" + "a" * 2000 + "/c/" + "0" * 64 + ".zst",
+}
+
+
+@pytest.mark.all_transports
+@pytest.mark.parametrize("forged", sorted(FORGED_RELS))
+async def test_forged_chain_hint_gives_unresolved_not_a_crash(fresh, s3_client, bucket_url, forged, transport_kind):
+    writer = fresh()
+    turns, entries = await put_chain(writer, "r-forge", 4)
+    bucket, prefix = rollout_prefix(bucket_url, "r-forge")
+    key = entry_key(prefix, entries[-1])
+    envelope = read_envelope(s3_client, bucket, key)
+    envelope["chain"] = [FORGED_RELS[forged]]
+    write_envelope(s3_client, bucket, key, envelope)
+    resolution = await fresh().resolve("r-forge", next_request(turns[-1]))  # must not raise
+    assert resolution.status in (UNRESOLVED, RESOLVED), resolution
+    if resolution.status == RESOLVED:
+        assert list(resolution.match.cumulative_token_ids) == turns[-1].cumulative
+
+
+@pytest.mark.all_transports
+@pytest.mark.parametrize("forged", ["dotdot", "double-slash"])
+async def test_forged_chain_hint_of_parent_does_not_fail_the_childs_put(fresh, s3_client, bucket_url, forged, transport_kind):
+    """A put of a delta child whose parent carries a forged chain hint: checkpoints are derived data
+    ("a checkpoint that cannot be computed gets none"), so the put must still land and return."""
+    from s3capture.store import CHECKPOINT_EVERY
+
+    writer = fresh()
+    depth = CHECKPOINT_EVERY + 1  # the child at index depth is the first that wants a checkpoint
+    turns = build_conversation("r-forge2", depth + 1)
+    entries = []
+    for index, turn in enumerate(turns[:depth]):
+        entry = turn_entry("r-forge2", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        await writer.put(entry)
+        entries.append(entry)
+    bucket, prefix = rollout_prefix(bucket_url, "r-forge2")
+    key = entry_key(prefix, entries[-1])
+    envelope = read_envelope(s3_client, bucket, key)
+    envelope["chain"] = [FORGED_RELS[forged]] * (CHECKPOINT_EVERY - 1) + envelope["chain"][-1:]
+    envelope.pop("cum_base", None)
+    envelope.pop("cum_self", None)  # so the parent's tokens must be rebuilt through its chain
+    write_envelope(s3_client, bucket, key, envelope)
+    child = turn_entry("r-forge2", turns[depth], delta=True, parent_cumulative=turns[depth - 1].cumulative)
+    other = fresh()  # a worker that never saw the chain (cold cache)
+    await other.put(child)  # must not raise: the entry itself is fine
+    snapshot = await fresh().freeze("r-forge2")
+    assert child.model_call_id in {e.model_call_id for e in snapshot.entries}
+
+
+# --------------------------------------------------------------------------- freeze hand-out
+
+
+async def test_mutated_hand_out_does_not_break_a_later_freeze(fresh):
+    """design.md: a caller mutating a handed-out entry's nested items is detected at the next
+    hand-out and the entry is fetched again: "No caller ever sees another caller's mutations".
+    A mutation that makes the cached entry unencodable (a set, a 65-bit int) must not make every
+    later freeze of the rollout raise."""
+    store = fresh()
+    entry = simple_entry("r-mut", "c1")
+    await store.put(entry)
+    first = await store.freeze("r-mut")
+    first.entries[0].output_items[0]["content"] = {"not", "json"}  # the caller's own copy...
+    second = await store.freeze("r-mut")  # ...must not crash the next consumer
+    assert not second.incomplete
+    assert second.entries[0].output_items == entry.output_items
+
+
+async def test_mutated_hand_out_big_int_does_not_break_a_later_freeze(fresh):
+    store = fresh()
+    entry = simple_entry("r-mut2", "c1")
+    await store.put(entry)
+    first = await store.freeze("r-mut2")
+    first.entries[0].output_items[0]["n"] = 2**70
+    second = await store.freeze("r-mut2")
+    assert second.entries[0].output_items == entry.output_items
+
+
+# --------------------------------------------------------------------------- encoder
+
+
+def test_prepare_entry_raises_record_error_for_unencodable_extra_like_coerce_entry():
+    """put documents RecordError for an entry that violates the record contract; the old path
+    (coerce_entry + encode_entry) raised RecordError for a lone surrogate in an extra field, the
+    fast path leaks a bare UnicodeEncodeError."""
+    raw = {"rollout_id": "r", "model_call_id": "c", "prompt_token_ids": [1], "generation_token_ids": [2],
+           "generation_log_probs": [-0.5], "note": "\ud800"}
+    with pytest.raises(RecordError):
+        prepare_entry(raw)
+
+
+# --------------------------------------------------------------------------- transport error mapping
+
+
+@pytest.mark.all_transports
+async def test_get_from_a_missing_bucket_is_an_error_not_absent(s3_env, bucket_url, transport_kind):
+    """A GET answered 404 NoSuchBucket is not "no such object": the aioboto3 transport raises
+    StoreError naming the bucket; the obstore transport must not read it as absent (a reader would
+    then judge entries "vanished" or a fence "open")."""
+    from s3capture.store import S3TokenStore
+
+    bucket, root = split_bucket_url(bucket_url)
+    store = S3TokenStore(f"s3://{bucket}-missing/{root}")
+    try:
+        with pytest.raises(StoreError, match="does not exist"):
+            await store.transport.get("t/rollouts/x/fence")
+    finally:
+        await store.close()
