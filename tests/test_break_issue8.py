@@ -175,3 +175,20 @@ async def test_get_from_a_missing_bucket_is_an_error_not_absent(s3_env, bucket_u
             await store.transport.get("t/rollouts/x/fence")
     finally:
         await store.close()
+
+
+def test_obstore_list_parser_refuses_a_malformed_size_as_an_unverified_listing():
+    """A ListObjectsV2 body with a non-integer <Size> is a malformed listing: botocore refuses it
+    with ResponseParserError, which the aioboto3 transport turns into a retried ListingError. The
+    obstore parser lets a bare ValueError escape, which leaves as a plain StoreError after one
+    attempt instead of being retried like every other unverifiable page."""
+    pytest.importorskip("obstore")
+    from s3capture.errors import ListingError
+    from s3capture.transport_obstore import _parse_list
+
+    body = (
+        b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>false</IsTruncated>'
+        b"<Contents><Key>p/a</Key><Size>12x</Size></Contents></ListBucketResult>"
+    )
+    with pytest.raises(ListingError):
+        _parse_list(body, "p/")
