@@ -192,3 +192,35 @@ def test_obstore_list_parser_refuses_a_malformed_size_as_an_unverified_listing()
     )
     with pytest.raises(ListingError):
         _parse_list(body, "p/")
+
+
+# --------------------------------------------------------------------------- a checkpoint bomb
+async def test_a_forged_checkpoint_bomb_is_refused_before_it_is_decoded(fresh, s3_client, bucket_url):
+    """A checkpoint is derived data outside any SHA-256 until its digest is checked: a small zstd
+    frame that inflates to 64 MiB under an entry's ``cum/<digest>.zst`` must be refused by size
+    (readers then walk the chain) instead of becoming ~250 MB of Python ints first."""
+    import tracemalloc
+
+    from s3capture.store import CHAIN_KEYS
+
+    writer = fresh()
+    depth = CHAIN_KEYS + 2
+    turns, entries = await put_chain(writer, "r-bomb", depth)
+    bucket, prefix = rollout_prefix(bucket_url, "r-bomb")
+    victim = entries[CHAIN_KEYS]  # the first entry with its own checkpoint
+    key = f"{prefix}cum/{victim.digest}.zst"
+    s3_client.head_object(Bucket=bucket, Key=key)  # the checkpoint exists
+    count = 8 * 1024 * 1024  # 8M token ids: 64 MiB once decoded
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\x01" + count.to_bytes(8, "big") + bytes(8 * count))
+    assert len(bomb) < 64 * 1024
+    put_bytes(s3_client, bucket, key, bomb)
+    reader = fresh()
+    tracemalloc.start()
+    try:
+        resolution = await reader.resolve("r-bomb", next_request(turns[CHAIN_KEYS]))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert resolution.status == RESOLVED, resolution
+    assert list(resolution.match.cumulative_token_ids) == turns[CHAIN_KEYS].cumulative
+    assert peak < 48 * 1024 * 1024, f"resolve peaked at {peak / 2**20:.0f} MiB reading a forged checkpoint"

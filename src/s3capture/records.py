@@ -232,11 +232,14 @@ def prepare_entry(entry: Any) -> tuple[TokenEntry, bytes]:
         record, plain = fast
         if plain and -1e16 < record.created_at < 1e16:
             extra = record.__dict__.get("_extra")
-            if not extra:
-                return record, _json_encoder.encode(record)
-            out = msgspec.to_builtins(record)
-            out.update(extra)
-            return record, _json_encoder.encode(out)
+            try:
+                if not extra:
+                    return record, _json_encoder.encode(record)
+                out = msgspec.to_builtins(record)
+                out.update(extra)
+                return record, _json_encoder.encode(out)
+            except (TypeError, ValueError):
+                pass  # e.g. a lone surrogate: encode_entry below raises the documented RecordError
         return record, encode_entry(record)
     record = _coerce_general(entry)
     return record, encode_entry(record)
@@ -385,7 +388,10 @@ def encode_entry(entry: TokenEntry) -> bytes:
     _check_finite(entry)
     extra = entry.__dict__.get("_extra")
     if not extra and not _has_big_float(entry, None):
-        return _json_encoder.encode(entry)
+        try:
+            return _json_encoder.encode(entry)
+        except (TypeError, ValueError) as error:  # a lone surrogate in a string field
+            raise RecordError(f"entry of model call {entry.model_call_id!r} is not JSON-encodable: {error}") from None
     out = msgspec.to_builtins(entry)
     if extra:
         out.update(extra)
@@ -398,7 +404,7 @@ def encode_entry(entry: TokenEntry) -> bytes:
             raise RecordError(f"entry of model call {entry.model_call_id!r} is not JSON-encodable: {error}") from None
     try:
         return _json_encoder.encode(out)
-    except (TypeError, ValueError) as error:  # pragma: no cover - extras came from JSON
+    except (TypeError, ValueError) as error:  # a lone surrogate, a set, ... in the extra fields
         raise RecordError(f"extra fields are not JSON-encodable: {error}") from None
 
 

@@ -156,6 +156,12 @@ class _Link(msgspec.Struct):
     parent: _Stored
 
 
+_CHECKPOINT_MAX_TOKENS = 4_000_000
+"""Largest checkpoint read: cumulative tokens are bounded by a model's context window (today at
+most a few million tokens); a longer one is ignored (readers walk the chain instead)."""
+_CHECKPOINT_MAX_BYTES = _TOKEN_HEADER + 8 * _CHECKPOINT_MAX_TOKENS
+
+
 def _decode_tokens(raw: bytes) -> list[int] | None:
     """Token ids from Gym's digest encoding (``encode_token_ids``); ``None`` if malformed."""
     if len(raw) < _TOKEN_HEADER or raw[0] != 1:
@@ -170,6 +176,12 @@ def _decode_tokens(raw: bytes) -> list[int] | None:
     if sys.byteorder == "little":
         ids.byteswap()
     return ids.tolist()
+
+
+def _is_entry_rel(rel: str) -> bool:
+    """Whether ``rel`` (relative to a rollout prefix) is an entry key s3capture writes."""
+    parsed = parse_log_key(rel)
+    return parsed is not None and parsed[0] == "e"
 
 
 def _checkpoint_matches(rel: str, tokens: list[int], entry: TokenEntry) -> bool:
@@ -296,9 +308,10 @@ class S3TokenStore(RolloutObjects):
         parts += [b',"entry":', payload, _ENVELOPE_TAIL]
         return self._compressor().compress(b"".join(parts))
 
-    def _decompress(self, data: bytes) -> bytes:
+    def _decompress(self, data: bytes, limit: int | None = None) -> bytes:
         # The envelope adds its format tag and up to CHAIN_KEYS ancestor keys to the entry bytes.
-        limit = self._max_entry_bytes + 64 * 1024
+        if limit is None:
+            limit = self._max_entry_bytes + 64 * 1024
         if not data.startswith(_ZSTD_MAGIC):
             if len(data) > limit:
                 raise RecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
@@ -341,7 +354,12 @@ class S3TokenStore(RolloutObjects):
             if envelope.format != _ENVELOPE_FORMAT:
                 raise RecordError(f"unknown envelope format {envelope.format!r}")
             payload = bytes(envelope.entry)
+            # The chain is a hint outside the key's SHA-256: only entry keys of this rollout's
+            # shape are ever fetched; a chain with anything else is dropped whole (a walk then
+            # reports the chain as missing: UNRESOLVED, never a request for a forged key).
             chain = tuple(envelope.chain)
+            if not all(isinstance(rel, str) and _is_entry_rel(rel) for rel in chain):
+                chain = ()
             # Checkpoint hints of another shape are ignored, never fetched: they are only hints.
             cum_base = envelope.cum_base if is_checkpoint_rel(envelope.cum_base) else ""
             cum_self = envelope.cum_self if is_checkpoint_rel(envelope.cum_self) else ""
@@ -497,7 +515,8 @@ class S3TokenStore(RolloutObjects):
         try:
             checkpoint_rel(digest)
             tokens = await self._cumulative(prefix, link.parent_key, link.parent)
-        except (RecordError, ValueError) as error:
+        except (RecordError, ValueError, StoreError) as error:
+            # Derived data: a chain that cannot be read now only costs readers a longer walk.
             log.info("no checkpoint for %r: %s", record.model_call_id, error)
             return None
         tokens.extend(record.prompt_token_ids)
@@ -517,11 +536,13 @@ class S3TokenStore(RolloutObjects):
         """Token ids stored in checkpoint ``rel``; ``None`` when it is missing, oversize or malformed.
         Not verified here: the caller checks them against the digest of the entry they belong to."""
         try:
-            data = await self._get(prefix + rel, self._read_limit())
+            # Bounded far below max_entry_bytes: a forged checkpoint must not become a gigabyte of
+            # Python ints before its digest is checked.
+            data = await self._get(prefix + rel, _CHECKPOINT_MAX_BYTES + _CHECKPOINT_MAX_BYTES // 64 + 1024)
             if data is None:
                 return None
-            return _decode_tokens(self._decompress(data))
-        except (RecordError, zstandard.ZstdError) as error:
+            return _decode_tokens(self._decompress(data, _CHECKPOINT_MAX_BYTES))
+        except (RecordError, StoreError, zstandard.ZstdError) as error:
             log.warning("checkpoint %s%s is unreadable: %s", prefix, rel, error)
             return None
 
@@ -755,8 +776,11 @@ class S3TokenStore(RolloutObjects):
                 stored.lent = True
                 out.append(_shallow_copy(stored.entry))
                 continue
-            payload = encode_entry(stored.entry)
-            if hashlib.sha256(payload).hexdigest() == sha:
+            try:
+                payload = encode_entry(stored.entry)
+            except (RecordError, TypeError, ValueError, OverflowError, UnicodeError):
+                payload = b""  # a caller put something unencodable into a shared nested part
+            if payload and hashlib.sha256(payload).hexdigest() == sha:
                 out.append(decode_entry(payload))
                 continue
             self._cache.discard(key)

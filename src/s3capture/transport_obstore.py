@@ -362,7 +362,11 @@ def _parse_list(body: bytes, prefix: str) -> dict:
         key = item.findtext(ns + "Key")
         if key is not None and encoded:
             key = unquote_plus(key)
-        entry: dict[str, Any] = {"Key": key, "ETag": item.findtext(ns + "ETag") or "", "Size": int(item.findtext(ns + "Size") or 0)}
+        try:
+            size = int(item.findtext(ns + "Size") or 0)
+        except ValueError:
+            raise _Unverified(f"LIST {prefix!r} answered an object with a malformed Size", operation="LIST", key=prefix) from None
+        entry: dict[str, Any] = {"Key": key, "ETag": item.findtext(ns + "ETag") or "", "Size": size}
         modified = item.findtext(ns + "LastModified")
         if modified:
             try:
