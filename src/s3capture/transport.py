@@ -834,6 +834,8 @@ def make_transport(
     """
     if isinstance(transport, Transport):
         return transport
+    if transport is not None and not isinstance(transport, str):
+        raise TypeError(f"transport must be a name ({', '.join(TRANSPORTS)}) or a Transport, got {type(transport).__name__}")
     name = (transport or os.environ.get(TRANSPORT_ENV) or "aioboto3").strip().lower()
     kwargs = dict(endpoint_url=endpoint_url, botocore_config=botocore_config, session=session, max_concurrency=max_concurrency)
     if name == "aioboto3":

@@ -127,6 +127,15 @@ class ObstoreTransport(Transport):
             profile = getattr(session, "profile_name", None) if session is not None else None
             self._profile = profile if profile not in (None, "default") else None
             botocore_session = botocore.session.Session(profile=self._profile)
+            explicit = getattr(getattr(session, "_session", None), "_credentials", None)
+            if explicit is not None and getattr(explicit, "access_key", None):
+                # aioboto3.Session(aws_access_key_id=..., ...): the caller's keys, as on aioboto3
+                import botocore.credentials
+
+                botocore_session._credentials = botocore.credentials.Credentials(
+                    explicit.access_key, explicit.secret_key, getattr(explicit, "token", None)
+                )
+                self._owns_credentials = False
         self._botocore = botocore_session
         region = getattr(session, "region_name", None) if session is not None else None
         self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or self._botocore.get_config_variable("region") or "us-east-1"
@@ -199,24 +208,39 @@ class ObstoreTransport(Transport):
         import aiohttp
         from obstore.store import S3Store
 
+        frozen = self._frozen()  # before anything is opened: missing credentials leak nothing
         config: dict[str, Any] = {"region": self.region, "virtual_hosted_style_request": False}
         if self.endpoint_url:
             config["endpoint"] = self.endpoint_url
+        provider: Any = None
+        if hasattr(self._credentials, "refresh_needed"):
+            provider = self._provide  # temporary credentials: object_store asks again every minute
+        else:
+            # Static keys go in as configuration: no Python callback runs on object_store's threads
+            # (one at interpreter exit can abort the process); a rotation rebuilds the client.
+            config["access_key_id"], config["secret_access_key"] = frozen.access_key, frozen.secret_key
+            if frozen.token:
+                config["token"] = frozen.token
         store = S3Store(
             self.bucket,
             config=config,
             client_options={
                 "allow_http": bool(self.endpoint_url and self.endpoint_url.startswith("http://")),
                 "connect_timeout": _dt.timedelta(seconds=self._connect_timeout),
-                "timeout": _dt.timedelta(seconds=self._read_timeout),
+                # botocore's read timeout is per read, as object_store's read_timeout; its overall
+                # timeout must not cut a large entry on a slow link.
+                "read_timeout": _dt.timedelta(seconds=self._read_timeout),
+                "timeout": _dt.timedelta(seconds=max(600.0, 10 * self._read_timeout)),
                 "pool_max_idle_per_host": str(max(self._max_concurrency, 10)),
             },
             retry_config={
                 "max_retries": self._attempts - 1,
                 "retry_timeout": _dt.timedelta(seconds=max(60.0, self._read_timeout * 2)),
-                "backoff": {"init_backoff": _dt.timedelta(milliseconds=50), "max_backoff": _dt.timedelta(seconds=5), "base": 2},
+                # botocore's standard mode: up to 1, 2, 4, 8 s (jittered), at most 20 s, so a
+                # server restart of a few seconds is ridden out on both transports alike.
+                "backoff": {"init_backoff": _dt.timedelta(seconds=1), "max_backoff": _dt.timedelta(seconds=20), "base": 2},
             },
-            credential_provider=self._provide,
+            credential_provider=provider,
         )
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max(self._max_concurrency, 10)),
@@ -225,8 +249,15 @@ class ObstoreTransport(Transport):
             skip_auto_headers=("User-Agent",),
         )
         stack.push_async_callback(http.close)
-        frozen = self._frozen()
         return store, http, (frozen.access_key, frozen.secret_key, frozen.token)
+
+    def _wrap(self, error: BaseException, operation: str, key: str) -> StoreError:
+        # object_store's messages end in a multi-line Rust debug dump: keep the first line.
+        wrapped = super()._wrap(error, operation, key)
+        text = str(wrapped).split("\n\nDebug source:", 1)[0].split("\n", 1)[0]
+        if len(text) > 400:
+            text = text[:400] + "..."
+        return StoreError(text, operation=operation, key=key)
 
     def _error_code(self, error: BaseException) -> str:
         response = getattr(error, "response", None)
@@ -315,7 +346,8 @@ class ObstoreTransport(Transport):
 
         for attempt in range(self._attempts):
             if attempt:
-                await asyncio.sleep(random.uniform(0, min(20.0, 0.05 * 2**attempt)))
+                # botocore's standard mode: full jitter over 2**(attempt-1) seconds, at most 20 s
+                await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
                 self.request_counts[operation] += 1  # a retry is one more HTTP request
             request = AWSRequest(method="GET", url=url)
             S3SigV4Auth(self._frozen(), "s3", self.region).add_auth(request)
