@@ -441,12 +441,12 @@ class S3TokenStore(RolloutObjects):
                     cum_self = checkpoint_rel(record.digest or "")
         body = self._encode_object(payload, chain, cum_base, cum_self)
         key = prefix + rel
+        await self.transport.client()  # opening a cold client is not part of the race window timed below
         requests = [self._put(key, body), self._fence_state(prefix)]
         if checkpoint is not None:
             # Derived, immutable and content-addressed: sent with the entry, so put stays one
             # round trip. A checkpoint that fails to land only costs readers a longer walk.
             requests.append(self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint))))
-        await self.transport.client()  # opening a cold client is not part of the race window timed below
         started = time.monotonic()
         state = (await asyncio.gather(*requests))[1]
         if state == "open" and time.monotonic() - started > self._fence_grace:
