@@ -253,7 +253,8 @@ def _demo(args: argparse.Namespace) -> int:
             _ensure_bucket(url, endpoint, env)
         if server is not None and args.staging_url:
             _ensure_bucket(args.staging_url, endpoint, env)  # every bucket of the embedded server is the demo's
-        where = f"{url} on {where}"
+        transport = os.environ.get("S3CAPTURE_TRANSPORT") or "aioboto3"
+        where = f"{url} on {where} (transport: {transport})"
         report = run_workload(
             rollouts,
             url,
