@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             path, conc = row["path"], row["concurrency"]
             if row["transport"] == "obstore" and "RTT" in path and conc == 1:
                 summary.append(["obstore: put <= 1.15x bare PUT behind 10 ms, concurrency 1", row["server"], "p50", f"{row['p50_ratio']:.2f}x", verdict(row["p50_ratio"], 1.15)])
+                summary.append(["(info) obstore: put ÷ its bare requests (PUT + GET fence), 10 ms, conc 1", row["server"], "p50", f"{row['wire_p50_ratio']:.2f}x", "info"])
             else:
                 summary.append([f"(info) put ÷ bare PUT, {row['transport']}", row["server"], f"{path}, conc {conc}, p50", f"{row['p50_ratio']:.2f}x", "info"])
         if code:

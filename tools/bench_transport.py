@@ -8,7 +8,9 @@ round by round (the order rotates every round, so drift and other processes' loa
 * **put ÷ bare PUT** -- ``S3TokenStore.put(entry)`` (real ``competitive_coding`` entries, a new call
   id each time) against a bare PUT of the same stored bytes to a sibling key *on the transport's
   own client* (aiobotocore ``put_object`` / ``obstore.put_async``), at concurrency 1 and 8, on
-  loopback and behind ``tools/_delayproxy.py`` (``--rtt-ms``, default 10 ms).
+  loopback and behind ``tools/_delayproxy.py`` (``--rtt-ms``, default 10 ms). A third kind sends a
+  put's requests bare (the PUT together with a GET of the fence): put ÷ that is s3capture's own
+  cost; that ÷ bare PUT is what the fence read costs on the server and the wire.
 * **capture calls** -- what Gym's middleware does per model call: ``resolve`` (LIST of the
   request's fingerprint prefix; the candidate is cached by this client's own put of the previous
   call, so no GET), ``begin_call`` (PUT intent, then GET fence) and ``put`` (PUT entry and GET fence
@@ -97,25 +99,29 @@ def rotated(items: list[Any], r: int) -> list[Any]:
 async def put_ratio(
     srv: Server, endpoint_url: str, transports: list[str], bases: list[Any], concurrency: int, rounds: int, warmup: int = 2
 ) -> dict[tuple[str, str], KindStats]:
-    kinds = [(t, k) for t in transports for k in ("put", "bare")]
+    kinds = [(t, k) for t in transports for k in ("put", "bare", "wire")]
     stores = {t: new_store(srv, endpoint_url, t) for t in transports}
     bares = {t: await BareOps.of(stores[t].transport) for t in transports}
     total = (rounds + warmup) * concurrency
     ops: dict[str, list[tuple[Any, bytes, str]]] = {}
+    fences: dict[str, str] = {}
     for t, store in stores.items():
         rollout_id = f"put-{t}-c{concurrency}-{uuid.uuid4().hex[:6]}"
         prefix = store.layout.rollout(rollout_id)
+        fences[t] = prefix + "fence"
         ops[t] = []
         for j in range(total):
             base = bases[j % len(bases)]
             entry = msgspec.structs.replace(base, rollout_id=rollout_id, model_call_id=f"{base.model_call_id}-op{j}")
             rel, body = object_body(store, entry)
-            ops[t].append((entry, body, prefix + rel.replace("/log/", "/bare/", 1) if "/log/" in rel else prefix + "bare/" + rel))
+            ops[t].append((entry, body, prefix + "bare/" + rel))
     stats = {kind: KindStats() for kind in kinds}
 
     def runner(t: str, k: str) -> Any:
         if k == "put":
             return lambda j: stores[t].put(ops[t][j][0])
+        if k == "wire":  # the requests of a put without s3capture code: the PUT with a GET of the fence
+            return lambda j: asyncio.gather(bares[t].put(ops[t][j][2] + ".wire", ops[t][j][1]), bares[t].get(fences[t]))
         return lambda j: bares[t].put(ops[t][j][2], ops[t][j][1])
 
     for r in range(rounds + warmup):
@@ -136,13 +142,18 @@ def put_rows(path: str, concurrency: int, stats: dict[tuple[str, str], KindStats
         peer = stats[(t, "bare")]
         p50, avg = pct(s.latencies, 0.5), mean(s.latencies)
         r50, ravg = p50 / pct(peer.latencies, 0.5), avg / mean(peer.latencies)
-        label = "S3TokenStore.put" if k == "put" else ("bare put_object (peer)" if t == "aioboto3" else "bare obstore.put_async (peer)")
+        label = {
+            "put": "S3TokenStore.put",
+            "bare": "bare put_object (peer)" if t == "aioboto3" else "bare obstore.put_async (peer)",
+            "wire": "bare PUT + GET fence (a put's requests)",
+        }[k]
         rows.append([path, concurrency, t, label, s.ops, p50 * 1000, pct(s.latencies, 0.9) * 1000, avg * 1000,
                      f"{r50:.2f}x", f"{ravg:.2f}x", s.client_cpu / s.ops * 1000, s.server_cpu / s.ops * 1000])
         if k == "put":
             results.setdefault("put", []).append({
                 "server": kind, "path": path, "concurrency": concurrency, "transport": t,
-                "p50_ratio": r50, "mean_ratio": ravg, "p50_ms": p50 * 1000, "bare_p50_ms": pct(peer.latencies, 0.5) * 1000,
+                "p50_ratio": r50, "mean_ratio": ravg,
+                "wire_p50_ratio": p50 / pct(stats[(t, "wire")].latencies, 0.5), "p50_ms": p50 * 1000, "bare_p50_ms": pct(peer.latencies, 0.5) * 1000,
                 "client_cpu_ms": s.client_cpu / s.ops * 1000, "bare_client_cpu_ms": peer.client_cpu / peer.ops * 1000,
             })
     return rows
