@@ -109,6 +109,21 @@ def test_bench_ledger_quick_prints_its_tables() -> None:
     assert "Gym: model_validate(wire)" in out
 
 
+def test_bench_freeze_quick_prints_its_table() -> None:
+    require_moto()
+    out = run_tool("bench_freeze.py", "--quick")
+    assert "### freeze vs its floor on moto" in out, out
+    for row in ("bare LIST + parallel GETs (floor, cold)", "bare LIST (floor, warm)", "freeze, cold (empty cache)", "freeze, warm (entries cached)"):
+        assert f"| {row} " in out, out
+
+
+def test_bench_memory_small_run_prints_its_series_and_verdict() -> None:
+    require_moto()
+    out = run_tool("bench_memory.py", "--rollouts", "12", "--calls", "100", "--cache-mib", "1", "--parallel", "4")
+    assert "### RSS over 12 rollouts x 100 calls" in out, out
+    assert "| 1,000 " in out and "after the cache filled" in out, out
+
+
 def test_bench_resolve_quick_prints_its_table() -> None:
     require_moto()
     out = run_tool("bench_resolve.py", "--quick", "--servers", "moto")

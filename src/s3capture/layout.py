@@ -36,7 +36,6 @@ MAX_SEGMENT_BYTES = 255
 """Longest escaped id segment: SeaweedFS and MinIO refuse a key segment over 255 bytes."""
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-_HEX = "0123456789ABCDEF"
 _ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
 _HASHED = re.compile(r"^~h[0-9a-f]{64}$")
 _CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
@@ -46,36 +45,39 @@ _SNAP_SUFFIX = len("snap/") + 20 + 1 + 32
 _ENTRY_SUFFIX = len("log/e/") + 64 + 1 + 1 + 64 + len(".zst")
 
 
+# Byte -> text of its escape: safe bytes stay, every other byte becomes ``.HH``. Applied with
+# ``str.translate`` to the UTF-8 bytes read as Latin-1 (one character per byte), so escaping is one
+# C-speed pass instead of a Python loop over bytes.
+_ESCAPE_TABLE = {byte: (chr(byte) if byte in _SAFE else f".{byte:02X}") for byte in range(256)}
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
+_HEX_ESCAPE = re.compile(r"\.([0-9A-F]{2})")
+
+
+def _unhex(match: re.Match[str]) -> str:
+    return chr(int(match.group(1), 16))
+
+
 def escape_id(value: str) -> str:
     """Escape any string into one safe, reversible, non-empty key segment."""
     if value == "":
         return "~"
-    out: list[str] = []
-    for byte in value.encode("utf-8", errors="surrogatepass"):
-        if byte in _SAFE:
-            out.append(chr(byte))
-        else:
-            out.append("." + _HEX[byte >> 4] + _HEX[byte & 15])
-    return "".join(out)
+    if value.isascii() and _ALL_SAFE.fullmatch(value):
+        return value  # the common case: nothing to escape
+    return value.encode("utf-8", errors="surrogatepass").decode("latin-1").translate(_ESCAPE_TABLE)
 
 
 def unescape_id(segment: str) -> str:
     """Invert ``escape_id``; raises ``ValueError`` for a segment it could not have produced."""
     if segment == "~":
         return ""
+    if segment.isascii() and _ALL_SAFE.fullmatch(segment):
+        return segment  # no escapes: the segment is its own (canonical) escape
     if not _ESCAPED.match(segment):
         raise ValueError(f"not an escaped id: {segment!r}")
-    data = bytearray()
-    position = 0
-    while position < len(segment):
-        char = segment[position]
-        if char == ".":
-            data.append(int(segment[position + 1 : position + 3], 16))
-            position += 3
-        else:
-            data.append(ord(char))
-            position += 1
-    value = data.decode("utf-8", errors="surrogatepass")
+    try:
+        value = _HEX_ESCAPE.sub(_unhex, segment).encode("latin-1").decode("utf-8", errors="surrogatepass")
+    except UnicodeDecodeError:
+        raise ValueError(f"not an escaped id (invalid UTF-8): {segment!r}") from None
     if escape_id(value) != segment:
         raise ValueError(f"not a canonical escape: {segment!r}")
     return value
@@ -166,6 +168,10 @@ class Layout:
         return cid
 
 
+_ENTRY_KEY = re.compile(r"log/e/([^/]+)/([^/]+)/([0-9a-f]{64})\.zst")
+_INTENT_KEY = re.compile(r"log/i/([^/]+)")
+_MARKER_KEY = re.compile(r"log/x/([^/]+)/([^/]+)")
+_SHA = re.compile(r"[0-9a-f]{64}")
 def checkpoint_rel(digest: str) -> str:
     """Key (relative to the rollout prefix) of the delta checkpoint holding the cumulative tokens
     whose Gym ``digest`` is ``digest``; raises ``ValueError`` unless it is 64 lower-case hex digits."""
@@ -184,28 +190,28 @@ def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:
     """Classify a key relative to a rollout prefix.
 
     Returns ``(kind, model_call_id, fingerprint, sha_or_unique)`` with kind ``"e"``, ``"i"`` or
-    ``"x"``, or ``None`` for a key s3capture does not write (a foreign object).
+    ``"x"``, or ``None`` for a key s3capture does not write (a foreign object). One regular
+    expression match per key (a freeze parses every listed key once).
     """
-    parts = rel.split("/")
     try:
-        if len(parts) == 5 and parts[0] == "log" and parts[1] == "e" and parts[4].endswith(".zst"):
-            sha = parts[4][: -len(".zst")]
-            if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-                return None
-            fp = "" if parts[2] == "~" else unescape_id(parts[2])
-            return "e", unescape_id(parts[3]), fp, sha
-        if len(parts) == 3 and parts[0] == "log" and parts[1] == "i":
-            return "i", unescape_id(parts[2]), "", ""
-        if len(parts) == 4 and parts[0] == "log" and parts[1] == "x" and parts[3]:
-            cid = parts[2] if _HASHED.match(parts[2]) else unescape_id(parts[2])
-            return "x", cid, "", parts[3]
+        match = _ENTRY_KEY.fullmatch(rel)
+        if match is not None:
+            fp, cid, sha = match.groups()
+            return "e", unescape_id(cid), "" if fp == "~" else unescape_id(fp), sha
+        match = _INTENT_KEY.fullmatch(rel)
+        if match is not None:
+            return "i", unescape_id(match.group(1)), "", ""
+        match = _MARKER_KEY.fullmatch(rel)
+        if match is not None:
+            cid, unique = match.groups()
+            return "x", cid if _HASHED.match(cid) else unescape_id(cid), "", unique
     except ValueError:
         return None
     return None
 
 
 def _is_sha(value: str) -> bool:
-    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return _SHA.fullmatch(value) is not None
 
 
 def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:

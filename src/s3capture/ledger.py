@@ -28,6 +28,7 @@ import hashlib
 import io
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +175,15 @@ class S3CaptureLedger(RolloutObjects):
             spill_dir=spill_dir,
             transport=transport,
         )
-        self._compressor = zstandard.ZstdCompressor(level=3)
+        self._compressors = threading.local()  # a ZstdCompressor must not be shared by two threads
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        """This thread's compressor (it releases the GIL while compressing, so it must never be
+        used by two threads at once; within a thread it is never held across an await)."""
+        compressor = getattr(self._compressors, "zstd", None)
+        if compressor is None:
+            compressor = self._compressors.zstd = zstandard.ZstdCompressor(level=3)
+        return compressor
 
     # ------------------------------------------------------------------ writes
     async def record(self, commit: Any) -> None:
@@ -221,7 +230,7 @@ class S3CaptureLedger(RolloutObjects):
         index_key = f"{prefix}ledger-index/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else ""
         if len(index_key.encode()) > MAX_KEY_BYTES:
             raise ValueError(f"model_call_id is too long to store: its index key would exceed S3's {MAX_KEY_BYTES}-byte limit")
-        stored = self._compressor.compress(body) if len(body) > _COMPRESS_ABOVE else body
+        stored = self._compressor().compress(body) if len(body) > _COMPRESS_ABOVE else body
         requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]
         if index_key:
             requests.append(self._put(index_key, b""))

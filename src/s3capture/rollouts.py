@@ -66,6 +66,8 @@ class RolloutScan:
     """Tentative tombstones of drops in progress (``drop/<token>``); a leftover one (a drop that
     crashed) reads as retired."""
     log: list[ListedObject] = field(default_factory=list)
+    parsed: list[tuple[str, str, str, str]] = field(default_factory=list)
+    """``parse_log_key`` of each key of ``log`` (same order): every key is parsed once, here."""
     snaps: list[ListedObject] = field(default_factory=list)
     foreign: list[ListedObject] = field(default_factory=list)
     checkpoints: list[ListedObject] = field(default_factory=list)
@@ -270,8 +272,9 @@ class RolloutObjects:
                 scan.drops.append(item)
             elif rel.startswith("snap/"):
                 scan.snaps.append(item)
-            elif rel.startswith("log/") and parse_log_key(rel) is not None:
+            elif rel.startswith("log/") and (parsed := parse_log_key(rel)) is not None:
                 scan.log.append(item)
+                scan.parsed.append(parsed)
             elif rel.startswith("cum/") and is_checkpoint_rel(rel):
                 scan.checkpoints.append(item)
             else:

@@ -40,6 +40,7 @@ import msgspec
 import zstandard
 
 from s3capture import fingerprint as _fp
+from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.errors import ListingError, StoreError
@@ -87,6 +88,10 @@ _CLOCK_SLACK = 0.1
 """Seconds ``drop`` adds to ``fence_grace``: monotonic clocks of two hosts may run at slightly
 different rates, and a put measures its own duration on its host's clock."""
 
+_FENCE_SEEN_LIMIT = 10_000
+"""Rollouts whose freeze time ``drop`` remembers (~300 bytes each, measured: under 3 MiB). A
+forgotten one only makes its drop wait ``fence_grace`` from the drop's own LIST instead."""
+
 CHAIN_KEYS = 16
 """How many nearest ancestor keys a delta entry's envelope carries at most (bounded, so storage is
 O(1) per entry). A chain deeper than this is rebuilt from a checkpoint, or without one in one more
@@ -109,6 +114,20 @@ class FrozenSnapshot(TokenCaptureSnapshot):
     """
 
     reasons: tuple[str, ...] = ()
+
+
+def _shallow_copy(entry: TokenEntry) -> TokenEntry:
+    """A copy of a cached entry whose scalar fields, token-id and log-probability lists and
+    top-level containers are its own; nested items are shared (see ``S3TokenStore._hand_out``)."""
+    out = entry.__copy__()
+    out.prompt_token_ids = list(entry.prompt_token_ids)
+    out.generation_token_ids = list(entry.generation_token_ids)
+    out.generation_log_probs = list(entry.generation_log_probs)
+    out.output_items = list(entry.output_items)
+    extra = entry.__dict__.get("_extra")
+    if extra:
+        out.__dict__["_extra"] = dict(extra)
+    return out
 
 
 class _Envelope(msgspec.Struct, kw_only=True):
@@ -224,8 +243,9 @@ class S3TokenStore(RolloutObjects):
         if entry_type == "gym":
             import nemo_gym.token_id_capture.records  # noqa: F401 - fail early with ImportError
         self.entry_type = entry_type
-        self._call_keys: collections.OrderedDict[tuple[str, str], set[str]] = collections.OrderedDict()
-        self._call_keys_limit = 200_000
+        self._call_keys = CallKeys()
+        """(rollout, call id) -> keys of its entries; bounded by rows and bytes, forgotten when the
+        rollout is frozen, dropped, retired or deleted."""
         self._compression_level = compression_level
         self._compressors = threading.local()
         self._compressor()  # a bad level fails here, not in the first put
@@ -240,18 +260,24 @@ class S3TokenStore(RolloutObjects):
         used to shorten its wait."""
 
     def _forget_rollout(self, rollout_id: str) -> None:
-        for key in [k for k in self._call_keys if k[0] == rollout_id]:
-            del self._call_keys[key]
+        self._call_keys.forget(rollout_id)
         self._fence_seen.pop(rollout_id, None)
 
     def _saw_fence(self, rollout_id: str, when: float, version: int, snapshot_id: str) -> None:
         """Remember when this client's freeze knew its fence existed, for that snapshot."""
         self._fence_seen[rollout_id] = (when, version, snapshot_id)
         self._fence_seen.move_to_end(rollout_id)
-        while len(self._fence_seen) > 100_000:
+        while len(self._fence_seen) > _FENCE_SEEN_LIMIT:
             self._fence_seen.popitem(last=False)
 
     # ------------------------------------------------------------------ encoding
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        """This thread's decompressor (as ``_compressor``: one thread at a time, never across an await)."""
+        decompressor = getattr(self._compressors, "unzstd", None)
+        if decompressor is None:
+            decompressor = self._compressors.unzstd = zstandard.ZstdDecompressor()
+        return decompressor
+
     def _compressor(self) -> zstandard.ZstdCompressor:
         """This thread's compressor. A ``ZstdCompressor`` must not be used by two threads at once
         (it releases the GIL while compressing); within a thread, ``put`` compresses without
@@ -277,6 +303,16 @@ class S3TokenStore(RolloutObjects):
             if len(data) > limit:
                 raise RecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
             return data
+        try:
+            size = zstandard.frame_content_size(data)
+        except zstandard.ZstdError:
+            size = -1
+        if 0 <= size <= limit:
+            # One frame that states its size (what put writes): one call on a reused decompressor.
+            try:
+                return self._decompressor().decompress(data, allow_extra_data=False)
+            except zstandard.ZstdError:
+                pass  # several frames, or damage: the streaming path below decides
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
         out = io.BytesIO()
         while True:
@@ -318,18 +354,10 @@ class S3TokenStore(RolloutObjects):
             # Valid JSON that is not the canonical encoding (a repeated key decodes last-wins, a
             # reordered or respaced object, ...): its digest and its tokens may disagree.
             raise RecordError("stored entry bytes are not the canonical encoding of the entry they decode to")
-        return _Stored(entry, chain, _heap_estimate(entry, len(payload)), cum_base=cum_base, cum_self=cum_self)
+        return _Stored(entry, chain, _heap_estimate(entry, payload), cum_base=cum_base, cum_self=cum_self)
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
-        key = (rollout_id, model_call_id)
-        keys = self._call_keys.get(key)
-        if keys is None:
-            keys = self._call_keys[key] = set()
-            while len(self._call_keys) > self._call_keys_limit:
-                self._call_keys.popitem(last=False)
-        else:
-            self._call_keys.move_to_end(key)
-        keys.add(rel)
+        self._call_keys.add(rollout_id, model_call_id, rel)
 
     def _read_limit(self) -> int:
         # A zstd frame of incompressible data is at most a little larger than the data itself.
@@ -400,13 +428,14 @@ class S3TokenStore(RolloutObjects):
             # Derived, immutable and content-addressed: sent with the entry, so put stays one
             # round trip. A checkpoint that fails to land only costs readers a longer walk.
             requests.append(self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint))))
+        await self.transport.client()  # opening a cold client is not part of the race window timed below
         started = time.monotonic()
         state = (await asyncio.gather(*requests))[1]
         if state == "open" and time.monotonic() - started > self._fence_grace:
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.
             state = await self._fence_state(prefix)
-        mine = _Stored(record, chain, _heap_estimate(record, len(payload)), cum_base=cum_base, cum_self=cum_self)
+        mine = _Stored(record, chain, _heap_estimate(record, payload), cum_base=cum_base, cum_self=cum_self)
         if checkpoint is not None:
             mine.cumulative = tuple(checkpoint)
             mine.nbytes += 8 * len(checkpoint)
@@ -600,59 +629,74 @@ class S3TokenStore(RolloutObjects):
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
         reasons: list[str] = []
-        # call id -> SHA-256 -> every listed key holding those bytes (a copy under another
-        # fingerprint's key has the same SHA-256 and must be read and judged too).
-        by_call: dict[str, dict[str, list[ListedObject]]] = collections.defaultdict(dict)
+        plen = len(prefix)
+        # call id -> SHA-256 -> every listed key holding those bytes, with its fingerprint (a copy
+        # under another fingerprint's key has the same SHA-256 and must be read and judged too).
+        # Each key was parsed once, by the scan.
+        by_call: dict[str, dict[str, list[tuple[ListedObject, str]]]] = {}
         intents: set[str] = set()
-        for item in scan.log:
-            kind, cid, fp, sha = parse_log_key(item.key[len(prefix):])  # type: ignore[misc]
+        for item, (kind, cid, fp, sha) in zip(scan.log, scan.parsed):
             if kind == "e":
-                by_call[cid].setdefault(sha, []).append(item)
+                by_call.setdefault(cid, {}).setdefault(sha, []).append((item, fp))
             elif kind == "i":
                 intents.add(cid)
             else:
                 reasons.append(f"marked_incomplete:{cid}")
         for item in scan.foreign:
-            reasons.append(f"foreign_object:{item.key[len(prefix):]}")
+            reasons.append(f"foreign_object:{item.key[plen:]}")
 
-        async def load(item: ListedObject) -> tuple[ListedObject, _Stored | None, str]:
-            rel = item.key[len(prefix):]
-            try:
-                stored = await self._load(item.key, rel.rsplit("/", 1)[-1][:-4], item.size)
-            except RecordError as error:
-                return item, None, f"unreadable:{rel}:{error}"
+        wanted = [
+            (item, cid, fp, sha) for cid, variants in by_call.items() for sha, items in variants.items() for item, fp in items
+        ]
+        # Cached entries are taken without a task each (a warm freeze is one LIST and no GET); only
+        # the misses are fetched, in parallel.
+        loaded: list[tuple[_Stored | None, str]] = [(None, "")] * len(wanted)
+        misses: list[int] = []
+        cache = self._cache
+        for index, (item, _, _, _) in enumerate(wanted):
+            stored = cache.get(item.key)
             if stored is None:
-                return item, None, f"vanished:{rel}"
-            return item, stored, ""
+                misses.append(index)
+            else:
+                loaded[index] = (stored, "")
 
-        wanted = [item for variants in by_call.values() for items in variants.values() for item in items]
-        loaded = await asyncio.gather(*(load(item) for item in wanted))
-        payloads: dict[str, dict[str, _Stored]] = collections.defaultdict(dict)
-        for item, stored, problem in loaded:
-            rel = item.key[len(prefix):]
-            _, cid, fp, sha = parse_log_key(rel)  # type: ignore[misc]
+        async def load(item: ListedObject, sha: str) -> tuple[_Stored | None, str]:
+            try:
+                stored = await self._load(item.key, sha, item.size)
+            except RecordError as error:
+                return None, f"unreadable:{item.key[plen:]}:{error}"
+            if stored is None:
+                return None, f"vanished:{item.key[plen:]}"
+            return stored, ""
+
+        if misses:
+            fetched = await asyncio.gather(*(load(wanted[i][0], wanted[i][3]) for i in misses))
+            for index, result in zip(misses, fetched):
+                loaded[index] = result
+        payloads: dict[str, dict[str, tuple[str, _Stored]]] = {}
+        for (item, cid, fp, sha), (stored, problem) in zip(wanted, loaded):
             if problem:
                 reasons.append(problem)
                 continue
             assert stored is not None
-            if stored.entry.rollout_id != rollout_id or stored.entry.model_call_id != cid or (
-                stored.entry.continuation_fingerprint != fp
-            ):
-                reasons.append(f"misfiled:{rel}")
+            entry = stored.entry
+            if entry.rollout_id != rollout_id or entry.model_call_id != cid or entry.continuation_fingerprint != fp:
+                reasons.append(f"misfiled:{item.key[plen:]}")
                 continue
-            self._remember(rollout_id, cid, rel)
-            payloads[cid][sha] = stored
-        entries: list[TokenEntry] = []
+            payloads.setdefault(cid, {})[sha] = (item.key, stored)
+        chosen: list[tuple[str, str, _Stored]] = []
         for cid in sorted(by_call):
             if len(by_call[cid]) > 1:
                 reasons.append(f"conflicting_payloads:{cid}")
                 continue
             if cid in payloads and len(payloads[cid]) == 1:
-                entries.append(next(iter(payloads[cid].values())).entry)
-        for cid in sorted(intents - set(by_call)):
+                ((sha, (key, stored)),) = payloads[cid].items()
+                chosen.append((key, sha, stored))
+        for cid in sorted(intents - by_call.keys()):
             reasons.append(f"dangling_intent:{cid}")
-        present = {entry.model_call_id for entry in entries}
-        for entry in entries:
+        present = {stored.entry.model_call_id for _, _, stored in chosen}
+        for _, _, stored in chosen:
+            entry = stored.entry
             if entry.parent_call_id is not None and entry.parent_call_id not in present:
                 # A continuation whose parent is not in the snapshot: the chain has a hole (a lost
                 # entry, or a listing that skipped a key), whatever the prompt's storage.
@@ -662,10 +706,14 @@ class S3TokenStore(RolloutObjects):
                     reasons.append(f"broken_chain:{entry.model_call_id}")
         version, snapshot_id = scan.version_and_id()
         self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
+        # A frozen rollout takes no more writes: its call-key map is not needed again.
+        self._call_keys.forget(rollout_id)
         reasons.sort()
         incomplete = bool(reasons)
         manifest_key = f"{prefix}snap/{version:020d}-{snapshot_id}"
         if all(item.key != manifest_key for item in scan.snaps):
+            # Awaited, not written in the background: a background PUT could land after another
+            # client's retire or delete of the rollout and leave a stray object there (docs/design.md).
             manifest = {
                 "format": _MANIFEST_FORMAT,
                 "rollout_id": rollout_id,
@@ -674,19 +722,52 @@ class S3TokenStore(RolloutObjects):
                 "incomplete": incomplete,
                 "reasons": reasons,
                 "objects": [
-                    {"key": i.key[len(prefix):], "etag": i.etag, "size": i.size}
+                    {"key": i.key[plen:], "etag": i.etag, "size": i.size}
                     for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
                 ],
             }
             await self._put(manifest_key, msgspec.json.encode(manifest))
         if incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
-        # Hand back copies: the cached objects stay immutable whatever the caller does with these.
         if self.entry_type == "gym":
-            out: tuple[Any, ...] = tuple(to_gym(e) for e in entries)
+            out: tuple[Any, ...] = tuple(to_gym(stored.entry) for _, _, stored in chosen)
         else:
-            out = tuple(coerce_entry(e) for e in entries)
+            out = tuple(await self._hand_out(chosen))
         return FrozenSnapshot(rollout_id, out, incomplete, snapshot_id, version, tuple(reasons))
+
+    async def _hand_out(self, chosen: list[tuple[str, str, _Stored]]) -> list[TokenEntry]:
+        """The entries a snapshot returns, none of which shares a mutable part with what internal
+        readers use.
+
+        Internal readers (``resolve``, delta chains, ``freeze``'s checks) use only an entry's
+        scalar fields and its token-id lists. So the first hand-out of a cached entry is a shallow
+        copy with its own token-id and log-probability lists (microseconds, not a validated
+        re-decode); its nested ``output_items``, ``routed_experts`` and extra fields are shared with
+        the cache, which marks the entry ``lent``. A later hand-out of a lent entry re-encodes it and
+        checks the SHA-256 in its key: unchanged, it hands out an independent decode of those bytes;
+        changed (a caller mutated a nested part in place), it drops the cached object and GETs the
+        entry again. No caller ever sees another caller's mutations.
+        """
+        out: list[TokenEntry] = []
+        refetch: list[tuple[int, str, str]] = []
+        for key, sha, stored in chosen:
+            if not stored.lent:
+                stored.lent = True
+                out.append(_shallow_copy(stored.entry))
+                continue
+            payload = encode_entry(stored.entry)
+            if hashlib.sha256(payload).hexdigest() == sha:
+                out.append(decode_entry(payload))
+                continue
+            self._cache.discard(key)
+            refetch.append((len(out), key, sha))
+            out.append(stored.entry)  # placeholder, replaced below
+        for position, key, sha in refetch:
+            data = await self._get(key, self._read_limit())
+            if data is None:
+                raise StoreError(f"freeze: {key} vanished while its snapshot was handed out")
+            out[position] = self._decode_object(data, sha).entry
+        return out
 
     async def drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         """Retire the exact frozen snapshot that was consumed; False if anything changed since.
@@ -731,8 +812,16 @@ class S3TokenStore(RolloutObjects):
         await self._write_retired(prefix)
         await self._delete_keys([i.key for i in after.records])
         self._cache.discard_prefix(prefix)
-        self._fence_seen.pop(rollout_id, None)
+        self._forget_rollout(rollout_id)
         return True
+
+    async def retire(self, rollout_ids: Sequence[str]) -> Any:
+        removal = await super().retire(rollout_ids)
+        for rollout_id in rollout_ids:
+            self._forget_rollout(rollout_id)  # no more writes: its call keys and fence time go
+        return removal
+
+    retire.__doc__ = RolloutObjects.retire.__doc__
 
     # ------------------------------------------------------------------ LineageResolver
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:

@@ -1,0 +1,194 @@
+"""Client memory that is measured, not estimated: the cache's heap estimate and the per-call key
+map against tracemalloc, the key map's bounds, and what freeze hands out (copies that share no
+mutable part with what the client's own readers use).
+
+The estimate tests need no S3; the freeze tests run against the selected servers.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import DEFAULT_REQUEST, assistant_output, build_conversation, canonical, make_entry, next_request, simple_entry, turn_entry
+from s3capture.cache import LRU, CallKeys, Stored, entry_heap_estimate
+from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry
+from s3capture.store import S3TokenStore
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "gym-example-rollouts"
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def _real_entries() -> list[TokenEntry]:
+    path = DATA / "competitive_coding.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} not found (the project's shared data folder)")
+    import _benchcommon
+
+    _benchcommon.DATA_DIR = DATA
+    return _benchcommon.replay_entries("competitive_coding")
+
+
+def _synthetic_entries() -> list[TokenEntry]:
+    from _benchcommon import synthetic_entry
+
+    shapes = [(16, 8), (64, 32), (200, 100), (1100, 512), (8000, 1024), (30000, 2048)]
+    return [synthetic_entry(n, generation_tokens=g, seed=i, call_id=f"c{i}") for i, (n, g) in enumerate(shapes)]
+
+
+def _measured(build: Any) -> tuple[Any, int]:
+    """(what ``build()`` returns, the heap it allocated and still holds, by tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        value = build()
+        gc.collect()
+        return value, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def _stored_object(store: S3TokenStore, entry: TokenEntry) -> tuple[str, bytes, str]:
+    payload = encode_entry(entry)
+    sha = hashlib.sha256(payload).hexdigest()
+    prefix = store.layout.rollout(entry.rollout_id)
+    key = prefix + store.layout.entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
+    return key, store._encode_object(payload, ()), sha
+
+
+@pytest.mark.parametrize("source", ["competitive_coding", "synthetic"])
+def test_cache_estimate_is_within_1_5x_of_the_measured_heap(source: str) -> None:
+    """Decode each entry the way a reader does (zstd object -> ``_decode_object``) into a cache, and
+    compare the cache's accounting with the heap tracemalloc sees the cache hold."""
+    entries = _real_entries() if source == "competitive_coding" else _synthetic_entries()
+    assert entries
+    store = S3TokenStore("s3://bucket/root")  # no request is sent: decoding only
+    objects = [_stored_object(store, entry) for entry in entries]
+    for key, data, sha in objects:
+        cache = LRU(1 << 40)
+
+        def fill() -> None:
+            cache.put(str(key), store._decode_object(data, sha))  # its own copy of the key, as a LIST gives
+
+        _, heap = _measured(fill)
+        ratio = cache.nbytes / heap
+        assert 1 / 1.5 <= ratio <= 1.5, f"{key}: estimate {cache.nbytes} vs measured {heap} (x{ratio:.2f})"
+    # And all of them in one cache (the bound a worker configures).
+    cache = LRU(1 << 40)
+
+    def fill_all() -> None:
+        for key, data, sha in objects:
+            cache.put(str(key), store._decode_object(data, sha))
+
+    _, heap = _measured(fill_all)
+    assert 1 / 1.5 <= cache.nbytes / heap <= 1.5, (cache.nbytes, heap)
+
+
+def test_estimate_never_falls_below_the_json_or_the_token_arrays() -> None:
+    entry = simple_entry("r", "c", prompt=list(range(1000, 1500)), text="x" * 5000)
+    payload = encode_entry(entry)
+    assert entry_heap_estimate(entry, payload) == entry_heap_estimate(entry, len(payload))
+    assert entry_heap_estimate(entry, payload) >= len(payload)
+    assert entry_heap_estimate(entry, payload) >= 36 * 502 + 32 * 2
+    # Short log probabilities leave "the rest" at zero, never negative.
+    tiny = simple_entry("r", "c", generation=[1] * 400, log_probs=[0.0] * 400)
+    assert entry_heap_estimate(tiny, encode_entry(tiny)) >= 36 * 402 + 32 * 400
+
+
+def test_call_key_map_estimate_is_within_1_5x_of_the_measured_heap() -> None:
+    keys = CallKeys(max_rows=10**9, max_bytes=1 << 40)
+    sha = "0123456789abcdef" * 4
+
+    def fill() -> None:
+        for r in range(50):
+            rid = f"rollout-{r:04d}@attempt-1"
+            for c in range(200):
+                keys.add(rid, f"call-{c:05d}", f"log/e/{sha}/call-{c:05d}/{sha}.zst")
+
+    _, heap = _measured(fill)
+    assert len(keys) == 10_000
+    assert 1 / 1.5 <= keys.nbytes / heap <= 1.5, (keys.nbytes, heap)
+
+
+def test_call_key_map_is_bounded_by_rows_and_by_bytes_and_forgets_rollouts() -> None:
+    by_rows = CallKeys(max_rows=1_000, max_bytes=1 << 40)
+    by_bytes = CallKeys(max_rows=10**9, max_bytes=64 * 1024)
+    for keys in (by_rows, by_bytes):
+        for r in range(100):
+            for c in range(50):
+                keys.add(f"r{r}", f"c{c}", f"log/e/~/c{c}/{r:064x}.zst")
+        assert keys.rows <= keys.max_rows and keys.nbytes <= keys.max_bytes
+        # The most recent rollout is kept whole; the oldest went first.
+        assert keys.get(("r99", "c49")) == (f"log/e/~/c49/{99:064x}.zst",)
+        assert keys.get(("r0", "c0")) is None
+        keys.forget("r99")
+        assert keys.get(("r99", "c0")) is None
+    # One rollout alone over the bound keeps its newest calls.
+    one = CallKeys(max_rows=10, max_bytes=1 << 40)
+    for c in range(25):
+        one.add("r", f"c{c}", f"k{c}")
+    assert len(one) == 10 and one.get(("r", "c24")) == ("k24",) and one.get(("r", "c0")) is None
+    # Several payloads of one call are all kept, once each.
+    two = CallKeys()
+    for rel in ("a", "b", "a"):
+        two.add("r", "c", rel)
+    assert two.get(("r", "c")) == ("a", "b") and len(two) == 1
+    two.forget("r")
+    assert two.rows == 0 and two.nbytes == 0
+
+
+# --------------------------------------------------------------------------- against a server
+
+
+async def test_freeze_forgets_the_rollouts_call_keys_and_drop_forgets_its_fence_time(fresh):
+    store = fresh(fence_grace=0.0)
+    for c in range(3):
+        await store.put(simple_entry("r-forget", f"c{c}", text=f"t{c}"))
+    await store.put(simple_entry("r-other", "c0"))
+    assert store._call_keys.get(("r-forget", "c1"))
+    snapshot = await store.freeze("r-forget")
+    assert store._call_keys.get(("r-forget", "c1")) is None
+    assert store._call_keys.get(("r-other", "c0"))  # another rollout keeps its keys
+    assert "r-forget" in store._fence_seen
+    assert await store.drop("r-forget", snapshot.snapshot_id, snapshot.version)
+    assert "r-forget" not in store._fence_seen
+    await store.retire(["r-other"])
+    assert store._call_keys.get(("r-other", "c0")) is None
+
+
+async def test_snapshot_entries_share_nothing_the_clients_readers_use(fresh):
+    """Freeze hands out cheap copies; mutating every part of them in place changes neither a later
+    resolve (tokens, lineage) nor a later snapshot of the same client."""
+    turns = build_conversation("r-lend", 2)
+    store = fresh()
+    await store.put(turn_entry("r-lend", turns[0]))
+    await store.put(turn_entry("r-lend", turns[1]))
+    expected = {e.model_call_id: canonical(e) for e in (turn_entry("r-lend", t) for t in turns)}
+    first = await store.freeze("r-lend")
+    for entry in first.entries:
+        entry.prompt_token_ids[0] = 999_999
+        entry.generation_token_ids.append(7)
+        entry.generation_log_probs.clear()
+        entry.output_items[0]["content"][0]["text"] = "mutated"
+        entry.output_items.append({"type": "x"})
+        entry.extra_fields["added"] = 1
+        entry.digest = "0" * 64
+    resolution = await store.resolve("r-lend", next_request(turns[-1]))
+    assert resolution.status == ParentResolutionStatus.RESOLVED
+    assert list(resolution.match.cumulative_token_ids) == turns[-1].cumulative
+    for _ in range(2):
+        again = await store.freeze("r-lend")
+        assert {e.model_call_id: canonical(e) for e in again.entries} == expected
+        assert (again.snapshot_id, again.version) == (first.snapshot_id, first.version)
+    # The re-fetched or re-decoded copies are independent of each other too.
+    third = await store.freeze("r-lend")
+    third.entries[0].output_items.clear()
+    assert canonical(again.entries[0]) == expected[again.entries[0].model_call_id]
