@@ -134,3 +134,23 @@ def test_bench_resolve_quick_prints_its_table() -> None:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[11] == "3", line  # round trips: LIST, candidate, checkpoint + deltas
         assert cells[12].startswith("2 /"), line  # checkpoints beside calls 16 and 32
+
+
+def test_bench_transport_quick_prints_both_transports() -> None:
+    require_moto()
+    pytest.importorskip("obstore", reason="the obstore extra is not installed")
+    out = run_tool("bench_transport.py", "--quick", "--servers", "moto")
+    for heading in ("### put ÷ bare PUT of the same transport on moto", "### capture calls on moto"):
+        assert heading in out, out
+    assert "| bare put_object (peer) " in out and "| bare obstore.put_async (peer) " in out
+    assert "client CPU per capture call on moto: aioboto3 ÷ obstore =" in out
+    result = next(line for line in out.splitlines() if line.startswith("RESULT-JSON "))
+    import json
+
+    data = json.loads(result[len("RESULT-JSON "):])
+    assert {row["transport"] for row in data["capture"]} == {"aioboto3", "obstore"}
+    for row in data["capture"]:
+        # Like for like: the bare mix sends exactly the requests the capture calls sent.
+        assert row["requests_per_call"] == row["bare_requests_per_call"], row
+    # 4 put rows per transport: loopback and 10 ms RTT, concurrency 1 and 8.
+    assert len(data["put"]) == 8

@@ -164,19 +164,56 @@ def n_tokens(entry: Any) -> int:
 
 
 # --------------------------------------------------------------------------- servers
-def start_server(kind: str) -> Any:
-    from s3capture.localserver import start_moto, start_seaweedfs
+SERVER_KINDS = ("moto", "seaweedfs", "ceph")
 
-    return {"moto": start_moto, "seaweedfs": start_seaweedfs}[kind]()
+
+def start_server(kind: str) -> Any:
+    """Start a local server and put its credentials in this process's environment (the standard
+    credential chain is how both transports find them; ``use_server_credentials``)."""
+    from s3capture.localserver import start_ceph_rgw, start_moto, start_seaweedfs
+
+    server = {"moto": start_moto, "seaweedfs": start_seaweedfs, "ceph": start_ceph_rgw}[kind]()
+    use_server_credentials(server)
+    return server
+
+
+def use_server_credentials(server: Any) -> None:
+    """Point the standard credential chain of this process at ``server``: the obstore transport reads
+    credentials from the chain (a session's profile, not its keys), so every tool sets them here."""
+    os.environ["AWS_ACCESS_KEY_ID"] = server.access_key
+    os.environ["AWS_SECRET_ACCESS_KEY"] = server.secret_key
+    os.environ["AWS_DEFAULT_REGION"] = os.environ["AWS_REGION"] = server.region
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        os.environ.pop(name, None)
+
+
+def ceph_available() -> bool:
+    import shutil
+
+    return all(shutil.which(name) for name in ("radosgw", "ceph-mon", "ceph-osd"))
 
 
 def server_list(parser: Any, value: str) -> list[str]:
-    """The ``--servers`` option (comma-separated) as a list, rejecting unknown kinds through ``parser``."""
+    """The ``--servers`` option (comma-separated) as a list, rejecting unknown kinds through ``parser``.
+    ``all`` is moto, SeaweedFS and Ceph RGW when its binaries are installed."""
+    if value.strip() == "all":
+        return ["moto", "seaweedfs", *(["ceph"] if ceph_available() else [])]
     servers = [s.strip() for s in value.split(",") if s.strip()]
     for kind in servers:
-        if kind not in ("moto", "seaweedfs"):
+        if kind not in SERVER_KINDS:
             parser.error(f"unknown server {kind!r}")
     return servers
+
+
+def transport_list(parser: Any, value: str) -> list[str]:
+    """The ``--transports`` option (comma-separated: aioboto3, obstore) as a list."""
+    from s3capture.transport import TRANSPORTS
+
+    names = [t.strip() for t in value.split(",") if t.strip()]
+    for name in names:
+        if name not in TRANSPORTS:
+            parser.error(f"unknown transport {name!r} (one of {', '.join(TRANSPORTS)})")
+    return names
 
 
 def bare_session(server: Any) -> tuple[Any, Any]:
@@ -295,8 +332,18 @@ class Timeline:
     spans: list[list[Any]] = field(default_factory=list)
 
     def attach(self, client: Any) -> Timeline:
+        """On an aiobotocore client's events (aioboto3 only; see ``hook`` for every transport)."""
         client.meta.events.register("before-send.s3", self._send)
         client.meta.events.register("response-received.s3", self._recv)
+        return self
+
+    def hook(self, transport: Any) -> Timeline:
+        """On a ``s3capture.transport.Transport``'s request hooks: works on every transport (one span
+        per request of the underlying client; obstore's internal retries are not visible)."""
+        transport.add_hook(
+            before=lambda op, key, token: self.spans.append([op, time.perf_counter(), None]),
+            after=lambda op, key, token: self._recv(event_name=op),
+        )
         return self
 
     def _send(self, event_name: str = "", request: Any = None, **_: Any) -> None:
@@ -490,3 +537,75 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 2
 def _numeric(cell: str) -> bool:
     stripped = cell.replace(",", "").replace(".", "").replace("x", "").replace("-", "").replace("%", "").strip()
     return stripped.isdigit()
+
+
+# --------------------------------------------------------------------------- bare requests per transport
+class BareOps:
+    """Bare PUT / GET / LIST on a transport's *own* client, without any s3capture code: the peer of
+    every "÷ bare" ratio. aioboto3: ``put_object`` / ``get_object`` / ``list_objects_v2`` of the
+    transport's aiobotocore client. obstore: ``obstore.put_async`` / ``get_async`` + ``bytes_async`` /
+    ``obstore.list`` (object_store's own LIST, in Rust) on the transport's ``S3Store``.
+    ``counts`` counts the requests sent, by S3 operation."""
+
+    def __init__(self, name: str, bucket: str, client: Any) -> None:
+        import collections
+
+        self.name, self.bucket, self.client = name, bucket, client
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    @classmethod
+    async def of(cls, transport: Any) -> BareOps:
+        return cls(transport.name, transport.bucket, await transport.client())
+
+    async def put(self, key: str, body: bytes) -> None:
+        self.counts["PutObject"] += 1
+        if self.name == "obstore":
+            import obstore
+
+            await obstore.put_async(self.client[0], key, body, use_multipart=False)
+        else:
+            await self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
+
+    async def get(self, key: str) -> bytes | None:
+        self.counts["GetObject"] += 1
+        if self.name == "obstore":
+            import obstore
+            import obstore.exceptions as oe
+
+            try:
+                result = await obstore.get_async(self.client[0], key)
+            except (oe.NotFoundError, FileNotFoundError):
+                return None
+            return bytes(await result.bytes_async())
+        return await bare_get(self.client, self.bucket, key)
+
+    async def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (one request per 1,000 keys)."""
+        if self.name == "obstore":
+            import obstore
+
+            keys: list[str] = []
+            self.counts["ListObjectsV2"] += 1
+            async for batch in obstore.list(self.client[0], prefix, chunk_size=1000):
+                keys.extend(item["path"] for item in batch)
+            self.counts["ListObjectsV2"] += max(0, (len(keys) - 1) // 1000)
+            return keys
+        keys = []
+        token = None
+        while True:
+            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": 1000}
+            if token:
+                params["ContinuationToken"] = token
+            self.counts["ListObjectsV2"] += 1
+            page = await self.client.list_objects_v2(**params)
+            keys.extend(item["Key"] for item in page.get("Contents", ()))
+            if not page.get("IsTruncated"):
+                return keys
+            token = page["NextContinuationToken"]
+
+
+def result_line(tool: str, results: dict[str, Any]) -> str:
+    """The machine-readable last-but-one line of a tool (``tools/bench_all.py`` reads it)."""
+    import json
+
+    return "RESULT-JSON " + json.dumps({"tool": tool, **results}, sort_keys=True)

@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 import zstandard
-from _benchcommon import load_average, machine_summary, n_tokens, replay_entries, synthetic_entry, table, time_path, total_line
+from _benchcommon import load_average, machine_summary, n_tokens, replay_entries, result_line, synthetic_entry, table, time_path, total_line
 from nemo_gym.token_id_capture.records import TokenEntry as GymTokenEntry
 
 from s3capture.records import _coerce_general, encode_entry, prepare_entry
@@ -126,7 +126,7 @@ def bench_cpu(workloads: dict[str, list[Any]], stores: dict[str, S3TokenStore], 
 CPU_HEADERS = ["entries", "path", "entries timed", "µs/entry", "ns/token", "÷ Gym canonical"]
 
 
-def bench_bytes(workloads: dict[str, list[Any]], dictionary: Any, target: float) -> list[list[Any]]:
+def bench_bytes(workloads: dict[str, list[Any]], dictionary: Any, target: float, summary: dict[str, Any] | None = None) -> list[list[Any]]:
     rows = []
     for name, entries in workloads.items():
         canon = [encode_entry(e) for e in entries]
@@ -141,6 +141,9 @@ def bench_bytes(workloads: dict[str, list[Any]], dictionary: Any, target: float)
         }
         sizes = {label: sum(len(c.compress(r)) for r in raw) for label, c in compressors.items()}
         base = sizes["zstd 3 (before)"]
+        if summary is not None:
+            summary[name] = {"default_bytes_per_token": sizes["zstd 1 (default)"] / tokens, "before_bytes_per_token": base / tokens,
+                             "ratio": sizes["zstd 1 (default)"] / base}
         for label, compressor in compressors.items():
             def run(c: Any = compressor) -> None:
                 for r in raw:
@@ -196,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     dictionary = train_dictionary(args.quick)
     rows, headline = bench_cpu(workloads, stores, dictionary, args.repeats, args.target)
     print("### put-side encode CPU per entry (process_time, no S3)\n\n" + table(CPU_HEADERS, rows, digits=1) + "\n", flush=True)
-    rows = bench_bytes(workloads, dictionary, args.target / 4)
+    bytes_summary: dict[str, Any] = {}
+    rows = bench_bytes(workloads, dictionary, args.target / 4, bytes_summary)
     print("### stored bytes per token and compression CPU per zstd level\n\n" + table(BYTES_HEADERS, rows, digits=2) + "\n", flush=True)
     print("put encode of an s3capture TokenEntry ÷ Gym's canonical path: " + ", ".join(f"{k.split(' (')[0]} {v:.2f}x" for k, v in headline.items()))
+    print(result_line("bench_encode", {"encode_ratio": headline, "bytes": bytes_summary}))
     print(total_line(started, load_at_start))
     return 0
 

@@ -7,7 +7,9 @@ GET wave of another rollout), and then runs, in an order that rotates from repea
 
 * **floor, cold** -- a bare LIST of the rollout's prefix (every page) followed by GETs of every
   entry object, in parallel under the same bound as the store (``max_concurrency`` = 32), bodies
-  read, all on *the store's own aiobotocore client*;
+  read, all on *the store's own client* (``--transport``: aiobotocore calls on the aioboto3
+  transport's client, ``obstore.list`` / ``get_async`` / ``put_async`` on the obstore transport's
+  ``S3Store``; ``_benchcommon.BareOps``);
 * **floor, warm** -- the bare LIST alone, same client;
 * **fence PUT** -- one bare PUT of the fence bytes to a sibling key, same client (the round trip a
   freeze must add before its LIST: the fence orders it after every racing put);
@@ -42,6 +44,7 @@ from typing import Any
 
 import msgspec
 from _benchcommon import (
+    BareOps,
     bare_session,
     load_average,
     machine_summary,
@@ -112,6 +115,16 @@ async def measure(fn: Any) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+async def peer_gets(bare: BareOps, keys: list[str]) -> int:
+    limit = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(key: str) -> int:
+        async with limit:
+            return len(await bare.get(key) or b"")
+
+    return sum(await asyncio.gather(*(one(k) for k in keys)))
+
+
 async def drop_manifests(store: S3TokenStore, client: Any, bucket: str, prefix: str) -> None:
     settle = getattr(store, "settle", None)
     if settle is not None:
@@ -120,9 +133,12 @@ async def drop_manifests(store: S3TokenStore, client: Any, bucket: str, prefix: 
         await client.delete_object(Bucket=bucket, Key=key)
 
 
-async def run_size(server: Any, session: Any, config: Any, bare: Any, bucket: str, n: int, repeats: int, tokens: int) -> list[list[Any]]:
+async def run_size(server: Any, session: Any, config: Any, bare: Any, bucket: str, n: int, repeats: int, tokens: int, transport: str = "aioboto3") -> list[list[Any]]:
     url = f"s3://{bucket}/bench"
-    writer = S3TokenStore(url, endpoint_url=server.endpoint_url, session=session)
+    # obstore takes a session's profile, not its keys: the server's credentials are in this
+    # process's environment (``_benchcommon.start_server``).
+    store_kwargs: dict[str, Any] = {"transport": transport} if transport == "obstore" else {"session": session, "transport": transport}
+    writer = S3TokenStore(url, endpoint_url=server.endpoint_url, **store_kwargs)
     rollout_id = f"frz-{n}-{uuid.uuid4().hex[:6]}"
     objects = await write_rollout(bare, bucket, writer, rollout_id, n, tokens)
     warm_rollout = f"warm-{uuid.uuid4().hex[:6]}"
@@ -135,22 +151,23 @@ async def run_size(server: Any, session: Any, config: Any, bare: Any, bucket: st
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(repeats + 1):  # the first repeat is a warm-up, not counted
-        store = S3TokenStore(url, endpoint_url=server.endpoint_url, session=session, max_concurrency=CONCURRENCY)
-        client = await store._s3()
-        await bare_list(client, bucket, store.layout.rollout(warm_rollout))
-        await bare_gets(client, bucket, list(warm_objects))  # open the pool's connections
+        store = S3TokenStore(url, endpoint_url=server.endpoint_url, max_concurrency=CONCURRENCY, **store_kwargs)
+        peer = await BareOps.of(store.transport)  # bare requests on the store's own client
+        client = bare  # the tool's own aioboto3 client, for clean-up outside the timings
+        await peer.list(store.layout.rollout(warm_rollout))
+        await peer_gets(peer, list(warm_objects))  # open the pool's connections
         keys = list(objects)
 
         async def floor_cold() -> None:
-            listed = await bare_list(client, bucket, prefix)
+            listed = await peer.list(prefix)
             assert len(listed) >= n
-            await bare_gets(client, bucket, [k for k in listed if k in objects])
+            await peer_gets(peer, [k for k in listed if k in objects])
 
         async def floor_warm() -> None:
-            assert len(await bare_list(client, bucket, prefix)) >= n
+            assert len(await peer.list(prefix)) >= n
 
         async def fence_put() -> None:
-            await client.put_object(Bucket=bucket, Key=f"bench/fence-bench/{rollout_id}", Body=FENCE_FROZEN)
+            await peer.put(f"bench/fence-bench/{rollout_id}", FENCE_FROZEN)
 
         async def freeze_checked() -> None:
             snapshot = await store.freeze(rollout_id)
@@ -227,8 +244,8 @@ async def run_server(kind: str, args: argparse.Namespace) -> str:
             await bare.create_bucket(Bucket=bucket)
             rows: list[list[Any]] = []
             for n in args.sizes:
-                rows.extend(await run_size(server, session, config, bare, bucket, n, args.repeats, args.tokens))
-        return f"### freeze vs its floor on {kind} ({args.repeats} repeats, entries of {args.tokens} tokens)\n\n" + table(HEADERS, rows)
+                rows.extend(await run_size(server, session, config, bare, bucket, n, args.repeats, args.tokens, args.transport))
+        return f"### freeze vs its floor on {kind} ({args.transport} transport, {args.repeats} repeats, entries of {args.tokens} tokens)\n\n" + table(HEADERS, rows)
     finally:
         server.stop()
 
@@ -240,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="measured repeats per size (default 7)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per entry (default 64: small objects, so the requests dominate)")
     parser.add_argument("--quick", action="store_true", help="one repeat of 50 entries")
+    parser.add_argument("--transport", default="aioboto3", help="the store's transport, and the client of the floor: aioboto3 (default) or obstore")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = "50", 1

@@ -464,7 +464,7 @@ async def record_latency(env: Env, wires: list[dict], concurrency: int, rounds: 
         p = prepare_row(ledger, wire)
         sibling = {k: prepare_row(ledger, renamed(wire, f"{wire['record']['model_call_id']}-{k.lower()}")) for k in "BCD"}
         ops.append((wire, p.body, sibling))
-    timeline = Timeline().attach(await ledger._s3())
+    timeline = Timeline().hook(ledger.transport)
     stats = {kind: KindStats() for kind in KINDS}
 
     def op_c(j: int) -> Any:
@@ -586,7 +586,7 @@ async def bench_resolve(env: Env, ledgers: dict[int, Ledger], sizes: list[int], 
         for _ in range(samples):
             ledger = env.ledger(spec.bucket)
             await warm_connection(ledger, spec.request)
-            timeline = Timeline().attach(await ledger._s3())
+            timeline = Timeline().hook(ledger.transport)
             for sink, count in ((cold, 1), (warm, warm_samples)):
                 for _ in range(count):
                     timeline.reset()
@@ -666,7 +666,7 @@ async def bench_manifest(env: Env, ledgers: dict[int, Ledger], sizes: list[int],
         for _ in range(budget):
             ledger = env.ledger(spec.bucket)
             await warm_connection(ledger, spec.request)
-            timeline = Timeline().attach(await ledger._s3())
+            timeline = Timeline().hook(ledger.transport)
             for sink in (cold, warm):
                 timeline.reset()
                 cpu, started = time.process_time(), time.perf_counter()

@@ -31,9 +31,8 @@ import uuid
 from typing import Any
 
 import msgspec
-from _benchcommon import bare_session, load_average, machine_summary, synthetic_entry, table, total_line
+from _benchcommon import bare_session, load_average, machine_summary, start_server, synthetic_entry, table, total_line
 
-from s3capture.localserver import start_moto
 from s3capture.records import coerce_entry, encode_entry
 from s3capture.store import S3TokenStore
 
@@ -46,13 +45,15 @@ def rss_mib() -> float:
 
 
 async def run(args: argparse.Namespace) -> tuple[list[list[Any]], str]:
-    server = start_moto()
+    server = start_server("moto")  # also puts its credentials in the environment, where obstore reads them
     try:
         session, config = bare_session(server)
         async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as bare:
             bucket = f"s3capture-mem-{uuid.uuid4().hex[:8]}"
             await bare.create_bucket(Bucket=bucket)
-        store = S3TokenStore(f"s3://{bucket}/mem", endpoint_url=server.endpoint_url, session=session, cache_bytes=args.cache_mib * 2**20)
+        # obstore takes a session's profile, not its keys: it reads the server's credentials from the environment.
+        auth: dict[str, Any] = {} if args.transport == "obstore" else {"session": session}
+        store = S3TokenStore(f"s3://{bucket}/mem", endpoint_url=server.endpoint_url, cache_bytes=args.cache_mib * 2**20, transport=args.transport, **auth)
         template = synthetic_entry(args.tokens, generation_tokens=args.tokens // 2, call_id="mem")
         samples: list[list[Any]] = []
         done = 0
@@ -126,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=8, help="rollouts in flight at once (default 8)")
     parser.add_argument("--cache-mib", type=float, default=8.0, help="cache_bytes in MiB (default 8)")
     parser.add_argument("--tokens", type=int, default=1100, help="tokens per entry (default 1100, like competitive_coding)")
+    parser.add_argument("--transport", default="aioboto3", help="the store's transport: aioboto3 (default) or obstore")
     args = parser.parse_args(argv)
     started, load_at_start = time.perf_counter(), load_average()
     print(f"# bench_memory\n\nmachine: {machine_summary()}\nload average at start: {load_at_start}\n", flush=True)
     samples, verdict = asyncio.run(run(args))
     print(
-        f"### RSS over {args.rollouts:,} rollouts x {args.calls} calls (cache_bytes {args.cache_mib:g} MiB, "
+        f"### RSS over {args.rollouts:,} rollouts x {args.calls} calls ({args.transport} transport, cache_bytes {args.cache_mib:g} MiB, "
         f"{args.tokens:,}-token entries, {args.parallel} rollouts in flight; moto in its own process)\n"
     )
     print(table(HEADERS, [[s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]] for s in samples], digits=1))

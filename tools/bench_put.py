@@ -95,13 +95,21 @@ class Env(ServerCpu):
     proxy_pid: int | None = None
     bare_no_expect: Any = None
     """A bare client without botocore's ``Expect: 100-continue`` on PutObject (kind D), or None."""
+    transport: str | None = None
+    """The stores' transport (``None``: ``S3CAPTURE_TRANSPORT`` or aioboto3)."""
 
     def store(self, **kwargs: Any) -> S3TokenStore:
+        kwargs.setdefault("transport", self.transport)
+        if kwargs["transport"] == "obstore":
+            # obstore takes a session's profile, not its keys: the server's credentials are in
+            # this process's environment (``_benchcommon.start_server``).
+            return S3TokenStore(self.url, endpoint_url=self.endpoint_url, **kwargs)
         return S3TokenStore(self.url, endpoint_url=self.endpoint_url, session=self.session, **kwargs)
 
 
-async def client_of(store: S3TokenStore) -> Any:
-    return await store._s3()  # the store's own aiobotocore client, to attach the timeline
+def timeline_of(store: S3TokenStore) -> Timeline:
+    """A request timeline on the store's transport hooks (works on every transport)."""
+    return Timeline().hook(store.transport)
 
 
 def object_body(store: S3TokenStore, entry: Any, chain: tuple[str, ...] = ()) -> tuple[str, bytes]:
@@ -128,7 +136,7 @@ async def put_latency(env: Env, workload: str, bases: list[Any], concurrency: in
         rel, body = object_body(store, entry)
         cid = escape_id(entry.model_call_id)
         ops.append((entry, body, prefix + rel.replace(f"/{cid}/", f"/{cid}-bare/"), prefix + rel.replace(f"/{cid}/", f"/{cid}-wire/")))
-    timeline = Timeline().attach(await client_of(store))
+    timeline = timeline_of(store)
     kinds = KINDS + (("D",) if env.bare_no_expect is not None else ())
     stats = {kind: KindStats() for kind in kinds}
 
@@ -318,7 +326,7 @@ async def bench_resolve(env: Env, rollouts: list[ResolveRollout], samples: int, 
             # Connection up and botocore's per-operation set-up done (a LIST and a GET), cache empty.
             await store.resolve(f"warmup-{uuid.uuid4().hex[:6]}", spec.request)
             await store._get(f"{prefix}warmup-missing-key")
-            timeline = Timeline().attach(await client_of(store))
+            timeline = timeline_of(store)
             for sink, count in ((fresh, 1), (warm, warm_samples)):
                 for _ in range(count):
                     timeline.reset()
@@ -372,7 +380,7 @@ async def bench_freeze(env: Env, sizes: list[int]) -> list[list[Any]]:
         await put_bare(env, writer, entries)  # setup with bare PUTs: the objects put() would write, half the requests
         store = env.store()
         await store.resolve(f"warmup-{uuid.uuid4().hex[:6]}", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
-        timeline = Timeline().attach(await client_of(store))
+        timeline = timeline_of(store)
         for client in ("fresh client", "same client again (cached)"):
             timeline.reset()
             started = time.perf_counter()

@@ -7,7 +7,7 @@ first, as a delta after its parent (Gym's ``delta_records: true``). Each rollout
 one writer through ``S3TokenStore.put`` (so the delta rollouts carry the store's checkpoints), then
 resolved by clients whose connection is warm and whose cache is empty (cold: a new client per
 sample) and again by the same client (warm). Requests and sequential round trips come from the
-client's botocore events (``_benchcommon.Timeline``). Every measurement is repeated behind
+transport's request hooks (``_benchcommon.Timeline.hook``), so both transports are measured alike. Every measurement is repeated behind
 ``tools/_delayproxy.py`` (``--rtt-ms``, default 10 ms), where round trips, not CPU, set the time.
 "vs full" divides a row's p50 by the full-prompt row of the same size, path and client.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -29,17 +30,17 @@ from typing import Any
 from _benchcommon import (
     DelayProxy,
     Sink,
-    Timeline,
     bare_session,
     load_average,
     machine_summary,
     pct,
+    result_line,
     server_list,
     start_server,
     table,
     total_line,
 )
-from bench_put import Env, ResolveRollout, build_resolve_rollouts, client_of, put_rollout
+from bench_put import Env, ResolveRollout, build_resolve_rollouts, put_rollout, timeline_of
 
 HEADERS = ["rollout", "path", "client", "n", "p50 ms", "p90 ms", "vs full", "client CPU ms (p50)", "LIST", "GET", "other", "round trips", "checkpoints (objects / KiB)"]
 
@@ -52,7 +53,7 @@ async def measure(env: Env, spec: ResolveRollout, rollout_id: str, samples: int,
         # Connection up and botocore's per-operation set-up done (a LIST and a GET), cache empty.
         await store.resolve(f"warmup-{uuid.uuid4().hex[:6]}", spec.request)
         await store._get(f"{prefix}warmup-missing-key")
-        timeline = Timeline().attach(await client_of(store))
+        timeline = timeline_of(store)
         for sink, count in ((cold, 1), (warm, warm_samples)):
             for _ in range(count):
                 timeline.reset()
@@ -65,7 +66,7 @@ async def measure(env: Env, spec: ResolveRollout, rollout_id: str, samples: int,
     return cold, warm
 
 
-async def run_server(kind: str, args: argparse.Namespace, rollouts: list[ResolveRollout]) -> str:
+async def run_server(kind: str, args: argparse.Namespace, rollouts: list[ResolveRollout], summary: list[dict[str, Any]]) -> str:
     server = start_server(kind)
     proxy: DelayProxy | None = None
     try:
@@ -73,7 +74,7 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
         async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as bare:
             bucket = f"s3capture-bench-{uuid.uuid4().hex[:8]}"
             await bare.create_bucket(Bucket=bucket)
-            env = Env(server, session, bare, bucket, f"s3://{bucket}/bench", server.endpoint_url)
+            env = Env(server, session, bare, bucket, f"s3://{bucket}/bench", server.endpoint_url, transport=args.transport)
             started = time.perf_counter()
             stored: list[tuple[ResolveRollout, str, str]] = []
             for spec in rollouts:
@@ -88,7 +89,7 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
             paths = [("loopback", env)]
             if args.rtt_ms > 0:
                 proxy = DelayProxy(server.port, args.rtt_ms)
-                paths.append((f"{args.rtt_ms:g} ms RTT", Env(server, session, bare, bucket, env.url, proxy.endpoint_url, proxy.process.pid)))
+                paths.append((f"{args.rtt_ms:g} ms RTT", Env(server, session, bare, bucket, env.url, proxy.endpoint_url, proxy.process.pid, transport=args.transport)))
             rows = []
             for path, path_env in paths:
                 results: dict[tuple[str, int, str], Sink] = {}
@@ -106,6 +107,12 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
                             sink.count("ListObjectsV2"), sink.count("GetObject"), sink.other(), max(sink.rt),
                             checkpoints if client == "cold" else "",
                         ])
+                        summary.append({
+                            "server": kind, "transport": args.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3"), "path": path, "mode": spec.mode, "calls": spec.n,
+                            "client": client, "p50_ms": pct(sink.ms, 0.5), "vs_full": pct(sink.ms, 0.5) / pct(full.ms, 0.5),
+                            "round_trips": max(sink.rt), "gets": sink.count("GetObject"), "lists": sink.count("ListObjectsV2"),
+                            "client_cpu_ms": pct(sink.cpu, 0.5),
+                        })
             return (
                 f"### resolve on {kind}\n\n" + table(HEADERS, rows)
                 + f"\n\n({kind}: rollouts written in {write_seconds:.0f} s; server started in {server.startup_seconds:.1f} s)"
@@ -123,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default=None, help="calls per rollout (default 1,100,1000)")
     parser.add_argument("--samples", type=int, default=None, help="cold resolves per rollout, each from a new client (default 5)")
     parser.add_argument("--warm-samples", type=int, default=None, help="warm resolves after each cold one (default 3)")
+    parser.add_argument("--transport", default=None, help="aioboto3 or obstore (default: S3CAPTURE_TRANSPORT, else aioboto3)")
     parser.add_argument("--rtt-ms", type=float, default=None, help="also measure behind a delay proxy adding this round-trip time (default 10; 0 skips)")
     args = parser.parse_args(argv)
     args.sizes = [int(x) for x in (args.sizes or ("1,40" if args.quick else "1,100,1000")).split(",")]
@@ -139,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load_at_start = load_average()
     rollouts = build_resolve_rollouts(args.sizes)
-    print(f"# bench_resolve\n\nmachine: {machine_summary()}\n", flush=True)
+    print(f"# bench_resolve (transport {args.transport or 'default'})\n\nmachine: {machine_summary()}\n", flush=True)
+    results: list[dict[str, Any]] = []
     for kind in args.servers:
-        print(asyncio.run(run_server(kind, args, rollouts)), flush=True)
+        print(asyncio.run(run_server(kind, args, rollouts, results)), flush=True)
         print()
+    print(result_line("bench_resolve", {"rows": results}))
     print(total_line(started, load_at_start))
     return 0
 

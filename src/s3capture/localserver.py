@@ -762,7 +762,7 @@ osd op num shards = 1
 osd op num threads per shard = 2
 [client.rgw.a]
 rgw data = {base}/rgw
-rgw frontends = beast endpoint=127.0.0.1:{rgw}
+rgw frontends = beast endpoint=127.0.0.1:{rgw} tcp_nodelay=1
 rgw dns name = 127.0.0.1
 rgw enable usage log = false
 rgw thread pool size = 64
