@@ -108,6 +108,9 @@ class ObstoreTransport(Transport):
             import obstore  # noqa: F401
         except ImportError:
             raise ImportError("transport='obstore' needs obstore: pip install 's3capture[obstore]'") from None
+        # As botocore does: object_store would otherwise read AWS_ENDPOINT_URL on its own while the
+        # LIST requests signed here went to AWS.
+        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         super().__init__(
             bucket,
             endpoint_url=endpoint_url,
@@ -290,7 +293,7 @@ class ObstoreTransport(Transport):
 
         try:
             result = await obstore.get_async(client[0], key)
-        except oe.NotFoundError:
+        except (oe.NotFoundError, FileNotFoundError):  # obstore raises the built-in one for a 404
             return None
         except Exception as error:
             if self._error_code(error) in _NOT_FOUND:
