@@ -268,12 +268,12 @@ class ObstoreTransport(Transport):
             return str(response.get("Error", {}).get("Code", ""))
         import obstore.exceptions as oe
 
-        if isinstance(error, oe.NotFoundError):
-            return "NoSuchKey"
         text = str(error)
         match = _XML_CODE.search(text)
         if match:
-            return match.group(1)
+            return match.group(1)  # first: a 404 may be NoSuchBucket
+        if isinstance(error, (oe.NotFoundError, FileNotFoundError)):
+            return "NoSuchKey"
         if isinstance(error, oe.PermissionDeniedError):
             return "AccessDenied"
         if isinstance(error, oe.UnauthenticatedError):
@@ -293,7 +293,9 @@ class ObstoreTransport(Transport):
 
         try:
             result = await obstore.get_async(client[0], key)
-        except (oe.NotFoundError, FileNotFoundError):  # obstore raises the built-in one for a 404
+        except (oe.NotFoundError, FileNotFoundError) as error:  # obstore raises the built-in one for any 404
+            if self._error_code(error) not in _NOT_FOUND:
+                raise  # NoSuchBucket is no "absent object": a fence would read "open"
             return None
         except Exception as error:
             if self._error_code(error) in _NOT_FOUND:
