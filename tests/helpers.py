@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import zstandard
+
 from s3capture.fingerprint import stamp_continuation
-from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, store_prompt_as_delta
+from s3capture.layout import Layout
+from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry, stamp_lineage, store_prompt_as_delta
 
 FIXED_CREATED_AT = 1700000000.0
 """A fixed ``created_at`` so that an identical retry re-sends byte-identical payloads."""
@@ -447,3 +450,41 @@ def make_commit(
 
 def continuation(commit: dict, text: str = "next") -> list[dict]:
     return [*commit["request_items"], *commit["response_items"], user(text)]
+
+
+# --------------------------------------------------------------------------- delta chains on a server
+def rollout_prefix(bucket_url: str, rollout_id: str) -> tuple[str, str]:
+    bucket, root = split_bucket_url(bucket_url)
+    return bucket, Layout(root.rstrip("/")).rollout(rollout_id)
+
+
+def entry_key(prefix: str, entry: Any) -> str:
+    sha = hashlib.sha256(encode_entry(entry)).hexdigest()
+    return prefix + Layout("").entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
+
+
+def read_envelope(s3_client: Any, bucket: str, key: str) -> dict:
+    body = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return json.loads(zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 24))
+
+
+def write_envelope(s3_client: Any, bucket: str, key: str, envelope: dict) -> None:
+    """Rewrite an entry object's envelope, keeping its entry bytes exactly (so its key stays right)."""
+    raw = zstandard.ZstdDecompressor().decompress(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), max_output_size=1 << 24)
+    entry = raw[raw.index(b',"entry":') + len(b',"entry":') : raw.rindex(b',"format":')]
+    fields = {k: v for k, v in envelope.items() if k not in ("entry", "format")}
+    body = b"{" + b",".join(json.dumps(k).encode() + b":" + json.dumps(v, separators=(",", ":")).encode() for k, v in sorted(fields.items()))
+    body += b',"entry":' + entry + b',"format":"s3capture.entry/1"}'
+    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
+
+
+async def put_chain(writer: Any, rollout_id: str, depth: int) -> tuple[list[Any], list[Any]]:
+    """A linear chain: call 0 with its full prompt, every later call a delta (Gym's
+    ``delta_records: true``), all put by one writer."""
+    turns = build_conversation(rollout_id, depth)
+    entries = []
+    for index, turn in enumerate(turns):
+        entry = turn_entry(rollout_id, turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        await writer.put(entry)
+        entries.append(entry)
+    return turns, entries

@@ -1,61 +1,32 @@
 """Adversarial review of issue 8 (transport seam, delta checkpoints, freeze hand-out, encoder).
 
-Each test here failed on the branch it was written against (h-break from main); each one states
-the promise it checks.
+Each test here failed on the branch it was written against (h-break from main) except the
+checkpoint-bomb test, written with its fix; each one states the promise it checks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Any
-
 import pytest
 import zstandard
-from helpers import build_conversation, next_request, put_bytes, simple_entry, split_bucket_url, turn_entry
+from helpers import (
+    build_conversation,
+    entry_key,
+    next_request,
+    put_bytes,
+    put_chain,
+    read_envelope,
+    rollout_prefix,
+    simple_entry,
+    split_bucket_url,
+    turn_entry,
+    write_envelope,
+)
 
 from s3capture.errors import StoreError
-from s3capture.layout import Layout
-from s3capture.records import ParentResolutionStatus, RecordError, encode_entry, prepare_entry
+from s3capture.records import ParentResolutionStatus, RecordError, prepare_entry
 
 RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
-
-
-def rollout_prefix(bucket_url: str, rollout_id: str) -> tuple[str, str]:
-    bucket, root = split_bucket_url(bucket_url)
-    return bucket, Layout(root.rstrip("/")).rollout(rollout_id)
-
-
-def entry_key(prefix: str, entry: Any) -> str:
-    sha = hashlib.sha256(encode_entry(entry)).hexdigest()
-    return prefix + Layout("").entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
-
-
-def read_envelope(s3_client: Any, bucket: str, key: str) -> dict:
-    body = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    return json.loads(zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 24))
-
-
-def write_envelope(s3_client: Any, bucket: str, key: str, envelope: dict) -> None:
-    """Rewrite an entry object's envelope (chain, hints), keeping its entry bytes exactly, so the
-    SHA-256 in its key still matches: the envelope's hints are outside what the key covers."""
-    raw = zstandard.ZstdDecompressor().decompress(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), max_output_size=1 << 24)
-    entry = raw[raw.index(b',"entry":') + len(b',"entry":') : raw.rindex(b',"format":')]
-    fields = {k: v for k, v in envelope.items() if k not in ("entry", "format")}
-    body = b"{" + b",".join(json.dumps(k).encode() + b":" + json.dumps(v, separators=(",", ":")).encode() for k, v in sorted(fields.items()))
-    body += b',"entry":' + entry + b',"format":"s3capture.entry/1"}'
-    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
-
-
-async def put_chain(writer: Any, rollout_id: str, depth: int) -> tuple[list[Any], list[Any]]:
-    turns = build_conversation(rollout_id, depth)
-    entries = []
-    for index, turn in enumerate(turns):
-        entry = turn_entry(rollout_id, turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
-        await writer.put(entry)
-        entries.append(entry)
-    return turns, entries
 
 
 # --------------------------------------------------------------------------- forged chain hints

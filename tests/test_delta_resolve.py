@@ -21,11 +21,15 @@ import zstandard
 from helpers import (
     RequestRecorder,
     build_conversation,
+    entry_key,
     list_keys,
     next_request,
     put_bytes,
-    split_bucket_url,
+    put_chain,
+    read_envelope,
+    rollout_prefix,
     turn_entry,
+    write_envelope,
 )
 
 from s3capture.layout import Layout
@@ -65,45 +69,8 @@ def assert_resolved_to(resolution: Any, turn: Any) -> None:
     assert resolution.match.digest == compute_digest(turn.cumulative)
 
 
-async def put_chain(writer: S3TokenStore, rollout_id: str, depth: int) -> tuple[list[Any], list[Any]]:
-    """A linear chain: call 0 with its full prompt, every later call a delta (Gym's
-    ``delta_records: true``), all put by one writer."""
-    turns = build_conversation(rollout_id, depth)
-    entries = []
-    for index, turn in enumerate(turns):
-        entry = turn_entry(rollout_id, turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
-        await writer.put(entry)
-        entries.append(entry)
-    return turns, entries
-
-
-def rollout_prefix(bucket_url: str, rollout_id: str) -> tuple[str, str]:
-    bucket, root = split_bucket_url(bucket_url)
-    return bucket, Layout(root.rstrip("/")).rollout(rollout_id)
-
-
-def entry_key(prefix: str, entry: Any) -> str:
-    sha = hashlib.sha256(encode_entry(entry)).hexdigest()
-    return prefix + Layout("").entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
-
-
 def checkpoint_key(prefix: str, entry: Any) -> str:
     return f"{prefix}cum/{entry.digest}.zst"
-
-
-def read_envelope(s3_client: Any, bucket: str, key: str) -> dict:
-    body = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    return json.loads(zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 24))
-
-
-def write_envelope(s3_client: Any, bucket: str, key: str, envelope: dict) -> None:
-    """Rewrite an entry object's envelope, keeping its entry bytes exactly (so its key stays right)."""
-    raw = zstandard.ZstdDecompressor().decompress(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), max_output_size=1 << 24)
-    entry = raw[raw.index(b',"entry":') + len(b',"entry":') : raw.rindex(b',"format":')]
-    fields = {k: v for k, v in envelope.items() if k not in ("entry", "format")}
-    body = b"{" + b",".join(json.dumps(k).encode() + b":" + json.dumps(v, separators=(",", ":")).encode() for k, v in sorted(fields.items()))
-    body += b',"entry":' + entry + b',"format":"s3capture.entry/1"}'
-    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
 
 
 # --------------------------------------------------------------------------- the bound
