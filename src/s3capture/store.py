@@ -44,7 +44,7 @@ from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.errors import ListingError, StoreError
-from s3capture.layout import checkpoint_rel, escape_id, is_checkpoint_rel, parse_log_key
+from s3capture.layout import MAX_KEY_BYTES, MAX_SEGMENT_BYTES, checkpoint_rel, escape_id, is_checkpoint_rel, parse_log_key
 from s3capture.protocols import (
     LineageMatch,
     LineageResolution,
@@ -179,7 +179,11 @@ def _decode_tokens(raw: bytes) -> list[int] | None:
 
 
 def _is_entry_rel(rel: str) -> bool:
-    """Whether ``rel`` (relative to a rollout prefix) is an entry key s3capture writes."""
+    """Whether ``rel`` (relative to a rollout prefix) is an entry key s3capture writes: its shape,
+    and segments no longer than the layout ever builds (Ceph answers an over-long key with an
+    error, not a 404)."""
+    if len(rel) > MAX_KEY_BYTES or any(len(segment.encode()) > MAX_SEGMENT_BYTES for segment in rel.split("/")):
+        return False
     parsed = parse_log_key(rel)
     return parsed is not None and parsed[0] == "e"
 
