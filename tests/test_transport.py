@@ -116,3 +116,25 @@ def test_a_transport_is_a_transport(transport_kind):
     store = S3TokenStore("s3://bkt/p", transport=transport_kind, endpoint_url="http://127.0.0.1:9")
     assert isinstance(store.transport, Transport)
     assert store.transport.name == transport_kind
+
+
+async def test_an_explicit_session_s_keys_are_used_on_every_transport(s3_env, bucket_url, monkeypatch, transport_kind):
+    """README: credentials come from the standard chain "or pass session=aioboto3.Session(...)".
+    With no keys in the environment, the session's explicit keys must work on both transports
+    (the obstore transport once ignored them: "the standard credential chain is empty")."""
+    import aioboto3
+
+    keys = s3_env.env()
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    session = aioboto3.Session(
+        aws_access_key_id=keys["AWS_ACCESS_KEY_ID"], aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1"
+    )
+    store = S3TokenStore(bucket_url, session=session, endpoint_url=keys["AWS_ENDPOINT_URL"])
+    assert store.transport.name == transport_kind
+    try:
+        await store.begin_call("r", "c1")
+        snapshot = await store.freeze("r")
+    finally:
+        await store.close()
+    assert snapshot.reasons == ("dangling_intent:c1",)

@@ -131,8 +131,10 @@ class ObstoreTransport(Transport):
             self._profile = profile if profile not in (None, "default") else None
             botocore_session = botocore.session.Session(profile=self._profile)
             explicit = getattr(getattr(session, "_session", None), "_credentials", None)
-            if explicit is not None and getattr(explicit, "access_key", None):
-                # aioboto3.Session(aws_access_key_id=..., ...): the caller's keys, as on aioboto3
+            if getattr(explicit, "method", None) == "explicit" and getattr(explicit, "access_key", None):
+                # aioboto3.Session(aws_access_key_id=..., ...): the caller's keys, as on aioboto3.
+                # Credentials the session resolved from its chain (env, instance role, SSO) are
+                # not copied: they may be temporary, and the chain is read again here.
                 import botocore.credentials
 
                 botocore_session._credentials = botocore.credentials.Credentials(
