@@ -198,7 +198,7 @@ def prepare_row(ledger: S3CaptureLedger, commit: Any) -> Prepared:
     )
     body = msgspec.json.encode(row, order="sorted")
     sha = hashlib.sha256(body).hexdigest()
-    stored = ledger._compressor.compress(body) if len(body) > _COMPRESS_ABOVE else body
+    stored = ledger._compressor().compress(body) if len(body) > _COMPRESS_ABOVE else body
     index = f"{prefix}ledger-index/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else None
     return Prepared(f"{prefix}ledger/row/{segment}/{sha}.json", stored, len(body), index, f"{prefix}ledger/row/{segment}/")
 
@@ -322,7 +322,7 @@ def cpu_paths(wires: list[dict]) -> tuple[dict[str, Callable[[], None]], list[tu
          lambda s: _fp.assistant_fingerprint(list(s.request_items) + list(s.response_items)), structs),
         ("both: conversation_digest(request)  [Gym's function]", lambda s: _fp.conversation_digest(list(s.request_items)), structs),
         ("s3capture: _Row + msgspec sorted encode + SHA-256", encode_row, structs),
-        (f"s3capture: zstd level 3 of rows over {_COMPRESS_ABOVE} B", lambda b: probe._compressor.compress(b) if len(b) > _COMPRESS_ABOVE else b, bodies),
+        (f"s3capture: zstd level 3 of rows over {_COMPRESS_ABOVE} B", lambda b: probe._compressor().compress(b) if len(b) > _COMPRESS_ABOVE else b, bodies),
         ("Gym: json.dumps(row, sort_keys=True)", gym_line, rows),
     ]
     return paths, steps, loop
