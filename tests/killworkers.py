@@ -350,10 +350,16 @@ def _canonical(entry: Any) -> bytes:
     return encode_entry(coerce_entry(entry))
 
 
+EXIT_STORE_ERROR = 75
+"""Exit code of a worker whose store failed after retries (EX_TEMPFAIL): the test restarts it."""
+
+
 def child_main(role: str, config: dict, index: int, events: Any) -> None:
     """Entry point of a worker process (forked by the test's forkserver, modules preloaded)."""
     import faulthandler
     import signal
+
+    from s3capture.errors import StoreError
 
     global _EVENTS
     _EVENTS = events
@@ -361,12 +367,25 @@ def child_main(role: str, config: dict, index: int, events: Any) -> None:
     stacks = open(Path(config["workdir"]) / f"stacks-{role}-{index}.txt", "a")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks)  # the test dumps stacks when stuck
     event("start", role, index)
-    if role == "writer":
-        asyncio.run(run_writer(config, index))
-    elif role == "builder":
-        asyncio.run(run_builder(config))
-    else:
-        raise SystemExit(f"unknown role {role!r}")
+    try:
+        if role == "writer":
+            asyncio.run(run_writer(config, index))
+        elif role == "builder":
+            asyncio.run(run_builder(config))
+        else:
+            raise SystemExit(f"unknown role {role!r}")
+    except StoreError as error:
+        # The store failed after the transport's retries (an overloaded server): what a host does
+        # then is restart the job, which resumes from its journal. The test restarts it like a
+        # killed process; the invariants are checked all the same.
+        event("note", "store-error-restart", str(error).replace("\n", " ")[:300])
+        raise SystemExit(EXIT_STORE_ERROR) from None
+    except Exception:
+        import traceback
+
+        # The test's failure message shows the fleet log, not the child's stderr: send the cause.
+        event("crash", traceback.format_exc()[-1800:].replace("\n", " | "))
+        raise
 
 
 def _warm_session() -> Any:

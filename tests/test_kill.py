@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 from helpers import list_keys, split_bucket_url
-from killworkers import child_main, read_journal, rollout_plan
+from killworkers import EXIT_STORE_ERROR, child_main, read_journal, rollout_plan
 
 from s3capture.layout import Layout
 from s3capture.protocols import TokenCaptureFrozenError
@@ -203,7 +203,7 @@ def run_fleet(config: dict, seed: int) -> Fleet:
                 proc.join()
                 code = proc.exitcode
                 fleet.conns[name].close()
-                if code == -signal.SIGKILL:
+                if code in (-signal.SIGKILL, EXIT_STORE_ERROR):
                     # Writers come back at once; the builder's host takes a while (its killed
                     # drop may have left the retired fence up meanwhile).
                     restarts[name] = time.monotonic() + (fleet.rng.uniform(0, BUILDER_RESTART) if name == "builder" else 0)
@@ -213,7 +213,8 @@ def run_fleet(config: dict, seed: int) -> Fleet:
                     if name == "builder":
                         (workdir / "stop").touch()  # the writers' lost-ack retries end
                 else:
-                    raise AssertionError(f"{name} exited with {code}; log:\n" + "\n".join(fleet.log[-40:]))
+                    crashes = [line for line in fleet.log if ": crash " in line]
+                    raise AssertionError(f"{name} exited with {code}; log:\n" + "\n".join(fleet.log[-40:] + crashes))
     finally:
         fleet.stop_all()
         (workdir / "fleet.log").write_text("\n".join(fleet.log) + "\n")
