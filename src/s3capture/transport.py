@@ -215,7 +215,13 @@ class _Got:
 
 
 class _BodyFailed(Exception):
-    """A GET body that failed while streaming (cut, reset, timed out); the GET is asked again."""
+    """A GET body that failed while streaming (cut, reset, timed out); the GET is asked again,
+    unless ``retried``: the client library already resumed it with its own retries and backoff
+    (obstore re-requests the rest of a cut body), so asking again would only multiply them."""
+
+    def __init__(self, message: str, *, retried: bool = False) -> None:
+        super().__init__(message)
+        self.retried = retried
 
 
 class _TooLarge(Exception):
@@ -494,7 +500,8 @@ class Transport:
         """GET an object's bytes, or ``None`` when it does not exist.
 
         A body that fails while streaming, ends short of its ``Content-Length``, or does not match
-        its MD5 ETag, is fetched again (``read_attempts`` in all). With ``limit``, raises
+        its MD5 ETag, is fetched again (``read_attempts`` in all; a body the client library already
+        resumed with its own retries, as obstore does, is not fetched again). With ``limit``, raises
         ``RecordError`` instead of reading an object larger than ``limit`` bytes. Raises
         ``StoreError``.
         """
@@ -511,6 +518,8 @@ class Transport:
                     raise RecordError(f"object is {error.length} bytes, over the read limit {limit}") from None
                 except _BodyFailed as error:
                     problem = str(error)
+                    if error.retried:
+                        break
                     continue
                 if got is None:
                     return None
@@ -531,7 +540,9 @@ class Transport:
                     continue
                 return data
             raise StoreError(
-                f"GET s3://{self.bucket}/{key} failed {self._read_attempts} times: {problem}", operation="GET", key=key
+                f"GET s3://{self.bucket}/{key} failed ({attempt + 1} of {self._read_attempts} reads): {problem}",
+                operation="GET",
+                key=key,
             )
 
         return await self._call("GET", key, run)

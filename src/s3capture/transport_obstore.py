@@ -311,7 +311,9 @@ class ObstoreTransport(Transport):
         try:
             data = bytes(await result.bytes_async())
         except Exception as error:  # noqa: BLE001 - any failure while the body streams is re-read
-            raise _BodyFailed(f"body failed after {type(error).__name__}: {error}") from None
+            # object_store has already resumed the body with range requests, with its own retries
+            # and backoff (max_retries): another GET from the top would multiply them.
+            raise _BodyFailed(f"body failed after {type(error).__name__}: {error}", retried=True) from None
         return _Got(data, int(size) if size is not None else None, etag)
 
     async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
