@@ -42,8 +42,8 @@ and its strict single-chain policy decides the mask. Gym's ``rebuilt_response`` 
 - ``chain_id`` is the id of the chain's last (terminal) model call (Gym's own name, ``"main"``, is
   the same for every rollout; the terminal call id names the chain across engines and re-builds).
 
-A Gym build that fails (Gym's ``error``: no entries, no safe chain, a non-contiguous projection,
-an unknown builder) has no ``rebuilt_response`` and gives no trajectory.
+A Gym build that fails (Gym's ``error``: no entries, no safe chain, a non-contiguous projection)
+has no ``rebuilt_response`` and gives no trajectory.
 
 ``engine="builtin"`` needs no NeMo Gym. It follows the recorded parent links and builds the main
 chain the way Gym's ``prefix_merging`` does for the same input when no terminal is attributed:
@@ -61,7 +61,7 @@ deliver), never looser:
 - a recorded parent that is not in the snapshot (a hole) or was dropped (an empty generation, a
   delta that cannot be rebuilt) is never replaced: Gym may re-attach such a child to a surviving
   ancestor by token-prefix matching (``parent_call_id_missing_recovered``); the built-in builder
-  masks it (``missing_parent:<cid>``);
+  masks it (``missing_parent:<cid>``, or ``delta_chain_unreconstructable:<cid>`` for a delta prompt);
 - any call with an empty generation masks the rollout (``empty_generation:<cid>``); Gym drops such
   calls and masks only when the drop breaks the chain;
 - every recorded ``digest`` and ``cum_len`` is verified against the rebuilt cumulative tokens
@@ -80,8 +80,10 @@ Mask reasons (``RolloutBuild.mask_reasons``; ``<cid>`` is a model call id): the 
 (``conflicting_payloads:<cid>``, ``dangling_intent:<cid>``, ``marked_incomplete:<cid>``,
 ``missing_parent:<cid>``, ...), ``capture_incomplete``, ``no_entries``, ``roots:<n>`` and
 ``chains:<n>`` (n roots / chains where exactly one is required), ``unresolved_retry:<cid>``; from the
-Gym engine ``gym_mask_sample`` (always, when Gym masks), ``gym_error:<Gym's error>`` and
-``unresolved_parent:<cid>``; from the built-in engine ``duplicate_call_id_conflict:<cid>``,
+Gym engine ``gym_mask_sample`` (always, when Gym masks), ``gym_error:<Gym's error>``,
+``unresolved_parent:<cid>`` and, should Gym's output not map back onto the entries (not seen; then
+no trajectory), ``gym_output_not_contiguous:<i>``, ``gym_output_unmatched:<i>`` or
+``no_generated_tokens``; from the built-in engine ``duplicate_call_id_conflict:<cid>``,
 ``delta_chain_unreconstructable:<cid>``, ``parent_unresolved:<cid>``, ``missing_resolution:<cid>``,
 ``resolved_parent_missing_id:<cid>``, ``not_contiguous:<cid>``, ``digest_mismatch:<cid>``,
 ``cum_len_mismatch:<cid>``, ``empty_generation:<cid>``, ``logprob_length_mismatch:<cid>`` and
@@ -95,7 +97,6 @@ most the model's context window per call) for the duration of the build.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import importlib
 import os
@@ -438,27 +439,28 @@ class _SnapshotSource:
         return GymSnapshot(snap.rollout_id, tuple(to_gym_entries(snap.entries)), _incomplete(snap), snap.snapshot_id, snap.version)
 
 
-_loops: list[asyncio.AbstractEventLoop] = []
-_loops_lock = threading.Lock()
+class _Loop:
+    """The private event loop of one thread, closed when the thread ends (its thread-local goes)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+
+    def __del__(self) -> None:
+        loop = self.loop
+        if self.pid == os.getpid() and not loop.is_closed() and not loop.is_running():
+            loop.close()
+
+
 _local = threading.local()
-
-
-def _close_loops() -> None:
-    with _loops_lock:
-        for loop in _loops:
-            if not loop.is_running() and not loop.is_closed():
-                loop.close()
-        _loops.clear()
-
-
-atexit.register(_close_loops)
 
 
 def _run(coroutine_factory: Any) -> Any:
     """Run ``coroutine_factory()`` to completion from synchronous code.
 
     One event loop per thread and process, reused (``asyncio.run`` would build and tear down a loop
-    and its thread pool per rollout, ~1.5 ms); from a thread whose loop is running, a helper thread.
+    and its thread pool per rollout, ~1.5 ms) and closed with its thread; from a thread whose loop
+    is running, on a helper thread with ``asyncio.run``.
     """
     try:
         asyncio.get_running_loop()
@@ -467,14 +469,10 @@ def _run(coroutine_factory: Any) -> Any:
     else:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(lambda: asyncio.run(coroutine_factory())).result()
-    owner = getattr(_local, "owner", None)
-    loop = getattr(_local, "loop", None)
-    if loop is None or loop.is_closed() or owner != os.getpid():  # a forked child builds its own
-        loop = asyncio.new_event_loop()
-        _local.loop, _local.owner = loop, os.getpid()
-        with _loops_lock:
-            _loops.append(loop)
-    return loop.run_until_complete(coroutine_factory())
+    holder = getattr(_local, "holder", None)
+    if holder is None or holder.pid != os.getpid() or holder.loop.is_closed():  # a forked child builds its own
+        holder = _local.holder = _Loop()
+    return holder.loop.run_until_complete(coroutine_factory())
 
 
 def _build_with_gym(snapshot: Any, builder: str) -> RolloutBuild:
