@@ -442,8 +442,8 @@ def test_engine_and_builder_are_checked():
     snap = snapshot(conversation(2))
     with pytest.raises(ValueError, match="engine"):
         build_rollout(snap, engine="spark")
-    with pytest.raises(ValueError, match="per_request"):
-        build_rollout(snap, engine="builtin", builder="per_request")
+    with pytest.raises(ValueError, match="merge_all"):
+        build_rollout(snap, engine="builtin", builder="merge_all")
     require_gym()
     with pytest.raises(ValueError, match="per_request"):  # NeMo Gym 0.7.0 knows only prefix_merging
         build_rollout(snap, engine="gym", builder="per_request")
@@ -522,3 +522,22 @@ def test_without_nemo_gym_auto_uses_the_builtin_engine(monkeypatch):
         build_rollout(snap, engine="gym")
     with pytest.raises(ImportError, match="nemo-gym"):
         to_gym_entries(snap)
+
+
+def test_per_request_gives_each_call_its_full_sequence():
+    """Builder ``per_request`` (built-in; NeMo Gym 0.7.0 has none): one row per model call, its
+    full prompt with loss 0 and its generation with loss 1; auto picks the built-in engine for it."""
+    entries = conversation(3)
+    by_id = {e.model_call_id: e for e in entries}
+    build = build_rollout(snapshot(entries), builder="per_request")
+    assert not build.masked and build.gym_result is None
+    assert [t.call_ids for t in build.trajectories] == [[e.model_call_id] for e in entries]
+    for row in build.trajectories:
+        entry = by_id[row.chain_id]
+        prompt = cumulative_prompt(entry, by_id)
+        assert row.token_ids == prompt + list(entry.generation_token_ids)
+        assert row.loss_mask == [0] * len(prompt) + [1] * len(entry.generation_token_ids)
+        assert row.logprobs[len(prompt):] == [float(p) for p in entry.generation_log_probs]
+    # The same evidence masks it as prefix_merging: an incomplete snapshot is never trainable.
+    masked = build_rollout(snapshot(entries, incomplete=True, reasons=("dangling_intent:x",)), builder="per_request")
+    assert masked.masked and "dangling_intent:x" in masked.mask_reasons

@@ -45,6 +45,11 @@ and its strict single-chain policy decides the mask. Gym's ``rebuilt_response`` 
 A Gym build that fails (Gym's ``error``: no entries, no safe chain, a non-contiguous projection)
 has no ``rebuilt_response`` and gives no trajectory.
 
+``builder="per_request"`` (the built-in engine's own: NeMo Gym 0.7.0 has no such builder, and
+``engine="auto"`` picks the built-in engine for it) gives one ``Trajectory`` per model call with
+generated tokens: the call's full prompt (loss 0) and its generation (loss 1), ``chain_id`` the
+call's id. It masks on the same evidence as ``prefix_merging``.
+
 ``engine="builtin"`` needs no NeMo Gym. It follows the recorded parent links and builds the main
 chain the way Gym's ``prefix_merging`` does for the same input when no terminal is attributed:
 duplicate model call ids are collapsed (conflicting ones masked); delta prompts are rebuilt through
@@ -122,7 +127,9 @@ __all__ = [
     "build_rollout",
 ]
 
-_BUILDERS = ("prefix_merging",)
+_BUILDERS = ("prefix_merging", "per_request")
+"""Builders of the built-in engine. ``per_request`` (not in NeMo Gym 0.7.0) gives one trajectory per
+model call: its full prompt (loss 0) and its generation (loss 1)."""
 _ENGINES = ("auto", "gym", "builtin")
 _GYM_INSTALL = "pip install pydantic orjson && pip install --no-deps --ignore-requires-python nemo-gym==0.7.0"
 _NO_ATTRIBUTION = {"method": "none", "call_id": None, "reason": "no_response_object"}
@@ -386,7 +393,8 @@ def build_rollout(snapshot: "FrozenSnapshot", *, builder: str = "prefix_merging"
         if not hasattr(snapshot, name):
             raise TypeError(f"expected a FrozenSnapshot (or TokenCaptureSnapshot), got {type(snapshot).__name__} without {name!r}")
     if engine == "auto":
-        engine = "gym" if _gym_importable() else "builtin"
+        # Gym's engine for the builders Gym has; ``per_request`` is the built-in engine's own.
+        engine = "gym" if _gym_importable() and builder != "per_request" else "builtin"
     if engine == "gym":
         if not _gym_importable():
             raise ImportError(f"engine='gym' needs NeMo Gym; install it with: {_GYM_INSTALL}")
@@ -394,7 +402,7 @@ def build_rollout(snapshot: "FrozenSnapshot", *, builder: str = "prefix_merging"
         return _build_with_gym(snapshot, builder)
     if builder not in _BUILDERS:
         raise ValueError(f"unknown builder {builder!r} for the built-in engine; known: {list(_BUILDERS)}")
-    return _build_builtin(snapshot)
+    return _build_builtin(snapshot, builder)
 
 
 def _incomplete(snapshot: Any) -> bool:
@@ -581,7 +589,7 @@ def _status(entry: Any) -> str | None:
     return None if value is None else str(getattr(value, "value", value))
 
 
-def _build_builtin(snapshot: Any) -> RolloutBuild:
+def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBuild:
     entries = list(snapshot.entries)
     reasons = _snapshot_reasons(snapshot)
 
@@ -644,6 +652,8 @@ def _build_builtin(snapshot: Any) -> RolloutBuild:
     if not survivors:
         reasons.append("no_trainable_chain")
         return result([], True, failed_metrics)
+    if builder == "per_request":
+        return _per_request(survivors, entries, reasons, failures, empty, result)
 
     # Link calls by their recorded parents, shortest prompt first (a parent's prompt is shorter).
     survivors.sort(key=lambda pair: (len(pair[1]) - len(pair[0].generation_token_ids), pair[0].model_call_id))
@@ -753,6 +763,43 @@ def _build_builtin(snapshot: Any) -> RolloutBuild:
         "generated_tokens_delivered": delivered,
         "parent_link_failures": failures,
         "unresolved_parent_calls": len(unresolved_parents),
+        "empty_generation_calls": len(empty),
+    }
+    return result(trajectories, bool(reasons), metrics)
+
+
+def _per_request(
+    survivors: list[tuple[Any, list[int]]], entries: list[Any], reasons: list[str], failures: dict[str, int],
+    empty: list[str], result: Any,
+) -> RolloutBuild:
+    """Builder ``per_request``: one trajectory per model call with generated tokens, ordered by
+    prompt length then call id. ``token_ids`` is the call's full prompt (loss 0) and its generation
+    (loss 1); ``chain_id`` and ``call_ids`` name the call. Parent links are not needed to build it,
+    but the rollout is masked on the same evidence as ``prefix_merging`` (an incomplete snapshot,
+    a delta prompt that cannot be rebuilt, a digest, length or log-probability mismatch, an empty
+    generation), so a rollout with a hole is never trainable whichever builder reads it."""
+    if any(r.startswith("logprob_length_mismatch:") for r in reasons):
+        return result([], True, {"n_calls": len(entries), "parent_link_failures": failures})
+    ordered = sorted(survivors, key=lambda pair: (len(pair[1]) - len(pair[0].generation_token_ids), pair[0].model_call_id))
+    trajectories = []
+    for entry, cumulative in ordered:
+        generated = len(entry.generation_token_ids)
+        prompt = len(cumulative) - generated
+        trajectories.append(
+            Trajectory(
+                chain_id=entry.model_call_id,
+                call_ids=[entry.model_call_id],
+                token_ids=list(cumulative),
+                loss_mask=[0] * prompt + [1] * generated,
+                logprobs=[0.0] * prompt + [float(p) for p in entry.generation_log_probs],
+            )
+        )
+    captured = sum(len(e.generation_token_ids) for e, _ in survivors)
+    metrics = {
+        "n_calls": len(entries),
+        "generated_tokens_captured": captured,
+        "generated_tokens_delivered": captured,
+        "parent_link_failures": failures,
         "empty_generation_calls": len(empty),
     }
     return result(trajectories, bool(reasons), metrics)
