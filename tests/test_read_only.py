@@ -221,10 +221,14 @@ def read_only(s3_server: Any, s3_client: Any, bucket_url: str, s3_env: Any) -> A
     """``(endpoint, admin keys, reader keys, url)``: a bucket whose reader may only GET and LIST."""
     if s3_server.kind == "seaweedfs":
         # A server of its own: identities are server-wide, and the suite's server has none.
-        reader = {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}], "actions": ["Read", "List"]}
+        bucket = f"s3capture-ro-{uuid.uuid4().hex[:16]}"
+        reader = {
+            "name": "reader",
+            "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+            "actions": [f"Read:{bucket}", f"List:{bucket}"],
+        }
         server = start_server("seaweedfs", identities=[reader])
         client = make_boto3_client(server)
-        bucket = f"s3capture-ro-{uuid.uuid4().hex[:16]}"
         try:
             client.create_bucket(Bucket=bucket)
             yield server.endpoint_url, (server.access_key, server.secret_key), (READER_KEY, READER_SECRET), f"s3://{bucket}/t"
