@@ -26,7 +26,6 @@ from helpers import (
     assistant_output,
     build_conversation,
     gym_entry,
-    list_keys,
     make_commit,
     put_bytes,
     put_chain,
