@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["StoreError", "ListingError"]
+__all__ = ["StoreError", "ListingError", "SnapshotNotSealedError"]
 
 
 class StoreError(RuntimeError):
@@ -24,3 +24,18 @@ class ListingError(StoreError):
     a continuation token, a key repeated across pages, or a listing that lacks an object this
     client just wrote (stale or incomplete). Raised after bounded retries; never read as "no
     objects"."""
+
+
+class SnapshotNotSealedError(StoreError):
+    """``S3TokenStore.read_snapshot(sealed=True)`` found no sealed manifest of the rollout's listed
+    state: the rollout is open (never frozen), or it changed since its freeze (a late write), or
+    its freeze did not finish (fence without manifest). The message says which; ``key`` is the
+    manifest key the listed state would have (``snap/<version:020d>-<snapshot_id>``).
+
+    ``state`` is ``"open"`` or ``"changed"``. Freeze the rollout (with write permission), or read
+    it unsealed with ``read_snapshot(..., sealed=False)``.
+    """
+
+    def __init__(self, message: str, *, state: str, key: str = "") -> None:
+        super().__init__(message, operation="LIST", key=key)
+        self.state = state

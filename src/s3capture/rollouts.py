@@ -8,34 +8,87 @@ It also owns the client-side pieces both need: the transport (``s3capture.transp
 Removal rules (``docs/design.md``): no *write* path ever deletes a key. Objects are deleted only
 by ``retire``, ``delete`` and ``drop``, and only keys that a verified listing of the rollout's own
 prefix returned.
+
+``RolloutObjects.rollouts`` lists a root's rollouts (``RolloutInfo``: state, objects, bytes, and for
+the token store the version and snapshot id a freeze would give) from one streaming listing of
+``<root>/rollouts/``; it never writes (``docs/permissions.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+import msgspec
+
 from s3capture.cache import LRU
-from s3capture.errors import StoreError
-from s3capture.layout import Layout, is_checkpoint_rel, parse_log_key
+from s3capture.errors import ListingError, StoreError
+from s3capture.layout import MAX_KEY_BYTES, Layout, escape_id, is_checkpoint_rel, parse_log_key, unescape_id
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.spill import Spill
 from s3capture.transport import ListedObject, ListPage, Transport, make_transport
 
-__all__ = ["RolloutObjects", "RolloutScan", "parse_s3_url", "FENCE_FROZEN", "FENCE_RETIRED"]
+__all__ = [
+    "RolloutObjects",
+    "RolloutInfo",
+    "RolloutScan",
+    "ROLLOUT_STATES",
+    "parse_s3_url",
+    "scan_listing",
+    "FENCE_FROZEN",
+    "FENCE_RETIRED",
+]
 
 log = logging.getLogger("s3capture")
 
 FENCE_FROZEN = b'{"format":"s3capture.fence/1","state":"frozen"}'
 FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
+
+ROLLOUT_STATES = ("open", "frozen", "retired")
+"""The states ``RolloutObjects.rollouts`` reports, from the listing alone: ``"open"`` (no fence),
+``"frozen"`` (a fence, no retire tombstone) and ``"retired"`` (the retire tombstone ``retired``)."""
+
+
+class RolloutInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One rollout of a root as a streaming listing shows it (``RolloutObjects.rollouts``).
+
+    Everything is derived from the listed keys and their sizes and LastModified times; nothing is
+    read or written. ``version``, ``snapshot_id`` and ``sealed`` are the token store's
+    (``S3TokenStore.rollouts``); a ledger leaves them at their defaults.
+    """
+
+    rollout_id: str
+    state: str
+    """``"open"`` (fence absent), ``"frozen"`` (fence, no retire tombstone) or ``"retired"``
+    (retire tombstone). A frozen fence a drop is deciding on still reads ``"frozen"``, as ``freeze``
+    reads it."""
+    objects: int
+    """Objects under the rollout's prefix counted for this client, fence and tombstone excluded.
+    Token store: every object its freeze's listing sorts into the log (entries, intents, markers),
+    sealed manifests, delta checkpoints, drop tombstones and foreign objects (any other key,
+    capture-ledger keys included). Ledger: every key under ``ledger/`` and ``ledger-index/``."""
+    bytes: int
+    """Total size of those objects in bytes (as listed: stored, i.e. compressed, sizes)."""
+    last_write: datetime.datetime | None
+    """Newest LastModified among those objects (UTC, tz-aware, by the store's clock); ``None`` when
+    none is counted or the store reports no times."""
+    version: int = 0
+    """Token store: the ``version`` a freeze of the listed state would give (log plus foreign objects)."""
+    snapshot_id: str = ""
+    """Token store: the ``snapshot_id`` a freeze of the listed state would give (32 hex digits)."""
+    sealed: bool = False
+    """Token store: the sealed manifest ``snap/<version:020d>-<snapshot_id>`` of exactly the listed
+    state is listed, i.e. the rollout was frozen and nothing changed since (``read_snapshot``)."""
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -103,6 +156,66 @@ class RolloutScan:
         for item in sorted(self.foreign, key=lambda i: i.key):
             hasher.update(f"{item.key[len(self.prefix):]}\t{item.etag}\n".encode())
         return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]
+
+
+def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float = 0.0) -> RolloutScan:
+    """Sort the listed objects of one rollout prefix by kind: the one classification that ``freeze``,
+    ``drop``, ``retire``, ``delete`` and ``rollouts`` share, so a listing and a freeze of the same
+    keys always agree on the version and snapshot id. ``prefix`` ends in ``/``; every item's key
+    starts with it."""
+    scan = RolloutScan(prefix, seen_at=seen_at)
+    plen = len(prefix)
+    for item in listing:
+        rel = item.key[plen:]
+        if rel == "fence":
+            scan.fence = True
+        elif rel == "retired":
+            scan.retired = True
+        elif rel.startswith("drop/") and rel.count("/") == 1 and len(rel) > 5:
+            scan.drops.append(item)
+        elif rel.startswith("snap/"):
+            scan.snaps.append(item)
+        elif rel.startswith("log/") and (parsed := parse_log_key(rel)) is not None:
+            scan.log.append(item)
+            scan.parsed.append(parsed)
+        elif rel.startswith("cum/") and is_checkpoint_rel(rel):
+            scan.checkpoints.append(item)
+        else:
+            scan.foreign.append(item)
+    return scan
+
+
+def _check_states(state: str | Iterable[str] | None) -> frozenset[str]:
+    """The states ``rollouts`` keeps; ``ValueError``/``TypeError`` for anything else."""
+    if state is None:
+        return frozenset(ROLLOUT_STATES)
+    if isinstance(state, str):
+        wanted = [state]
+    else:
+        try:
+            wanted = list(state)
+        except TypeError:
+            raise TypeError(f"state must be a str, an iterable of str or None, got {type(state).__name__}") from None
+    unknown = [s for s in wanted if not isinstance(s, str) or s not in ROLLOUT_STATES]
+    if unknown:
+        raise ValueError(f"unknown rollout state {unknown[0]!r}; choose from {', '.join(ROLLOUT_STATES)}")
+    if not wanted:
+        raise ValueError(f"state names no state; choose from {', '.join(ROLLOUT_STATES)} (or None for all)")
+    return frozenset(wanted)
+
+
+def _segment_after(previous: str, segment: str) -> bool:
+    """Whether rollout segment ``segment`` may follow ``previous`` in one listing. S3 (and Ceph,
+    moto) list in byte order of whole keys, so segments come in the order of ``segment + "/"``;
+    SeaweedFS walks a directory tree, so they come in the order of the segments themselves. The
+    two differ only where one segment is the other followed by ``-`` or ``.``; either is accepted.
+    A repeated segment (a paging cycle, a key listed twice) is never after itself."""
+    return segment > previous or segment + "/" > previous + "/"
+
+
+def _last_write(objects: Iterable[ListedObject]) -> datetime.datetime | None:
+    newest = max((item.modified for item in objects), default=0.0)
+    return datetime.datetime.fromtimestamp(newest, tz=datetime.timezone.utc) if newest > 0 else None
 
 
 class RolloutObjects:
@@ -254,32 +367,158 @@ class RolloutObjects:
             except Exception:  # noqa: BLE001 - the spill stays for the next replay
                 log.warning("spilled objects could not be replayed yet", exc_info=True)
 
+    # ------------------------------------------------------------------ listing the root's rollouts
+    _rollouts_page_keys = 1000
+    """Keys asked for per LIST page by ``rollouts`` (S3's maximum; tests lower it to page cheaply)."""
+
+    def rollouts(self, state: str | Iterable[str] | None = None, *, prefix: str = "") -> AsyncIterator[RolloutInfo]:
+        """The root's rollouts with their state, sizes and (token store) version, streamed.
+
+        Returns an async iterator of ``RolloutInfo``, one per rollout that has any of this client's
+        objects (the token store's or the ledger's, see ``RolloutInfo.objects``) or a fence or
+        retire tombstone, in listing order (key order; SeaweedFS: directory order), each yielded
+        as soon as its keys end. ``state``: ``"open"``, ``"frozen"``, ``"retired"``, an iterable of
+        them, or ``None`` for all. ``prefix``: only rollout ids that start with it (a prefix of the
+        ids, not of keys; ``""`` for all).
+
+        Requests: one streaming LIST of ``<root>/rollouts/<escaped prefix>``, one page per 1,000
+        keys (the next page is asked while the current one is consumed), and nothing else: no
+        GET, no per-rollout request, and never a write, so LIST permission (``s3:ListBucket``) is
+        all it needs. Memory: one page and the keys of one rollout at a time, whatever the number
+        of rollouts. Keys that are not inside a rollout prefix s3capture could have written (no
+        rollout segment, or one that is not an escaped storable id) are skipped.
+
+        ``version`` and ``snapshot_id`` are what ``freeze`` would give for the listed keys (the
+        same classification: ``scan_listing``), and ``sealed`` says whether the freeze of exactly
+        that state left its manifest. A listing is a moment's view: a rollout written meanwhile may
+        show an older state.
+
+        Raises ``ValueError`` (before any request) for an unknown state or a ``prefix`` that is
+        not text, and, while iterating, ``StoreError`` when the store fails (``ListingError`` for a
+        page that cannot be trusted after retries, or a rollout listed again after its keys ended:
+        the listing cannot be resumed, start again).
+        """
+        states = _check_states(state)
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"prefix {prefix!r} is not valid Unicode text (it contains a lone surrogate)") from None
+        return self._rollouts(states, prefix)
+
+    async def _rollouts(self, states: frozenset[str], prefix: str) -> AsyncIterator[RolloutInfo]:
+        base = f"{self.layout.root}rollouts/"
+        list_prefix = base + (escape_id(prefix) if prefix else "")
+        if len(list_prefix.encode()) > MAX_KEY_BYTES:
+            return  # no key can be that long: nothing to list
+        async with contextlib.aclosing(self._rollout_groups(base, list_prefix)) as groups:
+            async for segment, items in groups:
+                try:
+                    rollout_id = unescape_id(segment)
+                except ValueError:
+                    continue  # not an escaped id: nothing s3capture wrote
+                rollout_prefix = base + segment + "/"
+                try:
+                    if self.layout.rollout(rollout_id) != rollout_prefix:
+                        continue
+                except ValueError:
+                    continue  # an id no client could store (empty, or too long): foreign keys
+                if not rollout_id.startswith(prefix):
+                    continue
+                info = self._rollout_info(rollout_id, scan_listing(rollout_prefix, items))
+                if info is not None and info.state in states:
+                    yield info
+
+    async def _rollout_groups(self, base: str, list_prefix: str) -> AsyncIterator[tuple[str, list[ListedObject]]]:
+        """``(escaped segment, its listed objects)`` per rollout prefix under ``base``, from one
+        paged LIST of ``list_prefix`` (each page verified and retried by the transport), one page
+        fetched ahead. A rollout's keys are consecutive in every listing order, so a rollout ends
+        where the next begins; a segment that is not after the previous one (``_segment_after``) or
+        a key repeated within a rollout is a listing that cannot be trusted: ``ListingError``."""
+        page_keys = self._rollouts_page_keys
+        blen = len(base)
+        segment: str | None = None
+        items: list[ListedObject] = []
+        seen: set[str] = set()
+        previous_token: str | None = None
+        pending: asyncio.Future[ListPage] | None = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None))
+        try:
+            while pending is not None:
+                page = await pending
+                pending = None
+                if page.next_token is not None:
+                    if page.next_token == previous_token:
+                        raise ListingError(
+                            f"LIST {list_prefix!r} returned continuation token {page.next_token[:40]!r} twice (a paging cycle)",
+                            operation="LIST",
+                            key=list_prefix,
+                        )
+                    previous_token = page.next_token
+                    pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, page.next_token))
+                for item in page.objects:
+                    current, slash, rel = item.key[blen:].partition("/")
+                    if not slash or not rel:
+                        continue  # directly under rollouts/: in no rollout
+                    if current != segment:
+                        if segment is not None:
+                            if not _segment_after(segment, current):
+                                raise ListingError(
+                                    f"LIST {list_prefix!r} listed rollout prefix {current!r} after {segment!r} "
+                                    "(out of order, or listed again): the listing cannot be trusted",
+                                    operation="LIST",
+                                    key=list_prefix,
+                                )
+                            yield segment, items
+                        segment, items, seen = current, [], set()
+                    if item.key in seen:
+                        raise ListingError(
+                            f"LIST {list_prefix!r} returned key {item.key!r} twice", operation="LIST", key=list_prefix
+                        )
+                    seen.add(item.key)
+                    items.append(item)
+            if segment is not None:
+                yield segment, items
+        finally:
+            if pending is not None:
+                pending.cancel()
+                try:
+                    await pending
+                except BaseException:  # noqa: BLE001 - the page nobody will read: cancelled or failed
+                    pass
+
+    def _owned(self, scan: RolloutScan) -> list[ListedObject]:
+        """The objects of a scanned rollout that ``rollouts`` counts for this client: the token
+        store's (everything but the fence and the retire tombstone); the ledger overrides it."""
+        return scan.records
+
+    def _snapshot_fields(self, scan: RolloutScan) -> dict[str, Any]:
+        """Extra ``RolloutInfo`` fields (the token store adds version, snapshot id and sealed)."""
+        return {}
+
+    def _rollout_info(self, rollout_id: str, scan: RolloutScan) -> RolloutInfo | None:
+        """The ``RolloutInfo`` of one listed rollout; ``None`` when nothing of this client's is there."""
+        owned = self._owned(scan)
+        if not owned and not scan.fence and not scan.retired:
+            return None
+        state = "retired" if scan.retired else "frozen" if scan.fence else "open"
+        return RolloutInfo(
+            rollout_id=rollout_id,
+            state=state,
+            objects=len(owned),
+            bytes=sum(item.size for item in owned),
+            last_write=_last_write(owned),
+            **self._snapshot_fields(scan),
+        )
+
     # ------------------------------------------------------------------ rollout fences and removal
     async def _scan(self, rollout_id: str, *, require: Iterable[str] = ()) -> RolloutScan:
-        """One verified listing of the rollout, split by kind. ``require``: keys (relative to the
-        rollout prefix) that this client has just written; a listing without them is retried,
-        then ``ListingError``."""
+        """One verified listing of the rollout, split by kind (``scan_listing``). ``require``: keys
+        (relative to the rollout prefix) that this client has just written; a listing without them
+        is retried, then ``ListingError``."""
         prefix = self.layout.rollout(rollout_id)
         listing = await self._list(prefix, require=[prefix + rel for rel in require])
-        scan = RolloutScan(prefix, seen_at=time.monotonic())
-        for item in listing:
-            rel = item.key[len(prefix):]
-            if rel == "fence":
-                scan.fence = True
-            elif rel == "retired":
-                scan.retired = True
-            elif rel.startswith("drop/") and rel.count("/") == 1 and len(rel) > 5:
-                scan.drops.append(item)
-            elif rel.startswith("snap/"):
-                scan.snaps.append(item)
-            elif rel.startswith("log/") and (parsed := parse_log_key(rel)) is not None:
-                scan.log.append(item)
-                scan.parsed.append(parsed)
-            elif rel.startswith("cum/") and is_checkpoint_rel(rel):
-                scan.checkpoints.append(item)
-            else:
-                scan.foreign.append(item)
-        return scan
+        return scan_listing(prefix, listing, seen_at=time.monotonic())
 
     async def _fence_state(self, prefix: str) -> str:
         """``"open"``, ``"frozen"`` or ``"retired"`` from one GET of the rollout's fence."""

@@ -43,7 +43,7 @@ from s3capture import fingerprint as _fp
 from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
-from s3capture.errors import ListingError, StoreError
+from s3capture.errors import ListingError, SnapshotNotSealedError, StoreError
 from s3capture.layout import MAX_KEY_BYTES, MAX_SEGMENT_BYTES, checkpoint_rel, escape_id, is_checkpoint_rel, parse_log_key
 from s3capture.protocols import (
     LineageMatch,
@@ -64,7 +64,7 @@ from s3capture.records import (
     prepare_entry,
     to_gym,
 )
-from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutObjects, parse_s3_url
+from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutInfo, RolloutObjects, RolloutScan, parse_s3_url
 from s3capture.transport import ListedObject, default_botocore_config
 
 __all__ = [
@@ -72,6 +72,8 @@ __all__ = [
     "FrozenSnapshot",
     "StoreError",
     "ListingError",
+    "SnapshotNotSealedError",
+    "RolloutInfo",
     "parse_s3_url",
     "default_botocore_config",
     "CHAIN_KEYS",
@@ -84,6 +86,10 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _ENVELOPE_FORMAT = "s3capture.entry/1"
 _ENVELOPE_TAIL = b',"format":"' + _ENVELOPE_FORMAT.encode() + b'"}'
 _MANIFEST_FORMAT = "s3capture.manifest/1"
+_MANIFEST_BASE_BYTES = 1 << 20
+_MANIFEST_BYTES_PER_OBJECT = 8 * 1024
+"""Largest sealed manifest ``read_snapshot`` reads: 1 MiB plus 8 KiB per listed object (a key is at
+most 1,024 bytes, which JSON escapes at most sixfold, plus its ETag and size)."""
 _CLOCK_SLACK = 0.1
 """Seconds ``drop`` adds to ``fence_grace``: monotonic clocks of two hosts may run at slightly
 different rates, and a put measures its own duration on its host's clock."""
@@ -145,6 +151,29 @@ class _Envelope(msgspec.Struct, kw_only=True):
     chain: list[str] = []
     cum_base: str = ""
     cum_self: str = ""
+
+
+class _ManifestObject(msgspec.Struct):
+    key: str
+    etag: str = ""
+    size: int = 0
+
+
+class _Manifest(msgspec.Struct):
+    """A sealed manifest (``snap/<version:020d>-<snapshot_id>``), as ``freeze`` writes it."""
+
+    format: str
+    rollout_id: str
+    version: int
+    snapshot_id: str
+    objects: list[_ManifestObject]
+    incomplete: bool = False
+    reasons: list[str] = []
+
+
+def _manifest_key(prefix: str, version: int, snapshot_id: str) -> str:
+    """Key of the sealed manifest of a rollout state (``prefix`` is the rollout's)."""
+    return f"{prefix}snap/{version:020d}-{snapshot_id}"
 
 
 class _Link(msgspec.Struct):
@@ -285,6 +314,17 @@ class S3TokenStore(RolloutObjects):
         self._fence_seen.move_to_end(rollout_id)
         while len(self._fence_seen) > _FENCE_SEEN_LIMIT:
             self._fence_seen.popitem(last=False)
+
+    def _snapshot_fields(self, scan: RolloutScan) -> dict[str, Any]:
+        """``rollouts``: the version and snapshot id a freeze of the listed state would give, and
+        whether its sealed manifest is listed."""
+        version, snapshot_id = scan.version_and_id()
+        manifest_key = _manifest_key(scan.prefix, version, snapshot_id)
+        return {
+            "version": version,
+            "snapshot_id": snapshot_id,
+            "sealed": any(item.key == manifest_key for item in scan.snaps),
+        }
 
     # ------------------------------------------------------------------ encoding
     def _decompressor(self) -> zstandard.ZstdDecompressor:
@@ -636,6 +676,9 @@ class S3TokenStore(RolloutObjects):
         a listing that hid one key cannot make a chain with a hole trainable. A lost *last* call
         leaves no such trace; ``begin_call`` intents close that gap (``docs/design.md``).
 
+        The snapshot is built from the listing exactly as ``read_snapshot`` builds it (one private
+        method), so a read-only reader of an unchanged frozen rollout gets the same one.
+
         Raises ``TokenCaptureRetiredError`` for a retired rollout (delete it to reuse the id). Raises ``StoreError`` (``ListingError`` for a listing that does
         not show the fence this freeze wrote, after retries) when the store fails.
         """
@@ -653,6 +696,137 @@ class S3TokenStore(RolloutObjects):
         # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
+        snapshot = await self._snapshot_of(rollout_id, scan)
+        version, snapshot_id, reasons = snapshot.version, snapshot.snapshot_id, snapshot.reasons
+        self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
+        # A frozen rollout takes no more writes: its call-key map is not needed again.
+        self._call_keys.forget(rollout_id)
+        manifest_key = _manifest_key(prefix, version, snapshot_id)
+        if all(item.key != manifest_key for item in scan.snaps):
+            # Awaited, not written in the background: a background PUT could land after another
+            # client's retire or delete of the rollout and leave a stray object there (docs/design.md).
+            plen = len(prefix)
+            manifest = {
+                "format": _MANIFEST_FORMAT,
+                "rollout_id": rollout_id,
+                "version": version,
+                "snapshot_id": snapshot_id,
+                "incomplete": snapshot.incomplete,
+                "reasons": list(reasons),
+                "objects": [
+                    {"key": i.key[plen:], "etag": i.etag, "size": i.size}
+                    for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
+                ],
+            }
+            await self._put(manifest_key, msgspec.json.encode(manifest))
+        if snapshot.incomplete:
+            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
+        return snapshot
+
+    async def read_snapshot(self, rollout_id: str, *, sealed: bool = True) -> FrozenSnapshot:
+        """The snapshot ``freeze`` would return for the rollout's listed state, without writing.
+
+        Read-only (GET and LIST permission only: ``docs/permissions.md``): nothing is written, no
+        fence is set, and this client's freeze bookkeeping is left alone. The snapshot is built
+        from the listing by the same private method ``freeze`` uses, so its ``entries`` (in
+        ``entry_type``), ``version``, ``snapshot_id``, ``incomplete`` and ``reasons`` are exactly
+        what a ``freeze`` of that state gives; a consumer can then ``drop`` it conditionally as usual
+        (with write permission).
+
+        ``sealed=True`` (the exporter's default): the rollout must be frozen and unchanged since
+        its freeze, i.e. the sealed manifest ``snap/<version:020d>-<snapshot_id>`` of exactly the
+        listed state exists. That manifest is read and checked against the listing (its format,
+        ``rollout_id``, ``version``, ``snapshot_id`` and the keys of its objects); a manifest that
+        does not match is damage or a foreign object, never trusted. ``sealed=False``: the snapshot
+        of the listed state whatever it is (an open rollout, or one written to after its freeze);
+        an open rollout can still change, so such a snapshot is a moment's view.
+
+        Requests: one LIST page per 1,000 keys of the rollout, then in parallel one GET per entry
+        not cached and (``sealed=True``) one GET of the manifest.
+
+        Raises:
+            TokenCaptureRetiredError: the rollout is retired (its records are gone or going).
+            SnapshotNotSealedError: ``sealed=True`` and the rollout is open (``state="open"``) or
+                changed since its freeze, or its freeze did not finish (``state="changed"``).
+            StoreError: the store failed (e.g. ``AccessDenied``), the listed manifest vanished, or
+                it is corrupt or does not match the listing (the message names its key).
+            ValueError: an id that cannot be stored.
+        """
+        prefix = self.layout.rollout(rollout_id)
+        scan = await self._scan(rollout_id)
+        if scan.retired:
+            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; it has no snapshot to read")
+        version, snapshot_id = scan.version_and_id()
+        manifest_key = _manifest_key(prefix, version, snapshot_id)
+        if not sealed:
+            return await self._snapshot_of(rollout_id, scan)
+        if not scan.fence:
+            raise SnapshotNotSealedError(
+                f"rollout {rollout_id!r} is open (never frozen): it has no sealed snapshot; freeze it first, "
+                "or read its current state with sealed=False",
+                state="open",
+                key=manifest_key,
+            )
+        if all(item.key != manifest_key for item in scan.snaps):
+            sealed_versions = sorted(item.key[len(prefix) + len("snap/"):] for item in scan.snaps)
+            newest = f"; the newest sealed manifest is snap/{sealed_versions[-1]}" if sealed_versions else "; no sealed manifest exists (its freeze did not finish)"
+            raise SnapshotNotSealedError(
+                f"rollout {rollout_id!r} changed since its freeze: its listed state (version {version}, snapshot "
+                f"{snapshot_id}) has no sealed manifest{newest}; freeze it again, or read it with sealed=False",
+                state="changed",
+                key=manifest_key,
+            )
+        objects = sorted(item.key[len(prefix):] for item in scan.log + scan.foreign)
+        limit = _MANIFEST_BASE_BYTES + _MANIFEST_BYTES_PER_OBJECT * len(objects)
+        manifest, snapshot = await asyncio.gather(
+            self._read_manifest(manifest_key, limit), self._snapshot_of(rollout_id, scan)
+        )
+        problem = ""
+        if manifest.format != _MANIFEST_FORMAT:
+            problem = f"its format is {manifest.format!r}, not {_MANIFEST_FORMAT!r}"
+        elif manifest.rollout_id != rollout_id:
+            problem = f"it names rollout {manifest.rollout_id!r}"
+        elif (manifest.version, manifest.snapshot_id) != (version, snapshot_id):
+            problem = f"it names version {manifest.version} and snapshot {manifest.snapshot_id!r}"
+        elif [item.key for item in manifest.objects] != objects:
+            problem = f"its {len(manifest.objects)} object keys are not the {len(objects)} listed ones"
+        if problem:
+            raise StoreError(
+                f"sealed manifest {manifest_key} does not match the listing of rollout {rollout_id!r} "
+                f"(version {version}, snapshot {snapshot_id}): {problem}; it is damaged or not s3capture's",
+                operation="GET",
+                key=manifest_key,
+            )
+        return snapshot
+
+    async def _read_manifest(self, key: str, limit: int) -> _Manifest:
+        """The sealed manifest at ``key``; ``StoreError`` naming the key when it vanished, is larger
+        than ``limit`` bytes, or is not a manifest."""
+        try:
+            data = await self._get(key, limit)
+        except RecordError as error:
+            raise StoreError(f"sealed manifest {key} is unreadable: {error}", operation="GET", key=key) from None
+        if data is None:
+            raise StoreError(
+                f"sealed manifest {key} was listed but vanished (the rollout is being dropped, retired or deleted)",
+                operation="GET",
+                key=key,
+            )
+        try:
+            return msgspec.json.decode(data, type=_Manifest)
+        except msgspec.DecodeError as error:
+            raise StoreError(f"sealed manifest {key} is not an s3capture manifest: {error}", operation="GET", key=key) from None
+
+    async def _snapshot_of(self, rollout_id: str, scan: RolloutScan) -> FrozenSnapshot:
+        """The snapshot of a scanned rollout: the one builder ``freeze`` and ``read_snapshot`` share.
+
+        Loads every listed entry (cache, else one GET each, in parallel), judges the log (conflicting
+        payloads, dangling intents, markers, foreign, unreadable, vanished and misfiled objects,
+        missing parents and broken delta chains), derives ``version`` and ``snapshot_id`` from the
+        listing and hands the chosen entries out in ``entry_type``. Reads only; touches no freeze
+        bookkeeping. Raises ``StoreError`` when the store fails.
+        """
+        prefix = scan.prefix
         reasons: list[str] = []
         plen = len(prefix)
         # call id -> SHA-256 -> every listed key holding those bytes, with its fingerprint (a copy
@@ -730,35 +904,12 @@ class S3TokenStore(RolloutObjects):
                     # Its prompt is only a suffix: it cannot even be rebuilt.
                     reasons.append(f"broken_chain:{entry.model_call_id}")
         version, snapshot_id = scan.version_and_id()
-        self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
-        # A frozen rollout takes no more writes: its call-key map is not needed again.
-        self._call_keys.forget(rollout_id)
         reasons.sort()
-        incomplete = bool(reasons)
-        manifest_key = f"{prefix}snap/{version:020d}-{snapshot_id}"
-        if all(item.key != manifest_key for item in scan.snaps):
-            # Awaited, not written in the background: a background PUT could land after another
-            # client's retire or delete of the rollout and leave a stray object there (docs/design.md).
-            manifest = {
-                "format": _MANIFEST_FORMAT,
-                "rollout_id": rollout_id,
-                "version": version,
-                "snapshot_id": snapshot_id,
-                "incomplete": incomplete,
-                "reasons": reasons,
-                "objects": [
-                    {"key": i.key[plen:], "etag": i.etag, "size": i.size}
-                    for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
-                ],
-            }
-            await self._put(manifest_key, msgspec.json.encode(manifest))
-        if incomplete:
-            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         if self.entry_type == "gym":
             out: tuple[Any, ...] = tuple(to_gym(stored.entry) for _, _, stored in chosen)
         else:
             out = tuple(await self._hand_out(chosen))
-        return FrozenSnapshot(rollout_id, out, incomplete, snapshot_id, version, tuple(reasons))
+        return FrozenSnapshot(rollout_id, out, bool(reasons), snapshot_id, version, tuple(reasons))
 
     async def _hand_out(self, chosen: list[tuple[str, str, _Stored]]) -> list[TokenEntry]:
         """The entries a snapshot returns, none of which shares a mutable part with what internal
@@ -793,7 +944,7 @@ class S3TokenStore(RolloutObjects):
         for position, key, sha in refetch:
             data = await self._get(key, self._read_limit())
             if data is None:
-                raise StoreError(f"freeze: {key} vanished while its snapshot was handed out")
+                raise StoreError(f"{key} vanished while its snapshot was handed out", operation="GET", key=key)
             out[position] = self._decode_object(data, sha).entry
         return out
 
