@@ -75,7 +75,7 @@ _EXAMPLES = 20
 """Examples kept per reason in a summary (counts are exact; examples are bounded)."""
 
 HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
-"""Test hook: after the parent has handled this many shard results it prints
+"""Test hook: after the parent has handled this many shard results (and finished their drops) it prints
 ``s3capture export: holding after N shards`` to stderr and sleeps (workers go on with the shards
 already assigned), so a test can SIGKILL the export between shards."""
 
@@ -777,17 +777,77 @@ _REPORT: Callable[[tuple[int, int, int, int]], Any] | None = None
 bytes_read)``. Set in each pool worker by the local engine (a queue's ``put``), in the parent for
 in-process shards; ``None``: no progress."""
 
-_SESSION: Any = None
+class _Clients:
+    """The source store and destination client of one thread of a worker, kept across shards.
+
+    Opening an S3 client costs about half a second of CPU (botocore's endpoint rules), so a
+    worker opens one per (job source, destination) on a long-lived event loop of its own and
+    reuses it for every shard it runs; they are closed at exit (``close``)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.session: Any = None
+        self.opened: dict[tuple, tuple[Any, _Destination]] = {}
+
+    def get(self, job: ExportJob) -> tuple[Any, _Destination]:
+        from s3capture.store import S3TokenStore
+
+        key = (job.url, job.dest, job.endpoint_url, job.transport, job.cache_bytes, job.concurrency)
+        found = self.opened.get(key)
+        if found is None:
+            if self.session is None and (job.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3")) != "obstore":
+                import aioboto3
+
+                self.session = aioboto3.Session()  # credentials and the service model load once
+            store = S3TokenStore(
+                job.url,
+                endpoint_url=job.endpoint_url,
+                session=self.session,
+                transport=job.transport,
+                cache_bytes=job.cache_bytes,
+                max_concurrency=max(8, min(64, 4 * job.concurrency)),
+            )
+            found = self.opened[key] = (store, _open_destination(job, self.session))
+        return found
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for store, dest in self.opened.values():
+                for client in (store, dest):
+                    try:
+                        await client.close()
+                    except Exception:  # noqa: BLE001 - closing at exit is best effort
+                        pass
+
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.run_until_complete(close_all())
+        finally:
+            self.opened.clear()
+            self.loop.close()
 
 
-def _session() -> Any:
-    """This process's ``aioboto3.Session`` (credentials and the service model load once per process)."""
-    global _SESSION
-    if _SESSION is None:
-        import aioboto3
+_THREAD = threading.local()
 
-        _SESSION = aioboto3.Session()
-    return _SESSION
+
+def _clients() -> _Clients:
+    """This thread's ``_Clients`` (created on first use; closed at interpreter exit)."""
+    clients = getattr(_THREAD, "clients", None)
+    if clients is None:
+        import atexit
+
+        clients = _THREAD.clients = _Clients()
+        atexit.register(clients.close)
+    return clients
+
+
+def _close_clients() -> None:
+    """Close this thread's clients now (the in-process engine's thread, when it is done)."""
+    clients = getattr(_THREAD, "clients", None)
+    if clients is not None:
+        _THREAD.clients = None
+        clients.close()
 
 
 async def _read(store: Any, job: ExportJob, info: Any) -> tuple[Any, bool]:
@@ -874,21 +934,11 @@ def _consume(built: _Built, writer: _Writer, result: ShardResult, job: ExportJob
         _REPORT((1, rows, tokens, int(getattr(info, "bytes", 0) or 0)))
 
 
-async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult:
-    from s3capture.store import S3TokenStore
-
+async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: Any, dest: _Destination) -> ShardResult:
     started = time.monotonic()
     result = ShardResult(shard=shard)
-    session = _session()
-    dest = _open_destination(job, session)
-    store = S3TokenStore(
-        job.url,
-        endpoint_url=job.endpoint_url,
-        session=session,
-        transport=job.transport,
-        cache_bytes=job.cache_bytes,
-        max_concurrency=max(8, min(64, 4 * job.concurrency)),
-    )
+    source_before = collections.Counter(store.request_counts)
+    dest_before = collections.Counter(dest.requests)
     writer = _open_writer(job, dest, shard)
     window: collections.deque[asyncio.Task] = collections.deque()
     try:
@@ -921,13 +971,11 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> Shar
         writer.discard()
         raise
     finally:
-        try:
-            await store.close()
-        finally:
-            await dest.close()
-            result.requests = {f"source:{k}": v for k, v in store.request_counts.items()}
-            result.requests.update({f"dest:{k}": v for k, v in dest.requests.items()})
-            result.seconds = time.monotonic() - started
+        source = collections.Counter(store.request_counts) - source_before
+        target = collections.Counter(dest.requests) - dest_before
+        result.requests = {f"source:{k}": v for k, v in source.items()}
+        result.requests.update({f"dest:{k}": v for k, v in target.items()})
+        result.seconds = time.monotonic() - started
     return result
 
 
@@ -943,9 +991,12 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
     build is reported in ``skipped`` / ``failed`` and never aborts the shard.
 
     Raises (nothing durable then) when the shard cannot be written: ``StoreError`` or ``OSError``
-    from the destination. Runs its own event loop: call it from a thread or process without one.
+    from the destination. Runs on an event loop of its own thread, with clients that stay open for
+    the next shard of the same job on that thread: call it from a thread without a running loop.
     """
-    return asyncio.run(_export_shard(job, shard, list(rollouts)))
+    clients = _clients()
+    store, dest = clients.get(job)
+    return clients.loop.run_until_complete(_export_shard(job, shard, list(rollouts), store, dest))
 
 
 # --------------------------------------------------------------------------- engines
@@ -981,14 +1032,18 @@ async def local_engine(
     global _REPORT
     if workers == 0:
         previous, _REPORT = _REPORT, report
+        thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3capture-export")
+        loop = asyncio.get_running_loop()
         try:
             async for shard, rollouts in shards:
                 try:
-                    yield await asyncio.to_thread(export_shard, job, shard, rollouts)
+                    yield await loop.run_in_executor(thread, export_shard, job, shard, rollouts)
                 except Exception as error:  # noqa: BLE001 - the shard's rollouts are reported failed
                     yield _failed_shard(shard, rollouts, error)
         finally:
             _REPORT = previous
+            await loop.run_in_executor(thread, _close_clients)
+            thread.shutdown(wait=True)
         return
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -1380,6 +1435,8 @@ async def export(
                         schedule_drop(record)
                 handled += 1
                 if hold_after and handled >= hold_after:
+                    if drop_tasks:  # the drops of the shards handled so far, as an export between shards
+                        await asyncio.gather(*list(drop_tasks))
                     print(f"s3capture export: holding after {handled} shards", file=sys.stderr, flush=True)
                     while True:  # a test kills the process here
                         time.sleep(3600)
