@@ -36,12 +36,12 @@ from s3capture.protocols import TokenCaptureFrozenError
 from s3capture.records import (
     ParentResolutionStatus,
     TokenEntry,
-    compute_digest,
     encode_entry,
     stamp_lineage,
     store_prompt_as_delta,
 )
 from s3capture.replay import ReplayCall, ReplayRollout
+from s3capture.trajectory import ChainError, check_chain, cumulative_prompt
 
 RESOLVED = ParentResolutionStatus.RESOLVED
 
@@ -385,45 +385,6 @@ class _WorkerPool:
                 proc.join(timeout=5)
 
 
-def _check_chains(snapshot: Any, memo: dict[str, list[int]] | None = None) -> list[str]:
-    """Return problems: a child whose full prompt does not start with its parent's cumulative tokens.
-
-    ``memo`` receives every entry's cumulative tokens (full prompt plus generation).
-    """
-    by_id = {entry.model_call_id: entry for entry in snapshot.entries}
-    memo = {} if memo is None else memo
-    problems: list[str] = []
-
-    def cumulative(call_id: str, depth: int = 0) -> list[int]:
-        if call_id in memo:
-            return memo[call_id]
-        entry = by_id[call_id]
-        prompt = list(entry.prompt_token_ids)
-        if entry.prompt_is_delta:
-            if depth > 100_000 or entry.parent_call_id not in by_id:
-                raise ValueError(f"{call_id}: delta prompt without its parent in the snapshot")
-            prompt = cumulative(entry.parent_call_id, depth + 1) + prompt
-        tokens = prompt + list(entry.generation_token_ids)
-        if entry.digest and compute_digest(tokens) != entry.digest:
-            raise ValueError(f"{call_id}: cumulative tokens fail their digest")
-        memo[call_id] = tokens
-        return tokens
-
-    for entry in snapshot.entries:
-        try:
-            tokens = cumulative(entry.model_call_id)
-            if entry.parent_call_id:
-                if entry.parent_call_id not in by_id:
-                    problems.append(f"{entry.model_call_id}: parent {entry.parent_call_id} not in snapshot")
-                    continue
-                parent = cumulative(entry.parent_call_id)
-                if tokens[: len(parent)] != parent or len(tokens) - len(entry.generation_token_ids) < len(parent):
-                    problems.append(f"{entry.model_call_id}: prompt does not start with parent {entry.parent_call_id}'s tokens")
-        except (ValueError, RecursionError) as error:
-            problems.append(str(error))
-    return problems
-
-
 async def _build(url: str, rollout_ids: list[str], report: DemoReport, progress: Any) -> None:
     """Freeze, verify and drop every rollout (the trajectory builder)."""
     from s3capture.store import S3TokenStore
@@ -439,20 +400,26 @@ async def _build(url: str, rollout_ids: list[str], report: DemoReport, progress:
         async def one(rollout_id: str) -> None:
             async with limit:
                 snapshot = await builder.freeze(rollout_id)
+                problems = check_chain(snapshot.entries)
+                by_id = {entry.model_call_id: entry for entry in snapshot.entries}
                 cumulative: dict[str, list[int]] = {}
-                problems = _check_chains(snapshot, cumulative)
                 report.chains_checked += sum(1 for e in snapshot.entries if e.parent_call_id)
                 report.chains_broken.extend(f"{rollout_id}: {p}" for p in problems)
                 for entry in snapshot.entries:
                     report.gym_jsonl_bytes += len(encode_entry(entry)) + 1
                     report.tokens += len(entry.prompt_token_ids) + len(entry.generation_token_ids)
-                    if entry.prompt_is_delta and entry.model_call_id in cumulative:
+                    full_prompt = None
+                    if entry.prompt_is_delta:
+                        try:
+                            full_prompt = cumulative_prompt(entry, by_id, memo=cumulative)
+                        except ChainError:
+                            pass  # reported by check_chain above
+                    if full_prompt is not None:
                         # The JSONL line Gym would write for this call with its full prompt.
-                        full = cumulative[entry.model_call_id]
-                        entry.prompt_token_ids = full[: len(full) - len(entry.generation_token_ids)]
+                        entry.prompt_token_ids = full_prompt
                         entry.prompt_is_delta = False
                         report.gym_full_jsonl_bytes += len(encode_entry(entry)) + 1
-                        report.full_tokens += len(full)
+                        report.full_tokens += len(full_prompt) + len(entry.generation_token_ids)
                     else:
                         report.gym_full_jsonl_bytes += len(encode_entry(entry)) + 1
                         report.full_tokens += len(entry.prompt_token_ids) + len(entry.generation_token_ids)

@@ -18,6 +18,8 @@ Usage::
     manifest = await ledger.manifest(rollout_id)   # validates as Gym's RolloutManifest
     await ledger.retire([rollout_id])
     await ledger.close()
+
+``ledger.rollouts(state)`` lists the root's rollouts that hold ledger objects (one streaming LIST).
 """
 
 from __future__ import annotations

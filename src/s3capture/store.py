@@ -16,6 +16,11 @@ Usage::
     snapshot = await store.freeze(rollout_id)
     await store.drop(rollout_id, snapshot.snapshot_id, snapshot.version)
     await store.close()
+
+Offline, with read-only credentials (GET and LIST: ``docs/permissions.md``)::
+
+    async for info in store.rollouts("frozen"):        # one streaming LIST of the root
+        snapshot = await store.read_snapshot(info.rollout_id)   # what freeze returned, unchanged since
 """
 
 from __future__ import annotations
@@ -778,9 +783,15 @@ class S3TokenStore(RolloutObjects):
             )
         objects = sorted(item.key[len(prefix):] for item in scan.log + scan.foreign)
         limit = _MANIFEST_BASE_BYTES + _MANIFEST_BYTES_PER_OBJECT * len(objects)
+        # Both always finish (a failure of one never leaves the other running unobserved); the
+        # manifest's error is the one raised when both fail.
         manifest, snapshot = await asyncio.gather(
-            self._read_manifest(manifest_key, limit), self._snapshot_of(rollout_id, scan)
+            self._read_manifest(manifest_key, limit), self._snapshot_of(rollout_id, scan), return_exceptions=True
         )
+        for result in (manifest, snapshot):
+            if isinstance(result, BaseException):
+                raise result
+        assert isinstance(manifest, _Manifest) and isinstance(snapshot, FrozenSnapshot)
         problem = ""
         if manifest.format != _MANIFEST_FORMAT:
             problem = f"its format is {manifest.format!r}, not {_MANIFEST_FORMAT!r}"
