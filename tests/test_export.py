@@ -32,6 +32,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from gymcompat import running_under_ci  # noqa: E402
 from helpers import put_chain, simple_entry, split_bucket_url  # noqa: E402
+from test_read_only import read_only  # noqa: E402,F401 - the fixture: a bucket whose reader may only GET and LIST
 from s3capture.cli import main  # noqa: E402
 from s3capture.export import (  # noqa: E402
     HOLD_ENV,
@@ -352,6 +353,38 @@ async def test_sigkill_between_shards_then_rerun_equals_an_uninterrupted_export(
     assert resumed == uninterrupted and len(set(resumed)) == len(resumed)
     states = {info.rollout_id: info.state async for info in fresh().rollouts()}
     assert states == {**{rid: "retired" for rid in ids}, "r-masked": "frozen"}
+
+
+async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    """Credentials with GetObject and ListBucket only (SeaweedFS identities, a Ceph bucket policy)."""
+    import aioboto3
+
+    from s3capture.store import S3TokenStore
+
+    endpoint, admin_keys, reader_keys, url = read_only
+    session = aioboto3.Session(aws_access_key_id=admin_keys[0], aws_secret_access_key=admin_keys[1], region_name="us-east-1")
+    async with S3TokenStore(url, endpoint_url=endpoint, session=session) as writer:
+        for rid in ("ro-1", "ro-2"):
+            await put_chain(writer, rid, 3)
+            await writer.freeze(rid)
+        await put_chain(writer, "ro-open", 2)
+        keys_before = await writer._list("")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", reader_keys[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", reader_keys[1])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+
+    summary = await export(url, str(tmp_path / "out"), workers=0, states=["frozen"])
+    assert summary.ok and summary.exported == 2, format_summary(summary)
+    assert sorted(row["rollout_id"] for row in read_rows(str(tmp_path / "out"))) == ["ro-1", "ro-2"]
+    # What needs a write fails per rollout, named, and never aborts the export: --freeze of the
+    # open rollout and --drop of the frozen ones are refused; the frozen ones are still exported.
+    denied = await export(url, str(tmp_path / "denied"), workers=0, min_age=0, freeze=True, drop=True)
+    assert denied.exported == 2 and denied.failed == 1 and denied.drop_failed == 2, format_summary(denied)
+    assert "AccessDenied" in denied.failed_examples["store_error"][0] and denied.failed_examples["store_error"][0].startswith("ro-open")
+    assert all("AccessDenied" in line for line in denied.drop_failed_examples)
+    async with S3TokenStore(url, endpoint_url=endpoint, session=session) as writer:
+        assert await writer._list("") == keys_before
 
 
 # --------------------------------------------------------------------------- without a server
