@@ -428,6 +428,27 @@ async def test_row_groups_are_bounded_and_a_large_token_id_widens_the_shard_to_i
         _ParquetWriter(job, _LocalDestination(str(tmp_path)), 9).add(_built("huge", [2**63]))
 
 
+def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
+    from s3capture.export import _Progress
+
+    stream = io.StringIO()
+    progress = _Progress(True, stream=stream, interval=0.0)
+    progress.planned(3)
+    progress.add((1, 2, 1500, 4_000_000))
+    progress.planned(1, done=True)
+    progress.add((1, 1, 500, 0))
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("export: 1/3+ rollouts, 2 trajectories, 1,500 tokens, ") and "ETA ?" in lines[0]
+    assert lines[-1].startswith("export: 2/4 rollouts, 3 trajectories, 2,000 tokens, ") and "MB/s" in lines[-1]
+    assert "ETA ?" not in lines[-1]
+    silent = io.StringIO()
+    quiet = _Progress(False, stream=silent, interval=0.0)
+    quiet.add((1, 1, 1, 1))
+    quiet.close()
+    assert silent.getvalue() == ""
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

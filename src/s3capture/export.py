@@ -1507,10 +1507,11 @@ def format_summary(summary: ExportSummary) -> str:
     for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
         if counts:
             lines.append(f"{title} by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
-    for examples in (s.skipped_examples, s.failed_examples):
-        for kind, kept in sorted(examples.items()):
-            for line in kept[:3]:
-                lines.append(f"  {kind}: {line}")
+    for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
+        for _, kept in sorted(examples.items()):
+            lines.extend(f"  {title} {line}" for line in kept[:3])
+    if s.changed_since_export:
+        lines.extend(f"  changed {line}" for line in s.changed_examples[:3])
     if s.dropped or s.drop_failed or s.not_dropped:
         lines.append(f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}")
         lines.extend(f"  {line}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
