@@ -268,6 +268,17 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     young = await export(bucket_url, str(tmp_path / "young"), workers=0, min_age=3600)
     assert young.skipped == 2 and young.skipped_reasons == {"not_quiescent": 2} and young.exported == 0
 
+    # A frozen rollout written to after its freeze (a late marker) is not sealed: skipped, unread,
+    # until --freeze seals it again (then masked, by the marker).
+    await put_chain(writer, "late", 2)
+    await fresh().freeze("late")
+    await writer.mark_incomplete("late", "call-001")
+    unsealed_frozen = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"])
+    assert unsealed_frozen.skipped_reasons == {"not_sealed": 1} and "source:GetObject" not in unsealed_frozen.requests
+    resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
+    assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
+    await fresh().delete(["late"])
+
     # Quiescent and read unsealed: exported, but a drop could not consume it (no fence): not dropped.
     unsealed = await export(bucket_url, str(tmp_path / "unsealed"), workers=0, min_age=0, drop=True)
     assert unsealed.exported == 2 and unsealed.dropped == 0 and unsealed.not_dropped == 2

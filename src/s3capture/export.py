@@ -1380,7 +1380,12 @@ async def export(
         batch: list[Any] = []
         batch_bytes = 0
         now = _dt.datetime.now(_dt.timezone.utc)
-        async for info in store.rollouts(states, prefix=prefix):
+        listed_prefix = prefix
+        if wanted:  # narrow the listing to the ids' common prefix
+            common = os.path.commonprefix(sorted(wanted))
+            if common.startswith(prefix):
+                listed_prefix = common
+        async for info in store.rollouts(states, prefix=listed_prefix):
             rid = info.rollout_id
             if wanted is not None:
                 if rid not in wanted:
@@ -1406,6 +1411,11 @@ async def export(
                     summary.changed_examples.append(
                         f"{rid}: exported at version {previous.version} ({previous.snapshot_id}), now version {info.version}"
                     )
+            if info.state == "frozen" and not info.sealed and not freeze:
+                # read_snapshot(sealed=True) would refuse it: say so without reading it.
+                skip(rid, "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
+                     "--freeze seals it again")
+                continue
             if info.state == "open" and info.last_write is not None:
                 age = (now - info.last_write).total_seconds()
                 if age < min_age:
