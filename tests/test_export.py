@@ -225,6 +225,7 @@ async def test_export_writes_each_trainable_chain_once_and_never_a_masked_one(
     assert await asyncio.to_thread(read_rows, dest, s3_client) == rows
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_masked_include_builtin_builder_and_gym_jsonl(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
     ids, snapshots = await capture_all(fresh)
     gym = await gym_sequences(bucket_url, ids + sorted(MASKED))
@@ -259,6 +260,7 @@ async def test_masked_include_builtin_builder_and_gym_jsonl(fresh: Any, bucket_u
             assert any(r.startswith(MASKED[line["rollout_id"]]) for r in extra["mask_reasons"])
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     fresh: Any, bucket_url: str, tmp_path: Path
 ) -> None:
@@ -293,6 +295,7 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     assert read_rows(str(tmp_path / "frozen")) == read_rows(str(tmp_path / "unsealed"))
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
     writer, builder = fresh(), fresh()
     for rid in ("team-a-1", "team-a-2", "team-b-1"):

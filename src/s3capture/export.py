@@ -1101,7 +1101,8 @@ async def local_engine(
 
 
 ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine}
-"""Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report)``: it runs
+"""Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report, **options)``
+(``options``: ``export(engine_options=...)``): it runs
 ``export_shard`` for every ``(shard, rollouts)`` task of the async iterator ``shards`` and yields
 ``ShardResult``s in any order."""
 
@@ -1256,6 +1257,7 @@ async def export(
     masked: str = "skip",
     drop: bool = False,
     engine: str = "local",
+    engine_options: dict[str, Any] | None = None,
     workers: int = 2,
     concurrency: int = 8,
     shard_rollouts: int = 256,
@@ -1279,7 +1281,8 @@ async def export(
     at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes, ``token_type``
     (``auto``: int32 unless a shard holds a larger id; ``int64``). ``drop``: drop each rollout
     exported as trainable from a sealed snapshot once its shard is durable. ``engine`` (``ENGINES``)
-    with ``workers`` processes and ``concurrency`` rollouts in flight per shard.
+    with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
+    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address).
 
     Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
     ``ValueError`` for bad options or a destination holding another export (other format or
@@ -1437,7 +1440,7 @@ async def export(
     hold_after = int(os.environ.get(HOLD_ENV) or 0)
     handled = 0
     try:
-        async with contextlib.aclosing(ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add)) as results:
+        async with contextlib.aclosing(ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add, **(engine_options or {}))) as results:
             async for result in results:
                 _account(summary, result, requests)
                 if not result.error:
