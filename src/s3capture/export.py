@@ -63,6 +63,8 @@ __all__ = [
 FORMATS = ("parquet", "gym-jsonl")
 MASKED_CHOICES = ("skip", "include")
 BUILDERS = ("prefix_merging", "per_request")
+"""Gym's builder names; which of them a run can use depends on the engine (NeMo Gym 0.7.0 and the
+built-in engine know ``prefix_merging`` only): ``export`` checks before reading anything."""
 BUILD_WITH = ("auto", "gym", "builtin")
 STATES = ("open", "frozen", "retired")
 TOKEN_TYPES = ("auto", "int64")
@@ -1212,7 +1214,6 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
     for name, allowed in (
         ("format", FORMATS),
         ("masked", MASKED_CHOICES),
-        ("builder", BUILDERS),
         ("build_with", BUILD_WITH),
         ("token_type", TOKEN_TYPES),
     ):
@@ -1240,6 +1241,18 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
             import pyarrow  # noqa: F401
         except ImportError:
             raise ValueError("--format parquet needs pyarrow: pip install 's3capture[parquet]'") from None
+    # The builder and engine, checked once here (on an empty snapshot, which only masks) rather than
+    # failing every rollout: NeMo Gym 0.7.0 and the built-in engine know prefix_merging only.
+    from s3capture.store import FrozenSnapshot
+    from s3capture.trajectory import build_rollout
+
+    try:
+        build_rollout(FrozenSnapshot("s3capture-export-probe", (), False, "", 0), builder=opts["builder"],
+                      engine=opts["build_with"])
+    except ValueError as error:
+        raise ValueError(f"--builder {opts['builder']} --build-with {opts['build_with']}: {error}") from None
+    except ImportError as error:
+        raise ValueError(f"--build-with {opts['build_with']}: {error}") from None
 
 
 async def export(
