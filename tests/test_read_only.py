@@ -157,7 +157,7 @@ async def test_open_and_changed_rollouts_are_not_sealed(fresh: Any, s3_client: A
 
 
 async def test_retired_rollouts_raise(fresh: Any) -> None:
-    writer, builder, reader = fresh(), fresh(), fresh()
+    writer, builder, reader = fresh(), fresh(fence_grace=0.0), fresh()
     await writer.put(simple_entry("r", "c1"))
     snapshot = await builder.freeze("r")
     assert await builder.drop("r", snapshot.snapshot_id, snapshot.version)
@@ -175,6 +175,7 @@ async def test_retired_rollouts_raise(fresh: Any) -> None:
         (lambda m: {**m, "snapshot_id": "0" * 32}, "names version"),
         (lambda m: {**m, "objects": m["objects"][:-1]}, "object keys"),
     ],
+    ids=["not-json", "format", "rollout", "snapshot", "objects"],
 )
 async def test_a_damaged_or_foreign_manifest_is_a_store_error(
     fresh: Any, s3_client: Any, bucket_url: str, damage: Any, problem: str
