@@ -1,4 +1,4 @@
-"""The ``s3capture`` command line (``s3capture demo``, ``s3capture conformance``)."""
+"""The ``s3capture`` command line (``s3capture demo``, ``s3capture conformance``, ``s3capture export``)."""
 
 from __future__ import annotations
 
@@ -330,6 +330,84 @@ def _conformance(args: argparse.Namespace) -> int:
             server.stop()
 
 
+EXPORT_RANGES = {
+    "workers": (0, 256),
+    "concurrency": (1, 1024),
+    "shard_rollouts": (1, 1_000_000),
+    "shard_mb": (1, 1_000_000),
+    "row_group_rows": (1, 10_000_000),
+    "row_group_mb": (1, 100_000),
+}
+
+
+def _duration(text: str) -> float:
+    from s3capture.export import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _states(text: str) -> tuple[str, ...]:
+    from s3capture.export import STATES
+
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [name for name in names if name not in STATES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(STATES)}, got {text!r}")
+    return names
+
+
+def _export(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import msgspec
+
+    from s3capture.export import export, format_summary, read_ids
+    from s3capture.store import parse_s3_url
+
+    parse_s3_url(args.url)  # ValueError (exit 2, one line) before any request
+    if args.out.startswith("s3://"):
+        parse_s3_url(args.out)
+    if args.endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL_S3"] = args.endpoint
+    ids = read_ids(args.ids) if args.ids else None
+    summary = asyncio.run(
+        export(
+            args.url,
+            args.out,
+            states=args.state,
+            ids=ids,
+            prefix=args.prefix,
+            min_age=args.min_age,
+            freeze=args.freeze,
+            builder=args.builder,
+            build_with=args.build_with,
+            format=args.format,
+            masked=args.masked,
+            drop=args.drop,
+            engine=args.engine,
+            workers=args.workers,
+            concurrency=args.concurrency,
+            shard_rollouts=args.shard_rollouts,
+            shard_bytes=args.shard_mb * 1024 * 1024,
+            row_group_rows=args.row_group_rows,
+            row_group_bytes=args.row_group_mb * 1024 * 1024,
+            token_type=args.token_ids,
+            endpoint_url=args.endpoint,
+            progress=not args.no_progress and not args.json,
+        )
+    )
+    if args.json:
+        data = msgspec.to_builtins(summary)
+        data["ok"] = summary.ok
+        print(msgspec.json.encode(data).decode())
+    else:
+        print(format_summary(summary))
+    return 0 if summary.ok else 1
+
+
 def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:
     import boto3
     from botocore.config import Config
@@ -355,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="s3capture",
         description="s3capture: NeMo Gym's token-capture protocols on S3-compatible storage. "
-        "'s3capture demo' runs a capture workload end to end; 's3capture conformance' checks a store.",
+        "'s3capture demo' runs a capture workload end to end; 's3capture conformance' checks a store; "
+        "'s3capture export' turns captured rollouts into training trajectories.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -412,7 +491,66 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fence-grace", type=float, default=1.0,
                        help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)")
     check.set_defaults(func=_conformance)
-    parser.commands = {"demo": demo, "conformance": check}
+    export = sub.add_parser(
+        "export",
+        help="export captured rollouts as training trajectories (Parquet or Gym JSONL), resumable",
+        description="Turn the rollouts captured under URL into training trajectories in DEST (a local folder or an "
+        "s3:// prefix): one streaming listing, a read-only snapshot per rollout (GET and LIST; --freeze and --drop "
+        "also write), trajectories built with NeMo Gym's builder when it is importable, shards part-NNNNN written "
+        "atomically, each followed by its manifest. A re-run skips what DEST already holds at the same snapshot, so "
+        "an interrupted export resumes. Masked or incomplete rollouts are never written as trainable. Exit status 0 "
+        "when nothing failed, 1 when a rollout, shard or drop failed, 2 for a usage or setup error. See docs/export.md.",
+    )
+    e = EXPORT_RANGES
+    export.add_argument("url", type=_argument(check_s3_url), help="s3://bucket/prefix the rollouts were captured under")
+    export.add_argument("--out", required=True, metavar="DEST", help="a local folder or an s3://bucket/prefix for the shards")
+    export.add_argument("--state", type=_states, metavar="STATES",
+                        help="comma-separated states to export among open, frozen, retired (default: frozen, and open "
+                        "ones quiescent for --min-age)")
+    export.add_argument("--min-age", type=_duration, default=600.0, metavar="AGE",
+                        help="an open rollout is exported only when its newest object is this old, e.g. 90s, 10m, 2h "
+                        "(default 10m; server clock vs this machine's)")
+    export.add_argument("--freeze", action="store_true",
+                        help="freeze open rollouts (and re-seal changed frozen ones) before reading them; needs PutObject")
+    export.add_argument("--ids", metavar="FILE", help="export only the rollout ids in FILE (one per line)")
+    export.add_argument("--prefix", default="", help="export only rollout ids starting with this text")
+    export.add_argument("--builder", choices=("prefix_merging", "per_request"), default="prefix_merging",
+                        help="trajectory builder, as NeMo Gym names them (default prefix_merging)")
+    export.add_argument("--build-with", choices=("auto", "gym", "builtin"), default="auto",
+                        help="whose builder runs: gym (nemo_gym's own consumer), builtin (s3capture's, follows the "
+                        "recorded parent links) or auto (gym when nemo_gym is importable; default)")
+    export.add_argument("--format", choices=("parquet", "gym-jsonl"), default="parquet",
+                        help="parquet: one row per trajectory (default); gym-jsonl: the dicts NeMo Gym's consumer returns")
+    export.add_argument("--masked", choices=("skip", "include"), default="skip",
+                        help="a masked or incomplete rollout is left out (skip, default) or written with masked=true")
+    export.add_argument("--drop", action="store_true",
+                        help="drop each rollout exported as trainable once its shard is durable (conditional: a rollout "
+                        "changed since its snapshot is kept); needs PutObject and DeleteObject")
+    from s3capture.export import ENGINES
+
+    export.add_argument("--engine", choices=tuple(ENGINES), default="local",
+                        help="where shards run: local (a process pool on this machine; default)")
+    export.add_argument("--workers", type=_int_in(*e["workers"]), default=2,
+                        help="worker processes of the local engine, %d to %d; 0 runs shards in this process (default 2)"
+                        % e["workers"])
+    export.add_argument("--concurrency", type=_int_in(*e["concurrency"]), default=8,
+                        help="rollouts read at once per worker, %d to %d (default 8)" % e["concurrency"])
+    export.add_argument("--shard-rollouts", type=_int_in(*e["shard_rollouts"]), default=256,
+                        help="rollouts per shard at most (default 256)")
+    export.add_argument("--shard-mb", type=_int_in(*e["shard_mb"]), default=256,
+                        help="stored MiB of rollouts per shard, about (default 256)")
+    export.add_argument("--row-group-rows", type=_int_in(*e["row_group_rows"]), default=1024,
+                        help="Parquet rows per row group at most (default 1024)")
+    export.add_argument("--row-group-mb", type=_int_in(*e["row_group_mb"]), default=64,
+                        help="Parquet row group size at most, in MiB of uncompressed token columns (default 64)")
+    export.add_argument("--token-ids", choices=("auto", "int64"), default="auto",
+                        help="token_ids element type: auto (int32, int64 in a shard holding a larger id) or int64")
+    export.add_argument("--endpoint", type=_argument(check_endpoint),
+                        help="S3 endpoint URL of the source and an s3:// DEST (default: AWS_ENDPOINT_URL, else AWS S3)")
+    export.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
+    export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")
+    export.set_defaults(func=_export)
+    parser.commands = {"demo": demo, "conformance": check, "export": export}
     return parser
 
 

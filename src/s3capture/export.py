@@ -1,0 +1,1548 @@
+"""``s3capture export``: captured rollouts to training trajectories, sharded, resumable, bounded.
+
+Pipeline (``docs/export.md``):
+
+1. The parent streams **one listing** of the source (``S3TokenStore.rollouts``: one LIST page per
+   1,000 keys, no per-rollout request), selects rollouts (state, ``--ids``, ``--prefix``,
+   quiescence of open ones) and skips every rollout the destination's shard manifests already hold
+   at the same ``(snapshot_id, version)``: a re-run resumes an interrupted export without a GET.
+2. It cuts the rest into **shards** (at most ``shard_rollouts`` rollouts and about ``shard_bytes``
+   stored bytes each) and hands them to an **engine** (``ENGINES``). The local engine runs
+   ``export_shard`` in a process pool on this machine; another engine (Ray) runs the same function
+   elsewhere. At most ``2 x workers`` shards are assigned ahead, so the listing pauses while they
+   work (bounded memory).
+3. ``export_shard(job, shard, rollouts)`` reads each rollout (``read_snapshot``: GET and LIST only;
+   ``freeze`` with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
+   (``s3capture.trajectory.build_rollout``), appends rows to a bounded row-group buffer, publishes
+   the data file atomically (temp file + rename locally; one PUT on S3) and then the shard manifest
+   ``part-NNNNN.manifest.json``. **A shard is durable once its manifest exists.**
+4. With ``drop``, the parent drops a rollout (``S3TokenStore.drop``: conditional, it keeps the
+   evidence when a write raced the freeze) only after the manifest of the shard holding it exists.
+
+A masked or incomplete rollout is never written as trainable: ``masked="skip"`` leaves it out (the
+manifest still records the decision), ``masked="include"`` writes it with ``masked=true`` and its
+reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import datetime as _dt
+import io
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "ENGINES",
+    "ExportJob",
+    "ExportSummary",
+    "RolloutRecord",
+    "ShardManifest",
+    "ShardResult",
+    "export",
+    "export_shard",
+    "format_summary",
+    "local_engine",
+    "parquet_schema",
+    "read_manifests",
+]
+
+FORMATS = ("parquet", "gym-jsonl")
+MASKED_CHOICES = ("skip", "include")
+BUILDERS = ("prefix_merging", "per_request")
+"""Gym's builder names; which of them a run can use depends on the engine (NeMo Gym 0.7.0 and the
+built-in engine know ``prefix_merging`` only): ``export`` checks before reading anything."""
+BUILD_WITH = ("auto", "gym", "builtin")
+STATES = ("open", "frozen", "retired")
+TOKEN_TYPES = ("auto", "int64")
+MANIFEST_FORMAT = "s3capture.export-shard/1"
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+_PART = re.compile(r"^part-(\d{5,})\.(parquet|jsonl|manifest\.json)$")
+_TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
+_EXAMPLES = 20
+"""Examples kept per reason in a summary (counts are exact; examples are bounded)."""
+
+HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
+"""Test hook: after the parent has handled this many shard results (and finished their drops) it prints
+``s3capture export: holding after N shards`` to stderr and sleeps (workers go on with the shards
+already assigned), so a test can SIGKILL the export between shards."""
+
+# The metrics NeMo Gym's consumer reports that are scalars, as typed columns (``metric_<name>``);
+# every metric (nested ones too) is also in the ``metrics`` JSON column.
+METRIC_COLUMNS: dict[str, str] = {
+    "chains": "int",
+    "roots": "int",
+    "quarantined_calls": "int",
+    "quarantined_fraction": "float",
+    "delivered_fraction": "float",
+    "generated_tokens_captured": "int",
+    "generated_tokens_delivered": "int",
+    "unresolved_parent_calls": "int",
+    "empty_generation_calls": "int",
+    "capture_incomplete": "bool",
+}
+
+
+# --------------------------------------------------------------------------- records
+class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a shard needs to read, build and write (picklable; the same on every engine).
+
+    ``url`` is the source ``s3://bucket/prefix``; ``dest`` a local folder or an ``s3://`` prefix.
+    ``row_group_rows`` and ``row_group_bytes`` bound a Parquet row group (and so the row buffer):
+    rows, and estimated uncompressed bytes of the list columns (9 bytes per token).
+    """
+
+    url: str
+    dest: str
+    format: str = "parquet"
+    builder: str = "prefix_merging"
+    build_with: str = "auto"
+    masked: str = "skip"
+    freeze: bool = False
+    concurrency: int = 8
+    row_group_rows: int = 1024
+    row_group_bytes: int = 64 * 1024 * 1024
+    token_type: str = "auto"
+    endpoint_url: str | None = None
+    transport: str | None = None
+    cache_bytes: int = 32 * 1024 * 1024
+
+
+class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One rollout's line in a shard manifest: which snapshot was exported and what became of it.
+
+    ``written``: its rows are in the shard's data file (False: a masked rollout left out by
+    ``masked="skip"``). ``rows``: trajectories written. ``sealed``: read from its sealed manifest
+    (or frozen by this export), so a conditional ``drop`` can consume it; False for an open
+    rollout read unsealed. ``tokens``: token ids written (sum of ``len(token_ids)``).
+    """
+
+    rollout_id: str
+    snapshot_id: str
+    version: int
+    masked: bool
+    mask_reasons: list[str] = []
+    written: bool = True
+    rows: int = 0
+    tokens: int = 0
+    sealed: bool = True
+
+
+class ShardManifest(msgspec.Struct, kw_only=True):
+    """``part-NNNNN.manifest.json``: written after the data file; its existence makes the shard durable."""
+
+    format: str = MANIFEST_FORMAT
+    shard: int
+    data: str | None
+    """The data file's name beside the manifest, ``None`` when the shard has no row."""
+    data_format: str
+    data_bytes: int = 0
+    rows: int = 0
+    builder: str = ""
+    build_with: str = ""
+    source: str = ""
+    created_at: str = ""
+    rollouts: list[RolloutRecord] = []
+
+
+class ShardResult(msgspec.Struct, kw_only=True):
+    """What one ``export_shard`` call did. ``skipped`` and ``failed`` are ``(rollout_id, reason)``;
+    ``requests`` counts HTTP requests by ``"source:<S3 operation>"`` / ``"dest:<S3 operation>"``."""
+
+    shard: int
+    data: str | None = None
+    manifest: str | None = None
+    rows: int = 0
+    records: list[RolloutRecord] = []
+    skipped: list[tuple[str, str]] = []
+    failed: list[tuple[str, str]] = []
+    tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    requests: dict[str, int] = {}
+    seconds: float = 0.0
+    error: str = ""
+    """Set when the shard as a whole failed (nothing of it is durable; its rollouts are in ``failed``)."""
+
+
+class ExportSummary(msgspec.Struct, kw_only=True):
+    """The outcome of one ``export`` run (``format_summary`` prints it; ``--json`` encodes it).
+
+    Rollout counts: ``exported`` (written as trainable), ``masked_written`` (written with
+    ``masked=true``), ``masked_excluded`` (left out by ``masked="skip"``), ``already_exported``
+    (the destination held them at the same snapshot), ``changed_since_export`` (the destination
+    holds rows of an earlier snapshot of them; exported again, so both snapshots have rows),
+    ``skipped`` (not read: not quiescent, not
+    sealed, retired, not listed) and ``failed`` (a store or build error; retried by a re-run).
+    ``*_reasons`` count by reason class, ``*_examples`` hold up to 20 ``"rollout_id: reason"``
+    lines per class. ``tokens`` and ``trajectories`` count what this run wrote; ``bytes_read`` is
+    the stored size of the rollouts it read, ``bytes_written`` the data and manifests it wrote.
+    ``requests`` counts HTTP requests by ``source:<operation>`` and ``dest:<operation>``.
+    """
+
+    source: str
+    dest: str
+    format: str
+    listed: int = 0
+    selected: int = 0
+    exported: int = 0
+    masked_written: int = 0
+    masked_excluded: int = 0
+    already_exported: int = 0
+    changed_since_export: int = 0
+    changed_examples: list[str] = []
+    skipped: int = 0
+    skipped_reasons: dict[str, int] = {}
+    skipped_examples: dict[str, list[str]] = {}
+    failed: int = 0
+    failed_reasons: dict[str, int] = {}
+    failed_examples: dict[str, list[str]] = {}
+    masked_reasons: dict[str, int] = {}
+    trajectories: int = 0
+    tokens: int = 0
+    shards_written: int = 0
+    shards_failed: int = 0
+    shards_existing: int = 0
+    orphans_removed: int = 0
+    dropped: int = 0
+    drop_failed: int = 0
+    drop_failed_examples: list[str] = []
+    not_dropped: int = 0
+    not_dropped_examples: list[str] = []
+    bytes_read: int = 0
+    bytes_written: int = 0
+    requests: dict[str, int] = {}
+    wall_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """No rollout failed, no shard failed and no drop failed."""
+        return not self.failed and not self.shards_failed and not self.drop_failed
+
+
+def _reason_class(reason: str) -> str:
+    """The class of a reason: its text up to the first ':' (``"not_sealed: ..."`` -> ``not_sealed``)."""
+    return reason.split(":", 1)[0].strip() or "unknown"
+
+
+def _note(counts: dict[str, int], examples: dict[str, list[str]], rollout_id: str, reason: str) -> None:
+    kind = _reason_class(reason)
+    counts[kind] = counts.get(kind, 0) + 1
+    kept = examples.setdefault(kind, [])
+    if len(kept) < _EXAMPLES:
+        kept.append(f"{rollout_id}: {reason}")
+
+
+# --------------------------------------------------------------------------- schema and rows
+def parquet_schema(token_type: str = "int32") -> Any:
+    """The Parquet schema of an export: one row per trajectory (``docs/export.md``).
+
+    ``token_type`` is ``"int32"`` or ``"int64"`` (the ``token_ids`` element type). Needs pyarrow
+    (``pip install 's3capture[parquet]'``).
+    """
+    import pyarrow as pa
+
+    ids = pa.int64() if token_type == "int64" else pa.int32()
+    metric_types = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
+    fields = [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("chain_id", pa.string(), nullable=False),
+        pa.field("snapshot_id", pa.string(), nullable=False),
+        pa.field("version", pa.int64(), nullable=False),
+        pa.field("token_ids", pa.list_(ids), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("call_ids", pa.list_(pa.string()), nullable=False),
+        pa.field("num_calls", pa.int32(), nullable=False),
+        pa.field("masked", pa.bool_(), nullable=False),
+        pa.field("mask_reasons", pa.list_(pa.string()), nullable=False),
+    ]
+    fields += [pa.field(f"metric_{name}", metric_types[kind]) for name, kind in METRIC_COLUMNS.items()]
+    fields.append(pa.field("metrics", pa.string(), nullable=False))
+    return pa.schema(fields, metadata={b"s3capture.export": b"1"})
+
+
+def _metric_value(metrics: dict, name: str, kind: str) -> Any:
+    value = metrics.get(name)
+    if value is None or isinstance(value, (dict, list, str)):
+        return None
+    if kind == "bool":
+        return bool(value)
+    if kind == "int":
+        return int(value) if not isinstance(value, float) or value.is_integer() else None
+    return float(value)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if hasattr(value, "value"):  # enums
+        return value.value
+    return str(value)
+
+
+_json_encoder = msgspec.json.Encoder(enc_hook=_json_default, order="sorted")
+
+
+def _metrics_json(metrics: dict) -> str:
+    return _json_encoder.encode(metrics).decode()
+
+
+class _Built(msgspec.Struct, kw_only=True):
+    """One rollout read and built, as a shard consumes it."""
+
+    info: Any
+    snapshot_id: str = ""
+    version: int = 0
+    sealed: bool = True
+    build: Any = None
+    masked: bool = False
+    reasons: list[str] = []
+    skipped: str = ""
+    failed: str = ""
+
+
+def _verdict(build: Any, snapshot: Any) -> tuple[bool, list[str]]:
+    """``(masked, reasons)`` of a build: masked when the builder or the snapshot says so, or when
+    nothing trainable came out (no trajectory, misaligned arrays, no generated token)."""
+    reasons = list(getattr(build, "mask_reasons", None) or [])
+    masked = bool(build.masked)
+    if snapshot.incomplete:
+        masked = True
+        for reason in getattr(snapshot, "reasons", ()) or ("capture_incomplete",):
+            if reason not in reasons:
+                reasons.append(reason)
+    trajectories = list(build.trajectories or ())
+    if not trajectories:
+        masked = True
+        if not reasons:
+            reasons.append("no_trajectory")
+    for t in trajectories:
+        if not (len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)):
+            masked = True
+            reasons.append(f"misaligned_trajectory:{t.chain_id}")
+        elif not masked and not any(t.loss_mask):
+            masked = True
+            reasons.append(f"no_generated_tokens:{t.chain_id}")
+    if masked and not reasons:
+        reasons.append("masked")
+    return masked, reasons
+
+
+# --------------------------------------------------------------------------- destinations
+def _is_s3(dest: str) -> bool:
+    return dest.startswith("s3://")
+
+
+class _Existing(msgspec.Struct, kw_only=True):
+    manifests: list[ShardManifest] = []
+    data_files: list[str] = []
+    temp_files: list[str] = []
+    highest: int = -1
+
+
+class _Destination:
+    """Where shards go: a local folder or an ``s3://`` prefix. ``publish`` is atomic."""
+
+    requests: collections.Counter
+
+    async def scan(self) -> _Existing:
+        raise NotImplementedError
+
+    async def remove(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+    def temp_path(self, name: str) -> str:
+        raise NotImplementedError
+
+    async def publish(self, name: str, temp: str) -> int:
+        """Make the finished temp file ``temp`` appear as ``name``; its size in bytes."""
+        raise NotImplementedError
+
+    async def publish_bytes(self, name: str, body: bytes) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+def _classify(names: Iterable[str], existing: _Existing) -> list[str]:
+    """Sort destination file names into data files, temp files and manifest names."""
+    manifests: list[str] = []
+    for name in names:
+        match = _PART.match(name)
+        if match:
+            existing.highest = max(existing.highest, int(match.group(1)))
+            if match.group(2) == "manifest.json":
+                manifests.append(name)
+            else:
+                existing.data_files.append(name)
+        elif _TEMP.match(name):
+            existing.temp_files.append(name)
+    return manifests
+
+
+def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
+    try:
+        manifest = msgspec.json.decode(raw, type=ShardManifest)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"shard manifest {name} is not a valid export manifest: {error}") from None
+    if manifest.format != MANIFEST_FORMAT:
+        raise ValueError(f"shard manifest {name} has format {manifest.format!r}, expected {MANIFEST_FORMAT!r}")
+    return manifest
+
+
+class _LocalDestination(_Destination):
+    def __init__(self, folder: str) -> None:
+        self.folder = os.path.abspath(folder)
+        self.requests = collections.Counter()
+
+    async def scan(self) -> _Existing:
+        existing = _Existing()
+        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise ValueError(f"--out {self.folder} exists and is not a folder")
+        os.makedirs(self.folder, exist_ok=True)
+        for name in _classify(sorted(os.listdir(self.folder)), existing):
+            with open(os.path.join(self.folder, name), "rb") as handle:
+                existing.manifests.append(_decode_manifest(name, handle.read()))
+        return existing
+
+    async def remove(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                pass
+
+    def temp_path(self, name: str) -> str:
+        # Hidden (a leading '.'): Parquet dataset readers skip it while it is being written.
+        return os.path.join(self.folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+
+    def _fsync_folder(self) -> None:
+        try:
+            fd = os.open(self.folder, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    async def publish(self, name: str, temp: str) -> int:
+        with open(temp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        size = os.path.getsize(temp)
+        os.replace(temp, os.path.join(self.folder, name))
+        self._fsync_folder()
+        return size
+
+    async def publish_bytes(self, name: str, body: bytes) -> None:
+        temp = self.temp_path(name)
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(body)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, os.path.join(self.folder, name))
+        except BaseException:
+            try:
+                os.unlink(temp)
+            except FileNotFoundError:
+                pass
+            raise
+        self._fsync_folder()
+
+
+class _S3Destination(_Destination):
+    def __init__(self, url: str, *, endpoint_url: str | None, transport: str | None, session: Any = None) -> None:
+        from s3capture.rollouts import parse_s3_url
+        from s3capture.transport import make_transport
+
+        self.bucket, prefix = parse_s3_url(url)
+        self.prefix = f"{prefix}/" if prefix else ""
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.transport = make_transport(transport, self.bucket, endpoint_url=endpoint, session=session, max_concurrency=8)
+
+    @property
+    def requests(self) -> collections.Counter:  # type: ignore[override]
+        return self.transport.request_counts
+
+    async def scan(self) -> _Existing:
+        existing = _Existing()
+        listed = await self.transport.list(self.prefix)
+        names = [item.key[len(self.prefix):] for item in listed if "/" not in item.key[len(self.prefix):]]
+        manifest_names = _classify(sorted(names), existing)
+        for name in manifest_names:
+            raw = await self.transport.get(self.prefix + name)
+            if raw is None:  # removed since the listing: not durable any more
+                continue
+            existing.manifests.append(_decode_manifest(name, raw))
+        return existing
+
+    async def remove(self, names: list[str]) -> None:
+        if names:
+            await self.transport.delete([self.prefix + name for name in names])
+
+    def temp_path(self, name: str) -> str:
+        fd, path = tempfile.mkstemp(prefix=f"s3capture-{name}.", suffix=".tmp")
+        os.close(fd)
+        return path
+
+    async def publish(self, name: str, temp: str) -> int:
+        # One PUT: the object appears whole or not at all.
+        with open(temp, "rb") as handle:
+            body = handle.read()
+        await self.transport.put(self.prefix + name, body)
+        os.unlink(temp)
+        return len(body)
+
+    async def publish_bytes(self, name: str, body: bytes) -> None:
+        await self.transport.put(self.prefix + name, body)
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+
+def _open_destination(job: ExportJob, session: Any = None) -> _Destination:
+    if _is_s3(job.dest):
+        return _S3Destination(job.dest, endpoint_url=job.endpoint_url, transport=job.transport, session=session)
+    return _LocalDestination(job.dest)
+
+
+async def read_manifests(dest: str, *, endpoint_url: str | None = None, transport: str | None = None) -> list[ShardManifest]:
+    """The durable shards of an export destination (a local folder or an ``s3://`` prefix), in
+    shard order. Data files without a manifest are not durable and are not returned.
+
+    Raises ``ValueError`` for a manifest that is not an export manifest, ``StoreError`` when S3 fails.
+    """
+    target = _open_destination(ExportJob(url="", dest=dest, endpoint_url=endpoint_url, transport=transport))
+    try:
+        if isinstance(target, _LocalDestination) and not os.path.isdir(target.folder):
+            return []
+        existing = await target.scan()
+    finally:
+        await target.close()
+    return sorted(existing.manifests, key=lambda m: m.shard)
+
+
+# --------------------------------------------------------------------------- shard writers
+class _Writer:
+    """Rows of one shard into a temp file, then published atomically."""
+
+    def __init__(self, job: ExportJob, dest: _Destination, shard: int) -> None:
+        self.job = job
+        self.dest = dest
+        self.name = f"part-{shard:05d}.{'parquet' if job.format == 'parquet' else 'jsonl'}"
+        self.temp = dest.temp_path(self.name)
+        self.rows = 0
+
+    def add(self, built: _Built) -> tuple[int, int]:
+        """Write one built rollout; ``(rows, tokens)`` written. ``OverflowError`` for a token id
+        that no column type holds (nothing of that rollout is written then)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    async def publish(self) -> tuple[str | None, int]:
+        """Close and publish the data file; ``(name, bytes)``, or ``(None, 0)`` without a row."""
+        self.finish()
+        if not self.rows:
+            self.discard()
+            return None, 0
+        return self.name, await self.dest.publish(self.name, self.temp)
+
+    def discard(self) -> None:
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - discarding after a failure
+            pass
+        try:
+            os.unlink(self.temp)
+        except FileNotFoundError:
+            pass
+
+
+def _trajectory_rows(built: _Built) -> list[dict]:
+    build = built.build
+    metrics = dict(getattr(build, "metrics", None) or {})
+    common = {
+        "rollout_id": built.info.rollout_id,
+        "snapshot_id": built.snapshot_id,
+        "version": built.version,
+        "masked": built.masked,
+        "mask_reasons": list(built.reasons) if built.masked else [],
+        "metrics": _metrics_json(metrics),
+    }
+    for name, kind in METRIC_COLUMNS.items():
+        common[f"metric_{name}"] = _metric_value(metrics, name, kind)
+    rows = []
+    for t in build.trajectories or ():
+        aligned = len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)
+        rows.append(
+            dict(
+                common,
+                chain_id=t.chain_id,
+                token_ids=list(t.token_ids) if aligned else [],
+                loss_mask=list(t.loss_mask) if aligned else [],
+                logprobs=list(t.logprobs) if aligned else [],
+                call_ids=list(t.call_ids),
+                num_calls=len(t.call_ids),
+            )
+        )
+    if not rows:  # a masked rollout without a trajectory still leaves its evidence
+        rows.append(dict(common, chain_id="", token_ids=[], loss_mask=[], logprobs=[], call_ids=[], num_calls=0))
+    return rows
+
+
+class _ParquetWriter(_Writer):
+    """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes."""
+
+    def __init__(self, job: ExportJob, dest: _Destination, shard: int) -> None:
+        import pyarrow  # noqa: F401 - fail here, before any read, when the extra is missing
+
+        super().__init__(job, dest, shard)
+        self.token_type = "int64" if job.token_type == "int64" else "int32"
+        self.buffer: list[dict] = []
+        self.buffered_bytes = 0
+        self.writer: Any = None
+
+    def _open(self) -> Any:
+        import pyarrow.parquet as pq
+
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.temp, parquet_schema(self.token_type), compression="zstd")
+        return self.writer
+
+    def _widen(self) -> None:
+        """Switch the shard to ``int64`` token ids: rewrite the row groups written so far."""
+        import pyarrow.parquet as pq
+
+        self.token_type = "int64"
+        if self.writer is None:
+            return
+        self.writer.close()
+        old, self.temp, self.writer = self.temp, self.dest.temp_path(self.name), None
+        source = pq.ParquetFile(old)
+        writer = self._open()
+        schema = parquet_schema("int64")
+        for index in range(source.num_row_groups):
+            writer.write_table(source.read_row_group(index).cast(schema))
+        source.close()
+        os.unlink(old)
+
+    def add(self, built: _Built) -> tuple[int, int]:
+        rows = _trajectory_rows(built)
+        highest = max((max(r["token_ids"]) for r in rows if r["token_ids"]), default=0)
+        if highest > _INT64_MAX:
+            raise OverflowError(f"token id {highest} does not fit a 64-bit integer")
+        if highest > _INT32_MAX and self.token_type == "int32":
+            self._widen()
+        tokens = 0
+        for row in rows:
+            n = len(row["token_ids"])
+            tokens += n
+            self.buffer.append(row)
+            self.buffered_bytes += 9 * n + 256
+        self.rows += len(rows)
+        if len(self.buffer) >= self.job.row_group_rows or self.buffered_bytes >= self.job.row_group_bytes:
+            self._flush()
+        return len(rows), tokens
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if not self.buffer:
+            return
+        schema = parquet_schema(self.token_type)
+        columns = {name: [row[name] for row in self.buffer] for name in schema.names}
+        self._open().write_table(pa.Table.from_pydict(columns, schema=schema))
+        self.buffer = []
+        self.buffered_bytes = 0
+
+    def finish(self) -> None:
+        if self.writer is None and self.rows:
+            self._open()
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def gym_dict(build: Any, *, snapshot_id: str, version: int, masked: bool, reasons: Sequence[str], builder: str) -> dict:
+    """The dict NeMo Gym's ``trajectories_from_source`` returns for a rollout: ``build.gym_result``
+    when Gym's builder ran, else an equivalent built from the built-in builder's trajectories
+    (``rebuilt_response.output`` holds token-only items, one per generated run, as Gym's projection
+    makes for calls without content items). ``mask_sample`` is True whenever ``masked`` is;
+    ``_capture_snapshot`` names the snapshot and ``_s3capture`` the mask reasons."""
+    result = getattr(build, "gym_result", None)
+    if result is not None:
+        out = dict(result)
+    else:
+        trajectories = list(build.trajectories or ())
+        main = next((t for t in trajectories if t.chain_id == "main"), trajectories[0] if trajectories else None)
+        response = None
+        if main is not None:
+            items: list[dict] = []
+            n = len(main.token_ids)
+            position = 0
+            while position < n:
+                if main.loss_mask[position]:
+                    end = position
+                    while end < n and main.loss_mask[end]:
+                        end += 1
+                    items.append(
+                        {
+                            "type": "message",
+                            "prompt_token_ids": list(main.token_ids[:position]),
+                            "generation_token_ids": list(main.token_ids[position:end]),
+                            "generation_log_probs": [float(x) for x in main.logprobs[position:end]],
+                        }
+                    )
+                    position = end
+                else:
+                    position += 1
+            response = {
+                "id": f"proj-{build.rollout_id}",
+                "model": "",
+                "object": "response",
+                "output": items,
+                "usage": {
+                    "input_tokens": len(items[0]["prompt_token_ids"]) if items else 0,
+                    "output_tokens": sum(len(i["generation_token_ids"]) for i in items),
+                },
+            }
+        out = {
+            "rollout_id": build.rollout_id,
+            "builder": builder,
+            "rebuilt_response": response,
+            "metrics": dict(getattr(build, "metrics", None) or {}),
+            "mask_sample": masked,
+        }
+    out["mask_sample"] = bool(out.get("mask_sample")) or masked
+    out.setdefault("_capture_snapshot", {"snapshot_id": snapshot_id, "version": version})
+    out["_s3capture"] = {"masked": masked, "mask_reasons": list(reasons) if masked else []}
+    return out
+
+
+class _JsonlWriter(_Writer):
+    """One line per rollout: ``gym_dict`` (the dict Gym's consumer returns)."""
+
+    def __init__(self, job: ExportJob, dest: _Destination, shard: int) -> None:
+        super().__init__(job, dest, shard)
+        self.handle: io.BufferedWriter | None = open(self.temp, "wb")
+
+    def add(self, built: _Built) -> tuple[int, int]:
+        assert self.handle is not None
+        line = gym_dict(
+            built.build,
+            snapshot_id=built.snapshot_id,
+            version=built.version,
+            masked=built.masked,
+            reasons=built.reasons,
+            builder=self.job.builder,
+        )
+        self.handle.write(_json_encoder.encode(line) + b"\n")
+        self.rows += 1
+        tokens = sum(len(t.token_ids) for t in built.build.trajectories or ())
+        return 1, tokens
+
+    def finish(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _open_writer(job: ExportJob, dest: _Destination, shard: int) -> _Writer:
+    return _ParquetWriter(job, dest, shard) if job.format == "parquet" else _JsonlWriter(job, dest, shard)
+
+
+# --------------------------------------------------------------------------- one shard
+_REPORT: Callable[[tuple[int, int, int, int]], Any] | None = None
+"""Where ``export_shard`` reports progress, once per rollout: ``(rollouts, trajectories, tokens,
+bytes_read)``. Set in each pool worker by the local engine (a queue's ``put``), in the parent for
+in-process shards; ``None``: no progress."""
+
+class _Clients:
+    """The source store and destination client of one thread of a worker, kept across shards.
+
+    Opening an S3 client costs about half a second of CPU (botocore's endpoint rules), so a
+    worker opens one per (job source, destination) on a long-lived event loop of its own and
+    reuses it for every shard it runs; they are closed at exit (``close``)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.session: Any = None
+        self.opened: dict[tuple, tuple[Any, _Destination]] = {}
+
+    def get(self, job: ExportJob) -> tuple[Any, _Destination]:
+        from s3capture.store import S3TokenStore
+
+        key = (job.url, job.dest, job.endpoint_url, job.transport, job.cache_bytes, job.concurrency)
+        found = self.opened.get(key)
+        if found is None:
+            if self.session is None and (job.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3")) != "obstore":
+                import aioboto3
+
+                self.session = aioboto3.Session()  # credentials and the service model load once
+            store = S3TokenStore(
+                job.url,
+                endpoint_url=job.endpoint_url,
+                session=self.session,
+                transport=job.transport,
+                cache_bytes=job.cache_bytes,
+                max_concurrency=max(8, min(64, 4 * job.concurrency)),
+            )
+            found = self.opened[key] = (store, _open_destination(job, self.session))
+        return found
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for store, dest in self.opened.values():
+                for client in (store, dest):
+                    try:
+                        await client.close()
+                    except Exception:  # noqa: BLE001 - closing at exit is best effort
+                        pass
+
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.run_until_complete(close_all())
+        finally:
+            self.opened.clear()
+            self.loop.close()
+
+
+_THREAD = threading.local()
+
+
+def _clients() -> _Clients:
+    """This thread's ``_Clients`` (created on first use; closed at interpreter exit)."""
+    clients = getattr(_THREAD, "clients", None)
+    if clients is None:
+        import atexit
+
+        clients = _THREAD.clients = _Clients()
+        atexit.register(clients.close)
+    return clients
+
+
+def _close_clients() -> None:
+    """Close this thread's clients now (the in-process engine's thread, when it is done)."""
+    clients = getattr(_THREAD, "clients", None)
+    if clients is not None:
+        _THREAD.clients = None
+        clients.close()
+
+
+async def _read(store: Any, job: ExportJob, info: Any) -> tuple[Any, bool]:
+    """The snapshot to export and whether it is sealed (a ``drop`` can consume it)."""
+    from s3capture.errors import SnapshotNotSealedError
+
+    if info.state == "open":
+        if job.freeze:
+            return await store.freeze(info.rollout_id), True
+        return await store.read_snapshot(info.rollout_id, sealed=False), False
+    try:
+        return await store.read_snapshot(info.rollout_id, sealed=True), True
+    except SnapshotNotSealedError:
+        if not job.freeze:
+            raise
+        return await store.freeze(info.rollout_id), True
+
+
+async def _read_and_build(store: Any, job: ExportJob, info: Any) -> _Built:
+    from s3capture.errors import SnapshotNotSealedError, StoreError
+    from s3capture.protocols import TokenCaptureRetiredError
+    from s3capture.trajectory import build_rollout
+
+    built = _Built(info=info)
+    try:
+        snapshot, built.sealed = await _read(store, job, info)
+    except SnapshotNotSealedError as error:
+        built.skipped = f"not_sealed: {error}"
+        return built
+    except TokenCaptureRetiredError as error:
+        built.skipped = f"retired: {error}"
+        return built
+    except StoreError as error:
+        built.failed = f"store_error: {type(error).__name__}: {error}"
+        return built
+    except ValueError as error:  # an id the store cannot hold
+        built.failed = f"bad_rollout: {error}"
+        return built
+    built.snapshot_id, built.version = snapshot.snapshot_id, snapshot.version
+    try:
+        build = await asyncio.to_thread(build_rollout, snapshot, builder=job.builder, engine=job.build_with)
+    except Exception as error:  # noqa: BLE001 - one rollout's build failure never aborts its shard
+        built.failed = f"build_error: {type(error).__name__}: {error}"
+        return built
+    built.build = build
+    built.masked, built.reasons = _verdict(build, snapshot)
+    return built
+
+
+def _consume(built: _Built, writer: _Writer, result: ShardResult, job: ExportJob) -> None:
+    info = built.info
+    rid = info.rollout_id
+    if built.skipped:
+        result.skipped.append((rid, built.skipped))
+        return
+    if built.failed:
+        result.failed.append((rid, built.failed))
+        return
+    rows = tokens = 0
+    written = not built.masked or job.masked == "include"
+    if written:
+        try:
+            rows, tokens = writer.add(built)
+        except OverflowError as error:
+            result.failed.append((rid, f"token_overflow: {error}"))
+            return
+    result.records.append(
+        RolloutRecord(
+            rollout_id=rid,
+            snapshot_id=built.snapshot_id,
+            version=built.version,
+            masked=built.masked,
+            mask_reasons=list(built.reasons) if built.masked else [],
+            written=written,
+            rows=rows,
+            tokens=tokens,
+            sealed=built.sealed,
+        )
+    )
+    result.rows += rows
+    result.tokens += tokens
+    result.bytes_read += int(getattr(info, "bytes", 0) or 0)
+    if _REPORT is not None:
+        _REPORT((1, rows, tokens, int(getattr(info, "bytes", 0) or 0)))
+
+
+async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: Any, dest: _Destination) -> ShardResult:
+    started = time.monotonic()
+    result = ShardResult(shard=shard)
+    source_before = collections.Counter(store.request_counts)
+    dest_before = collections.Counter(dest.requests)
+    writer = _open_writer(job, dest, shard)
+    window: collections.deque[asyncio.Task] = collections.deque()
+    try:
+        for info in rollouts:
+            window.append(asyncio.create_task(_read_and_build(store, job, info)))
+            if len(window) >= job.concurrency:
+                _consume(await window.popleft(), writer, result, job)
+        while window:
+            _consume(await window.popleft(), writer, result, job)
+        result.data, result.bytes_written = await writer.publish()
+        manifest = ShardManifest(
+            shard=shard,
+            data=result.data,
+            data_format=job.format,
+            data_bytes=result.bytes_written,
+            rows=result.rows,
+            builder=job.builder,
+            build_with=job.build_with,
+            source=job.url,
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            rollouts=result.records,
+        )
+        body = msgspec.json.format(msgspec.json.encode(manifest), indent=1)
+        result.manifest = f"part-{shard:05d}.manifest.json"
+        await dest.publish_bytes(result.manifest, body)
+        result.bytes_written += len(body)
+    except BaseException:
+        for task in window:
+            task.cancel()
+        writer.discard()
+        raise
+    finally:
+        source = collections.Counter(store.request_counts) - source_before
+        target = collections.Counter(dest.requests) - dest_before
+        result.requests = {f"source:{k}": v for k, v in source.items()}
+        result.requests.update({f"dest:{k}": v for k, v in target.items()})
+        result.seconds = time.monotonic() - started
+    return result
+
+
+def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult:
+    """Read, build and write one whole shard; the function every engine runs (picklable arguments).
+
+    ``rollouts`` are ``s3capture.rollouts.RolloutInfo`` from the listing. Each is read with
+    ``read_snapshot`` (sealed for a frozen rollout, unsealed for an open one; ``freeze`` instead
+    with ``job.freeze``), at most ``job.concurrency`` in flight, built with
+    ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
+    ``part-<shard>.parquet`` (or ``.jsonl``) is published atomically, then the manifest
+    ``part-<shard>.manifest.json``. A rollout that is not sealed, retired, unreadable or fails to
+    build is reported in ``skipped`` / ``failed`` and never aborts the shard.
+
+    Raises (nothing durable then) when the shard cannot be written: ``StoreError`` or ``OSError``
+    from the destination. Runs on an event loop of its own thread, with clients that stay open for
+    the next shard of the same job on that thread: call it from a thread without a running loop.
+    """
+    clients = _clients()
+    store, dest = clients.get(job)
+    return clients.loop.run_until_complete(_export_shard(job, shard, list(rollouts), store, dest))
+
+
+# --------------------------------------------------------------------------- engines
+ShardTask = tuple[int, list[Any]]
+"""``(shard number, RolloutInfo list)``: one unit of work for an engine."""
+
+
+def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> ShardResult:
+    reason = f"shard_failed: part-{shard:05d}: {type(error).__name__}: {error}"
+    return ShardResult(shard=shard, failed=[(info.rollout_id, reason) for info in rollouts], error=reason)
+
+
+def _init_worker(queue: Any) -> None:
+    global _REPORT
+    _REPORT = queue.put
+
+
+async def local_engine(
+    job: ExportJob, shards: AsyncIterator[ShardTask], *, workers: int = 2, report: Callable | None = None
+) -> AsyncIterator[ShardResult]:
+    """Run ``export_shard`` for every shard task on this machine; yield each ``ShardResult`` as it ends.
+
+    ``workers >= 1``: a process pool of that many processes (``spawn``); ``workers == 0``: one shard
+    at a time in a thread of this process (debugging, tests). At most ``max(2, 2 x workers)``
+    shards are taken from ``shards`` ahead of their results, so a streamed listing pauses while
+    they work. A shard that raises is yielded as a failed ``ShardResult`` (its rollouts in
+    ``failed``); a worker process that dies raises ``RuntimeError``. ``report`` receives progress
+    tuples (see ``_REPORT``).
+
+    This is the engine seam: an engine is ``async def engine(job, shards, *, workers, report)``
+    yielding ``ShardResult``s (``ENGINES``).
+    """
+    global _REPORT
+    if workers == 0:
+        previous, _REPORT = _REPORT, report
+        thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3capture-export")
+        loop = asyncio.get_running_loop()
+        try:
+            async for shard, rollouts in shards:
+                try:
+                    yield await loop.run_in_executor(thread, export_shard, job, shard, rollouts)
+                except Exception as error:  # noqa: BLE001 - the shard's rollouts are reported failed
+                    yield _failed_shard(shard, rollouts, error)
+        finally:
+            _REPORT = previous
+            await loop.run_in_executor(thread, _close_clients)
+            thread.shutdown(wait=True)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    stop = threading.Event()
+
+    def drain() -> None:
+        import queue as queue_module
+
+        while not stop.is_set():
+            try:
+                item = queue.get(timeout=0.2)
+            except queue_module.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            if report is not None:
+                report(item)
+
+    drainer = threading.Thread(target=drain, name="s3capture-export-progress", daemon=True)
+    drainer.start()
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+    pending: dict[asyncio.Future, ShardTask] = {}
+    ahead = max(2, 2 * workers)
+
+    def settle(future: asyncio.Future) -> ShardResult:
+        shard, rollouts = pending.pop(future)
+        error = future.exception()
+        if error is None:
+            return future.result()
+        if isinstance(error, concurrent.futures.process.BrokenProcessPool):
+            raise RuntimeError(f"an export worker process died (shard part-{shard:05d}): {error}") from error
+        return _failed_shard(shard, rollouts, error)
+
+    try:
+        async for task in shards:
+            future = asyncio.wrap_future(pool.submit(export_shard, job, task[0], task[1]))
+            pending[future] = task
+            while len(pending) >= ahead:
+                done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    yield settle(future)
+        while pending:
+            done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                yield settle(future)
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        # Progress the workers sent before they ended is in the queue: drain it, then stop.
+        await asyncio.sleep(0.3)
+        stop.set()
+        drainer.join(timeout=2)
+        queue.close()
+
+
+ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine}
+"""Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report, **options)``
+(``options``: ``export(engine_options=...)``): it runs
+``export_shard`` for every ``(shard, rollouts)`` task of the async iterator ``shards`` and yields
+``ShardResult``s in any order."""
+
+
+# --------------------------------------------------------------------------- progress
+class _Progress:
+    """A tqdm bar on a TTY, else a plain line every ``interval`` seconds (and none when disabled)."""
+
+    def __init__(self, enabled: bool, *, stream: Any = None, interval: float = 10.0) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval = interval
+        self.lock = threading.Lock()
+        self.rollouts = self.trajectories = self.tokens = self.bytes = 0
+        self.total = 0
+        self.listing_done = False
+        self.started = time.monotonic()
+        self.last_line = self.started
+        self.bar: Any = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=0, desc="export", unit="rollout", file=self.stream, dynamic_ncols=True)
+
+    def add(self, item: tuple[int, int, int, int]) -> None:
+        rollouts, trajectories, tokens, size = item
+        with self.lock:
+            self.rollouts += rollouts
+            self.trajectories += trajectories
+            self.tokens += tokens
+            self.bytes += size
+            self._render(rollouts)
+
+    def planned(self, count: int, *, done: bool = False) -> None:
+        with self.lock:
+            self.total += count
+            self.listing_done = self.listing_done or done
+            if self.bar is not None:
+                self.bar.total = self.total
+                self.bar.refresh()
+
+    def _rate(self) -> float:
+        return self.bytes / 1e6 / max(1e-9, time.monotonic() - self.started)
+
+    def _render(self, advanced: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"{self.trajectories:,} traj, {self.tokens / 1e6:.1f}M tok, {self._rate():.1f} MB/s", refresh=False
+            )
+            self.bar.update(advanced)
+            return
+        now = time.monotonic()
+        if now - self.last_line >= self.interval:
+            self.last_line = now
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        eta = "?"
+        if self.listing_done and self.rollouts:
+            eta = f"{(self.total - self.rollouts) * elapsed / self.rollouts:.0f}s"
+        total = f"{self.total:,}" if self.listing_done else f"{self.total:,}+"
+        return (
+            f"export: {self.rollouts:,}/{total} rollouts, {self.trajectories:,} trajectories, "
+            f"{self.tokens:,} tokens, {self._rate():.1f} MB/s, {elapsed:.0f}s elapsed, ETA {eta}"
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and self.rollouts:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+
+# --------------------------------------------------------------------------- the export
+def parse_duration(text: str) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"10m"``, ``"2h"`` or ``"1d"``; ``ValueError`` otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not match:
+        raise ValueError(f"expected a duration such as 90s, 10m, 2h or 1d, got {text!r}")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def read_ids(path: str | os.PathLike) -> list[str]:
+    """Rollout ids of an ``--ids`` file: one per line; blank lines and lines starting with ``#``
+    are ignored, surrounding whitespace is stripped. ``ValueError`` for an unreadable or empty file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            ids = [line.strip() for line in handle]
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--ids {path}: cannot read it: {error}") from None
+    ids = [i for i in ids if i and not i.startswith("#")]
+    if not ids:
+        raise ValueError(f"--ids {path}: no rollout id in it")
+    return ids
+
+
+def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
+    from s3capture.rollouts import parse_s3_url
+
+    bucket, root = parse_s3_url(url)
+    for name, allowed in (
+        ("format", FORMATS),
+        ("masked", MASKED_CHOICES),
+        ("build_with", BUILD_WITH),
+        ("token_type", TOKEN_TYPES),
+    ):
+        if opts[name] not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
+    if opts["engine"] not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {opts['engine']!r}")
+    for name in opts["states"]:
+        if name not in STATES:
+            raise ValueError(f"state must be among {', '.join(STATES)}, got {name!r}")
+    for name, low in (("workers", 0), ("concurrency", 1), ("shard_rollouts", 1), ("row_group_rows", 1)):
+        if not isinstance(opts[name], int) or opts[name] < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
+    if opts["min_age"] < 0:
+        raise ValueError("min_age must be >= 0 seconds")
+    if not dest:
+        raise ValueError("no destination (--out)")
+    if _is_s3(dest):
+        dest_bucket, dest_prefix = parse_s3_url(dest)
+        inside = f"{root}/rollouts" if root else "rollouts"
+        if dest_bucket == bucket and (dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")):
+            raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
+    if opts["format"] == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise ValueError("--format parquet needs pyarrow: pip install 's3capture[parquet]'") from None
+    # The builder and engine, checked once here (on an empty snapshot, which only masks) rather than
+    # failing every rollout: NeMo Gym 0.7.0 and the built-in engine know prefix_merging only.
+    from s3capture.store import FrozenSnapshot
+    from s3capture.trajectory import build_rollout
+
+    try:
+        build_rollout(FrozenSnapshot("s3capture-export-probe", (), False, "", 0), builder=opts["builder"],
+                      engine=opts["build_with"])
+    except ValueError as error:
+        raise ValueError(f"--builder {opts['builder']} --build-with {opts['build_with']}: {error}") from None
+    except ImportError as error:
+        raise ValueError(f"--build-with {opts['build_with']}: {error}") from None
+
+
+async def export(
+    url: str,
+    dest: str,
+    *,
+    states: Sequence[str] | None = None,
+    ids: Iterable[str] | None = None,
+    prefix: str = "",
+    min_age: float = 600.0,
+    freeze: bool = False,
+    builder: str = "prefix_merging",
+    build_with: str = "auto",
+    format: str = "parquet",
+    masked: str = "skip",
+    drop: bool = False,
+    engine: str = "local",
+    engine_options: dict[str, Any] | None = None,
+    workers: int = 2,
+    concurrency: int = 8,
+    shard_rollouts: int = 256,
+    shard_bytes: int = 256 * 1024 * 1024,
+    row_group_rows: int = 1024,
+    row_group_bytes: int = 64 * 1024 * 1024,
+    token_type: str = "auto",
+    endpoint_url: str | None = None,
+    transport: str | None = None,
+    progress: bool | _Progress = False,
+) -> ExportSummary:
+    """Export the rollouts of ``url`` (``s3://bucket/prefix``) to ``dest`` (a local folder or an
+    ``s3://`` prefix) as training trajectories; resumable (``docs/export.md``).
+
+    Selection: ``states`` (default: frozen, and open ones whose newest object is at least
+    ``min_age`` seconds old by this machine's clock; read unsealed unless ``freeze``), ``ids`` (only
+    these rollout ids) and ``prefix`` (only ids starting with it). Building: ``builder``
+    (``prefix_merging`` | ``per_request``), ``build_with`` (``auto`` | ``gym`` | ``builtin``).
+    Output: ``format`` (``parquet`` | ``gym-jsonl``), ``masked`` (``skip`` | ``include``), shards of
+    at most ``shard_rollouts`` rollouts and about ``shard_bytes`` stored bytes, Parquet row groups of
+    at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes, ``token_type``
+    (``auto``: int32 unless a shard holds a larger id; ``int64``). ``drop``: drop each rollout
+    exported as trainable from a sealed snapshot once its shard is durable. ``engine`` (``ENGINES``)
+    with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
+    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address).
+
+    Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
+    ``ValueError`` for bad options or a destination holding another export (other format or
+    builder), ``StoreError`` when the source listing or the destination fails, ``RuntimeError``
+    when a worker process dies.
+    """
+    from s3capture.store import S3TokenStore
+
+    states = tuple(states) if states else ("open", "frozen")
+    opts = dict(
+        format=format, masked=masked, builder=builder, build_with=build_with, token_type=token_type, engine=engine,
+        states=states, workers=workers, concurrency=concurrency, shard_rollouts=shard_rollouts,
+        row_group_rows=row_group_rows, min_age=min_age,
+    )
+    _check_options(url, dest, opts)
+    started = time.monotonic()
+    job = ExportJob(
+        url=url, dest=dest, format=format, builder=builder, build_with=build_with, masked=masked, freeze=freeze,
+        concurrency=concurrency, row_group_rows=row_group_rows, row_group_bytes=row_group_bytes,
+        token_type=token_type, endpoint_url=endpoint_url, transport=transport,
+    )
+    summary = ExportSummary(source=url, dest=dest, format=format)
+    requests: collections.Counter[str] = collections.Counter()
+    wanted = set(ids) if ids is not None else None
+    seen_ids: set[str] = set()
+    bar = progress if isinstance(progress, _Progress) else _Progress(bool(progress))
+
+    # -- the destination: durable shards, orphans of an interrupted run
+    target = _open_destination(job)
+    try:
+        existing = await target.scan()
+        done: dict[str, RolloutRecord] = {}
+        for manifest in existing.manifests:
+            if manifest.data_format != format:
+                raise ValueError(
+                    f"--out {dest} holds a {manifest.data_format} export (part-{manifest.shard:05d}); "
+                    f"this run writes {format}: use another destination"
+                )
+            if manifest.builder and manifest.builder != builder:
+                raise ValueError(
+                    f"--out {dest} was exported with --builder {manifest.builder}; re-run with it or use another destination"
+                )
+            for record in manifest.rollouts:
+                done[record.rollout_id] = record
+        durable_data = {m.data for m in existing.manifests if m.data}
+        orphans = [name for name in existing.data_files if name not in durable_data] + existing.temp_files
+        await target.remove(orphans)
+        summary.orphans_removed = len(orphans)
+        summary.shards_existing = len(existing.manifests)
+        next_shard = existing.highest + 1
+    finally:
+        await target.close()
+        requests.update({f"dest:{k}": v for k, v in target.requests.items()})
+
+    drop_limit = asyncio.Semaphore(32)
+    drop_tasks: set[asyncio.Task] = set()
+    store = S3TokenStore(url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024)
+
+    async def drop_one(record: RolloutRecord) -> None:
+        async with drop_limit:
+            try:
+                dropped = await store.drop(record.rollout_id, record.snapshot_id, record.version)
+            except Exception as error:  # noqa: BLE001 - reported, never aborts the export
+                summary.drop_failed += 1
+                if len(summary.drop_failed_examples) < _EXAMPLES:
+                    summary.drop_failed_examples.append(f"{record.rollout_id}: {type(error).__name__}: {error}")
+                return
+        if dropped:
+            summary.dropped += 1
+        else:
+            summary.drop_failed += 1
+            if len(summary.drop_failed_examples) < _EXAMPLES:
+                summary.drop_failed_examples.append(
+                    f"{record.rollout_id}: the rollout changed since its snapshot {record.snapshot_id} was exported "
+                    "(a write raced the freeze); its objects are kept"
+                )
+
+    def schedule_drop(record: RolloutRecord) -> None:
+        if not (drop and record.written and not record.masked):
+            return
+        if not record.sealed:
+            summary.not_dropped += 1
+            if len(summary.not_dropped_examples) < _EXAMPLES:
+                summary.not_dropped_examples.append(
+                    f"{record.rollout_id}: exported from an open rollout read unsealed; --freeze freezes it first"
+                )
+            return
+        task = asyncio.create_task(drop_one(record))
+        drop_tasks.add(task)
+        task.add_done_callback(drop_tasks.discard)
+
+    def skip(rollout_id: str, reason: str) -> None:
+        summary.skipped += 1
+        _note(summary.skipped_reasons, summary.skipped_examples, rollout_id, reason)
+
+    async def shard_tasks() -> AsyncIterator[ShardTask]:
+        nonlocal next_shard
+        batch: list[Any] = []
+        batch_bytes = 0
+        now = _dt.datetime.now(_dt.timezone.utc)
+        listed_prefix = prefix
+        if wanted:  # narrow the listing to the ids' common prefix
+            common = os.path.commonprefix(sorted(wanted))
+            if common.startswith(prefix):
+                listed_prefix = common
+        async for info in store.rollouts(states, prefix=listed_prefix):
+            rid = info.rollout_id
+            if wanted is not None:
+                if rid not in wanted:
+                    continue
+                seen_ids.add(rid)
+            summary.listed += 1
+            if info.state not in states:
+                continue
+            previous = done.get(rid)
+            if (
+                previous is not None
+                and info.snapshot_id
+                and (previous.snapshot_id, previous.version) == (info.snapshot_id, info.version)
+                and (previous.written or masked == "skip")
+            ):
+                summary.already_exported += 1
+                if info.state == "frozen":  # its shard is durable; a drop a killed run never made
+                    schedule_drop(msgspec.structs.replace(previous, sealed=True))
+                continue
+            if previous is not None and previous.written:
+                summary.changed_since_export += 1
+                if len(summary.changed_examples) < _EXAMPLES:
+                    summary.changed_examples.append(
+                        f"{rid}: exported at version {previous.version} ({previous.snapshot_id}), now version {info.version}"
+                    )
+            if info.state == "frozen" and not info.sealed and not freeze:
+                # read_snapshot(sealed=True) would refuse it: say so without reading it.
+                skip(rid, "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
+                     "--freeze seals it again")
+                continue
+            if info.state == "open" and info.last_write is not None:
+                age = (now - info.last_write).total_seconds()
+                if age < min_age:
+                    skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
+                    continue
+            summary.selected += 1
+            batch.append(info)
+            batch_bytes += int(info.bytes or 0)
+            if len(batch) >= shard_rollouts or batch_bytes >= shard_bytes:
+                bar.planned(len(batch))
+                yield next_shard, batch
+                next_shard += 1
+                batch, batch_bytes = [], 0
+        bar.planned(len(batch), done=True)
+        if batch:
+            yield next_shard, batch
+            next_shard += 1
+
+    hold_after = int(os.environ.get(HOLD_ENV) or 0)
+    handled = 0
+    try:
+        async with contextlib.aclosing(ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add, **(engine_options or {}))) as results:
+            async for result in results:
+                _account(summary, result, requests)
+                if not result.error:
+                    for record in result.records:
+                        schedule_drop(record)
+                handled += 1
+                if hold_after and handled >= hold_after:
+                    if drop_tasks:  # the drops of the shards handled so far, as an export between shards
+                        await asyncio.gather(*list(drop_tasks))
+                    print(f"s3capture export: holding after {handled} shards", file=sys.stderr, flush=True)
+                    while True:  # a test kills the process here
+                        time.sleep(3600)
+        if drop_tasks:
+            await asyncio.gather(*list(drop_tasks))
+        if wanted is not None:
+            for rid in sorted(wanted - seen_ids):
+                skip(rid, "not_listed: no such rollout in the selected states and prefix")
+    finally:
+        for task in list(drop_tasks):
+            task.cancel()
+        bar.close()
+        try:
+            await store.close()
+        finally:
+            requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
+    summary.requests = dict(sorted(requests.items()))
+    summary.wall_seconds = round(time.monotonic() - started, 3)
+    return summary
+
+
+def _account(summary: ExportSummary, result: ShardResult, requests: collections.Counter) -> None:
+    requests.update(result.requests)
+    if result.error:
+        summary.shards_failed += 1
+    elif result.manifest:
+        summary.shards_written += 1
+    for rid, reason in result.skipped:
+        summary.skipped += 1
+        _note(summary.skipped_reasons, summary.skipped_examples, rid, reason)
+    for rid, reason in result.failed:
+        summary.failed += 1
+        _note(summary.failed_reasons, summary.failed_examples, rid, reason)
+    if result.error:
+        return
+    for record in result.records:
+        if record.masked:
+            for reason in record.mask_reasons or ["masked"]:
+                kind = _reason_class(reason)
+                summary.masked_reasons[kind] = summary.masked_reasons.get(kind, 0) + 1
+            if record.written:
+                summary.masked_written += 1
+            else:
+                summary.masked_excluded += 1
+        else:
+            summary.exported += 1
+    summary.trajectories += result.rows
+    summary.tokens += result.tokens
+    summary.bytes_read += result.bytes_read
+    summary.bytes_written += result.bytes_written
+
+
+def format_summary(summary: ExportSummary) -> str:
+    """The human-readable summary ``s3capture export`` prints at the end."""
+    s = summary
+    mb = s.bytes_read / 1e6
+    rate = mb / s.wall_seconds if s.wall_seconds else 0.0
+    lines = [
+        f"export {s.source} -> {s.dest} ({s.format})",
+        f"rollouts: exported {s.exported:,}, masked {s.masked_written + s.masked_excluded:,} "
+        f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
+        f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
+        f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shards "
+        f"({s.bytes_written / 1e6:.1f} MB); read {mb:.1f} MB ({rate:.1f} MB/s)",
+    ]
+    if s.shards_existing or s.orphans_removed:
+        lines.append(f"destination: {s.shards_existing:,} durable shards found; {s.orphans_removed:,} unfinished files removed")
+    for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
+        if counts:
+            lines.append(f"{title} by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
+    for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
+        for _, kept in sorted(examples.items()):
+            lines.extend(f"  {title} {line}" for line in kept[:3])
+    if s.changed_since_export:
+        lines.extend(f"  changed {line}" for line in s.changed_examples[:3])
+    if s.dropped or s.drop_failed or s.not_dropped:
+        lines.append(f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}")
+        lines.extend(f"  {line}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
+    if s.shards_failed:
+        lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")
+    lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
+    lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {'OK' if s.ok else 'FAILED'}")
+    return "\n".join(lines)

@@ -1,0 +1,481 @@
+"""``s3capture export``: captured rollouts to Parquet / Gym JSONL shards, resumable (docs/export.md).
+
+Against real local servers: rollouts captured from the shared example files the way the demo's
+model server does (full and delta prompts), a synthetic delta chain, and rollouts that must be
+masked (a conflict, a dangling intent, a marker). Every exported trajectory's ``token_ids`` equals
+the contiguous chain rebuilt from the snapshot's entries (``cumulative_prompt``) and NeMo Gym's own
+consumer output; its loss mask and log-probabilities sit exactly on the generated tokens; no masked
+rollout is written as trainable. Resume: an export killed with SIGKILL between shards (a test hook
+holds it there) and run again gives exactly the rows of an uninterrupted export, and ``--drop``
+dropped only rollouts of durable shards. The writer's limits (row groups, int64 widening) and the
+command line's usage errors are checked without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from gymcompat import running_under_ci  # noqa: E402
+from helpers import put_chain, simple_entry, split_bucket_url  # noqa: E402
+from test_read_only import read_only  # noqa: E402,F401 - the fixture: a bucket whose reader may only GET and LIST
+from s3capture.cli import main  # noqa: E402
+from s3capture.export import (  # noqa: E402
+    HOLD_ENV,
+    ExportJob,
+    _Built,
+    _LocalDestination,
+    _ParquetWriter,
+    export,
+    format_summary,
+    read_manifests,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+EXAMPLES = ("competitive_coding.jsonl", "hermes_math.jsonl")
+MASKED = {"bad-conflict": "conflicting_payloads", "bad-intent": "dangling_intent", "bad-marker": "marked_incomplete"}
+
+
+def example_paths() -> list[Path]:
+    paths = [DATA / name for name in EXAMPLES]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        message = f"{missing[0]} is missing (tests read ../shared/data/gym-example-rollouts beside the checkout)"
+        if running_under_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return paths
+
+
+async def capture_examples(store: Any) -> list[str]:
+    """Replay the example files' calls through ``store`` as the demo's model server does (resolve,
+    begin_call, put); every other rollout stores RESOLVED prompts as deltas."""
+    from s3capture.demo import _serve_call
+    from s3capture.replay import load_rollouts
+
+    ids = []
+    for index, rollout in enumerate(load_rollouts(example_paths())):
+        for call in rollout.calls:
+            await _serve_call(store, 0, rollout.rollout_id, call, index % 2 == 0, None)
+        ids.append(rollout.rollout_id)
+    return ids
+
+
+async def capture_masked(fresh: Any) -> None:
+    """Three rollouts whose snapshots must be masked: a conflict, a dangling intent, a marker."""
+    one, two = fresh(), fresh()
+    await one.put(simple_entry("bad-conflict", "c1"))
+    await two.put(simple_entry("bad-conflict", "c1", generation=[90, 91]))  # same call id, other payload
+    await one.put(simple_entry("bad-intent", "c1"))
+    await one.begin_call("bad-intent", "c2")
+    await one.put(simple_entry("bad-marker", "c1"))
+    await one.mark_incomplete("bad-marker", "c1")
+
+
+async def capture_all(fresh: Any) -> tuple[list[str], dict[str, Any]]:
+    """Capture and freeze everything; ``(trainable ids, snapshot by rollout id)``."""
+    writer, builder = fresh(), fresh()
+    ids = await capture_examples(writer)
+    await put_chain(writer, "chain-delta", 5)
+    ids.append("chain-delta")
+    await capture_masked(fresh)
+    snapshots = {}
+    for rid in ids + sorted(MASKED):
+        snapshots[rid] = await builder.freeze(rid)
+    for rid in ids:
+        assert not snapshots[rid].incomplete, (rid, snapshots[rid].reasons)
+    for rid, reason in MASKED.items():
+        assert snapshots[rid].incomplete and any(r.startswith(reason) for r in snapshots[rid].reasons)
+    return ids, snapshots
+
+
+def read_rows(dest: str, s3_client: Any = None) -> list[dict]:
+    """Every row of the durable shards of ``dest`` (Parquet), in shard order."""
+    rows: list[dict] = []
+    for manifest in _manifests(dest):
+        if manifest.data is None:
+            continue
+        if dest.startswith("s3://"):
+            bucket, prefix = split_bucket_url(dest)
+            body = s3_client.get_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/{manifest.data}")["Body"].read()
+            table = pq.read_table(io.BytesIO(body))
+        else:
+            table = pq.read_table(os.path.join(dest, manifest.data))
+        assert table.num_rows == manifest.rows
+        rows.extend(table.to_pylist())
+    return rows
+
+
+def _manifests(dest: str) -> list[Any]:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # its own event loop, whatever the caller runs
+        return pool.submit(asyncio.run, read_manifests(dest)).result()
+
+
+def expected_chain(row: dict, snapshot: Any) -> tuple[list[int], list[int], list[float]]:
+    """Token ids, loss mask and log-probabilities of the trajectory through ``row['call_ids']``,
+    rebuilt from the snapshot's entries with ``cumulative_prompt`` (independent of any builder)."""
+    from s3capture.trajectory import cumulative_prompt
+
+    by_id = {entry.model_call_id: entry for entry in snapshot.entries}
+    last = by_id[row["call_ids"][-1]]
+    tokens = cumulative_prompt(last, by_id) + list(last.generation_token_ids)
+    mask = [0] * len(tokens)
+    logprobs = [0.0] * len(tokens)
+    for cid in row["call_ids"]:
+        entry = by_id[cid]
+        start = len(cumulative_prompt(entry, by_id))
+        assert tokens[start : start + len(entry.generation_token_ids)] == list(entry.generation_token_ids)
+        for offset, logprob in enumerate(entry.generation_log_probs):
+            mask[start + offset] = 1
+            logprobs[start + offset] = logprob
+    return tokens, mask, logprobs
+
+
+async def gym_sequences(bucket_url: str, rollout_ids: list[str]) -> dict[str, dict]:
+    """NeMo Gym's own consumer on each rollout: ``trajectories_from_source`` result by rollout id."""
+    pytest.importorskip("nemo_gym")
+    from nemo_gym.token_id_capture.consumer import trajectories_from_source
+
+    from s3capture.store import S3TokenStore
+
+    out = {}
+    async with S3TokenStore(bucket_url, entry_type="gym") as source:
+        for rid in rollout_ids:
+            out[rid] = await trajectories_from_source(rid, source)
+    return out
+
+
+def gym_tokens(result: dict) -> list[int]:
+    items = [i for i in result["rebuilt_response"]["output"] if i.get("generation_token_ids") is not None]
+    return list(items[-1]["prompt_token_ids"]) + list(items[-1]["generation_token_ids"])
+
+
+def check_rows(rows: list[dict], ids: list[str], snapshots: dict[str, Any], gym: dict[str, dict]) -> None:
+    """Every trainable rollout is there, once per chain, equal to its rebuilt chain and to Gym's output."""
+    assert {row["rollout_id"] for row in rows} == set(ids)
+    keys = [(row["rollout_id"], row["chain_id"]) for row in rows]
+    assert len(keys) == len(set(keys)), "a trajectory was written twice"
+    for row in rows:
+        snapshot = snapshots[row["rollout_id"]]
+        assert not row["masked"] and row["mask_reasons"] == []
+        assert (row["snapshot_id"], row["version"]) == (snapshot.snapshot_id, snapshot.version)
+        tokens, mask, logprobs = expected_chain(row, snapshot)
+        assert row["token_ids"] == tokens
+        assert row["loss_mask"] == mask
+        assert row["logprobs"] == pytest.approx(logprobs, abs=1e-6)
+        assert row["num_calls"] == len(row["call_ids"])
+        assert json.loads(row["metrics"]) is not None
+        if row["chain_id"] == "main" or len([r for r in rows if r["rollout_id"] == row["rollout_id"]]) == 1:
+            assert row["token_ids"] == gym_tokens(gym[row["rollout_id"]])
+
+
+# --------------------------------------------------------------------------- against a server
+async def test_export_writes_each_trainable_chain_once_and_never_a_masked_one(
+    fresh: Any, bucket_url: str, s3_client: Any, tmp_path: Path
+) -> None:
+    ids, snapshots = await capture_all(fresh)
+    gym = await gym_sequences(bucket_url, ids)
+    bucket, _ = split_bucket_url(bucket_url)
+    for dest in (str(tmp_path / "out"), f"s3://{bucket}/exports/run1"):
+        summary = await export(bucket_url, dest, workers=0, min_age=0, shard_rollouts=4)
+        assert summary.ok, format_summary(summary)
+        assert summary.exported == len(ids) and summary.masked_excluded == len(MASKED) and summary.masked_written == 0
+        assert summary.failed == summary.skipped == 0
+        assert set(summary.masked_reasons) >= set(MASKED.values())
+        rows = await asyncio.to_thread(read_rows, dest, s3_client)
+        check_rows(rows, ids, snapshots, gym)
+        assert not {row["rollout_id"] for row in rows} & set(MASKED)
+        manifests = await read_manifests(dest)
+        assert [m.shard for m in manifests] == list(range(len(manifests))) and len(manifests) == -(-(len(ids) + 3) // 4)
+        recorded = {r.rollout_id: r for m in manifests for r in m.rollouts}
+        assert set(recorded) == set(ids) | set(MASKED)
+        for rid in MASKED:
+            assert recorded[rid].masked and not recorded[rid].written and recorded[rid].rows == 0
+            assert any(reason.startswith(MASKED[rid]) for reason in recorded[rid].mask_reasons)
+        # Read-only: the exporter only listed and read the source (no PUT, no DELETE): one LIST page
+        # for the listing and one per rollout, one GET per entry object (the conflict's two payloads,
+        # of which its snapshot keeps neither) and one of each rollout's sealed manifest.
+        assert {k for k in summary.requests if k.startswith("source:")} == {"source:ListObjectsV2", "source:GetObject"}
+        entry_objects = sum(len(snapshots[rid].entries) for rid in ids + sorted(MASKED)) + 2
+        assert summary.requests["source:GetObject"] == entry_objects + len(ids) + len(MASKED)
+        assert summary.requests["source:ListObjectsV2"] == 1 + len(ids) + len(MASKED)
+        if dest.startswith("s3://"):  # one PUT per data file and one per manifest
+            assert summary.requests["dest:PutObject"] == 2 * len(manifests)
+
+    # Run again: everything is already there at the same snapshot; nothing is read or written.
+    again = await export(bucket_url, dest, workers=0, min_age=0, shard_rollouts=4)
+    assert again.already_exported == len(ids) + len(MASKED) and again.exported == 0 and again.shards_written == 0
+    assert "source:GetObject" not in again.requests and not any(k.startswith("dest:Put") for k in again.requests)
+    assert await asyncio.to_thread(read_rows, dest, s3_client) == rows
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_masked_include_builtin_builder_and_gym_jsonl(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
+    ids, snapshots = await capture_all(fresh)
+    gym = await gym_sequences(bucket_url, ids + sorted(MASKED))
+
+    # Parquet, masked rollouts written with masked=true and their reasons, the built-in builder:
+    # its chains equal the entries' and Gym's.
+    dest = str(tmp_path / "parquet")
+    summary = await export(bucket_url, dest, workers=0, min_age=0, masked="include", build_with="builtin")
+    assert summary.masked_written == len(MASKED) and summary.exported == len(ids), format_summary(summary)
+    rows = read_rows(dest)
+    masked_rows = [row for row in rows if row["masked"]]
+    assert {row["rollout_id"] for row in masked_rows} == set(MASKED)
+    for row in masked_rows:
+        assert any(reason.startswith(MASKED[row["rollout_id"]]) for reason in row["mask_reasons"])
+    trainable = [row for row in rows if not row["masked"]]
+    assert not {row["rollout_id"] for row in trainable} & set(MASKED)
+    check_rows(trainable, ids, snapshots, gym)
+
+    # Gym JSONL: each line is the dict Gym's consumer returns for the rollout (plus s3capture's reasons).
+    folder = tmp_path / "jsonl"
+    summary = await export(bucket_url, str(folder), workers=0, min_age=0, format="gym-jsonl", masked="include",
+                           build_with="gym", shard_rollouts=5)
+    assert summary.ok and summary.exported == len(ids) and summary.masked_written == len(MASKED)
+    lines = [json.loads(line) for part in sorted(folder.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
+    assert sorted(line["rollout_id"] for line in lines) == sorted(ids + list(MASKED))
+    for line in lines:
+        extra = line.pop("_s3capture")
+        assert extra["masked"] == line["mask_sample"]
+        assert line == json.loads(json.dumps(gym[line["rollout_id"]]))
+        if line["rollout_id"] in MASKED:
+            assert line["mask_sample"] is True
+            assert any(r.startswith(MASKED[line["rollout_id"]]) for r in extra["mask_reasons"])
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    writer = fresh()
+    await put_chain(writer, "open-a", 3)
+    await put_chain(writer, "open-b", 2)
+    young = await export(bucket_url, str(tmp_path / "young"), workers=0, min_age=3600)
+    assert young.skipped == 2 and young.skipped_reasons == {"not_quiescent": 2} and young.exported == 0
+
+    # A frozen rollout written to after its freeze (a late marker) is not sealed: skipped, unread,
+    # until --freeze seals it again (then masked, by the marker).
+    await put_chain(writer, "late", 2)
+    await fresh().freeze("late")
+    await writer.mark_incomplete("late", "call-001")
+    unsealed_frozen = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"])
+    assert unsealed_frozen.skipped_reasons == {"not_sealed": 1} and "source:GetObject" not in unsealed_frozen.requests
+    resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
+    assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
+    await fresh().delete(["late"])
+
+    # Quiescent and read unsealed: exported, but a drop could not consume it (no fence): not dropped.
+    unsealed = await export(bucket_url, str(tmp_path / "unsealed"), workers=0, min_age=0, drop=True)
+    assert unsealed.exported == 2 and unsealed.dropped == 0 and unsealed.not_dropped == 2
+    assert {"source:PutObject", "source:DeleteObject", "source:DeleteObjects"}.isdisjoint(unsealed.requests)
+    assert all(not r.sealed for m in await read_manifests(str(tmp_path / "unsealed")) for r in m.rollouts)
+
+    # --freeze: frozen first, exported from the sealed snapshot, then dropped.
+    frozen = await export(bucket_url, str(tmp_path / "frozen"), workers=0, min_age=0, freeze=True, drop=True)
+    assert frozen.exported == 2 and frozen.dropped == 2, format_summary(frozen)
+    states = {info.rollout_id: info.state async for info in fresh().rollouts()}
+    assert states == {"open-a": "retired", "open-b": "retired"}
+    assert read_rows(str(tmp_path / "frozen")) == read_rows(str(tmp_path / "unsealed"))
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
+    writer, builder = fresh(), fresh()
+    for rid in ("team-a-1", "team-a-2", "team-b-1"):
+        await put_chain(writer, rid, 2)
+        await builder.freeze(rid)
+    by_prefix = await export(bucket_url, str(tmp_path / "p"), workers=0, prefix="team-a-")
+    assert sorted(row["rollout_id"] for row in read_rows(str(tmp_path / "p"))) == ["team-a-1", "team-a-2"]
+    assert by_prefix.listed == 2
+    by_ids = await export(bucket_url, str(tmp_path / "i"), workers=0, ids=["team-b-1", "team-a-2", "nobody"])
+    assert sorted(row["rollout_id"] for row in read_rows(str(tmp_path / "i"))) == ["team-a-2", "team-b-1"]
+    assert by_ids.skipped_reasons == {"not_listed": 1} and by_ids.skipped_examples["not_listed"][0].startswith("nobody")
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+async def test_sigkill_between_shards_then_rerun_equals_an_uninterrupted_export(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    writer, builder = fresh(), fresh()
+    ids = [f"r{i:02d}" for i in range(8)]
+    for rid in ids:
+        await put_chain(writer, rid, 2 + int(rid[1:]) % 3)
+    await writer.put(simple_entry("r-masked", "c1"))
+    await writer.mark_incomplete("r-masked", "c1")
+    for rid in ids + ["r-masked"]:
+        await builder.freeze(rid)
+    reference = tmp_path / "reference"
+    assert (await export(bucket_url, str(reference), workers=0)).exported == len(ids)
+
+    dest = tmp_path / "killed"
+    command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--drop",
+               "--shard-rollouts", "1", "--workers", "1", "--no-progress"]
+    proc = subprocess.Popen(command, env={**os.environ, HOLD_ENV: "3"}, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "holding after" not in line:
+            line = await asyncio.to_thread(proc.stderr.readline)
+            assert line or proc.poll() is None, f"export ended before the hold ({proc.poll()})"
+            assert time.monotonic() < deadline, "no hold within 120 s"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stderr.close()
+
+    durable = {r.rollout_id: r for m in await read_manifests(str(dest)) for r in m.rollouts}
+    retired = {info.rollout_id async for info in fresh().rollouts("retired")}
+    assert 3 <= len(durable) < len(ids) + 1, "the export was not interrupted mid-run"
+    assert retired and retired <= {rid for rid, r in durable.items() if r.written and not r.masked}
+    # An unfinished data file of a killed run: removed by the re-run, never read as a shard.
+    (dest / "part-00042.parquet").write_bytes(b"not a finished shard")
+
+    # The re-run in-process (--workers 0; the killed run had a worker process): same rows either way.
+    rerun = subprocess.run([*command, "--workers", "0", "--json"], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    summary = json.loads(rerun.stdout)
+    assert summary["orphans_removed"] >= 1 and summary["already_exported"] == len(durable) - len(retired)  # dropped: not listed
+    assert summary["dropped"] == len(ids) - len(retired)
+    assert not (dest / "part-00042.parquet").exists()
+    written_now = [m for m in await read_manifests(str(dest)) if any(r.rollout_id not in durable for r in m.rollouts)]
+    assert written_now and min(m.shard for m in written_now) >= 43  # numbered after every file found
+
+    def key(row: dict) -> tuple:
+        return (row["rollout_id"], row["chain_id"], row["snapshot_id"], tuple(row["token_ids"]), tuple(row["loss_mask"]))
+
+    resumed, uninterrupted = sorted(map(key, read_rows(str(dest)))), sorted(map(key, read_rows(str(reference))))
+    assert resumed == uninterrupted and len(set(resumed)) == len(resumed)
+    states = {info.rollout_id: info.state async for info in fresh().rollouts()}
+    assert states == {**{rid: "retired" for rid in ids}, "r-masked": "frozen"}
+
+
+async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    """Credentials with GetObject and ListBucket only (SeaweedFS identities, a Ceph bucket policy)."""
+    import aioboto3
+
+    from s3capture.store import S3TokenStore
+
+    endpoint, admin_keys, reader_keys, url = read_only
+    session = aioboto3.Session(aws_access_key_id=admin_keys[0], aws_secret_access_key=admin_keys[1], region_name="us-east-1")
+    async with S3TokenStore(url, endpoint_url=endpoint, session=session) as writer:
+        for rid in ("ro-1", "ro-2"):
+            await put_chain(writer, rid, 3)
+            await writer.freeze(rid)
+        await put_chain(writer, "ro-open", 2)
+        keys_before = await writer._list("")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", reader_keys[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", reader_keys[1])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+
+    summary = await export(url, str(tmp_path / "out"), workers=0, states=["frozen"])
+    assert summary.ok and summary.exported == 2, format_summary(summary)
+    assert sorted(row["rollout_id"] for row in read_rows(str(tmp_path / "out"))) == ["ro-1", "ro-2"]
+    # What needs a write fails per rollout, named, and never aborts the export: --freeze of the
+    # open rollout and --drop of the frozen ones are refused; the frozen ones are still exported.
+    denied = await export(url, str(tmp_path / "denied"), workers=0, min_age=0, freeze=True, drop=True)
+    assert denied.exported == 2 and denied.failed == 1 and denied.drop_failed == 2, format_summary(denied)
+    assert "AccessDenied" in denied.failed_examples["store_error"][0] and denied.failed_examples["store_error"][0].startswith("ro-open")
+    assert all("AccessDenied" in line for line in denied.drop_failed_examples)
+    async with S3TokenStore(url, endpoint_url=endpoint, session=session) as writer:
+        assert await writer._list("") == keys_before
+
+
+# --------------------------------------------------------------------------- without a server
+def _built(rid: str, tokens: list[int], *, masked: bool = False) -> _Built:
+    trajectory = SimpleNamespace(
+        chain_id="main", call_ids=["c1"], token_ids=tokens, loss_mask=[0] * (len(tokens) - 1) + [1],
+        logprobs=[0.0] * (len(tokens) - 1) + [-0.5],
+    )
+    build = SimpleNamespace(rollout_id=rid, trajectories=[] if masked else [trajectory], masked=masked,
+                            mask_reasons=["marked_incomplete:c1"] if masked else [], metrics={"chains": 1, "roots": 1},
+                            gym_result=None)
+    return _Built(info=SimpleNamespace(rollout_id=rid, bytes=10), snapshot_id="s" * 32, version=1, build=build,
+                  masked=masked, reasons=list(build.mask_reasons))
+
+
+async def test_row_groups_are_bounded_and_a_large_token_id_widens_the_shard_to_int64(tmp_path: Path) -> None:
+    job = ExportJob(url="s3://bkt/p", dest=str(tmp_path), row_group_rows=2, masked="include")
+    writer = _ParquetWriter(job, _LocalDestination(str(tmp_path)), 7)
+    for i in range(3):
+        writer.add(_built(f"r{i}", [1, 2, 3 + i]))
+    writer.add(_built("masked", [], masked=True))
+    writer.add(_built("big", [5, 2**31 + 5]))
+    name, size = await writer.publish()
+    assert name == "part-00007.parquet" and size == (tmp_path / name).stat().st_size
+    assert not list(tmp_path.glob(".*.tmp"))
+    parquet = pq.ParquetFile(tmp_path / name)
+    assert parquet.metadata.num_row_groups == 3 and parquet.metadata.num_rows == 5
+    assert parquet.schema_arrow.field("token_ids").type == pa.list_(pa.int64())
+    rows = parquet.read().to_pylist()
+    assert [row["token_ids"] for row in rows] == [[1, 2, 3], [1, 2, 4], [1, 2, 5], [], [5, 2**31 + 5]]
+    assert rows[3]["masked"] and rows[3]["mask_reasons"] == ["marked_incomplete:c1"] and rows[3]["chain_id"] == ""
+    assert rows[0]["metric_chains"] == 1 and rows[0]["metric_delivered_fraction"] is None
+    assert parquet.schema_arrow.field("loss_mask").type == pa.list_(pa.int8())
+    assert parquet.schema_arrow.field("logprobs").type == pa.list_(pa.float32())
+
+    small = _ParquetWriter(job, _LocalDestination(str(tmp_path)), 8)
+    small.add(_built("r", [1, 2]))
+    name, _ = await small.publish()
+    assert pq.ParquetFile(tmp_path / name).schema_arrow.field("token_ids").type == pa.list_(pa.int32())
+    with pytest.raises(OverflowError):
+        _ParquetWriter(job, _LocalDestination(str(tmp_path)), 9).add(_built("huge", [2**63]))
+
+
+def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
+    from s3capture.export import _Progress
+
+    stream = io.StringIO()
+    progress = _Progress(True, stream=stream, interval=0.0)
+    progress.planned(3)
+    progress.add((1, 2, 1500, 4_000_000))
+    progress.planned(1, done=True)
+    progress.add((1, 1, 500, 0))
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("export: 1/3+ rollouts, 2 trajectories, 1,500 tokens, ") and "ETA ?" in lines[0]
+    assert lines[-1].startswith("export: 2/4 rollouts, 3 trajectories, 2,000 tokens, ") and "MB/s" in lines[-1]
+    assert "ETA ?" not in lines[-1]
+    silent = io.StringIO()
+    quiet = _Progress(False, stream=silent, interval=0.0)
+    quiet.add((1, 1, 1, 1))
+    quiet.close()
+    assert silent.getvalue() == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["export", "s3://bkt/p"], "--out"),
+        (["export", "s3://bkt/p", "--out", "x", "--state", "open,thawed"], "open, frozen, retired"),
+        (["export", "s3://bkt/p", "--out", "x", "--min-age", "ten minutes"], "duration"),
+        (["export", "s3://bkt/p", "--out", "x", "--workers", "-1"], "must be from 0"),
+        (["export", "http://bkt/p", "--out", "x"], "s3://"),
+        (["export", "s3://bkt/p", "--out", "s3://bkt/p/rollouts/x"], "inside the rollouts"),
+        (["export", "s3://bkt/p", "--out", "x", "--builder", "per_request", "--build-with", "builtin"], "unknown builder"),
+    ],
+)
+def test_export_usage_errors_are_one_line(capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
