@@ -472,7 +472,7 @@ def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
         (["export", "s3://bkt/p", "--out", "x", "--workers", "-1"], "must be from 0"),
         (["export", "http://bkt/p", "--out", "x"], "s3://"),
         (["export", "s3://bkt/p", "--out", "s3://bkt/p/rollouts/x"], "inside the rollouts"),
-        (["export", "s3://bkt/p", "--out", "x", "--builder", "per_request", "--build-with", "builtin"], "unknown builder"),
+        (["export", "s3://bkt/p", "--out", "x", "--builder", "per_request", "--build-with", "gym"], "per_request"),
     ],
 )
 def test_export_usage_errors_are_one_line(capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:

@@ -1242,7 +1242,7 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         except ImportError:
             raise ValueError("--format parquet needs pyarrow: pip install 's3capture[parquet]'") from None
     # The builder and engine, checked once here (on an empty snapshot, which only masks) rather than
-    # failing every rollout: NeMo Gym 0.7.0 and the built-in engine know prefix_merging only.
+    # failing every rollout (NeMo Gym 0.7.0 knows prefix_merging only; per_request is built-in).
     from s3capture.store import FrozenSnapshot
     from s3capture.trajectory import build_rollout
 
