@@ -76,11 +76,20 @@ def test_demo_replays_gym_rollouts_on_embedded_server(name: str, faithful: int):
 
 
 @pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
-def test_demo_generated_workload_against_configured_endpoint(s3_server):
-    out = _run_demo(["--rollouts", "12", "--calls", "5", "--prompt-storage", "full"], s3_server.env())
+def test_demo_generated_workload_against_configured_endpoint(s3_server, tmp_path):
+    """Also ``--export``: the frozen rollouts become Parquet trajectories before they are dropped."""
+    import pyarrow.parquet as pq
+
+    dest = tmp_path / "trajectories"
+    out = _run_demo(["--rollouts", "12", "--calls", "5", "--prompt-storage", "full", "--export", str(dest)], s3_server.env())
     assert "embedded moto" not in out and s3_server.endpoint_url in out
     assert _numbers(out, "faithful continuations RESOLVED to the right parent") == (48, 48)
     assert "trainable 12, masked 0" in out and "result: OK" in out
+    assert re.search(r"exported to .*: 12 rollouts, 12 trajectories, .* dropped once durable 12", out), out
+    table = pq.read_table(dest)
+    assert table.num_rows == 12 and not any(table.column("masked").to_pylist())
+    assert all(n == 5 for n in table.column("num_calls").to_pylist())
+    assert all(len(t) == len(m) and sum(m) > 0 for t, m in zip(table.column("token_ids").to_pylist(), table.column("loss_mask").to_pylist()))
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)

@@ -185,6 +185,8 @@ def _check_demo(args: argparse.Namespace) -> str | None:
                 raise ValueError(f"--{name} sizes the generated workload; it does not apply with rollout files")
     if args.staging_url is not None and args.capture != "ledger":
         raise ValueError("--staging-url applies only with --capture ledger")
+    if args.export is not None and args.capture != "store":
+        raise ValueError("--export applies only with --capture store (the ledger holds no token ids)")
     if args.prompt_storage is not None and args.capture != "store":
         raise ValueError("--prompt-storage applies only with --capture store (the ledger stages token deltas)")
     for name, value in vars(args).items():
@@ -267,6 +269,7 @@ def _demo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             capture=args.capture,
             staging_url=args.staging_url,
+            export_dest=args.export,
         )
         print(format_report(report, where=where))
         return 0 if report.ok else 1
@@ -463,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="generated rollouts, %d to %d (default 40; not with files)" % r["rollouts"])
     demo.add_argument("--calls", type=_int_in(*r["calls"]),
                       help="calls per generated rollout, %d to %d (default 6; not with files)" % r["calls"])
+    demo.add_argument("--export", metavar="DEST", default=None,
+                      help="with --capture store: export the frozen rollouts as training trajectories to DEST "
+                           "(a local folder or s3:// prefix; Parquet, as 's3capture export' writes) before they "
+                           "are dropped")
     demo.add_argument("--prompt-storage", choices=("delta", "full"),
                       help="with --capture store: store a RESOLVED call's prompt as a delta after its parent "
                       "(default) or in full")

@@ -97,6 +97,8 @@ class DemoReport:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     build_seconds: float = 0.0
+    export_summary: Any = None
+    """The ``ExportSummary`` of ``--export`` (None without it)."""
 
     @property
     def ok(self) -> bool:
@@ -106,6 +108,7 @@ class DemoReport:
             and self.masked == 0
             and not self.chains_broken
             and self.dropped == self.rollouts
+            and (self.export_summary is None or (self.export_summary.exported == self.rollouts and not self.export_summary.failed))
         )
 
 
@@ -385,8 +388,14 @@ class _WorkerPool:
                 proc.join(timeout=5)
 
 
-async def _build(url: str, rollout_ids: list[str], report: DemoReport, progress: Any) -> None:
-    """Freeze, verify and drop every rollout (the trajectory builder)."""
+async def _build(
+    url: str, rollout_ids: list[str], report: DemoReport, progress: Any, export_dest: str | None = None
+) -> None:
+    """Freeze, verify and drop every rollout (the trajectory builder).
+
+    With ``export_dest`` the frozen rollouts are exported there (``s3capture.export``, read-only
+    reads of the sealed snapshots) before they are dropped, and the export drops each one once the
+    shard holding it is durable."""
     from s3capture.store import S3TokenStore
 
     async with S3TokenStore(url) as builder:
@@ -428,11 +437,17 @@ async def _build(url: str, rollout_ids: list[str], report: DemoReport, progress:
                     report.masked_reasons.extend(f"{rollout_id}: {r}" for r in getattr(snapshot, "reasons", ())[:3])
                 else:
                     report.trainable += 1
-                if await builder.drop(rollout_id, snapshot.snapshot_id, snapshot.version):
+                if export_dest is None and await builder.drop(rollout_id, snapshot.snapshot_id, snapshot.version):
                     report.dropped += 1
                 progress.update(1)
 
         await asyncio.gather(*(one(r) for r in rollout_ids))
+        if export_dest is not None:
+            from s3capture.export import export
+
+            summary = await export(url, export_dest, states=("frozen",), ids=rollout_ids, drop=True, workers=0)
+            report.export_summary = summary
+            report.dropped = summary.dropped
         await builder.delete(rollout_ids)
         report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
 
@@ -451,6 +466,7 @@ def run_workload(
     capture: str = "store",
     staging_url: str | None = None,
     manifest_hook: Callable[[dict], None] | None = None,
+    export_dest: str | None = None,
 ) -> DemoReport:
     """Replay ``rollouts`` through ``workers`` processes against ``url``; return the report.
 
@@ -463,7 +479,8 @@ def run_workload(
     ``<url>-staging``) and keeps only token-free rows in an ``S3CaptureLedger`` at ``url``, then
     checks each rollout's manifest (passed to ``manifest_hook`` when given), rebuilds every call
     from the staged deltas, retires the ledger and deletes the staged objects; the report is then
-    a ``demo_ledger.LedgerDemoReport``.
+    a ``demo_ledger.LedgerDemoReport``. ``export_dest`` (``capture="store"`` only): export the
+    frozen rollouts there as training trajectories (``s3capture.export``) before they are dropped.
     """
     from tqdm import tqdm
 
@@ -480,6 +497,8 @@ def run_workload(
         if capture != "ledger":
             raise ValueError("staging_url applies only with capture='ledger'")
         parse_s3_url(staging_url)
+    if export_dest is not None and capture != "store":
+        raise ValueError("export_dest applies only with capture='store' (the ledger holds no token ids)")
     if not any(r.calls for r in rollouts):
         raise ValueError(f"nothing to replay: {len(rollouts)} rollouts and no model call among them")
 
@@ -497,9 +516,9 @@ def run_workload(
         report = DemoReport(capture=capture)
 
         def build(bar: Any) -> Awaitable[None]:
-            return _build(url, [r.rollout_id for r in rollouts], report, bar)
+            return _build(url, [r.rollout_id for r in rollouts], report, bar, export_dest)
 
-        build_desc = "freeze+verify+drop"
+        build_desc = "freeze+verify" if export_dest else "freeze+verify+drop"
     report.rollouts, report.calls = len(rollouts), sum(len(r.calls) for r in rollouts)
     report.faithful = sum(max(0, len(r.calls) - 1) for r in rollouts)
     options = {"capture": capture, "delta": delta, "staging_url": staging_url}
@@ -627,6 +646,13 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"
         f" {report.stored_bytes / max(1, report.full_tokens):.2f} per token of the full sequences)",
     ]
+    summary = report.export_summary
+    if summary is not None:
+        lines.append(
+            f"  exported to {summary.dest}: {summary.exported} rollouts, {summary.trajectories} trajectories,"
+            f" {summary.tokens:,} tokens in {summary.shards_written} shards; masked {summary.masked_excluded},"
+            f" failed {summary.failed}; dropped once durable {summary.dropped}"
+        )
     problems = [f"  BROKEN CHAIN {item}" for item in report.chains_broken[:5]]
     problems += [f"  MASKED {item}" for item in report.masked_reasons[:5]]
     lines += closing_lines(report, problems)

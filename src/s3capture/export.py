@@ -15,7 +15,7 @@ Pipeline (``docs/export.md``):
    ``freeze`` with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
    (``s3capture.trajectory.build_rollout``), appends rows to a bounded row-group buffer, publishes
    the data file atomically (temp file + rename locally; one PUT on S3) and then the shard manifest
-   ``part-NNNNN.manifest.json``. **A shard is durable once its manifest exists.**
+   ``_part-NNNNN.manifest.json``. **A shard is durable once its manifest exists.**
 4. With ``drop``, the parent drops a rollout (``S3TokenStore.drop``: conditional, it keeps the
    evidence when a write raced the freeze) only after the manifest of the shard holding it exists.
 
@@ -71,7 +71,9 @@ TOKEN_TYPES = ("auto", "int64")
 MANIFEST_FORMAT = "s3capture.export-shard/1"
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
-_PART = re.compile(r"^part-(\d{5,})\.(parquet|jsonl|manifest\.json)$")
+_PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_part-(\d{5,})\.manifest\.json)$")
+"""Data files ``part-NNNNN.parquet|jsonl`` and manifests ``_part-NNNNN.manifest.json`` (the leading
+``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset)."""
 _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
 _EXAMPLES = 20
 """Examples kept per reason in a summary (counts are exact; examples are bounded)."""
@@ -143,7 +145,7 @@ class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ShardManifest(msgspec.Struct, kw_only=True):
-    """``part-NNNNN.manifest.json``: written after the data file; its existence makes the shard durable."""
+    """``_part-NNNNN.manifest.json``: written after the data file; its existence makes the shard durable."""
 
     format: str = MANIFEST_FORMAT
     shard: int
@@ -386,8 +388,8 @@ def _classify(names: Iterable[str], existing: _Existing) -> list[str]:
     for name in names:
         match = _PART.match(name)
         if match:
-            existing.highest = max(existing.highest, int(match.group(1)))
-            if match.group(2) == "manifest.json":
+            existing.highest = max(existing.highest, int(match.group(1) or match.group(2)))
+            if match.group(2):
                 manifests.append(name)
             else:
                 existing.data_files.append(name)
@@ -964,7 +966,7 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
             rollouts=result.records,
         )
         body = msgspec.json.format(msgspec.json.encode(manifest), indent=1)
-        result.manifest = f"part-{shard:05d}.manifest.json"
+        result.manifest = f"_part-{shard:05d}.manifest.json"
         await dest.publish_bytes(result.manifest, body)
         result.bytes_written += len(body)
     except BaseException:
@@ -989,7 +991,7 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
     with ``job.freeze``), at most ``job.concurrency`` in flight, built with
     ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
     ``part-<shard>.parquet`` (or ``.jsonl``) is published atomically, then the manifest
-    ``part-<shard>.manifest.json``. A rollout that is not sealed, retired, unreadable or fails to
+    ``_part-<shard>.manifest.json``. A rollout that is not sealed, retired, unreadable or fails to
     build is reported in ``skipped`` / ``failed`` and never aborts the shard.
 
     Raises (nothing durable then) when the shard cannot be written: ``StoreError`` or ``OSError``
