@@ -203,6 +203,17 @@ def pytest_configure(config: pytest.Config) -> None:
         ExternalS3Server.from_env()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command), every test of one S3
+    server runs in one worker, so each server is started once, by one worker; tests without a
+    server are spread over the workers one by one."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("s3_server") if callspec is not None else None
+        if isinstance(kind, str):
+            item.add_marker(pytest.mark.xdist_group(f"server-{kind}"))
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "transport_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker("all_transports"):
         metafunc.parametrize("transport_kind", TRANSPORT_KINDS, ids=TRANSPORT_KINDS, indirect=True)
