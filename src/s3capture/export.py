@@ -75,6 +75,8 @@ _PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_part-(\d{5,})\.manife
 """Data files ``part-NNNNN.parquet|jsonl`` and manifests ``_part-NNNNN.manifest.json`` (the leading
 ``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset)."""
 _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
+_LOCK = ".s3capture-export.lock"
+"""A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it."""
 _EXAMPLES = 20
 """Examples kept per reason in a summary (counts are exact; examples are bounded)."""
 
@@ -352,8 +354,13 @@ def _is_s3(dest: str) -> bool:
 
 class _Existing(msgspec.Struct, kw_only=True):
     manifests: list[ShardManifest] = []
+    """The durable shards, in shard order (``_settle``)."""
     data_files: list[str] = []
     temp_files: list[str] = []
+    broken: list[str] = []
+    """Manifests whose data file is missing or not the size they record: not durable (``_settle``)."""
+    sizes: dict[str, int] = {}
+    """Size in bytes of every data file found."""
     highest: int = -1
 
 
@@ -366,6 +373,10 @@ class _Destination:
         raise NotImplementedError
 
     async def remove(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+    def lock(self) -> None:
+        """Take the destination for one export, until ``close``; ``ValueError`` when another holds it."""
         raise NotImplementedError
 
     def temp_path(self, name: str) -> str:
@@ -382,10 +393,10 @@ class _Destination:
         pass
 
 
-def _classify(names: Iterable[str], existing: _Existing) -> list[str]:
-    """Sort destination file names into data files, temp files and manifest names."""
+def _classify(files: Iterable[tuple[str, int]], existing: _Existing) -> list[str]:
+    """Sort destination files ``(name, size)`` into data files, temp files and manifest names."""
     manifests: list[str] = []
-    for name in names:
+    for name, size in files:
         match = _PART.match(name)
         if match:
             existing.highest = max(existing.highest, int(match.group(1) or match.group(2)))
@@ -393,9 +404,23 @@ def _classify(names: Iterable[str], existing: _Existing) -> list[str]:
                 manifests.append(name)
             else:
                 existing.data_files.append(name)
+                existing.sizes[name] = size
         elif _TEMP.match(name):
             existing.temp_files.append(name)
     return manifests
+
+
+def _settle(existing: _Existing, found: list[tuple[str, ShardManifest]]) -> None:
+    """Keep the manifests whose shard is durable, in shard order (a later shard's record of a
+    rollout supersedes an earlier one's; ``part-100000`` sorts before ``part-99999`` by name). A
+    manifest whose data file is missing or not the size it records (removed, truncated, replaced)
+    is not durable: it goes to ``broken``, and its data file becomes an orphan, so its rollouts are
+    exported again and never dropped on its word."""
+    for name, manifest in sorted(found, key=lambda pair: (pair[1].shard, pair[0])):
+        if manifest.data is not None and existing.sizes.get(manifest.data) != manifest.data_bytes:
+            existing.broken.append(name)
+        else:
+            existing.manifests.append(manifest)
 
 
 def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
@@ -413,14 +438,57 @@ class _LocalDestination(_Destination):
         self.folder = os.path.abspath(folder)
         self.requests = collections.Counter()
 
-    async def scan(self) -> _Existing:
-        existing = _Existing()
+    def _make(self) -> None:
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise ValueError(f"--out {self.folder} exists and is not a folder")
         os.makedirs(self.folder, exist_ok=True)
-        for name in _classify(sorted(os.listdir(self.folder)), existing):
+
+    def lock(self) -> None:
+        """Take the folder for this export: an exclusive ``flock`` on ``.s3capture-export.lock``
+        in it, held until ``close`` (the kernel releases it when the process dies, SIGKILL too).
+        Two exports into one folder would number their shards alike and replace each other's
+        files, and a ``--drop`` would then consume rollouts whose rows were replaced. Raises
+        ``ValueError`` when another export holds the folder or it is not writable."""
+        self._make()
+        path = os.path.join(self.folder, _LOCK)
+        try:
+            handle = open(path, "a+b")
+        except OSError as error:
+            raise ValueError(f"--out {self.folder} is not writable: {error}") from None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
+            self._lock = handle
+            return
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise ValueError(
+                f"--out {self.folder} is being written by another export (it holds {_LOCK}); "
+                "one export at a time per destination"
+            ) from None
+        self._lock = handle
+
+    async def close(self) -> None:
+        handle, self._lock = getattr(self, "_lock", None), None
+        if handle is not None:
+            handle.close()  # releases the flock
+
+    async def scan(self) -> _Existing:
+        existing = _Existing()
+        self._make()
+        files = []
+        for name in sorted(os.listdir(self.folder)):
+            try:
+                files.append((name, os.path.getsize(os.path.join(self.folder, name))))
+            except FileNotFoundError:
+                continue
+        found = []
+        for name in _classify(files, existing):
             with open(os.path.join(self.folder, name), "rb") as handle:
-                existing.manifests.append(_decode_manifest(name, handle.read()))
+                found.append((name, _decode_manifest(name, handle.read())))
+        _settle(existing, found)
         return existing
 
     async def remove(self, names: list[str]) -> None:
@@ -488,14 +556,19 @@ class _S3Destination(_Destination):
     async def scan(self) -> _Existing:
         existing = _Existing()
         listed = await self.transport.list(self.prefix)
-        names = [item.key[len(self.prefix):] for item in listed if "/" not in item.key[len(self.prefix):]]
-        manifest_names = _classify(sorted(names), existing)
+        files = [(item.key[len(self.prefix):], item.size) for item in listed if "/" not in item.key[len(self.prefix):]]
+        manifest_names = _classify(sorted(files), existing)
+        found = []
         for name in manifest_names:
             raw = await self.transport.get(self.prefix + name)
             if raw is None:  # removed since the listing: not durable any more
                 continue
-            existing.manifests.append(_decode_manifest(name, raw))
+            found.append((name, _decode_manifest(name, raw)))
+        _settle(existing, found)
         return existing
+
+    def lock(self) -> None:
+        """Nothing: S3 has no lock without compare-and-swap (one export at a time per prefix)."""
 
     async def remove(self, names: list[str]) -> None:
         if names:
@@ -1328,6 +1401,7 @@ async def export(
     # -- the destination: durable shards, orphans of an interrupted run
     target = _open_destination(job)
     try:
+        target.lock()  # a local folder: held until the end (another export into it is refused)
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:
@@ -1344,12 +1418,14 @@ async def export(
                 done[record.rollout_id] = record
         durable_data = {m.data for m in existing.manifests if m.data}
         orphans = [name for name in existing.data_files if name not in durable_data] + existing.temp_files
-        await target.remove(orphans)
-        summary.orphans_removed = len(orphans)
+        await target.remove(existing.broken + orphans)
+        summary.orphans_removed = len(existing.broken) + len(orphans)
         summary.shards_existing = len(existing.manifests)
         next_shard = existing.highest + 1
-    finally:
+    except BaseException:
         await target.close()
+        raise
+    finally:
         requests.update({f"dest:{k}": v for k, v in target.requests.items()})
 
     drop_limit = asyncio.Semaphore(32)
@@ -1481,6 +1557,7 @@ async def export(
             await store.close()
         finally:
             requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
+            await target.close()  # releases the destination (a local folder's lock)
     summary.requests = dict(sorted(requests.items()))
     summary.wall_seconds = round(time.monotonic() - started, 3)
     return summary
