@@ -78,6 +78,9 @@ _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it."""
 _EXAMPLES = 20
+_DROPS_AHEAD = 1024
+"""Drops started and not finished at most (32 of them run at once); the listing and the shard results
+wait behind them, so pending drops hold bounded memory (~2 KB each) whatever the number of rollouts."""
 """Examples kept per reason in a summary (counts are exact; examples are bounded)."""
 
 HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
@@ -1451,7 +1454,9 @@ async def export(
                     "(a write raced the freeze); its objects are kept"
                 )
 
-    def schedule_drop(record: RolloutRecord) -> None:
+    async def schedule_drop(record: RolloutRecord) -> None:
+        """Start the drop of ``record``'s rollout; first wait while ``_DROPS_AHEAD`` are pending,
+        so the listing and the shard results pause behind slow drops (bounded memory)."""
         if not (drop and record.written and not record.masked):
             return
         if not record.sealed:
@@ -1461,6 +1466,8 @@ async def export(
                     f"{record.rollout_id}: exported from an open rollout read unsealed; --freeze freezes it first"
                 )
             return
+        while len(drop_tasks) >= _DROPS_AHEAD:
+            await asyncio.wait(list(drop_tasks), return_when=asyncio.FIRST_COMPLETED)
         task = asyncio.create_task(drop_one(record))
         drop_tasks.add(task)
         task.add_done_callback(drop_tasks.discard)
@@ -1497,7 +1504,7 @@ async def export(
             ):
                 summary.already_exported += 1
                 if info.state == "frozen":  # its shard is durable; a drop a killed run never made
-                    schedule_drop(msgspec.structs.replace(previous, sealed=True))
+                    await schedule_drop(msgspec.structs.replace(previous, sealed=True))
                 continue
             if previous is not None and previous.written:
                 summary.changed_since_export += 1
@@ -1536,7 +1543,7 @@ async def export(
                 _account(summary, result, requests)
                 if not result.error:
                     for record in result.records:
-                        schedule_drop(record)
+                        await schedule_drop(record)
                 handled += 1
                 if hold_after and handled >= hold_after:
                     if drop_tasks:  # the drops of the shards handled so far, as an export between shards
