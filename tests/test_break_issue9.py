@@ -151,3 +151,55 @@ async def test_pending_drops_hold_the_listing_back(fresh: Any, tmp_path: Path, b
     again = await export(bucket_url, str(dest), workers=0, drop=True)
     assert again.already_exported == len(ids) and again.dropped == len(ids), format_summary(again)
     assert counts["ahead"] <= 3, counts  # at most _DROPS_AHEAD pending and the one being looked at
+
+
+def _group(pgid: int) -> list[str]:
+    import subprocess
+
+    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+
+
+@MOTO
+async def test_workers_stop_when_the_export_process_is_killed(fresh: Any, tmp_path: Path, bucket_url: str) -> None:
+    """SIGKILL of the export process alone (``kill -9 PID``) left its pool workers running: they
+    finished the shards already handed to them and published them, numbered by a dead parent,
+    while a re-run could number its own shards alike (and drop rollouts whose rows an orphan then
+    replaced), and then stayed alive for good. Found by killing the parent only (not its group)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from s3capture.export import HOLD_ENV
+
+    writer, builder = fresh(), fresh()
+    ids = [f"k{i:02d}" for i in range(8)]
+    for rid in ids:
+        await put_chain(writer, rid, 2)
+        await builder.freeze(rid)
+    dest = tmp_path / "out"
+    command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--shard-rollouts", "2",
+               "--workers", "2", "--concurrency", "1", "--no-progress"]
+    proc = subprocess.Popen(command, env={**os.environ, HOLD_ENV: "1"}, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "holding after" not in line:
+            line = await asyncio.to_thread(proc.stderr.readline)
+            assert (line or proc.poll() is None) and time.monotonic() < deadline, "no hold"
+        os.kill(proc.pid, signal.SIGKILL)  # the parent alone
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _group(proc.pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not _group(proc.pid), "export workers outlived their parent"
+        files = sorted(p.name for p in dest.iterdir())
+        await asyncio.sleep(1)
+        assert sorted(p.name for p in dest.iterdir()) == files
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.stderr.close()

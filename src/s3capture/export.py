@@ -1092,6 +1092,18 @@ def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> Shar
 def _init_worker(queue: Any) -> None:
     global _REPORT
     _REPORT = queue.put
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A pool worker ends within 0.2 s of its export process's death (SIGKILL included). Left
+    running, it would publish the shards already handed to it, numbered by a dead parent, while a
+    re-run numbers its own shards alike (one replacing the other's rows after the re-run dropped
+    them), and then stay alive for good. Whatever it had not published is an orphan for the re-run."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent:
+            os._exit(70)
 
 
 async def local_engine(
