@@ -203,3 +203,23 @@ async def test_workers_stop_when_the_export_process_is_killed(fresh: Any, tmp_pa
         except ProcessLookupError:
             pass
         proc.stderr.close()
+
+
+@MOTO
+async def test_gym_jsonl_never_drops_the_calls_of_a_per_request_build(
+    fresh: Any, tmp_path: Path, bucket_url: str, capsys: pytest.CaptureFixture
+) -> None:
+    """``--format gym-jsonl --builder per_request`` wrote one Gym response per rollout holding only
+    the first of its per-call trajectories (the manifest still counted every call's tokens as
+    written) and ``--drop`` then dropped the rollout: the other calls' tokens were gone. Gym's
+    consumer returns one chain per rollout and has no per_request builder, so the pair is refused."""
+    await frozen_chains(fresh, ["pr"], depth=3)
+    with pytest.raises(ValueError, match="per_request"):
+        await export(bucket_url, str(tmp_path / "o"), workers=0, format="gym-jsonl", builder="per_request", drop=True)
+    assert [info.state async for info in fresh().rollouts()] == ["frozen"]
+    from s3capture.cli import main
+
+    args = ["export", bucket_url, "--out", str(tmp_path / "c"), "--format", "gym-jsonl", "--builder", "per_request"]
+    assert await asyncio.to_thread(main, args) == 2
+    err = capsys.readouterr().err
+    assert "per_request" in err and len(err.strip().splitlines()) == 1

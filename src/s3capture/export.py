@@ -1309,6 +1309,13 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
     ):
         if opts[name] not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
+    if opts["format"] == "gym-jsonl" and opts["builder"] == "per_request":
+        # A Gym JSONL line is the one response (main chain) Gym's consumer returns for a rollout;
+        # per_request gives one trajectory per call, all but one of which it would leave out.
+        raise ValueError(
+            "--format gym-jsonl holds one Gym response (the main chain) per rollout and Gym has no "
+            "per_request builder: use --format parquet with --builder per_request"
+        )
     if opts["engine"] not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {opts['engine']!r}")
     for name in opts["states"]:
