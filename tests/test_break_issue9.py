@@ -223,3 +223,17 @@ async def test_gym_jsonl_never_drops_the_calls_of_a_per_request_build(
     assert await asyncio.to_thread(main, args) == 2
     err = capsys.readouterr().err
     assert "per_request" in err and len(err.strip().splitlines()) == 1
+
+
+@MOTO
+@pytest.mark.parametrize("where", ["the source root", "the bucket root"])
+async def test_a_destination_holding_the_captures_is_refused(fresh: Any, bucket_url: str, where: str) -> None:
+    """The destination scan lists every key under DEST (and keeps each one, ~350 bytes with its
+    'seen' entry) to find the shards beside it: an ``--out`` that contains the source's rollouts
+    (the capture root itself, or the bucket root) made every run list and hold every captured
+    object, O(captures) memory and LIST requests. Found reading ``_S3Destination.scan``."""
+    await frozen_chains(fresh, ["h1"])
+    bucket = bucket_url[len("s3://"):].split("/")[0]
+    dest = bucket_url if where == "the source root" else f"s3://{bucket}"
+    with pytest.raises(ValueError, match="contains the rollouts"):
+        await export(bucket_url, dest, workers=0)

@@ -1333,6 +1333,12 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         inside = f"{root}/rollouts" if root else "rollouts"
         if dest_bucket == bucket and (dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")):
             raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
+        if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
+            # The destination scan lists every key under DEST: here every captured object, each run.
+            raise ValueError(
+                f"--out {dest} contains the rollouts of {url}: reading the destination would list every captured "
+                "object; choose a prefix beside them"
+            )
     if opts["format"] == "parquet":
         try:
             import pyarrow  # noqa: F401
