@@ -237,3 +237,28 @@ async def test_a_destination_holding_the_captures_is_refused(fresh: Any, bucket_
     dest = bucket_url if where == "the source root" else f"s3://{bucket}"
     with pytest.raises(ValueError, match="contains the rollouts"):
         await export(bucket_url, dest, workers=0)
+
+
+@MOTO
+async def test_an_open_rollout_of_unknown_age_is_not_quiescent(
+    fresh: Any, tmp_path: Path, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing without LastModified (a server that omits it, or one the obstore transport cannot
+    parse: it is then left out) gives ``last_write=None``, and the exporter took an open rollout of
+    unknown age as quiescent: a rollout being written was exported at once. Unknown age must wait."""
+    import msgspec
+
+    from s3capture.store import S3TokenStore
+
+    writer = fresh()
+    await put_chain(writer, "live", 2)
+    listing = S3TokenStore.rollouts
+
+    async def timeless(self: Any, *args: Any, **kwargs: Any) -> Any:
+        async for info in listing(self, *args, **kwargs):
+            yield msgspec.structs.replace(info, last_write=None)
+
+    monkeypatch.setattr(S3TokenStore, "rollouts", timeless)
+    summary = await export(bucket_url, str(tmp_path / "o"), workers=0, min_age=600)
+    assert summary.exported == 0 and summary.skipped_reasons == {"not_quiescent": 1}, format_summary(summary)
+    assert (await export(bucket_url, str(tmp_path / "o"), workers=0, min_age=0)).exported == 1

@@ -1542,7 +1542,11 @@ async def export(
                 skip(rid, "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
                      "--freeze seals it again")
                 continue
-            if info.state == "open" and info.last_write is not None:
+            if info.state == "open" and min_age > 0:
+                if info.last_write is None:  # the listing gave no LastModified: its age is unknown
+                    skip(rid, "not_quiescent: open, and the listing gives no time of its last write "
+                         "(--min-age 0 exports it anyway)")
+                    continue
                 age = (now - info.last_write).total_seconds()
                 if age < min_age:
                     skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
