@@ -262,3 +262,46 @@ async def test_an_open_rollout_of_unknown_age_is_not_quiescent(
     summary = await export(bucket_url, str(tmp_path / "o"), workers=0, min_age=600)
     assert summary.exported == 0 and summary.skipped_reasons == {"not_quiescent": 1}, format_summary(summary)
     assert (await export(bucket_url, str(tmp_path / "o"), workers=0, min_age=0)).exported == 1
+
+
+@MOTO
+async def test_the_exporters_drop_waits_the_fleets_fence_grace(
+    fresh: Any, tmp_path: Path, bucket_url: str, s3_server: Any
+) -> None:
+    """Every client of a bucket must share ``fence_grace`` (README, design.md), but ``export --drop``
+    dropped with the default 1 s whatever the writers used. A put that read the fence as open before
+    the freeze and landed after the drop's decisive LIST, yet within the writers' larger grace, was
+    acknowledged and lost. ``export(fence_grace=)`` / ``--fence-grace`` now set the drop's grace."""
+    from faultproxy import FaultProxy
+
+    from s3capture.errors import StoreError
+    from s3capture.protocols import TokenCaptureRetiredError
+    from s3capture.store import S3TokenStore
+
+    grace = 5.0
+    first = fresh(fence_grace=grace)
+    await first.put(simple_entry("slow", "c1"))
+    release = asyncio.Event()
+    async with FaultProxy.for_server(s3_server) as proxy:
+
+        async def hold(request: Any) -> Any:
+            if request.method == "PUT" and "/slow/log/e/" in request.path and "/c2/" in request.path:
+                await asyncio.wait_for(release.wait(), 30)
+            return None
+
+        proxy.rule = hold
+        async with S3TokenStore(bucket_url, endpoint_url=proxy.endpoint, fence_grace=grace) as writer:
+            put = asyncio.create_task(writer.put(simple_entry("slow", "c2", prompt=[11, 12, 13, 14, 15])))
+            while not any(r.method == "GET" and r.path.endswith("/slow/fence") for r in proxy.requests):
+                await asyncio.sleep(0.01)  # the put read the fence: open
+            await fresh(fence_grace=grace).freeze("slow")
+            summary = await export(bucket_url, str(tmp_path / "o"), workers=0, drop=True, fence_grace=grace)
+            release.set()
+            try:
+                await put
+                acknowledged = True
+            except (TokenCaptureRetiredError, StoreError):
+                acknowledged = False
+    exported = {tuple(row["call_ids"]) for row in rows_of(tmp_path / "o")}
+    if acknowledged:  # then it is in the export, or the rollout was not dropped
+        assert summary.dropped == 0 or any("c2" in ids for ids in exported), (format_summary(summary), exported)

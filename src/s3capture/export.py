@@ -1326,6 +1326,8 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
             raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
     if opts["min_age"] < 0:
         raise ValueError("min_age must be >= 0 seconds")
+    if not opts["fence_grace"] >= 0:
+        raise ValueError(f"fence_grace must be >= 0 seconds, got {opts['fence_grace']!r}")
     if not dest:
         raise ValueError("no destination (--out)")
     if _is_s3(dest):
@@ -1383,6 +1385,7 @@ async def export(
     token_type: str = "auto",
     endpoint_url: str | None = None,
     transport: str | None = None,
+    fence_grace: float = 1.0,
     progress: bool | _Progress = False,
 ) -> ExportSummary:
     """Export the rollouts of ``url`` (``s3://bucket/prefix``) to ``dest`` (a local folder or an
@@ -1398,7 +1401,9 @@ async def export(
     (``auto``: int32 unless a shard holds a larger id; ``int64``). ``drop``: drop each rollout
     exported as trainable from a sealed snapshot once its shard is durable. ``engine`` (``ENGINES``)
     with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
-    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address).
+    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address). ``fence_grace``:
+    the seconds every client of the bucket uses (``S3TokenStore(fence_grace=)``); the drops wait it,
+    so it must be the capture fleet's value, never less.
 
     Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
     ``ValueError`` for bad options or a destination holding another export (other format or
@@ -1411,7 +1416,7 @@ async def export(
     opts = dict(
         format=format, masked=masked, builder=builder, build_with=build_with, token_type=token_type, engine=engine,
         states=states, workers=workers, concurrency=concurrency, shard_rollouts=shard_rollouts,
-        row_group_rows=row_group_rows, min_age=min_age,
+        row_group_rows=row_group_rows, min_age=min_age, fence_grace=fence_grace,
     )
     _check_options(url, dest, opts)
     started = time.monotonic()
@@ -1458,7 +1463,7 @@ async def export(
 
     drop_limit = asyncio.Semaphore(32)
     drop_tasks: set[asyncio.Task] = set()
-    store = S3TokenStore(url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024)
+    store = S3TokenStore(url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace)
 
     async def drop_one(record: RolloutRecord) -> None:
         async with drop_limit:
