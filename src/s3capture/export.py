@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import datetime as _dt
 import io
+import logging
 import multiprocessing
 import os
 import re
@@ -59,6 +60,8 @@ __all__ = [
     "parquet_schema",
     "read_manifests",
 ]
+
+_log = logging.getLogger("s3capture")
 
 FORMATS = ("parquet", "gym-jsonl")
 MASKED_CHOICES = ("skip", "include")
@@ -465,12 +468,14 @@ class _LocalDestination(_Destination):
             return
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             handle.close()
             raise ValueError(
                 f"--out {self.folder} is being written by another export (it holds {_LOCK}); "
                 "one export at a time per destination"
             ) from None
+        except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
+            _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
         self._lock = handle
 
     async def close(self) -> None:
