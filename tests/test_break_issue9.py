@@ -324,3 +324,25 @@ async def test_a_rollout_masked_after_an_unsealed_export_leaves_no_trainable_lat
     rows = [row for row in rows_of(dest) if row["rollout_id"] == "paused"]
     latest = max(row["version"] for row in rows)
     assert all(row["masked"] for row in rows if row["version"] == latest)
+
+
+@MOTO
+async def test_a_shard_that_decided_nothing_leaves_no_manifest(fresh: Any, tmp_path: Path, bucket_url: str, s3_client: Any) -> None:
+    """A shard whose rollouts all failed or were skipped published an empty manifest (no data, no
+    record), and every re-run of a persistent failure added one more: the destination filled with
+    manifests each later scan must GET. Found by re-running an export of a damaged rollout."""
+    import json
+
+    from helpers import put_bytes, rollout_prefix
+
+    await frozen_chains(fresh, ["damaged"])
+    bucket, prefix = rollout_prefix(bucket_url, "damaged")
+    (info,) = [i async for i in fresh().rollouts()]
+    manifest_key = f"{prefix}snap/{info.version:020d}-{info.snapshot_id}"
+    body = json.loads(s3_client.get_object(Bucket=bucket, Key=manifest_key)["Body"].read())
+    put_bytes(s3_client, bucket, manifest_key, json.dumps({**body, "rollout_id": "someone-else"}).encode())
+    dest = tmp_path / "o"
+    for _ in range(2):
+        summary = await export(bucket_url, str(dest), workers=0)
+        assert summary.failed == 1 and summary.shards_written == 0, format_summary(summary)
+    assert await read_manifests(str(dest)) == [] and not list(dest.glob("_part-*"))

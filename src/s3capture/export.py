@@ -1034,6 +1034,8 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
         while window:
             _consume(await window.popleft(), writer, result, job)
         result.data, result.bytes_written = await writer.publish()
+        if result.data is None and not result.records:
+            return result  # every rollout failed or was skipped: nothing decided, nothing to record
         manifest = ShardManifest(
             shard=shard,
             data=result.data,
@@ -1072,7 +1074,8 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
     with ``job.freeze``), at most ``job.concurrency`` in flight, built with
     ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
     ``part-<shard>.parquet`` (or ``.jsonl``) is published atomically, then the manifest
-    ``_part-<shard>.manifest.json``. A rollout that is not sealed, retired, unreadable or fails to
+    ``_part-<shard>.manifest.json`` (none when every rollout of the shard failed or was skipped:
+    nothing was decided). A rollout that is not sealed, retired, unreadable or fails to
     build is reported in ``skipped`` / ``failed`` and never aborts the shard.
 
     Raises (nothing durable then) when the shard cannot be written: ``StoreError`` or ``OSError``
