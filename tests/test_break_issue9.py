@@ -94,6 +94,22 @@ async def test_a_rerun_never_drops_a_rollout_whose_data_file_is_gone(fresh: Any,
     assert len(await read_manifests(str(dest))) == 1 and not (dest / "_part-00000.manifest.json").exists()
 
 
+@MOTO
+async def test_an_s3_shard_whose_data_object_was_replaced_is_not_durable(fresh: Any, bucket_url: str, s3_client: Any) -> None:
+    """The same on an s3:// DEST, with the data object replaced by a shorter one (a partial copy)."""
+    import io
+
+    await frozen_chains(fresh, ["s1", "s2"])
+    bucket = bucket_url[len("s3://"):].split("/")[0]
+    dest = f"s3://{bucket}/exports"
+    assert (await export(bucket_url, dest, workers=0)).exported == 2
+    (manifest,) = await read_manifests(dest)
+    s3_client.put_object(Bucket=bucket, Key=f"exports/{manifest.data}", Body=b"PAR1")
+    again = await export(bucket_url, dest, workers=0, drop=True)
+    assert again.ok and again.exported == 2 and again.dropped == 2 and again.orphans_removed == 2, format_summary(again)
+    (manifest,) = await read_manifests(dest)
+    body = s3_client.get_object(Bucket=bucket, Key=f"exports/{manifest.data}")["Body"].read()
+    assert sorted(row["rollout_id"] for row in pq.read_table(io.BytesIO(body)).to_pylist()) == ["s1", "s2"]
 
 @MOTO
 async def test_shard_100000_is_newer_than_shard_99999(fresh: Any, tmp_path: Path, bucket_url: str) -> None:
