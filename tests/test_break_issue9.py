@@ -164,7 +164,7 @@ async def test_pending_drops_hold_the_listing_back(fresh: Any, tmp_path: Path, b
     monkeypatch.setattr(S3TokenStore, "rollouts", counted)
     monkeypatch.setattr(S3TokenStore, "drop", drop)
     monkeypatch.setattr(export_module, "_DROPS_AHEAD", 2, raising=False)
-    again = await export(bucket_url, str(dest), workers=0, drop=True)
+    again = await export(bucket_url, str(dest), workers=0, drop=True, fence_grace=0)  # no writer: no grace needed
     assert again.already_exported == len(ids) and again.dropped == len(ids), format_summary(again)
     assert counts["ahead"] <= 3, counts  # at most _DROPS_AHEAD pending and the one being looked at
 
@@ -195,7 +195,7 @@ async def test_workers_stop_when_the_export_process_is_killed(fresh: Any, tmp_pa
         await builder.freeze(rid)
     dest = tmp_path / "out"
     command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--shard-rollouts", "2",
-               "--workers", "2", "--concurrency", "1", "--no-progress"]
+               "--workers", "1", "--concurrency", "1", "--no-progress"]
     proc = subprocess.Popen(command, env={**os.environ, HOLD_ENV: "1"}, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
