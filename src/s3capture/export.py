@@ -81,10 +81,10 @@ _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it."""
 _EXAMPLES = 20
+"""Examples kept per reason in a summary (counts are exact; examples are bounded)."""
 _DROPS_AHEAD = 1024
 """Drops started and not finished at most (32 of them run at once); the listing and the shard results
 wait behind them, so pending drops hold bounded memory (~2 KB each) whatever the number of rollouts."""
-"""Examples kept per reason in a summary (counts are exact; examples are bounded)."""
 
 HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
 """Test hook: after the parent has handled this many shard results (and finished their drops) it prints
