@@ -362,3 +362,17 @@ async def test_a_shard_that_decided_nothing_leaves_no_manifest(fresh: Any, tmp_p
         summary = await export(bucket_url, str(dest), workers=0)
         assert summary.failed == 1 and summary.shards_written == 0, format_summary(summary)
     assert await read_manifests(str(dest)) == [] and not list(dest.glob("_part-*"))
+
+
+@MOTO
+async def test_a_destination_written_before_the_manifest_rename_keeps_its_rows(fresh: Any, tmp_path: Path, bucket_url: str) -> None:
+    """Exports made before 57e594b named their manifests ``part-NNNNN.manifest.json``; the current
+    scan did not see them as manifests, called their data files orphans and deleted them. After an
+    export with --drop those rows existed nowhere else. Found by pointing a re-run at such a folder."""
+    await frozen_chains(fresh, ["old1", "old2"])
+    dest = tmp_path / "out"
+    assert (await export(bucket_url, str(dest), workers=0, drop=True)).dropped == 2
+    (dest / "_part-00000.manifest.json").rename(dest / "part-00000.manifest.json")  # the earlier name
+    again = await export(bucket_url, str(dest), workers=0, drop=True)
+    assert again.ok and again.orphans_removed == 0 and again.shards_existing == 1, format_summary(again)
+    assert sorted(row["rollout_id"] for row in rows_of(dest)) == ["old1", "old2"]

@@ -74,9 +74,11 @@ TOKEN_TYPES = ("auto", "int64")
 MANIFEST_FORMAT = "s3capture.export-shard/1"
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
-_PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_part-(\d{5,})\.manifest\.json)$")
+_PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_?part-(\d{5,})\.manifest\.json)$")
 """Data files ``part-NNNNN.parquet|jsonl`` and manifests ``_part-NNNNN.manifest.json`` (the leading
-``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset)."""
+``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset).
+Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read too: otherwise their
+data files would look unfinished and be removed."""
 _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it."""
