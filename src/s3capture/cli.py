@@ -399,6 +399,7 @@ def _export(args: argparse.Namespace) -> int:
             row_group_bytes=args.row_group_mb * 1024 * 1024,
             token_type=args.token_ids,
             endpoint_url=args.endpoint,
+            fence_grace=args.fence_grace,
             progress=not args.no_progress and not args.json,
         )
     )
@@ -533,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--drop", action="store_true",
                         help="drop each rollout exported as trainable once its shard is durable (conditional: a rollout "
                         "changed since its snapshot is kept); needs PutObject and DeleteObject")
+    export.add_argument("--fence-grace", type=_duration, default=1.0, metavar="SECONDS",
+                        help="the fence_grace every S3TokenStore of the bucket uses (default 1s); --drop waits it, so "
+                        "it must be the capture fleet's value")
     from s3capture.export import ENGINES
 
     export.add_argument("--engine", choices=tuple(ENGINES), default="local",

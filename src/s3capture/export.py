@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import datetime as _dt
 import io
+import logging
 import multiprocessing
 import os
 import re
@@ -60,6 +61,8 @@ __all__ = [
     "read_manifests",
 ]
 
+_log = logging.getLogger("s3capture")
+
 FORMATS = ("parquet", "gym-jsonl")
 MASKED_CHOICES = ("skip", "include")
 BUILDERS = ("prefix_merging", "per_request")
@@ -71,12 +74,19 @@ TOKEN_TYPES = ("auto", "int64")
 MANIFEST_FORMAT = "s3capture.export-shard/1"
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
-_PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_part-(\d{5,})\.manifest\.json)$")
+_PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_?part-(\d{5,})\.manifest\.json)$")
 """Data files ``part-NNNNN.parquet|jsonl`` and manifests ``_part-NNNNN.manifest.json`` (the leading
-``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset)."""
+``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset).
+Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read too: otherwise their
+data files would look unfinished and be removed."""
 _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
+_LOCK = ".s3capture-export.lock"
+"""A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it."""
 _EXAMPLES = 20
 """Examples kept per reason in a summary (counts are exact; examples are bounded)."""
+_DROPS_AHEAD = 1024
+"""Drops started and not finished at most (32 of them run at once); the listing and the shard results
+wait behind them, so pending drops hold bounded memory (~2 KB each) whatever the number of rollouts."""
 
 HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
 """Test hook: after the parent has handled this many shard results (and finished their drops) it prints
@@ -352,8 +362,13 @@ def _is_s3(dest: str) -> bool:
 
 class _Existing(msgspec.Struct, kw_only=True):
     manifests: list[ShardManifest] = []
+    """The durable shards, in shard order (``_settle``)."""
     data_files: list[str] = []
     temp_files: list[str] = []
+    broken: list[str] = []
+    """Manifests whose data file is missing or not the size they record: not durable (``_settle``)."""
+    sizes: dict[str, int] = {}
+    """Size in bytes of every data file found."""
     highest: int = -1
 
 
@@ -366,6 +381,10 @@ class _Destination:
         raise NotImplementedError
 
     async def remove(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+    def lock(self) -> None:
+        """Take the destination for one export, until ``close``; ``ValueError`` when another holds it."""
         raise NotImplementedError
 
     def temp_path(self, name: str) -> str:
@@ -382,10 +401,10 @@ class _Destination:
         pass
 
 
-def _classify(names: Iterable[str], existing: _Existing) -> list[str]:
-    """Sort destination file names into data files, temp files and manifest names."""
+def _classify(files: Iterable[tuple[str, int]], existing: _Existing) -> list[str]:
+    """Sort destination files ``(name, size)`` into data files, temp files and manifest names."""
     manifests: list[str] = []
-    for name in names:
+    for name, size in files:
         match = _PART.match(name)
         if match:
             existing.highest = max(existing.highest, int(match.group(1) or match.group(2)))
@@ -393,9 +412,23 @@ def _classify(names: Iterable[str], existing: _Existing) -> list[str]:
                 manifests.append(name)
             else:
                 existing.data_files.append(name)
+                existing.sizes[name] = size
         elif _TEMP.match(name):
             existing.temp_files.append(name)
     return manifests
+
+
+def _settle(existing: _Existing, found: list[tuple[str, ShardManifest]]) -> None:
+    """Keep the manifests whose shard is durable, in shard order (a later shard's record of a
+    rollout supersedes an earlier one's; ``part-100000`` sorts before ``part-99999`` by name). A
+    manifest whose data file is missing or not the size it records (removed, truncated, replaced)
+    is not durable: it goes to ``broken``, and its data file becomes an orphan, so its rollouts are
+    exported again and never dropped on its word."""
+    for name, manifest in sorted(found, key=lambda pair: (pair[1].shard, pair[0])):
+        if manifest.data is not None and existing.sizes.get(manifest.data) != manifest.data_bytes:
+            existing.broken.append(name)
+        else:
+            existing.manifests.append(manifest)
 
 
 def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
@@ -413,14 +446,59 @@ class _LocalDestination(_Destination):
         self.folder = os.path.abspath(folder)
         self.requests = collections.Counter()
 
-    async def scan(self) -> _Existing:
-        existing = _Existing()
+    def _make(self) -> None:
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise ValueError(f"--out {self.folder} exists and is not a folder")
         os.makedirs(self.folder, exist_ok=True)
-        for name in _classify(sorted(os.listdir(self.folder)), existing):
+
+    def lock(self) -> None:
+        """Take the folder for this export: an exclusive ``flock`` on ``.s3capture-export.lock``
+        in it, held until ``close`` (the kernel releases it when the process dies, SIGKILL too).
+        Two exports into one folder would number their shards alike and replace each other's
+        files, and a ``--drop`` would then consume rollouts whose rows were replaced. Raises
+        ``ValueError`` when another export holds the folder or it is not writable."""
+        self._make()
+        path = os.path.join(self.folder, _LOCK)
+        try:
+            handle = open(path, "a+b")
+        except OSError as error:
+            raise ValueError(f"--out {self.folder} is not writable: {error}") from None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
+            self._lock = handle
+            return
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise ValueError(
+                f"--out {self.folder} is being written by another export (it holds {_LOCK}); "
+                "one export at a time per destination"
+            ) from None
+        except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
+            _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
+        self._lock = handle
+
+    async def close(self) -> None:
+        handle, self._lock = getattr(self, "_lock", None), None
+        if handle is not None:
+            handle.close()  # releases the flock
+
+    async def scan(self) -> _Existing:
+        existing = _Existing()
+        self._make()
+        files = []
+        for name in sorted(os.listdir(self.folder)):
+            try:
+                files.append((name, os.path.getsize(os.path.join(self.folder, name))))
+            except FileNotFoundError:
+                continue
+        found = []
+        for name in _classify(files, existing):
             with open(os.path.join(self.folder, name), "rb") as handle:
-                existing.manifests.append(_decode_manifest(name, handle.read()))
+                found.append((name, _decode_manifest(name, handle.read())))
+        _settle(existing, found)
         return existing
 
     async def remove(self, names: list[str]) -> None:
@@ -488,14 +566,19 @@ class _S3Destination(_Destination):
     async def scan(self) -> _Existing:
         existing = _Existing()
         listed = await self.transport.list(self.prefix)
-        names = [item.key[len(self.prefix):] for item in listed if "/" not in item.key[len(self.prefix):]]
-        manifest_names = _classify(sorted(names), existing)
+        files = [(item.key[len(self.prefix):], item.size) for item in listed if "/" not in item.key[len(self.prefix):]]
+        manifest_names = _classify(sorted(files), existing)
+        found = []
         for name in manifest_names:
             raw = await self.transport.get(self.prefix + name)
             if raw is None:  # removed since the listing: not durable any more
                 continue
-            existing.manifests.append(_decode_manifest(name, raw))
+            found.append((name, _decode_manifest(name, raw)))
+        _settle(existing, found)
         return existing
+
+    def lock(self) -> None:
+        """Nothing: S3 has no lock without compare-and-swap (one export at a time per prefix)."""
 
     async def remove(self, names: list[str]) -> None:
         if names:
@@ -953,6 +1036,8 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
         while window:
             _consume(await window.popleft(), writer, result, job)
         result.data, result.bytes_written = await writer.publish()
+        if result.data is None and not result.records:
+            return result  # every rollout failed or was skipped: nothing decided, nothing to record
         manifest = ShardManifest(
             shard=shard,
             data=result.data,
@@ -991,7 +1076,8 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
     with ``job.freeze``), at most ``job.concurrency`` in flight, built with
     ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
     ``part-<shard>.parquet`` (or ``.jsonl``) is published atomically, then the manifest
-    ``_part-<shard>.manifest.json``. A rollout that is not sealed, retired, unreadable or fails to
+    ``_part-<shard>.manifest.json`` (none when every rollout of the shard failed or was skipped:
+    nothing was decided). A rollout that is not sealed, retired, unreadable or fails to
     build is reported in ``skipped`` / ``failed`` and never aborts the shard.
 
     Raises (nothing durable then) when the shard cannot be written: ``StoreError`` or ``OSError``
@@ -1016,6 +1102,18 @@ def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> Shar
 def _init_worker(queue: Any) -> None:
     global _REPORT
     _REPORT = queue.put
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A pool worker ends within 0.2 s of its export process's death (SIGKILL included). Left
+    running, it would publish the shards already handed to it, numbered by a dead parent, while a
+    re-run numbers its own shards alike (one replacing the other's rows after the re-run dropped
+    them), and then stay alive for good. Whatever it had not published is an orphan for the re-run."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent:
+            os._exit(70)
 
 
 async def local_engine(
@@ -1221,6 +1319,13 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
     ):
         if opts[name] not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
+    if opts["format"] == "gym-jsonl" and opts["builder"] == "per_request":
+        # A Gym JSONL line is the one response (main chain) Gym's consumer returns for a rollout;
+        # per_request gives one trajectory per call, all but one of which it would leave out.
+        raise ValueError(
+            "--format gym-jsonl holds one Gym response (the main chain) per rollout and Gym has no "
+            "per_request builder: use --format parquet with --builder per_request"
+        )
     if opts["engine"] not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {opts['engine']!r}")
     for name in opts["states"]:
@@ -1231,6 +1336,8 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
             raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
     if opts["min_age"] < 0:
         raise ValueError("min_age must be >= 0 seconds")
+    if not opts["fence_grace"] >= 0:
+        raise ValueError(f"fence_grace must be >= 0 seconds, got {opts['fence_grace']!r}")
     if not dest:
         raise ValueError("no destination (--out)")
     if _is_s3(dest):
@@ -1238,6 +1345,12 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         inside = f"{root}/rollouts" if root else "rollouts"
         if dest_bucket == bucket and (dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")):
             raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
+        if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
+            # The destination scan lists every key under DEST: here every captured object, each run.
+            raise ValueError(
+                f"--out {dest} contains the rollouts of {url}: reading the destination would list every captured "
+                "object; choose a prefix beside them"
+            )
     if opts["format"] == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -1282,6 +1395,7 @@ async def export(
     token_type: str = "auto",
     endpoint_url: str | None = None,
     transport: str | None = None,
+    fence_grace: float = 1.0,
     progress: bool | _Progress = False,
 ) -> ExportSummary:
     """Export the rollouts of ``url`` (``s3://bucket/prefix``) to ``dest`` (a local folder or an
@@ -1297,7 +1411,9 @@ async def export(
     (``auto``: int32 unless a shard holds a larger id; ``int64``). ``drop``: drop each rollout
     exported as trainable from a sealed snapshot once its shard is durable. ``engine`` (``ENGINES``)
     with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
-    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address).
+    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address). ``fence_grace``:
+    the seconds every client of the bucket uses (``S3TokenStore(fence_grace=)``); the drops wait it,
+    so it must be the capture fleet's value, never less.
 
     Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
     ``ValueError`` for bad options or a destination holding another export (other format or
@@ -1310,7 +1426,7 @@ async def export(
     opts = dict(
         format=format, masked=masked, builder=builder, build_with=build_with, token_type=token_type, engine=engine,
         states=states, workers=workers, concurrency=concurrency, shard_rollouts=shard_rollouts,
-        row_group_rows=row_group_rows, min_age=min_age,
+        row_group_rows=row_group_rows, min_age=min_age, fence_grace=fence_grace,
     )
     _check_options(url, dest, opts)
     started = time.monotonic()
@@ -1328,6 +1444,7 @@ async def export(
     # -- the destination: durable shards, orphans of an interrupted run
     target = _open_destination(job)
     try:
+        target.lock()  # a local folder: held until the end (another export into it is refused)
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:
@@ -1344,17 +1461,19 @@ async def export(
                 done[record.rollout_id] = record
         durable_data = {m.data for m in existing.manifests if m.data}
         orphans = [name for name in existing.data_files if name not in durable_data] + existing.temp_files
-        await target.remove(orphans)
-        summary.orphans_removed = len(orphans)
+        await target.remove(existing.broken + orphans)
+        summary.orphans_removed = len(existing.broken) + len(orphans)
         summary.shards_existing = len(existing.manifests)
         next_shard = existing.highest + 1
-    finally:
+    except BaseException:
         await target.close()
+        raise
+    finally:
         requests.update({f"dest:{k}": v for k, v in target.requests.items()})
 
     drop_limit = asyncio.Semaphore(32)
     drop_tasks: set[asyncio.Task] = set()
-    store = S3TokenStore(url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024)
+    store = S3TokenStore(url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace)
 
     async def drop_one(record: RolloutRecord) -> None:
         async with drop_limit:
@@ -1375,7 +1494,9 @@ async def export(
                     "(a write raced the freeze); its objects are kept"
                 )
 
-    def schedule_drop(record: RolloutRecord) -> None:
+    async def schedule_drop(record: RolloutRecord) -> None:
+        """Start the drop of ``record``'s rollout; first wait while ``_DROPS_AHEAD`` are pending,
+        so the listing and the shard results pause behind slow drops (bounded memory)."""
         if not (drop and record.written and not record.masked):
             return
         if not record.sealed:
@@ -1385,6 +1506,8 @@ async def export(
                     f"{record.rollout_id}: exported from an open rollout read unsealed; --freeze freezes it first"
                 )
             return
+        while len(drop_tasks) >= _DROPS_AHEAD:
+            await asyncio.wait(list(drop_tasks), return_when=asyncio.FIRST_COMPLETED)
         task = asyncio.create_task(drop_one(record))
         drop_tasks.add(task)
         task.add_done_callback(drop_tasks.discard)
@@ -1421,7 +1544,7 @@ async def export(
             ):
                 summary.already_exported += 1
                 if info.state == "frozen":  # its shard is durable; a drop a killed run never made
-                    schedule_drop(msgspec.structs.replace(previous, sealed=True))
+                    await schedule_drop(msgspec.structs.replace(previous, sealed=True))
                 continue
             if previous is not None and previous.written:
                 summary.changed_since_export += 1
@@ -1434,7 +1557,11 @@ async def export(
                 skip(rid, "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
                      "--freeze seals it again")
                 continue
-            if info.state == "open" and info.last_write is not None:
+            if info.state == "open" and min_age > 0:
+                if info.last_write is None:  # the listing gave no LastModified: its age is unknown
+                    skip(rid, "not_quiescent: open, and the listing gives no time of its last write "
+                         "(--min-age 0 exports it anyway)")
+                    continue
                 age = (now - info.last_write).total_seconds()
                 if age < min_age:
                     skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
@@ -1460,7 +1587,7 @@ async def export(
                 _account(summary, result, requests)
                 if not result.error:
                     for record in result.records:
-                        schedule_drop(record)
+                        await schedule_drop(record)
                 handled += 1
                 if hold_after and handled >= hold_after:
                     if drop_tasks:  # the drops of the shards handled so far, as an export between shards
@@ -1481,6 +1608,7 @@ async def export(
             await store.close()
         finally:
             requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
+            await target.close()  # releases the destination (a local folder's lock)
     summary.requests = dict(sorted(requests.items()))
     summary.wall_seconds = round(time.monotonic() - started, 3)
     return summary
