@@ -270,7 +270,8 @@ def test_valid_options_and_inputs_reach_the_workload(guarded: None, tmp_path: Pa
     assert url == "s3://bkt/run"
     assert env == {"AWS_ENDPOINT_URL": "https://minio.example:9000/", "AWS_ENDPOINT_URL_S3": "https://minio.example:9000/"}
     assert reached.value.kwargs == dict(workers=256, concurrency=1, parallel_rollouts=1, delta=True, seed=7,
-                                        progress=False, capture="ledger", staging_url="s3://other_bucket.x/stage")
+                                        progress=False, capture="ledger", staging_url="s3://other_bucket.x/stage",
+                                        export_dest=None)
 
 
 def test_generated_workload_defaults(guarded: None, monkeypatch: pytest.MonkeyPatch):
