@@ -57,6 +57,7 @@ __all__ = [
     "format_summary",
     "local_engine",
     "parquet_schema",
+    "ray_engine",
     "read_manifests",
 ]
 
@@ -1102,7 +1103,202 @@ async def local_engine(
         queue.close()
 
 
-ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine}
+RAY_INSTALL = "pip install 's3capture[ray]'"
+
+
+def _import_ray() -> Any:
+    """``ray``, or ``ValueError`` naming the extra to install (one line, before anything is read)."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError(f"--engine ray needs Ray ({error}): {RAY_INSTALL}") from None
+    return ray
+
+
+class _RayProgress:
+    """The Ray engine's progress sink (run as an actor): workers add summed progress tuples, the
+    parent takes what accumulated since its last take."""
+
+    def __init__(self) -> None:
+        self.pending = [0, 0, 0, 0]
+
+    def add(self, item: tuple[int, int, int, int]) -> None:
+        for index, value in enumerate(item):
+            self.pending[index] += value
+
+    def take(self) -> tuple[int, int, int, int]:
+        out, self.pending = tuple(self.pending), [0, 0, 0, 0]
+        return out  # type: ignore[return-value]
+
+
+class _BatchedReport:
+    """``_REPORT`` in a Ray worker: sums the per-rollout tuples and sends them to the progress actor
+    at most every ``interval`` seconds (one actor call, not one per rollout); ``flush(wait=True)``
+    at the end of a shard waits until the actor holds everything, so the parent's last take after
+    the shard's result is complete."""
+
+    def __init__(self, sink: Any, interval: float = 0.5) -> None:
+        self.sink = sink
+        self.interval = interval
+        self.sums = [0, 0, 0, 0]
+        self.last = time.monotonic()
+
+    def __call__(self, item: tuple[int, int, int, int]) -> None:
+        for index, value in enumerate(item):
+            self.sums[index] += value
+        if time.monotonic() - self.last >= self.interval:
+            self.flush()
+
+    def flush(self, wait: bool = False) -> None:
+        self.last = time.monotonic()
+        if not any(self.sums):
+            return
+        sums, self.sums = tuple(self.sums), [0, 0, 0, 0]
+        ref = self.sink.add.remote(sums)
+        if wait:
+            import ray
+
+            ray.get(ref)
+
+
+def _ray_export_shard(job: ExportJob, shard: int, rollouts: list[Any], sink: Any) -> ShardResult:
+    """``export_shard`` as a Ray task: the same function, with its progress sent to ``sink``."""
+    global _REPORT
+    report = _BatchedReport(sink) if sink is not None else None
+    previous, _REPORT = _REPORT, report
+    try:
+        return export_shard(job, shard, rollouts)
+    finally:
+        _REPORT = previous
+        if report is not None:
+            report.flush(wait=True)
+
+
+async def ray_engine(
+    job: ExportJob,
+    shards: AsyncIterator[ShardTask],
+    *,
+    workers: int = 2,
+    report: Callable | None = None,
+    address: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    num_cpus: float = 1.0,
+    max_retries: int = 2,
+    poll_interval: float = 0.05,
+) -> AsyncIterator[ShardResult]:
+    """Run ``export_shard`` for every shard task as a Ray task; yield each ``ShardResult`` as it ends.
+
+    The same function, arguments and output files as ``local_engine``: each task is one whole
+    shard (``export_shard(job, shard, rollouts)``), so its data file, manifest, row groups and
+    resume records are byte-for-byte the local engine's (manifest timestamps aside). At most
+    ``workers`` tasks run at once (Ray's parallelism; each asks for ``num_cpus`` CPUs) and at most
+    ``workers`` more shards are listed ahead in this process, so a streamed listing pauses while
+    they work (bounded memory: ``2 x workers`` shards of ``RolloutInfo`` and their results).
+
+    Ray: ``ray.init(address=address)`` unless this process is connected already (then that
+    connection is used and left open): ``None`` starts a local Ray runtime (or joins
+    ``RAY_ADDRESS``), ``"auto"`` joins the cluster of this machine, ``"ray://host:10001"`` a
+    remote one through Ray Client. A runtime the engine started is shut down when it ends.
+    ``runtime_env`` (e.g. ``{"env_vars": {...}}``) is applied to every task: workers read the S3
+    credentials from their own environment, as ``export_shard`` does anywhere; the job carries the
+    source and destination URLs, the endpoint (``job.endpoint_url``, else this process's
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) and the transport, never credentials.
+
+    A task that raises is yielded as a failed ``ShardResult`` (its rollouts in ``failed``); a worker
+    that dies is retried ``max_retries`` times by Ray (a shard re-run publishes the same files),
+    then its shard fails the same way. ``report`` receives progress tuples (``_REPORT``), summed by
+    each worker over at most 0.5 s and collected by a small actor. Raises ``ValueError`` when Ray
+    is not installed or ``workers < 1``.
+    """
+    ray = _import_ray()
+    if workers < 1:
+        raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {workers}")
+    job = msgspec.structs.replace(
+        job,
+        endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
+    )
+    started_here = False
+    if not ray.is_initialized():
+        import logging
+
+        options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            options["include_dashboard"] = False  # a local runtime for this export only
+        ray.init(address=address, **options)
+        started_here = True
+    sink: Any = None
+    pending: dict[Any, ShardTask] = {}
+    try:
+        task_options: dict[str, Any] = {"num_cpus": num_cpus, "max_retries": max_retries}
+        if runtime_env:
+            task_options["runtime_env"] = runtime_env
+        remote = ray.remote(_ray_export_shard).options(**task_options)
+        if report is not None:
+            sink = ray.remote(_RayProgress).options(num_cpus=0).remote()
+        held: collections.deque[ShardTask] = collections.deque()
+        exhausted = False
+        take: Any = None
+        next_take = time.monotonic()
+
+        def settle(ref: Any) -> ShardResult:
+            shard, rollouts = pending.pop(ref)
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayTaskError as error:  # export_shard raised: the cause, as locally
+                cause = getattr(error, "cause", None)
+                return _failed_shard(shard, rollouts, cause if isinstance(cause, BaseException) else error)
+            except ray.exceptions.RayError as error:  # a worker or node died, retries spent
+                return _failed_shard(shard, rollouts, error)
+
+        def drain(final: bool = False) -> None:
+            nonlocal take, next_take
+            if sink is None:
+                return
+            if take is not None and (final or ray.wait([take], timeout=0)[0]):
+                report(ray.get(take))
+                take = None
+            if final:
+                report(ray.get(sink.take.remote()))
+            elif take is None and time.monotonic() >= next_take:
+                take, next_take = sink.take.remote(), time.monotonic() + 0.5
+
+        while True:
+            while held and len(pending) < workers:
+                task = held.popleft()
+                pending[remote.remote(job, task[0], task[1], sink)] = task
+            while not exhausted and len(pending) + len(held) < 2 * workers:
+                try:
+                    task = await anext(shards)
+                except StopAsyncIteration:
+                    exhausted = True
+                    break
+                if len(pending) < workers:
+                    pending[remote.remote(job, task[0], task[1], sink)] = task
+                else:
+                    held.append(task)
+            if not pending:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            drain()
+            if not ready:
+                await asyncio.sleep(poll_interval)
+                continue
+            for ref in ready:
+                yield settle(ref)
+        drain(final=True)
+    finally:
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(sink)
+        if started_here:
+            ray.shutdown()
+
+
+ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine, "ray": ray_engine}
 """Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report, **options)``
 (``options``: ``export(engine_options=...)``): it runs
 ``export_shard`` for every ``(shard, rollouts)`` task of the async iterator ``shards`` and yields
@@ -1229,6 +1425,10 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
             raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
     if opts["min_age"] < 0:
         raise ValueError("min_age must be >= 0 seconds")
+    if opts["engine"] == "ray":
+        _import_ray()  # one line naming the extra, before anything is read
+        if opts["workers"] < 1:
+            raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {opts['workers']}")
     if not dest:
         raise ValueError("no destination (--out)")
     if _is_s3(dest):
