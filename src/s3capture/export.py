@@ -11,8 +11,9 @@ Pipeline (``docs/export.md``):
    ``export_shard`` in a process pool on this machine; another engine (Ray) runs the same function
    elsewhere. At most ``2 x workers`` shards are assigned ahead, so the listing pauses while they
    work (bounded memory).
-3. ``export_shard(job, shard, rollouts)`` reads each rollout (``read_snapshot``: GET and LIST only;
-   ``freeze`` with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
+3. ``export_shard(job, shard, rollouts)`` reads each rollout (``read_snapshot`` of the state the
+   parent's listing showed, handed over with the shard: GETs only, no per-rollout LIST; ``freeze``
+   with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
    (``s3capture.trajectory.build_rollout``), appends rows to a bounded row-group buffer, publishes
    the data file atomically (temp file + rename locally; one PUT on S3) and then the shard manifest
    ``part-NNNNN.manifest.json``. **A shard is durable once its manifest exists.**
@@ -49,6 +50,7 @@ __all__ = [
     "ENGINES",
     "ExportJob",
     "ExportSummary",
+    "ListedRollout",
     "RolloutRecord",
     "ShardManifest",
     "ShardResult",
@@ -853,14 +855,40 @@ def _close_clients() -> None:
         clients.close()
 
 
-async def _read(store: Any, job: ExportJob, info: Any) -> tuple[Any, bool]:
-    """The snapshot to export and whether it is sealed (a ``drop`` can consume it)."""
-    from s3capture.errors import SnapshotNotSealedError
+class ListedRollout(msgspec.Struct, frozen=True):
+    """A rollout of a shard task with the objects the parent's listing showed under its prefix
+    (``S3TokenStore.rollouts``' own listing): ``export_shard`` reads its snapshot from them
+    (``read_snapshot(listing=...)``) instead of listing the rollout again. ``info`` is its
+    ``RolloutInfo``; ``listing`` its ``ListedObject``s."""
+
+    info: Any
+    listing: tuple = ()
+
+    @property
+    def rollout_id(self) -> str:
+        return self.info.rollout_id
+
+
+async def _read(store: Any, job: ExportJob, info: Any, listing: Any = None) -> tuple[Any, bool]:
+    """The snapshot to export and whether it is sealed (a ``drop`` can consume it). With
+    ``listing`` (the parent's listing of the rollout) the snapshot is that listed state's, read
+    without a LIST; when that read fails (the manifest vanished: a drop or retire since the
+    listing) or finds objects vanished, the rollout is read again from a fresh LIST, so the
+    outcome is the one of its current state."""
+    from s3capture.errors import SnapshotNotSealedError, StoreError
 
     if info.state == "open":
         if job.freeze:
             return await store.freeze(info.rollout_id), True
-        return await store.read_snapshot(info.rollout_id, sealed=False), False
+        return await store.read_snapshot(info.rollout_id, sealed=False, listing=listing), False
+    if listing is not None:
+        try:
+            snapshot = await store.read_snapshot(info.rollout_id, sealed=True, listing=listing)
+        except (StoreError, SnapshotNotSealedError):
+            pass  # judged again below, on a fresh listing
+        else:
+            if not any(reason.startswith("vanished:") for reason in snapshot.reasons):
+                return snapshot, True
     try:
         return await store.read_snapshot(info.rollout_id, sealed=True), True
     except SnapshotNotSealedError:
@@ -869,14 +897,14 @@ async def _read(store: Any, job: ExportJob, info: Any) -> tuple[Any, bool]:
         return await store.freeze(info.rollout_id), True
 
 
-async def _read_and_build(store: Any, job: ExportJob, info: Any) -> _Built:
+async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = None) -> _Built:
     from s3capture.errors import SnapshotNotSealedError, StoreError
     from s3capture.protocols import TokenCaptureRetiredError
     from s3capture.trajectory import build_rollout
 
     built = _Built(info=info)
     try:
-        snapshot, built.sealed = await _read(store, job, info)
+        snapshot, built.sealed = await _read(store, job, info, listing)
     except SnapshotNotSealedError as error:
         built.skipped = f"not_sealed: {error}"
         return built
@@ -945,8 +973,9 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
     writer = _open_writer(job, dest, shard)
     window: collections.deque[asyncio.Task] = collections.deque()
     try:
-        for info in rollouts:
-            window.append(asyncio.create_task(_read_and_build(store, job, info)))
+        for item in rollouts:
+            info, listing = (item.info, item.listing) if isinstance(item, ListedRollout) else (item, None)
+            window.append(asyncio.create_task(_read_and_build(store, job, info, listing)))
             if len(window) >= job.concurrency:
                 _consume(await window.popleft(), writer, result, job)
         while window:
@@ -985,7 +1014,9 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
 def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult:
     """Read, build and write one whole shard; the function every engine runs (picklable arguments).
 
-    ``rollouts`` are ``s3capture.rollouts.RolloutInfo`` from the listing. Each is read with
+    ``rollouts`` are ``ListedRollout``s (a ``RolloutInfo`` with its listed objects: read without
+    a LIST, and from a fresh LIST only when that read finds the rollout changed since) or plain
+    ``s3capture.rollouts.RolloutInfo``s (listed again). Each is read with
     ``read_snapshot`` (sealed for a frozen rollout, unsealed for an open one; ``freeze`` instead
     with ``job.freeze``), at most ``job.concurrency`` in flight, built with
     ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
@@ -1004,7 +1035,7 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
 
 # --------------------------------------------------------------------------- engines
 ShardTask = tuple[int, list[Any]]
-"""``(shard number, RolloutInfo list)``: one unit of work for an engine."""
+"""``(shard number, ListedRollout list)``: one unit of work for an engine."""
 
 
 def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> ShardResult:
@@ -1601,7 +1632,7 @@ async def export(
             common = os.path.commonprefix(sorted(wanted))
             if common.startswith(prefix):
                 listed_prefix = common
-        async for info in store.rollouts(states, prefix=listed_prefix):
+        async for info, listing in store.rollouts_listed(states, prefix=listed_prefix):
             rid = info.rollout_id
             if wanted is not None:
                 if rid not in wanted:
@@ -1638,7 +1669,7 @@ async def export(
                     skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
                     continue
             summary.selected += 1
-            batch.append(info)
+            batch.append(ListedRollout(info, tuple(listing)))  # the worker reads it without listing it again
             batch_bytes += int(info.bytes or 0)
             if len(batch) >= shard_rollouts or batch_bytes >= shard_bytes:
                 bar.planned(len(batch))
