@@ -602,9 +602,9 @@ def _trajectory_rows(built: _Built) -> list[dict]:
             dict(
                 common,
                 chain_id=t.chain_id,
-                token_ids=list(t.token_ids) if aligned else [],
-                loss_mask=list(t.loss_mask) if aligned else [],
-                logprobs=list(t.logprobs) if aligned else [],
+                token_ids=t.token_ids if aligned else [],  # sequences, converted once by the writer
+                loss_mask=t.loss_mask if aligned else [],
+                logprobs=t.logprobs if aligned else [],
                 call_ids=list(t.call_ids),
                 num_calls=len(t.call_ids),
             )
@@ -614,10 +614,22 @@ def _trajectory_rows(built: _Built) -> list[dict]:
     return rows
 
 
+_LIST_COLUMNS = (("token_ids", "int64"), ("loss_mask", "int8"), ("logprobs", "float32"))
+"""The token-aligned list columns and the numpy type each row's values are held in until written."""
+_DICTIONARY_COLUMNS = ["rollout_id", "chain_id", "snapshot_id", "call_ids.list.element", "mask_reasons.list.element"]
+"""Parquet columns worth dictionary encoding (repeated strings); token ids, masks and log-probabilities
+are written plain (zstd compresses them; a dictionary of a 150k vocabulary only costs CPU)."""
+
+
 class _ParquetWriter(_Writer):
-    """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes."""
+    """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes.
+
+    Each row's token ids, loss mask and log-probabilities are converted once, when the rollout is
+    added, into numpy arrays (which also finds the largest id without a Python loop); a row group's
+    list columns are then one concatenation each, handed to Arrow without a per-element step."""
 
     def __init__(self, job: ExportJob, dest: _Destination, shard: int) -> None:
+        import numpy  # noqa: F401 - the writer's arrays; with pyarrow, the parquet extra
         import pyarrow  # noqa: F401 - fail here, before any read, when the extra is missing
 
         super().__init__(job, dest, shard)
@@ -630,7 +642,9 @@ class _ParquetWriter(_Writer):
         import pyarrow.parquet as pq
 
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.temp, parquet_schema(self.token_type), compression="zstd")
+            self.writer = pq.ParquetWriter(
+                self.temp, parquet_schema(self.token_type), compression="zstd", use_dictionary=_DICTIONARY_COLUMNS
+            )
         return self.writer
 
     def _widen(self) -> None:
@@ -651,10 +665,19 @@ class _ParquetWriter(_Writer):
         os.unlink(old)
 
     def add(self, built: _Built) -> tuple[int, int]:
+        import numpy as np
+
         rows = _trajectory_rows(built)
-        highest = max((max(r["token_ids"]) for r in rows if r["token_ids"]), default=0)
-        if highest > _INT64_MAX:
-            raise OverflowError(f"token id {highest} does not fit a 64-bit integer")
+        highest = 0
+        for row in rows:
+            n = len(row["token_ids"])
+            for name, kind in _LIST_COLUMNS:
+                try:
+                    row[name] = np.fromiter(row[name], dtype=kind, count=n)
+                except OverflowError:
+                    raise OverflowError(f"a token id of {built.info.rollout_id} does not fit a 64-bit integer") from None
+            if n:
+                highest = max(highest, int(row["token_ids"].max()))
         if highest > _INT32_MAX and self.token_type == "int32":
             self._widen()
         tokens = 0
@@ -673,11 +696,32 @@ class _ParquetWriter(_Writer):
 
         if not self.buffer:
             return
-        schema = parquet_schema(self.token_type)
-        columns = {name: [row[name] for row in self.buffer] for name in schema.names}
-        self._open().write_table(pa.Table.from_pydict(columns, schema=schema))
+        self._write(self.buffer)
         self.buffer = []
         self.buffered_bytes = 0
+
+    def _write(self, rows: list[dict]) -> None:
+        """One row group of ``rows``; two when its token count exceeds an Arrow list's 32-bit offsets."""
+        import numpy as np
+        import pyarrow as pa
+
+        total = sum(len(row["token_ids"]) for row in rows)
+        if total > _INT32_MAX and len(rows) > 1:
+            self._write(rows[: len(rows) // 2])
+            self._write(rows[len(rows) // 2 :])
+            return
+        schema = parquet_schema(self.token_type)
+        arrays = []
+        for field in schema:
+            values = [row[field.name] for row in rows]
+            if field.name not in dict(_LIST_COLUMNS):
+                arrays.append(pa.array(values, type=field.type))
+                continue
+            offsets = np.zeros(len(values) + 1, dtype=np.int64)
+            np.cumsum([len(v) for v in values], out=offsets[1:])
+            flat = np.concatenate(values).astype(field.type.value_type.to_pandas_dtype(), copy=False)
+            arrays.append(pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(flat)))
+        self._open().write_table(pa.Table.from_arrays(arrays, schema=schema))
 
     def finish(self) -> None:
         if self.writer is None and self.rows:
