@@ -384,56 +384,76 @@ def per_rollout(requests: dict[str, int], n: int) -> str:
     return ", ".join(f"{kind} {count / n:.2f}" for kind, count in sorted(requests.items()))
 
 
-async def run_server(kind: str, transport: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    from s3capture.store import S3TokenStore  # noqa: F401 - import once before timing anything
+async def measure(server: Any, bucket: str, root: str, n: int, transport: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+    """The bare reader and the export of one captured root on one transport, ``args.repeats`` times."""
+    endpoint = server.endpoint_url
+    bound = max(8, min(64, 4 * args.concurrency))
+    url = f"s3://{bucket}/{root}"
+    await bare_read(bucket, root, endpoint, transport, args.workers, bound)  # warm-up, not counted
+    bares, exports = [], []
+    for repeat in range(args.repeats):
+        order = ("bare", "export") if repeat % 2 == 0 else ("export", "bare")
+        for what in order:
+            server_before = server_cpu(server)
+            if what == "bare":
+                bares.append(await bare_read(bucket, root, endpoint, transport, args.workers, bound))
+                bares[-1]["server_cpu"] = server_cpu(server) - server_before
+            else:
+                out = os.path.join(scratch, f"out-{n}-{transport}-{repeat}")
+                exports.append(await asyncio.to_thread(run_export, url, endpoint, transport, args.workers, args.concurrency, out, args.export_args))
+                exports[-1]["server_cpu"] = server_cpu(server) - server_before
+                shutil.rmtree(out, ignore_errors=True)
+        print(f"  {n:,} rollouts, {transport}, repeat {repeat + 1}: bare reader {bares[-1]['seconds']:.1f} s, "
+              f"export {exports[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    return {"bares": bares, "exports": exports}
+
+
+async def run_server(kind: str, transports: list[str], args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """Capture every size once on a fresh ``kind`` server, then measure it on each transport."""
+    import boto3
 
     server = start_server(kind)
-    endpoint = server.endpoint_url
     examples = example_calls()
-    bound = max(8, min(64, 4 * args.concurrency))
-    lines = [f"### export vs a bare reader on {kind} ({transport} transport, {args.calls} calls per rollout, "
-             f"{args.storage} prompts, --workers {args.workers} --concurrency {args.concurrency}, {args.repeats} repeats)\n"]
     results: dict[str, Any] = {}
+    measured: dict[tuple[str, int], dict[str, Any]] = {}
+    captured: dict[int, dict[str, Any]] = {}
     scratch = tempfile.mkdtemp(prefix="bench-export-")
     try:
-        import boto3
-
-        rows, request_rows, memory_rows = [], [], []
         for n in args.sizes:
             # A bucket per size: moto's LIST scans the whole bucket, so a shared one would slow the smaller run.
             bucket = f"s3capture-bench-{uuid.uuid4().hex[:8]}"
             boto3.client("s3", **server.client_kwargs()).create_bucket(Bucket=bucket)
             root = f"n{n}"
-            url = f"s3://{bucket}/{root}"
-            made = await capture(url, endpoint, transport, n, args.calls, args.storage, examples)
-            print(f"captured and froze {n:,} rollouts ({made['objects']:,} objects, {made['bytes'] / 1e6:.1f} MB stored) "
-                  f"in {made['seconds']:.0f} s", file=sys.stderr, flush=True)
-            await bare_read(bucket, root, endpoint, transport, args.workers, bound)  # warm-up, not counted
-            bares, exports = [], []
-            for repeat in range(args.repeats):
-                order = ("bare", "export") if repeat % 2 == 0 else ("export", "bare")
-                for what in order:
-                    server_before = server_cpu(server)
-                    if what == "bare":
-                        bares.append(await bare_read(bucket, root, endpoint, transport, args.workers, bound))
-                        bares[-1]["server_cpu"] = server_cpu(server) - server_before
-                    else:
-                        out = os.path.join(scratch, f"out-{n}-{repeat}")
-                        exports.append(await asyncio.to_thread(run_export, url, endpoint, transport, args.workers, args.concurrency, out, args.export_args))
-                        exports[-1]["server_cpu"] = server_cpu(server) - server_before
-                        shutil.rmtree(out, ignore_errors=True)
-                print(f"  {n:,} rollouts, repeat {repeat + 1}: bare reader {bares[-1]['seconds']:.1f} s, export {exports[-1]['seconds']:.1f} s",
-                      file=sys.stderr, flush=True)
+            capture_with = "obstore" if "obstore" in transports else transports[0]  # the quicker writer; not measured
+            made = captured[n] = await capture(f"s3://{bucket}/{root}", server.endpoint_url, capture_with, n, args.calls, args.storage, examples)
+            print(f"captured and froze {n:,} rollouts on {kind} ({made['objects']:,} objects, {made['bytes'] / 1e6:.1f} MB "
+                  f"stored) in {made['seconds']:.0f} s", file=sys.stderr, flush=True)
+            for transport in transports:
+                measured[(transport, n)] = await measure(server, bucket, root, n, transport, args, scratch)
+        if args.profile:
+            profiled = await asyncio.to_thread(profile_shard, f"s3://{bucket}/{root}", server.endpoint_url, transports[0],
+                                               args.concurrency, min(256, args.sizes[-1]))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        server.stop()
+
+    text = []
+    for transport in transports:
+        lines = [f"### export vs a bare reader on {kind} ({transport} transport, {args.calls} calls per rollout, "
+                 f"{args.storage} prompts, --workers {args.workers} --concurrency {args.concurrency}, {args.repeats} repeats)\n"]
+        rows, request_rows, memory_rows = [], [], []
+        for n in args.sizes:
+            bares, exports = measured[(transport, n)]["bares"], measured[(transport, n)]["exports"]
             bare_s = statistics.median(b["seconds"] for b in bares)
             export_s = statistics.median(e["seconds"] for e in exports)
-            ratios = [bares[i]["seconds"] / exports[i]["seconds"] for i in range(args.repeats)]
+            ratios = [bares[i]["seconds"] / exports[i]["seconds"] for i in range(len(exports))]
             ratio = statistics.median(ratios)
             summary = exports[-1]["summary"]
             assert summary["exported"] == n, summary
             got = bares[-1]["requests"].get("GetObject", 0)
             if got != summary["requests"].get("source:GetObject", 0):
                 print(f"note: the bare reader sent {got} GETs, the export {summary['requests'].get('source:GetObject')}", file=sys.stderr)
-            mb = bares[-1]["bytes"] / 1e6
+            mb = captured[n]["bytes"] / 1e6
             cpu = lambda runs, key: statistics.median(r[key] for r in runs) * 1000 / n  # noqa: E731 - ms per rollout
             rows.append([f"{n:,}", "bare reader: LIST root + GET entries and sealed manifests", bare_s, n / bare_s, mb / bare_s,
                          cpu(bares, "client_cpu"), cpu(bares, "server_cpu"), "1.00x"])
@@ -448,10 +468,12 @@ async def run_server(kind: str, transport: str, args: argparse.Namespace) -> tup
             worker = max(e["worker_mib"] for e in exports)
             memory_rows.append([f"{n:,}", parent, worker, exports[-1]["workers_seen"], f"{summary['trajectories']:,}",
                                 f"{summary['tokens']:,}", f"{summary['bytes_written'] / 1e6:.1f}"])
-            results[f"{kind}/{transport}/{n}"] = {"ratio": round(ratio, 3), "ratios": [round(r, 3) for r in ratios],
-                                                 "bare_s": round(bare_s, 2), "export_s": round(export_s, 2),
-                                                 "parent_mib": round(parent, 1), "worker_mib": round(worker, 1),
-                                                 "requests_per_rollout": {k: round(v / n, 3) for k, v in summary["requests"].items()}}
+            results[f"{kind}/{transport}/{n}"] = {
+                "ratio": round(ratio, 3), "ratios": [round(r, 3) for r in ratios], "bare_s": round(bare_s, 2),
+                "export_s": round(export_s, 2), "parent_mib": round(parent, 1), "worker_mib": round(worker, 1),
+                "export_client_cpu_ms": round(cpu(exports, "client_cpu"), 2), "bare_client_cpu_ms": round(cpu(bares, "client_cpu"), 2),
+                "requests_per_rollout": {k: round(v / n, 3) for k, v in summary["requests"].items()},
+            }
         lines.append(table(["rollouts", "reader", "wall s (median)", "rollouts/s", "MB/s (stored)", "client CPU ms/rollout",
                             "server CPU ms/rollout", "÷ bare reader"], rows))
         lines.append("\nrequests per rollout, by kind (export: the summary's counts, from the transports' request hooks):\n")
@@ -462,17 +484,13 @@ async def run_server(kind: str, transport: str, args: argparse.Namespace) -> tup
             low, high = memory_rows[0], memory_rows[-1]
             growth = max(high[1] / low[1], high[2] / low[2]) if low[1] and low[2] else float("nan")
             verdict = "flat" if growth <= 1.15 else "GROWS"
-            lines.append(f"\nRSS at {high[0]} ÷ at {low[0]} rollouts: parent {high[1] / low[1]:.2f}x, worker {high[2] / low[2]:.2f}x ({verdict}; target: flat, <= 1.15x)")
+            lines.append(f"\nRSS at {high[0]} ÷ at {low[0]} rollouts: parent {high[1] / low[1]:.2f}x, worker {high[2] / low[2]:.2f}x "
+                         f"({verdict}; target: flat, <= 1.15x)")
             results[f"{kind}/{transport}/rss_growth"] = round(growth, 3)
-        if args.profile:
-            lines.append("\ncProfile of one shard's export_shard (top functions by own time):\n")
-            profiled = await asyncio.to_thread(profile_shard, f"s3://{bucket}/n{args.sizes[-1]}", endpoint, transport,
-                                               args.concurrency, min(256, args.sizes[-1]))
-            lines.append("```\n" + profiled + "\n```")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        server.stop()
-    return "\n".join(lines), results
+        text.append("\n".join(lines))
+    if args.profile:
+        text.append("cProfile of one shard's export_shard (top functions by own time):\n\n```\n" + profiled + "\n```")
+    return "\n\n".join(text), results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,10 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="measured repeats per size, after one warm-up read (default 2)")
     parser.add_argument("--export-args", default="", help="more 's3capture export' options, e.g. '--build-with builtin'")
     parser.add_argument("--profile", action="store_true", help="also cProfile one shard of export_shard")
-    parser.add_argument("--quick", action="store_true", help="40 and 120 rollouts of 2 calls, one repeat (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="20 and 60 rollouts of 2 calls, one repeat (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.calls, args.repeats = "40,120", 2, 1
+        args.sizes, args.calls, args.repeats = "20,60", 2, 1
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.export_args = args.export_args.split()
     args.servers = server_list(parser, args.servers)
@@ -499,10 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_export\n\nmachine: {machine_summary()}\nload average at start: {load_at_start}\n", flush=True)
     results: dict[str, Any] = {}
     for kind in args.servers:
-        for transport in transports:
-            text, found = asyncio.run(run_server(kind, transport, args))
-            results.update(found)
-            print(text + "\n", flush=True)
+        text, found = asyncio.run(run_server(kind, transports, args))
+        results.update(found)
+        print(text + "\n", flush=True)
     print(result_line("bench_export", results))
     print(total_line(started, load_at_start))
     return 0
