@@ -209,12 +209,13 @@ async def test_export_writes_each_trainable_chain_once_and_never_a_masked_one(
             assert recorded[rid].masked and not recorded[rid].written and recorded[rid].rows == 0
             assert any(reason.startswith(MASKED[rid]) for reason in recorded[rid].mask_reasons)
         # Read-only: the exporter only listed and read the source (no PUT, no DELETE): one LIST page
-        # for the listing and one per rollout, one GET per entry object (the conflict's two payloads,
-        # of which its snapshot keeps neither) and one of each rollout's sealed manifest.
+        # for the listing (each rollout is read from it, never listed again), one GET per entry
+        # object (the conflict's two payloads, of which its snapshot keeps neither) and one of each
+        # rollout's sealed manifest.
         assert {k for k in summary.requests if k.startswith("source:")} == {"source:ListObjectsV2", "source:GetObject"}
         entry_objects = sum(len(snapshots[rid].entries) for rid in ids + sorted(MASKED)) + 2
         assert summary.requests["source:GetObject"] == entry_objects + len(ids) + len(MASKED)
-        assert summary.requests["source:ListObjectsV2"] == 1 + len(ids) + len(MASKED)
+        assert summary.requests["source:ListObjectsV2"] == 1
         if dest.startswith("s3://"):  # one PUT per data file and one per manifest
             assert summary.requests["dest:PutObject"] == 2 * len(manifests)
 
@@ -307,6 +308,42 @@ async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_p
     by_ids = await export(bucket_url, str(tmp_path / "i"), workers=0, ids=["team-b-1", "team-a-2", "nobody"])
     assert sorted(row["rollout_id"] for row in read_rows(str(tmp_path / "i"))) == ["team-a-2", "team-b-1"]
     assert by_ids.skipped_reasons == {"not_listed": 1} and by_ids.skipped_examples["not_listed"][0].startswith("nobody")
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_a_shard_reads_rollouts_from_the_listing_and_lists_again_only_what_changed(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    import concurrent.futures
+
+    from s3capture.export import ListedRollout, _close_clients, export_shard
+
+    writer, builder = fresh(), fresh(fence_grace=0.0)
+    snapshots = {}
+    for rid in ("keep", "gone"):
+        await put_chain(writer, rid, 3)
+        snapshots[rid] = await builder.freeze(rid)
+    reader = fresh()
+    listed = {info.rollout_id: ListedRollout(info, tuple(items)) async for info, items in reader.rollouts_listed()}
+    lists_before = reader.request_counts.get("ListObjectsV2", 0)
+    from_listing = await reader.read_snapshot("keep", listing=listed["keep"].listing)
+    assert reader.request_counts.get("ListObjectsV2", 0) == lists_before  # no LIST of its own
+    fresh_read = await fresh().read_snapshot("keep")
+    assert (from_listing.snapshot_id, from_listing.version, from_listing.entries, from_listing.incomplete) == (
+        fresh_read.snapshot_id, fresh_read.version, fresh_read.entries, fresh_read.incomplete)
+    with pytest.raises(ValueError, match="outside its prefix"):
+        await reader.read_snapshot("keep", listing=listed["gone"].listing)
+
+    # Dropped after the listing: the shard finds its manifest gone, lists that rollout again and
+    # skips it as retired; the other is read from the listing alone.
+    assert await builder.drop("gone", snapshots["gone"].snapshot_id, snapshots["gone"].version)
+    job = ExportJob(url=bucket_url, dest=str(tmp_path))  # a folder export()'s destination scan would have made
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:  # export_shard's clients live in its thread
+        result = await asyncio.wrap_future(thread.submit(export_shard, job, 0, [listed["keep"], listed["gone"]]))
+        await asyncio.wrap_future(thread.submit(_close_clients))
+    assert [(r.rollout_id, r.snapshot_id, r.written) for r in result.records] == [("keep", fresh_read.snapshot_id, True)]
+    assert [rid for rid, _ in result.skipped] == ["gone"] and result.skipped[0][1].startswith("retired")
+    assert result.requests["source:ListObjectsV2"] == 1 and not result.failed
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)

@@ -376,6 +376,17 @@ def _export(args: argparse.Namespace) -> int:
     if args.endpoint:
         os.environ["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL_S3"] = args.endpoint
     ids = read_ids(args.ids) if args.ids else None
+    engine_options: dict[str, Any] = {}
+    if args.engine == "ray":
+        engine_options["address"] = args.address
+        if args.ray_env:
+            names = [name.strip() for name in args.ray_env.split(",") if name.strip()]
+            missing = [name for name in names if name not in os.environ]
+            if missing:
+                raise ValueError(f"--ray-env: {', '.join(missing)} not set in this environment")
+            engine_options["runtime_env"] = {"env_vars": {name: os.environ[name] for name in names}}
+    elif args.address or args.ray_env:
+        raise ValueError("--address and --ray-env apply to --engine ray only")
     summary = asyncio.run(
         export(
             args.url,
@@ -391,6 +402,7 @@ def _export(args: argparse.Namespace) -> int:
             masked=args.masked,
             drop=args.drop,
             engine=args.engine,
+            engine_options=engine_options,
             workers=args.workers,
             concurrency=args.concurrency,
             shard_rollouts=args.shard_rollouts,
@@ -540,10 +552,18 @@ def build_parser() -> argparse.ArgumentParser:
     from s3capture.export import ENGINES
 
     export.add_argument("--engine", choices=tuple(ENGINES), default="local",
-                        help="where shards run: local (a process pool on this machine; default)")
+                        help="where shards run: local (a process pool on this machine; default) or ray (Ray tasks on "
+                        "a Ray cluster; pip install 's3capture[ray]')")
+    export.add_argument("--address", metavar="ADDRESS",
+                        help="--engine ray: the cluster, ray://HOST:10001 (Ray Client) or auto (the cluster 'ray start' "
+                        "runs on this machine); default: RAY_ADDRESS, else a local Ray runtime for this export")
+    export.add_argument("--ray-env", metavar="NAMES",
+                        help="--engine ray: comma-separated environment variables of this process to set on the Ray "
+                        "workers (runtime_env env_vars), e.g. AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY; workers "
+                        "otherwise read credentials from their own environment")
     export.add_argument("--workers", type=_int_in(*e["workers"]), default=2,
-                        help="worker processes of the local engine, %d to %d; 0 runs shards in this process (default 2)"
-                        % e["workers"])
+                        help="worker processes of the local engine, or Ray tasks at once with --engine ray, %d to %d; "
+                        "0 runs shards in this process (local engine only; default 2)" % e["workers"])
     export.add_argument("--concurrency", type=_int_in(*e["concurrency"]), default=8,
                         help="rollouts read at once per worker, %d to %d (default 8)" % e["concurrency"])
     export.add_argument("--shard-rollouts", type=_int_in(*e["shard_rollouts"]), default=256,

@@ -11,8 +11,9 @@ Pipeline (``docs/export.md``):
    ``export_shard`` in a process pool on this machine; another engine (Ray) runs the same function
    elsewhere. At most ``2 x workers`` shards are assigned ahead, so the listing pauses while they
    work (bounded memory).
-3. ``export_shard(job, shard, rollouts)`` reads each rollout (``read_snapshot``: GET and LIST only;
-   ``freeze`` with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
+3. ``export_shard(job, shard, rollouts)`` reads each rollout (``read_snapshot`` of the state the
+   parent's listing showed, handed over with the shard: GETs only, no per-rollout LIST; ``freeze``
+   with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
    (``s3capture.trajectory.build_rollout``), appends rows to a bounded row-group buffer, publishes
    the data file atomically (temp file + rename locally; one PUT on S3) and then the shard manifest
    ``_part-NNNNN.manifest.json``. **A shard is durable once its manifest exists.**
@@ -50,6 +51,7 @@ __all__ = [
     "ENGINES",
     "ExportJob",
     "ExportSummary",
+    "ListedRollout",
     "RolloutRecord",
     "ShardManifest",
     "ShardResult",
@@ -58,6 +60,7 @@ __all__ = [
     "format_summary",
     "local_engine",
     "parquet_schema",
+    "ray_engine",
     "read_manifests",
 ]
 
@@ -684,9 +687,9 @@ def _trajectory_rows(built: _Built) -> list[dict]:
             dict(
                 common,
                 chain_id=t.chain_id,
-                token_ids=list(t.token_ids) if aligned else [],
-                loss_mask=list(t.loss_mask) if aligned else [],
-                logprobs=list(t.logprobs) if aligned else [],
+                token_ids=t.token_ids if aligned else [],  # sequences, converted once by the writer
+                loss_mask=t.loss_mask if aligned else [],
+                logprobs=t.logprobs if aligned else [],
                 call_ids=list(t.call_ids),
                 num_calls=len(t.call_ids),
             )
@@ -696,10 +699,22 @@ def _trajectory_rows(built: _Built) -> list[dict]:
     return rows
 
 
+_LIST_COLUMNS = (("token_ids", "int64"), ("loss_mask", "int8"), ("logprobs", "float32"))
+"""The token-aligned list columns and the numpy type each row's values are held in until written."""
+_DICTIONARY_COLUMNS = ["rollout_id", "chain_id", "snapshot_id", "call_ids.list.element", "mask_reasons.list.element"]
+"""Parquet columns worth dictionary encoding (repeated strings); token ids, masks and log-probabilities
+are written plain (zstd compresses them; a dictionary of a 150k vocabulary only costs CPU)."""
+
+
 class _ParquetWriter(_Writer):
-    """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes."""
+    """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes.
+
+    Each row's token ids, loss mask and log-probabilities are converted once, when the rollout is
+    added, into numpy arrays (which also finds the largest id without a Python loop); a row group's
+    list columns are then one concatenation each, handed to Arrow without a per-element step."""
 
     def __init__(self, job: ExportJob, dest: _Destination, shard: int) -> None:
+        import numpy  # noqa: F401 - the writer's arrays; with pyarrow, the parquet extra
         import pyarrow  # noqa: F401 - fail here, before any read, when the extra is missing
 
         super().__init__(job, dest, shard)
@@ -712,7 +727,9 @@ class _ParquetWriter(_Writer):
         import pyarrow.parquet as pq
 
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.temp, parquet_schema(self.token_type), compression="zstd")
+            self.writer = pq.ParquetWriter(
+                self.temp, parquet_schema(self.token_type), compression="zstd", use_dictionary=_DICTIONARY_COLUMNS
+            )
         return self.writer
 
     def _widen(self) -> None:
@@ -733,10 +750,19 @@ class _ParquetWriter(_Writer):
         os.unlink(old)
 
     def add(self, built: _Built) -> tuple[int, int]:
+        import numpy as np
+
         rows = _trajectory_rows(built)
-        highest = max((max(r["token_ids"]) for r in rows if r["token_ids"]), default=0)
-        if highest > _INT64_MAX:
-            raise OverflowError(f"token id {highest} does not fit a 64-bit integer")
+        highest = 0
+        for row in rows:
+            n = len(row["token_ids"])
+            for name, kind in _LIST_COLUMNS:
+                try:
+                    row[name] = np.fromiter(row[name], dtype=kind, count=n)
+                except OverflowError:
+                    raise OverflowError(f"a token id of {built.info.rollout_id} does not fit a 64-bit integer") from None
+            if n:
+                highest = max(highest, int(row["token_ids"].max()))
         if highest > _INT32_MAX and self.token_type == "int32":
             self._widen()
         tokens = 0
@@ -755,11 +781,32 @@ class _ParquetWriter(_Writer):
 
         if not self.buffer:
             return
-        schema = parquet_schema(self.token_type)
-        columns = {name: [row[name] for row in self.buffer] for name in schema.names}
-        self._open().write_table(pa.Table.from_pydict(columns, schema=schema))
+        self._write(self.buffer)
         self.buffer = []
         self.buffered_bytes = 0
+
+    def _write(self, rows: list[dict]) -> None:
+        """One row group of ``rows``; two when its token count exceeds an Arrow list's 32-bit offsets."""
+        import numpy as np
+        import pyarrow as pa
+
+        total = sum(len(row["token_ids"]) for row in rows)
+        if total > _INT32_MAX and len(rows) > 1:
+            self._write(rows[: len(rows) // 2])
+            self._write(rows[len(rows) // 2 :])
+            return
+        schema = parquet_schema(self.token_type)
+        arrays = []
+        for field in schema:
+            values = [row[field.name] for row in rows]
+            if field.name not in dict(_LIST_COLUMNS):
+                arrays.append(pa.array(values, type=field.type))
+                continue
+            offsets = np.zeros(len(values) + 1, dtype=np.int64)
+            np.cumsum([len(v) for v in values], out=offsets[1:])
+            flat = np.concatenate(values).astype(field.type.value_type.to_pandas_dtype(), copy=False)
+            arrays.append(pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(flat)))
+        self._open().write_table(pa.Table.from_arrays(arrays, schema=schema))
 
     def finish(self) -> None:
         if self.writer is None and self.rows:
@@ -937,14 +984,40 @@ def _close_clients() -> None:
         clients.close()
 
 
-async def _read(store: Any, job: ExportJob, info: Any) -> tuple[Any, bool]:
-    """The snapshot to export and whether it is sealed (a ``drop`` can consume it)."""
-    from s3capture.errors import SnapshotNotSealedError
+class ListedRollout(msgspec.Struct, frozen=True):
+    """A rollout of a shard task with the objects the parent's listing showed under its prefix
+    (``S3TokenStore.rollouts``' own listing): ``export_shard`` reads its snapshot from them
+    (``read_snapshot(listing=...)``) instead of listing the rollout again. ``info`` is its
+    ``RolloutInfo``; ``listing`` its ``ListedObject``s."""
+
+    info: Any
+    listing: tuple = ()
+
+    @property
+    def rollout_id(self) -> str:
+        return self.info.rollout_id
+
+
+async def _read(store: Any, job: ExportJob, info: Any, listing: Any = None) -> tuple[Any, bool]:
+    """The snapshot to export and whether it is sealed (a ``drop`` can consume it). With
+    ``listing`` (the parent's listing of the rollout) the snapshot is that listed state's, read
+    without a LIST; when that read fails (the manifest vanished: a drop or retire since the
+    listing) or finds objects vanished, the rollout is read again from a fresh LIST, so the
+    outcome is the one of its current state."""
+    from s3capture.errors import SnapshotNotSealedError, StoreError
 
     if info.state == "open":
         if job.freeze:
             return await store.freeze(info.rollout_id), True
-        return await store.read_snapshot(info.rollout_id, sealed=False), False
+        return await store.read_snapshot(info.rollout_id, sealed=False, listing=listing), False
+    if listing is not None:
+        try:
+            snapshot = await store.read_snapshot(info.rollout_id, sealed=True, listing=listing)
+        except (StoreError, SnapshotNotSealedError):
+            pass  # judged again below, on a fresh listing
+        else:
+            if not any(reason.startswith("vanished:") for reason in snapshot.reasons):
+                return snapshot, True
     try:
         return await store.read_snapshot(info.rollout_id, sealed=True), True
     except SnapshotNotSealedError:
@@ -953,14 +1026,14 @@ async def _read(store: Any, job: ExportJob, info: Any) -> tuple[Any, bool]:
         return await store.freeze(info.rollout_id), True
 
 
-async def _read_and_build(store: Any, job: ExportJob, info: Any) -> _Built:
+async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = None) -> _Built:
     from s3capture.errors import SnapshotNotSealedError, StoreError
     from s3capture.protocols import TokenCaptureRetiredError
     from s3capture.trajectory import build_rollout
 
     built = _Built(info=info)
     try:
-        snapshot, built.sealed = await _read(store, job, info)
+        snapshot, built.sealed = await _read(store, job, info, listing)
     except SnapshotNotSealedError as error:
         built.skipped = f"not_sealed: {error}"
         return built
@@ -1029,8 +1102,9 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
     writer = _open_writer(job, dest, shard)
     window: collections.deque[asyncio.Task] = collections.deque()
     try:
-        for info in rollouts:
-            window.append(asyncio.create_task(_read_and_build(store, job, info)))
+        for item in rollouts:
+            info, listing = (item.info, item.listing) if isinstance(item, ListedRollout) else (item, None)
+            window.append(asyncio.create_task(_read_and_build(store, job, info, listing)))
             if len(window) >= job.concurrency:
                 _consume(await window.popleft(), writer, result, job)
         while window:
@@ -1071,7 +1145,9 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
 def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult:
     """Read, build and write one whole shard; the function every engine runs (picklable arguments).
 
-    ``rollouts`` are ``s3capture.rollouts.RolloutInfo`` from the listing. Each is read with
+    ``rollouts`` are ``ListedRollout``s (a ``RolloutInfo`` with its listed objects: read without
+    a LIST, and from a fresh LIST only when that read finds the rollout changed since) or plain
+    ``s3capture.rollouts.RolloutInfo``s (listed again). Each is read with
     ``read_snapshot`` (sealed for a frozen rollout, unsealed for an open one; ``freeze`` instead
     with ``job.freeze``), at most ``job.concurrency`` in flight, built with
     ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
@@ -1091,7 +1167,7 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
 
 # --------------------------------------------------------------------------- engines
 ShardTask = tuple[int, list[Any]]
-"""``(shard number, RolloutInfo list)``: one unit of work for an engine."""
+"""``(shard number, ListedRollout list)``: one unit of work for an engine."""
 
 
 def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> ShardResult:
@@ -1202,7 +1278,202 @@ async def local_engine(
         queue.close()
 
 
-ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine}
+RAY_INSTALL = "pip install 's3capture[ray]'"
+
+
+def _import_ray() -> Any:
+    """``ray``, or ``ValueError`` naming the extra to install (one line, before anything is read)."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError(f"--engine ray needs Ray ({error}): {RAY_INSTALL}") from None
+    return ray
+
+
+class _RayProgress:
+    """The Ray engine's progress sink (run as an actor): workers add summed progress tuples, the
+    parent takes what accumulated since its last take."""
+
+    def __init__(self) -> None:
+        self.pending = [0, 0, 0, 0]
+
+    def add(self, item: tuple[int, int, int, int]) -> None:
+        for index, value in enumerate(item):
+            self.pending[index] += value
+
+    def take(self) -> tuple[int, int, int, int]:
+        out, self.pending = tuple(self.pending), [0, 0, 0, 0]
+        return out  # type: ignore[return-value]
+
+
+class _BatchedReport:
+    """``_REPORT`` in a Ray worker: sums the per-rollout tuples and sends them to the progress actor
+    at most every ``interval`` seconds (one actor call, not one per rollout); ``flush(wait=True)``
+    at the end of a shard waits until the actor holds everything, so the parent's last take after
+    the shard's result is complete."""
+
+    def __init__(self, sink: Any, interval: float = 0.5) -> None:
+        self.sink = sink
+        self.interval = interval
+        self.sums = [0, 0, 0, 0]
+        self.last = time.monotonic()
+
+    def __call__(self, item: tuple[int, int, int, int]) -> None:
+        for index, value in enumerate(item):
+            self.sums[index] += value
+        if time.monotonic() - self.last >= self.interval:
+            self.flush()
+
+    def flush(self, wait: bool = False) -> None:
+        self.last = time.monotonic()
+        if not any(self.sums):
+            return
+        sums, self.sums = tuple(self.sums), [0, 0, 0, 0]
+        ref = self.sink.add.remote(sums)
+        if wait:
+            import ray
+
+            ray.get(ref)
+
+
+def _ray_export_shard(job: ExportJob, shard: int, rollouts: list[Any], sink: Any) -> ShardResult:
+    """``export_shard`` as a Ray task: the same function, with its progress sent to ``sink``."""
+    global _REPORT
+    report = _BatchedReport(sink) if sink is not None else None
+    previous, _REPORT = _REPORT, report
+    try:
+        return export_shard(job, shard, rollouts)
+    finally:
+        _REPORT = previous
+        if report is not None:
+            report.flush(wait=True)
+
+
+async def ray_engine(
+    job: ExportJob,
+    shards: AsyncIterator[ShardTask],
+    *,
+    workers: int = 2,
+    report: Callable | None = None,
+    address: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    num_cpus: float = 1.0,
+    max_retries: int = 2,
+    poll_interval: float = 0.05,
+) -> AsyncIterator[ShardResult]:
+    """Run ``export_shard`` for every shard task as a Ray task; yield each ``ShardResult`` as it ends.
+
+    The same function, arguments and output files as ``local_engine``: each task is one whole
+    shard (``export_shard(job, shard, rollouts)``), so its data file, manifest, row groups and
+    resume records are byte-for-byte the local engine's (manifest timestamps aside). At most
+    ``workers`` tasks run at once (Ray's parallelism; each asks for ``num_cpus`` CPUs) and at most
+    ``workers`` more shards are listed ahead in this process, so a streamed listing pauses while
+    they work (bounded memory: ``2 x workers`` shards of ``RolloutInfo`` and their results).
+
+    Ray: ``ray.init(address=address)`` unless this process is connected already (then that
+    connection is used and left open): ``None`` starts a local Ray runtime (or joins
+    ``RAY_ADDRESS``), ``"auto"`` joins the cluster of this machine, ``"ray://host:10001"`` a
+    remote one through Ray Client. A runtime the engine started is shut down when it ends.
+    ``runtime_env`` (e.g. ``{"env_vars": {...}}``) is applied to every task: workers read the S3
+    credentials from their own environment, as ``export_shard`` does anywhere; the job carries the
+    source and destination URLs, the endpoint (``job.endpoint_url``, else this process's
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) and the transport, never credentials.
+
+    A task that raises is yielded as a failed ``ShardResult`` (its rollouts in ``failed``); a worker
+    that dies is retried ``max_retries`` times by Ray (a shard re-run publishes the same files),
+    then its shard fails the same way. ``report`` receives progress tuples (``_REPORT``), summed by
+    each worker over at most 0.5 s and collected by a small actor. Raises ``ValueError`` when Ray
+    is not installed or ``workers < 1``.
+    """
+    ray = _import_ray()
+    if workers < 1:
+        raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {workers}")
+    job = msgspec.structs.replace(
+        job,
+        endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
+    )
+    started_here = False
+    if not ray.is_initialized():
+        import logging
+
+        options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            options["include_dashboard"] = False  # a local runtime for this export only
+        ray.init(address=address, **options)
+        started_here = True
+    sink: Any = None
+    pending: dict[Any, ShardTask] = {}
+    try:
+        task_options: dict[str, Any] = {"num_cpus": num_cpus, "max_retries": max_retries}
+        if runtime_env:
+            task_options["runtime_env"] = runtime_env
+        remote = ray.remote(_ray_export_shard).options(**task_options)
+        if report is not None:
+            sink = ray.remote(_RayProgress).options(num_cpus=0).remote()
+        held: collections.deque[ShardTask] = collections.deque()
+        exhausted = False
+        take: Any = None
+        next_take = time.monotonic()
+
+        def settle(ref: Any) -> ShardResult:
+            shard, rollouts = pending.pop(ref)
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayTaskError as error:  # export_shard raised: the cause, as locally
+                cause = getattr(error, "cause", None)
+                return _failed_shard(shard, rollouts, cause if isinstance(cause, BaseException) else error)
+            except ray.exceptions.RayError as error:  # a worker or node died, retries spent
+                return _failed_shard(shard, rollouts, error)
+
+        def drain(final: bool = False) -> None:
+            nonlocal take, next_take
+            if sink is None:
+                return
+            if take is not None and (final or ray.wait([take], timeout=0)[0]):
+                report(ray.get(take))
+                take = None
+            if final:
+                report(ray.get(sink.take.remote()))
+            elif take is None and time.monotonic() >= next_take:
+                take, next_take = sink.take.remote(), time.monotonic() + 0.5
+
+        while True:
+            while held and len(pending) < workers:
+                task = held.popleft()
+                pending[remote.remote(job, task[0], task[1], sink)] = task
+            while not exhausted and len(pending) + len(held) < 2 * workers:
+                try:
+                    task = await anext(shards)
+                except StopAsyncIteration:
+                    exhausted = True
+                    break
+                if len(pending) < workers:
+                    pending[remote.remote(job, task[0], task[1], sink)] = task
+                else:
+                    held.append(task)
+            if not pending:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            drain()
+            if not ready:
+                await asyncio.sleep(poll_interval)
+                continue
+            for ref in ready:
+                yield settle(ref)
+        drain(final=True)
+    finally:
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(sink)
+        if started_here:
+            ray.shutdown()
+
+
+ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine, "ray": ray_engine}
 """Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report, **options)``
 (``options``: ``export(engine_options=...)``): it runs
 ``export_shard`` for every ``(shard, rollouts)`` task of the async iterator ``shards`` and yields
@@ -1338,6 +1609,10 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         raise ValueError("min_age must be >= 0 seconds")
     if not opts["fence_grace"] >= 0:
         raise ValueError(f"fence_grace must be >= 0 seconds, got {opts['fence_grace']!r}")
+    if opts["engine"] == "ray":
+        _import_ray()  # one line naming the extra, before anything is read
+        if opts["workers"] < 1:
+            raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {opts['workers']}")
     if not dest:
         raise ValueError("no destination (--out)")
     if _is_s3(dest):
@@ -1526,7 +1801,7 @@ async def export(
             common = os.path.commonprefix(sorted(wanted))
             if common.startswith(prefix):
                 listed_prefix = common
-        async for info in store.rollouts(states, prefix=listed_prefix):
+        async for info, listing in store.rollouts_listed(states, prefix=listed_prefix):
             rid = info.rollout_id
             if wanted is not None:
                 if rid not in wanted:
@@ -1567,7 +1842,7 @@ async def export(
                     skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
                     continue
             summary.selected += 1
-            batch.append(info)
+            batch.append(ListedRollout(info, tuple(listing)))  # the worker reads it without listing it again
             batch_bytes += int(info.bytes or 0)
             if len(batch) >= shard_rollouts or batch_bytes >= shard_bytes:
                 bar.planned(len(batch))

@@ -158,6 +158,17 @@ class RolloutScan:
         return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]
 
 
+def _check_prefix(prefix: Any) -> str:
+    """A rollout id prefix of ``rollouts``: text (``TypeError``) that encodes as UTF-8 (``ValueError``)."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    try:
+        prefix.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"prefix {prefix!r} is not valid Unicode text (it contains a lone surrogate)") from None
+    return prefix
+
+
 def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float = 0.0) -> RolloutScan:
     """Sort the listed objects of one rollout prefix by kind: the one classification that ``freeze``,
     ``drop``, ``retire``, ``delete`` and ``rollouts`` share, so a listing and a freeze of the same
@@ -398,16 +409,23 @@ class RolloutObjects:
         page that cannot be trusted after retries, or a rollout listed again after its keys ended:
         the listing cannot be resumed, start again).
         """
-        states = _check_states(state)
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        try:
-            prefix.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"prefix {prefix!r} is not valid Unicode text (it contains a lone surrogate)") from None
-        return self._rollouts(states, prefix)
+        return self._rollouts(_check_states(state), _check_prefix(prefix))
+
+    def rollouts_listed(
+        self, state: str | Iterable[str] | None = None, *, prefix: str = ""
+    ) -> AsyncIterator[tuple[RolloutInfo, list[ListedObject]]]:
+        """``rollouts``, each ``RolloutInfo`` with the objects listed under its rollout prefix
+        (fence and tombstones included): what ``S3TokenStore.read_snapshot(listing=...)`` takes
+        to read that listed state without listing the rollout again (``s3capture export`` does).
+        Same arguments, requests, memory and errors as ``rollouts``."""
+        return self._listed_rollouts(_check_states(state), _check_prefix(prefix))
 
     async def _rollouts(self, states: frozenset[str], prefix: str) -> AsyncIterator[RolloutInfo]:
+        async with contextlib.aclosing(self._listed_rollouts(states, prefix)) as listed:
+            async for info, _ in listed:
+                yield info
+
+    async def _listed_rollouts(self, states: frozenset[str], prefix: str) -> AsyncIterator[tuple[RolloutInfo, list[ListedObject]]]:
         base = f"{self.layout.root}rollouts/"
         list_prefix = base + (escape_id(prefix) if prefix else "")
         if len(list_prefix.encode()) > MAX_KEY_BYTES:
@@ -428,7 +446,7 @@ class RolloutObjects:
                     continue
                 info = self._rollout_info(rollout_id, scan_listing(rollout_prefix, items))
                 if info is not None and info.state in states:
-                    yield info
+                    yield info, items
 
     async def _rollout_groups(self, base: str, list_prefix: str) -> AsyncIterator[tuple[str, list[ListedObject]]]:
         """``(escaped segment, its listed objects)`` per rollout prefix under ``base``, from one

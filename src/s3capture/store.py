@@ -69,7 +69,7 @@ from s3capture.records import (
     prepare_entry,
     to_gym,
 )
-from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutInfo, RolloutObjects, RolloutScan, parse_s3_url
+from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutInfo, RolloutObjects, RolloutScan, parse_s3_url, scan_listing
 from s3capture.transport import ListedObject, default_botocore_config
 
 __all__ = [
@@ -728,7 +728,9 @@ class S3TokenStore(RolloutObjects):
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         return snapshot
 
-    async def read_snapshot(self, rollout_id: str, *, sealed: bool = True) -> FrozenSnapshot:
+    async def read_snapshot(
+        self, rollout_id: str, *, sealed: bool = True, listing: Sequence[ListedObject] | None = None
+    ) -> FrozenSnapshot:
         """The snapshot ``freeze`` would return for the rollout's listed state, without writing.
 
         Read-only (GET and LIST permission only: ``docs/permissions.md``): nothing is written, no
@@ -746,8 +748,14 @@ class S3TokenStore(RolloutObjects):
         of the listed state whatever it is (an open rollout, or one written to after its freeze);
         an open rollout can still change, so such a snapshot is a moment's view.
 
-        Requests: one LIST page per 1,000 keys of the rollout, then in parallel one GET per entry
-        not cached and (``sealed=True``) one GET of the manifest.
+        ``listing``: the rollout's objects as a listing already showed them (every key under its
+        prefix, as ``rollouts_listed`` yields them); the snapshot is then that listed state's,
+        judged and checked against its sealed manifest exactly as above, without a LIST of its
+        own. An exporter that listed the root reads each rollout this way; the listed state may be
+        older than a fresh listing (a rollout dropped since shows its objects ``vanished``).
+
+        Requests: one LIST page per 1,000 keys of the rollout (none with ``listing``), then in
+        parallel one GET per entry not cached and (``sealed=True``) one GET of the manifest.
 
         Raises:
             TokenCaptureRetiredError: the rollout is retired (its records are gone or going).
@@ -755,10 +763,16 @@ class S3TokenStore(RolloutObjects):
                 changed since its freeze, or its freeze did not finish (``state="changed"``).
             StoreError: the store failed (e.g. ``AccessDenied``), the listed manifest vanished, or
                 it is corrupt or does not match the listing (the message names its key).
-            ValueError: an id that cannot be stored.
+            ValueError: an id that cannot be stored, or a ``listing`` key outside the rollout's prefix.
         """
         prefix = self.layout.rollout(rollout_id)
-        scan = await self._scan(rollout_id)
+        if listing is None:
+            scan = await self._scan(rollout_id)
+        else:
+            outside = next((item.key for item in listing if not item.key.startswith(prefix)), None)
+            if outside is not None:
+                raise ValueError(f"listing of rollout {rollout_id!r} holds {outside!r}, outside its prefix {prefix!r}")
+            scan = scan_listing(prefix, listing, seen_at=time.monotonic())
         if scan.retired:
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; it has no snapshot to read")
         version, snapshot_id = scan.version_and_id()

@@ -1,0 +1,183 @@
+"""``s3capture export --engine ray``: the local engine's files, from Ray tasks (docs/export.md, "Engines").
+
+One test on a local Ray runtime (2 CPUs, no dashboard; starting it costs ~10-20 s, so there is one,
+on moto): the example rollouts, full and delta, plus masked ones, exported by the local engine and
+by the Ray engine into two folders give the same file names, byte-identical Parquet files, the
+same manifests up to their timestamps, the same summary (request counts by kind included) and
+progress that adds up to it. The Ray workers get the S3 credentials the documented way
+(``runtime_env`` env vars); afterwards no process the Ray runtime started is left running.
+Under ``CI`` a missing Ray fails the module instead of skipping it.
+
+Without Ray or a server: ``--engine ray`` without Ray installed, and the Ray-only options with the
+local engine, are one-line usage errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from gymcompat import running_under_ci
+from s3capture.cli import main
+from s3capture.export import _Progress, export, format_summary
+from test_export import MASKED, capture_all
+
+RAY_PROCESS_WORDS = ("ray", "raylet", "gcs_server", "plasma")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as error:
+        if running_under_ci():
+            pytest.fail(f"Ray is required under CI ({error}): pip install 's3capture[ray]' (in the test extra)", pytrace=False)
+        pytest.skip(f"Ray is not installed ({error}): pip install 's3capture[ray]'")
+    return ray
+
+
+def _children() -> dict[int, int]:
+    """pid -> parent pid of every process (from ``/proc``)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as handle:
+                    out[int(name)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _ray_descendants() -> dict[int, str]:
+    """This process's descendants whose command line names Ray: the runtime ``ray.init`` started."""
+    parents = _children()
+    mine = {os.getpid()}
+    grew = True
+    while grew:
+        found = {pid for pid, parent in parents.items() if parent in mine} - mine
+        grew = bool(found)
+        mine |= found
+    mine.discard(os.getpid())
+    out = {}
+    for pid in mine:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(word in command for word in RAY_PROCESS_WORDS):
+            out[pid] = command[:120]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_runtime() -> Any:
+    """A local Ray runtime with 2 CPUs for this module; shut down afterwards, and every process it
+    started (GCS, raylet, workers, ...) checked gone."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the process check reads /proc")
+    ray = _import_ray()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        yield ray
+    finally:
+        started = _ray_descendants()
+        ray.shutdown()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in started):
+            time.sleep(0.2)
+        left = {pid: command for pid, command in started.items() if _alive(pid)}
+        assert not left, f"Ray processes still running after ray.shutdown(): {left}"
+
+
+def _folder(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _manifest_without_time(raw: bytes) -> dict:
+    data = msgspec.json.decode(raw)
+    assert data.pop("created_at")
+    return data
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # one Ray runtime start: one server (CI budget)
+async def test_the_ray_engine_writes_the_local_engines_files(
+    ray_runtime: Any, fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    ids, _ = await capture_all(fresh)
+    options = dict(min_age=0, masked="include", shard_rollouts=3)
+    local = await export(bucket_url, str(tmp_path / "local"), workers=0, **options)
+    assert local.ok and local.exported == len(ids) and local.masked_written == len(MASKED), format_summary(local)
+    assert local.shards_written == -(-(len(ids) + len(MASKED)) // 3) >= 3
+
+    # Ray's workers were started before this test pointed the environment at the server: they get
+    # the credentials through runtime_env (the documented way); the endpoint travels in the job.
+    credentials = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    progress = _Progress(False)
+    on_ray = await export(bucket_url, str(tmp_path / "ray"), engine="ray", workers=2, progress=progress,
+                          engine_options={"runtime_env": {"env_vars": credentials}}, **options)
+    assert on_ray.ok, format_summary(on_ray)
+
+    # The same summary (request counts by kind included), bar the destination and the wall time.
+    def comparable(summary: Any) -> dict:
+        data = msgspec.to_builtins(summary)
+        for name in ("dest", "wall_seconds"):
+            data.pop(name)
+        return data
+
+    assert comparable(on_ray) == comparable(local)
+    # Progress came back from the Ray workers and adds up to what was written.
+    assert (progress.rollouts, progress.trajectories, progress.tokens, progress.bytes) == (
+        len(ids) + len(MASKED), on_ray.trajectories, on_ray.tokens, on_ray.bytes_read)
+
+    # The same files: names, byte-identical data files, manifests equal up to their timestamps.
+    a, b = _folder(tmp_path / "local"), _folder(tmp_path / "ray")
+    assert list(a) == list(b) and not [name for name in a if name.startswith(".")]
+    assert sum(name.endswith(".parquet") for name in a) == local.shards_written
+    for name in a:
+        if name.endswith(".manifest.json"):
+            assert _manifest_without_time(a[name]) == _manifest_without_time(b[name]), name
+        else:
+            assert a[name] == b[name], f"{name} differs between the local and the Ray engine"
+
+
+# --------------------------------------------------------------------------- without Ray or a server
+def test_engine_ray_without_ray_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                    tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["export", "s3://bkt/p", "--out", str(tmp_path / "x"), "--engine", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 's3capture[ray]'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--address", "auto"], "--engine ray only"),
+        (["--ray-env", "AWS_ACCESS_KEY_ID"], "--engine ray only"),
+        (["--engine", "ray", "--workers", "0"], "--workers >= 1"),
+        (["--engine", "ray", "--ray-env", "S3CAPTURE_SURELY_UNSET_VARIABLE"], "not set"),
+    ],
+)
+def test_ray_options_usage_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str],
+                                               message: str) -> None:
+    if "--engine" in args:
+        _import_ray()
+    assert main(["export", "s3://bkt/p", "--out", str(tmp_path / "x"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
