@@ -271,7 +271,7 @@ def test_valid_options_and_inputs_reach_the_workload(guarded: None, tmp_path: Pa
     assert env == {"AWS_ENDPOINT_URL": "https://minio.example:9000/", "AWS_ENDPOINT_URL_S3": "https://minio.example:9000/"}
     assert reached.value.kwargs == dict(workers=256, concurrency=1, parallel_rollouts=1, delta=True, seed=7,
                                         progress=False, capture="ledger", staging_url="s3://other_bucket.x/stage",
-                                        export_dest=None)
+                                        export_dest=None, keep=False)
 
 
 def test_generated_workload_defaults(guarded: None, monkeypatch: pytest.MonkeyPatch):

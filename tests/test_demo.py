@@ -150,3 +150,24 @@ def test_a_worker_killed_mid_run_stops_the_run_at_once(s3_env, bucket_url, s3_cl
     assert isinstance(error, RuntimeError), error
     assert str(error) == f"worker 1 (pid {victim.pid}) exited during the run with status -9"
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("s3capture-demo-worker-")]
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_demo_keep_leaves_frozen_rollouts_that_export_reads(s3_server, bucket_url, tmp_path):
+    """``--keep``: every rollout frozen and verified but not dropped; ``s3capture export`` then
+    exports each of them as one trainable trajectory (the README's offline walkthrough)."""
+    import pyarrow.parquet as pq
+
+    out = _run_demo(["--rollouts", "4", "--calls", "3", "--keep", "--url", bucket_url], s3_server.env())
+    assert "trainable 4, masked 0" in out and "kept frozen (not dropped): 4 rollouts" in out and "result: OK" in out
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env())
+    dest = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--no-progress", "--workers", "0"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pq.read_table(dest)
+    assert table.num_rows == 4 and not any(table.column("masked").to_pylist())
+    assert sorted(table.column("num_calls").to_pylist()) == [3, 3, 3, 3]

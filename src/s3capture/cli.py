@@ -187,6 +187,15 @@ def _check_demo(args: argparse.Namespace) -> str | None:
         raise ValueError("--staging-url applies only with --capture ledger")
     if args.export is not None and args.capture != "store":
         raise ValueError("--export applies only with --capture store (the ledger holds no token ids)")
+    if args.keep and args.capture != "store":
+        raise ValueError("--keep applies only with --capture store")
+    if args.keep and args.export is not None:
+        raise ValueError("--keep and --export: --export drops what it exported; export the kept rollouts later instead")
+    if args.export is not None:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise ValueError("--export writes Parquet and needs pyarrow: pip install 's3capture[parquet]'") from None
     if args.prompt_storage is not None and args.capture != "store":
         raise ValueError("--prompt-storage applies only with --capture store (the ledger stages token deltas)")
     for name, value in vars(args).items():
@@ -270,6 +279,7 @@ def _demo(args: argparse.Namespace) -> int:
             capture=args.capture,
             staging_url=args.staging_url,
             export_dest=args.export,
+            keep=args.keep,
         )
         print(format_report(report, where=where))
         return 0 if report.ok else 1
@@ -483,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --capture store: export the frozen rollouts as training trajectories to DEST "
                            "(a local folder or s3:// prefix; Parquet, as 's3capture export' writes) before they "
                            "are dropped")
+    demo.add_argument("--keep", action="store_true",
+                      help="with --capture store: freeze and verify every rollout but do not drop it, so "
+                           "'s3capture export' can read it later (needs --url/--endpoint: the embedded "
+                           "server stops with the demo)")
     demo.add_argument("--prompt-storage", choices=("delta", "full"),
                       help="with --capture store: store a RESOLVED call's prompt as a delta after its parent "
                       "(default) or in full")

@@ -70,6 +70,7 @@ class DemoReport:
     """What a demo run did; ``ok`` is True when every acceptance condition held."""
 
     capture: str = "store"
+    url: str = ""
     rollouts: int = 0
     calls: int = 0
     captured: int = 0
@@ -99,6 +100,8 @@ class DemoReport:
     build_seconds: float = 0.0
     export_summary: Any = None
     """The ``ExportSummary`` of ``--export`` (None without it)."""
+    kept: int = 0
+    """Rollouts left frozen for a later export (``--keep``)."""
 
     @property
     def ok(self) -> bool:
@@ -107,7 +110,7 @@ class DemoReport:
             and self.faithful_resolved == self.faithful
             and self.masked == 0
             and not self.chains_broken
-            and self.dropped == self.rollouts
+            and self.dropped + self.kept == self.rollouts
             and (self.export_summary is None or (self.export_summary.exported == self.rollouts and not self.export_summary.failed))
         )
 
@@ -389,7 +392,8 @@ class _WorkerPool:
 
 
 async def _build(
-    url: str, rollout_ids: list[str], report: DemoReport, progress: Any, export_dest: str | None = None
+    url: str, rollout_ids: list[str], report: DemoReport, progress: Any, export_dest: str | None = None,
+    keep: bool = False,
 ) -> None:
     """Freeze, verify and drop every rollout (the trajectory builder).
 
@@ -437,7 +441,9 @@ async def _build(
                     report.masked_reasons.extend(f"{rollout_id}: {r}" for r in getattr(snapshot, "reasons", ())[:3])
                 else:
                     report.trainable += 1
-                if export_dest is None and await builder.drop(rollout_id, snapshot.snapshot_id, snapshot.version):
+                if keep:
+                    report.kept += 1
+                elif export_dest is None and await builder.drop(rollout_id, snapshot.snapshot_id, snapshot.version):
                     report.dropped += 1
                 progress.update(1)
 
@@ -448,7 +454,8 @@ async def _build(
             summary = await export(url, export_dest, states=("frozen",), ids=rollout_ids, drop=True, workers=0)
             report.export_summary = summary
             report.dropped = summary.dropped
-        await builder.delete(rollout_ids)
+        if not keep:
+            await builder.delete(rollout_ids)
         report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
 
 
@@ -467,6 +474,7 @@ def run_workload(
     staging_url: str | None = None,
     manifest_hook: Callable[[dict], None] | None = None,
     export_dest: str | None = None,
+    keep: bool = False,
 ) -> DemoReport:
     """Replay ``rollouts`` through ``workers`` processes against ``url``; return the report.
 
@@ -480,7 +488,8 @@ def run_workload(
     checks each rollout's manifest (passed to ``manifest_hook`` when given), rebuilds every call
     from the staged deltas, retires the ledger and deletes the staged objects; the report is then
     a ``demo_ledger.LedgerDemoReport``. ``export_dest`` (``capture="store"`` only): export the
-    frozen rollouts there as training trajectories (``s3capture.export``) before they are dropped.
+    frozen rollouts there as training trajectories (``s3capture.export``) before they are dropped;
+    ``keep`` (``capture="store"`` only): freeze and verify, but leave every rollout frozen.
     """
     from tqdm import tqdm
 
@@ -499,6 +508,8 @@ def run_workload(
         parse_s3_url(staging_url)
     if export_dest is not None and capture != "store":
         raise ValueError("export_dest applies only with capture='store' (the ledger holds no token ids)")
+    if keep and capture != "store":
+        raise ValueError("keep applies only with capture='store'")
     if not any(r.calls for r in rollouts):
         raise ValueError(f"nothing to replay: {len(rollouts)} rollouts and no model call among them")
 
@@ -513,12 +524,12 @@ def run_workload(
 
         build_desc = "manifest+verify+retire"
     else:
-        report = DemoReport(capture=capture)
+        report = DemoReport(capture=capture, url=url)
 
         def build(bar: Any) -> Awaitable[None]:
-            return _build(url, [r.rollout_id for r in rollouts], report, bar, export_dest)
+            return _build(url, [r.rollout_id for r in rollouts], report, bar, export_dest, keep)
 
-        build_desc = "freeze+verify" if export_dest else "freeze+verify+drop"
+        build_desc = "freeze+verify" if export_dest or keep else "freeze+verify+drop"
     report.rollouts, report.calls = len(rollouts), sum(len(r.calls) for r in rollouts)
     report.faithful = sum(max(0, len(r.calls) - 1) for r in rollouts)
     options = {"capture": capture, "delta": delta, "staging_url": staging_url}
@@ -646,6 +657,10 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"
         f" {report.stored_bytes / max(1, report.full_tokens):.2f} per token of the full sequences)",
     ]
+    if report.kept:
+        lines.append(
+            f"  kept frozen (not dropped): {report.kept} rollouts; export them with: s3capture export {report.url} --out DEST"
+        )
     summary = report.export_summary
     if summary is not None:
         lines.append(
