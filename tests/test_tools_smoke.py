@@ -154,3 +154,22 @@ def test_bench_transport_quick_prints_both_transports() -> None:
         assert row["requests_per_call"] == row["bare_requests_per_call"], row
     # 4 put rows per transport: loopback and 10 ms RTT, concurrency 1 and 8.
     assert len(data["put"]) == 8
+
+
+def test_bench_export_quick_prints_its_tables() -> None:
+    require_moto()
+    pytest.importorskip("pyarrow", reason="the parquet extra is not installed")
+    out = run_tool("bench_export.py", "--quick")
+    assert "### export vs a bare reader on moto (aioboto3 transport" in out, out
+    assert "| bare reader: LIST root + GET entries and sealed manifests " in out
+    assert "| s3capture export (local engine, Parquet) " in out
+    # The export reads each rollout from the listing: the same requests as the bare reader (3 GETs
+    # a rollout of 2 calls: its entries and its sealed manifest), and no LIST of its own.
+    requests = [line for line in out.splitlines() if line.startswith("|       60 | ") and "GetObject" in line]
+    assert len(requests) == 2 and all("GetObject 3.00, ListObjectsV2 0.02" in line for line in requests), requests
+    assert "RSS at 60 ÷ at 20 rollouts" in out
+    result = next(line for line in out.splitlines() if line.startswith("RESULT-JSON "))
+    import json
+
+    data = json.loads(result[len("RESULT-JSON "):])
+    assert data["moto/aioboto3/60"]["requests_per_rollout"]["source:GetObject"] == 3.0
