@@ -403,8 +403,12 @@ async def measure(server: Any, bucket: str, root: str, n: int, transport: str, a
                 exports.append(await asyncio.to_thread(run_export, url, endpoint, transport, args.workers, args.concurrency, out, args.export_args))
                 exports[-1]["server_cpu"] = server_cpu(server) - server_before
                 shutil.rmtree(out, ignore_errors=True)
-        print(f"  {n:,} rollouts, {transport}, repeat {repeat + 1}: bare reader {bares[-1]['seconds']:.1f} s, "
-              f"export {exports[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        bare, done = bares[-1], exports[-1]  # a line per repeat, so a run cut short still leaves its numbers
+        print(f"  {n:,} rollouts, {transport}, repeat {repeat + 1}: bare reader {bare['seconds']:.1f} s "
+              f"(client CPU {bare['client_cpu'] * 1000 / n:.1f} ms/rollout, server {bare['server_cpu'] * 1000 / n:.1f}), "
+              f"export {done['seconds']:.1f} s (client CPU {done['client_cpu'] * 1000 / n:.1f} ms/rollout, server "
+              f"{done['server_cpu'] * 1000 / n:.1f}; peak RSS parent {done['parent_mib']:.0f} MiB, worker {done['worker_mib']:.0f} MiB), "
+              f"ratio {bare['seconds'] / done['seconds']:.2f}", file=sys.stderr, flush=True)
     return {"bares": bares, "exports": exports}
 
 
