@@ -421,6 +421,23 @@ def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def _rollout_build(
+    snapshot: Any, trajectories: list[Trajectory], masked: bool, reasons: list[str], metrics: dict,
+    gym_result: dict | None = None,
+) -> RolloutBuild:
+    """The ``RolloutBuild`` of ``snapshot`` (either engine): reasons kept only when masked."""
+    return RolloutBuild(
+        rollout_id=snapshot.rollout_id,
+        snapshot_id=snapshot.snapshot_id,
+        version=snapshot.version,
+        trajectories=trajectories,
+        masked=masked,
+        mask_reasons=_unique(reasons) if masked else [],
+        metrics=metrics,
+        gym_result=gym_result,
+    )
+
+
 # --------------------------------------------------------------------------- engine "gym"
 def _check_gym_builder(builder: str) -> None:
     """Raise ``ValueError`` for a builder Gym's ``run_builder`` does not know (its own check, on no entries)."""
@@ -509,16 +526,7 @@ def _build_with_gym(snapshot: Any, builder: str) -> RolloutBuild:
         for name in ("roots", "chains"):
             if name in metrics and metrics[name] != 1:
                 reasons.append(f"{name}:{metrics[name]}")
-    return RolloutBuild(
-        rollout_id=snapshot.rollout_id,
-        snapshot_id=snapshot.snapshot_id,
-        version=snapshot.version,
-        trajectories=trajectories,
-        masked=masked,
-        mask_reasons=_unique(reasons) if masked else [],
-        metrics=metrics,
-        gym_result=result,
-    )
+    return _rollout_build(snapshot, trajectories, masked, reasons, metrics, gym_result=result)
 
 
 def _trajectory_from_response(response: dict, entries: Sequence[Any]) -> tuple[Trajectory | None, str]:
@@ -597,15 +605,7 @@ def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBui
         masked = masked or bool(reasons)
         if _incomplete(snapshot):
             metrics["capture_incomplete"] = True
-        return RolloutBuild(
-            rollout_id=snapshot.rollout_id,
-            snapshot_id=snapshot.snapshot_id,
-            version=snapshot.version,
-            trajectories=trajectories,
-            masked=masked,
-            mask_reasons=_unique(reasons) if masked else [],
-            metrics=metrics,
-        )
+        return _rollout_build(snapshot, trajectories, masked, reasons, metrics)
 
     if not entries:
         reasons.append("no_entries")
