@@ -138,3 +138,4 @@ async def test_an_explicit_session_s_keys_are_used_on_every_transport(s3_env, bu
     finally:
         await store.close()
     assert snapshot.reasons == ("dangling_intent:c1",)
+

@@ -51,6 +51,50 @@ _RUNTIME_PID: int | None = None
 """The process in which obstore's runtime was first used (it does not survive ``fork``)."""
 _RUNTIME_LOCK = threading.Lock()
 
+
+
+def _rust_threads_in_asyncio() -> int:
+    """How many threads other than this one are inside asyncio's ``call_soon_threadsafe``.
+
+    obstore (through pyo3-async-runtimes) completes each future from one of its tokio threads
+    with ``loop.call_soon_threadsafe``, whose wake-up write to the loop's self-pipe releases the
+    GIL. The loop can run the completion, and the program can finish, while that thread is still
+    inside the write: when it then takes the GIL back during interpreter finalization, CPython
+    ends the thread with ``pthread_exit``, which cannot unwind through Rust frames, and the whole
+    process aborts (SIGABRT) after everything it did succeeded.
+    """
+    import sys
+
+    me = threading.get_ident()
+    busy = 0
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in ("call_soon_threadsafe", "_write_to_self") and "asyncio" in code.co_filename:
+                busy += 1
+                break
+            frame = frame.f_back
+    return busy
+
+
+def settle_completions(timeout: float = 2.0) -> bool:
+    """Wait (up to ``timeout`` seconds) until no obstore thread is still handing a finished
+    request back to an event loop (see ``_rust_threads_in_asyncio``). Called by
+    ``ObstoreTransport.close`` and, once obstore has been used, at interpreter exit.
+
+    Returns ``True`` when none is left (at once, when obstore was never used)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _rust_threads_in_asyncio():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # releases the GIL: the thread takes it, returns, and lets it go
+    return True
+
+
 _XML_CODE = re.compile(r"<Code>([A-Za-z0-9_.-]+)</Code>")
 _STATUS = re.compile(r"\b(?:status|Status)[: ]+(\d{3})\b")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
@@ -197,6 +241,15 @@ class ObstoreTransport(Transport):
         log.warning("s3://%s: credentials expired or invalid; client rebuilt with fresh credentials", self.bucket)
         return True
 
+    async def close(self, timeout: float = 30.0) -> None:
+        """``Transport.close``, then wait (at most 2 s) until obstore's threads have handed back
+        every finished request (``settle_completions``): a program may end right after."""
+        await super().close(timeout)
+        for _ in range(2000):
+            if not _rust_threads_in_asyncio():
+                break
+            await asyncio.sleep(0.001)
+
     # ------------------------------------------------------------------ client per loop
     def _forked(self, states: Any) -> None:
         pass  # nothing to disown: the check in _open refuses to use obstore here at all
@@ -209,6 +262,10 @@ class ObstoreTransport(Transport):
                     "transport='obstore' cannot be used in a process forked after obstore ran in its parent "
                     "(object_store's runtime does not survive fork): use the 'spawn' start method, or transport='aioboto3'"
                 )
+            if _RUNTIME_PID is None:
+                import atexit
+
+                atexit.register(settle_completions)
             _RUNTIME_PID = os.getpid()
         import aiohttp
         from obstore.store import S3Store
