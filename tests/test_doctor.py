@@ -11,6 +11,7 @@ hides young keys) and notes (keys outside the prefix, a skewed ``Date``) on the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,8 @@ import pytest
 from faultproxy import FaultProxy, ListHideYoung, ListSiblings, Request
 
 from s3capture.cli import main
-from s3capture.doctor import PROBES, diagnose, format_report
+from s3capture.doctor import ORDER_KEYS, PROBES, diagnose, format_report, grade_order
+from s3capture.rollouts import _segment_after
 
 SAMPLES = "3"
 
@@ -128,7 +130,7 @@ def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(
 
     proxy.rule = rule
     proxy.date_skew = 30.0
-    code, out, err = _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
+    code, out, _err = _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
     report = json.loads(out)
     verdicts = {p["name"]: p for p in report["probes"]}
     assert code == 1 and report["ok"] is False
@@ -157,3 +159,25 @@ async def test_diagnose_library_api(s3_env: Any, bucket_url: str, s3_client: Any
     with pytest.raises(ValueError):
         await diagnose(bucket_url, samples=0)
     assert _keys(s3_client, bucket_url) == []
+
+
+def test_grade_order_follows_what_rollouts_accepts() -> None:
+    """No server lists out of order, so the grading of orders is shown on listings given here."""
+    byte = sorted(ORDER_KEYS, key=lambda k: k.encode())
+    tree = sorted(ORDER_KEYS, key=lambda k: [s.encode() for s in k.split("/")])
+    assert byte != tree and byte.index("a/x") > byte.index("a-b/x") and tree.index("a/x") < tree.index("a-b/x")
+    assert (grade_order(byte).verdict, grade_order(byte).data["order"]) == ("ok", "byte")
+    assert (grade_order(tree).verdict, grade_order(tree).data["order"]) == ("note", "directory")
+    utf16 = sorted(ORDER_KEYS, key=lambda k: k.encode("utf-16-be"))  # only the non-ASCII keys move
+    assert utf16 != byte and grade_order(utf16).verdict == "note" and grade_order(utf16).data["order"] == "other"
+    folded = sorted(ORDER_KEYS, key=str.lower)  # 'B/x' among the lower-case letters
+    assert grade_order(folded).verdict == "fail"
+    split = [k for k in byte if k != "a/y"] + ["a/y"]  # one rollout's keys not consecutive
+    assert grade_order(split).verdict == "fail"
+    assert grade_order(byte[:-1]).verdict == "fail" and grade_order(byte[:-1]).data["order"] == "incomplete"
+    # the grading agrees with the check S3TokenStore.rollouts applies to its listing
+    for listed in (byte, tree, folded, split):
+        segments = [k.split("/")[0] for k in listed if k.isascii()]
+        firsts = [s for i, s in enumerate(segments) if i == 0 or s != segments[i - 1]]
+        accepted = len(set(firsts)) == len(firsts) and all(_segment_after(a, b) for a, b in itertools.pairwise(firsts))
+        assert accepted == (grade_order(listed).verdict != "fail"), listed

@@ -46,7 +46,7 @@ from s3capture.errors import StoreError
 from s3capture.rollouts import _segment_after, parse_s3_url
 from s3capture.transport import Transport, make_transport
 
-__all__ = ["Probe", "DoctorReport", "diagnose", "format_report", "PROBES", "VERDICTS"]
+__all__ = ["PROBES", "VERDICTS", "DoctorReport", "Probe", "diagnose", "format_report", "grade_order"]
 
 VERDICTS = ("ok", "note", "fail")
 
@@ -166,6 +166,51 @@ def _segments_accepted(keys: list[str]) -> bool:
     return True
 
 
+ORDER_KEYS = ("a/x", "a/y", "a-b/x", "a.b/x", "a0/x", "B/x", "b/x", "_/x", "~/x", "\uff61/x", "\U0001f600/x")
+"""Keys (under ``order/``) whose listing order tells S3's byte order of whole keys from a directory
+walk ('a/x' vs 'a-b/x' and 'a.b/x'), from case-insensitive order ('B' vs 'a') and from UTF-16 order
+(U+FF61 vs U+1F600). Every first segment stands for a rollout prefix."""
+
+
+def grade_order(listed: list[str], written: tuple[str, ...] = ORDER_KEYS) -> Probe:
+    """The ``listing-order`` probe for ``listed``, the order a store listed ``written`` in.
+
+    ``ok`` for S3's byte order of whole keys; ``note`` for directory order (SeaweedFS), or another
+    order in which the ASCII keys' first segments are still consecutive and ascending as
+    ``S3TokenStore.rollouts`` requires (escaped ids are ASCII); ``fail`` otherwise, or when the
+    listing lacks a key.
+    """
+    byte, tree = _byte_order(list(written)), _tree_order(list(written))
+    data: dict[str, Any] = {"listed": listed}
+    if sorted(listed) != sorted(written):
+        data["order"] = "incomplete"
+        return Probe("listing-order", "fail",
+                     f"a listing of {len(written)} keys just written returned {len(listed)} of them",
+                     "the store's listing is incomplete; s3capture cannot work on it", data)
+    if listed == byte:
+        data["order"] = "byte"
+        return Probe("listing-order", "ok", "keys listed in S3's order (UTF-8 bytes of whole keys)", "", data)
+    if listed == tree:
+        data["order"] = "directory"
+        return Probe("listing-order", "note",
+                     "keys listed in directory order (segment by segment, as SeaweedFS walks its tree), not in "
+                     "S3's byte order of whole keys (e.g. 'a/x' before 'a-b/x')",
+                     "nothing to change: S3TokenStore.rollouts and s3capture export accept either order (they "
+                     "differ only where one rollout segment is another followed by '-' or '.'); every rollout "
+                     "is sorted after its listing", data)
+    data["order"] = "other"
+    shown = " ".join(repr(k) for k in listed)
+    if _segments_accepted([k for k in listed if k.isascii()]):
+        return Probe("listing-order", "note",
+                     f"keys listed in neither byte nor directory order ({shown}), but the ASCII rollout segments "
+                     "s3capture writes (ids are escaped to ASCII) come in an order it accepts",
+                     "nothing to change for s3capture; other tools that expect S3's byte order may not work", data)
+    return Probe("listing-order", "fail", f"keys listed out of order: {shown}",
+                 "S3TokenStore.rollouts and s3capture export stream a listing rollout by rollout and refuse one "
+                 "whose rollout prefixes are not consecutive and ascending (ListingError): use a store that lists "
+                 "in S3's byte order (AWS S3, MinIO, Ceph RGW) or in directory order (SeaweedFS)", data)
+
+
 class _Doctor:
     def __init__(self, transport: Transport, root: str, samples: int, extra_client: Callable[[], Any]) -> None:
         self.t = transport
@@ -282,6 +327,9 @@ class _Doctor:
                     never += 1
                     break
                 await asyncio.sleep(0.02)
+            if never:
+                rounds = i + 1  # one key never listed is enough; do not wait for the others
+                break
         # list-after-delete: the deleted keys must be gone from the next listing
         await self.t.delete(written)
         remaining = [k for k in await self.raw_list(base) if k in set(written)]
@@ -293,7 +341,7 @@ class _Doctor:
             f"{rounds - first_missing - never} of {rounds} keys listed by the first LIST after their PUT"
             + (f"; {first_missing} appeared after up to {max(late) * 1000:.0f} ms" if late else "")
             + (f"; {never} never listed within {LIST_LAG_LIMIT:.0f} s" if never else "")
-            + f"; {len(remaining)} of {rounds} deleted keys still listed right after DeleteObjects"
+            + f"; {len(remaining)} of {len(written)} deleted keys still listed right after DeleteObjects"
         )
         if first_missing or never or remaining:
             return Probe("list-after-write", "fail", detail,
@@ -302,42 +350,11 @@ class _Doctor:
                          "store that offers it, or disable the listing cache of the gateway in front of it", data)
         return Probe("list-after-write", "ok", detail, "", data)
 
-    ORDER_KEYS = ("a/x", "a/y", "a-b/x", "a.b/x", "a0/x", "B/x", "b/x", "_/x", "~/x", "\uff61/x", "\U0001f600/x")
-
     async def listing_order(self) -> tuple[Probe, list[str]]:
         base = self.k("order/")
-        await asyncio.gather(*(self.t.put(base + rel, b"o") for rel in self.ORDER_KEYS))
+        await asyncio.gather(*(self.t.put(base + rel, b"o") for rel in ORDER_KEYS))
         listed = [k[len(base):] for k in await self.raw_list(base)]
-        byte, tree = _byte_order(list(self.ORDER_KEYS)), _tree_order(list(self.ORDER_KEYS))
-        ascii_listed = [k for k in listed if k.isascii()]
-        data: dict[str, Any] = {"listed": listed}
-        if sorted(listed) != sorted(self.ORDER_KEYS):
-            data["order"] = "incomplete"
-            return Probe("listing-order", "fail",
-                         f"a listing of {len(self.ORDER_KEYS)} keys just written returned {len(listed)} of them",
-                         "the store's listing is incomplete; s3capture cannot work on it", data), listed
-        if listed == byte:
-            data["order"] = "byte"
-            return Probe("listing-order", "ok", "keys listed in S3's order (UTF-8 bytes of whole keys)", "", data), listed
-        if listed == tree:
-            data["order"] = "directory"
-            return Probe("listing-order", "note",
-                         "keys listed in directory order (segment by segment, as SeaweedFS walks its tree), not in "
-                         "S3's byte order of whole keys (e.g. 'a/x' before 'a-b/x')",
-                         "nothing to change: S3TokenStore.rollouts and s3capture export accept either order (they "
-                         "differ only where one rollout segment is another followed by '-' or '.'); every rollout "
-                         "is sorted after its listing", data), listed
-        data["order"] = "other"
-        if _segments_accepted(ascii_listed):
-            return Probe("listing-order", "note",
-                         f"keys listed in neither byte nor directory order ({' '.join(repr(k) for k in listed)}), but "
-                         "the escaped ASCII rollout segments s3capture writes come in an order it accepts",
-                         "nothing to change for s3capture; other tools that expect S3's byte order may not work", data), listed
-        return Probe("listing-order", "fail",
-                     f"keys listed out of order: {' '.join(repr(k) for k in listed)}",
-                     "S3TokenStore.rollouts and s3capture export stream a listing rollout by rollout and refuse one "
-                     "whose rollout prefixes are not consecutive and ascending (ListingError): use a store that "
-                     "lists in S3's byte order", data), listed
+        return grade_order(listed), listed
 
     async def prefix(self) -> Probe:
         base = self.k("pfx")
@@ -657,9 +674,13 @@ async def diagnose(
     def extra_client() -> Any:
         from botocore.config import Config
 
-        settings: dict[str, Any] = dict(retries={"mode": "standard", "max_attempts": 2}, connect_timeout=5, read_timeout=30,
-                                        request_checksum_calculation="when_supported",
-                                        response_checksum_validation="when_supported")
+        settings: dict[str, Any] = {
+            "retries": {"mode": "standard", "max_attempts": 2},
+            "connect_timeout": 5,
+            "read_timeout": 30,
+            "request_checksum_calculation": "when_supported",  # botocore's own default, not s3capture's
+            "response_checksum_validation": "when_supported",
+        }
         if endpoint_url:
             settings["s3"] = {"addressing_style": "path"}
         return session.client("s3", endpoint_url=endpoint_url, config=Config(**settings))
@@ -696,7 +717,7 @@ async def diagnose(
 
         await run("listing-order", order)
         await run("prefix", doctor.prefix)
-        await run("pagination", lambda: doctor.pagination(listed or list(doctor.ORDER_KEYS)))
+        await run("pagination", lambda: doctor.pagination(listed or list(ORDER_KEYS)))
         await run("double-slash", doctor.double_slash)
         await run("dot-segments", doctor.dot_segments)
         await run("content-md5", doctor.content_md5)
