@@ -671,12 +671,13 @@ async def diagnose(
         session = aioboto3.Session()
     transport = make_transport("aioboto3", bucket, endpoint_url=endpoint_url, session=session, max_concurrency=16)
 
-    def extra_client() -> Any:
+    def extra_client(attempts: int = 2, connect_timeout: float = 5) -> Any:
+        """A separate aiobotocore client with botocore's default (flexible) checksums."""
         from botocore.config import Config
 
         settings: dict[str, Any] = {
-            "retries": {"mode": "standard", "max_attempts": 2},
-            "connect_timeout": 5,
+            "retries": {"mode": "standard", "max_attempts": attempts},
+            "connect_timeout": connect_timeout,
             "read_timeout": 30,
             "request_checksum_calculation": "when_supported",  # botocore's own default, not s3capture's
             "response_checksum_validation": "when_supported",
@@ -688,8 +689,10 @@ async def diagnose(
     doctor = _Doctor(transport, probe_root, samples, extra_client)
     probes: list[Probe] = []
     left: list[str] = []
+    reached = False
     try:
-        await transport.list_page(probe_root, 1)  # a missing bucket, refused credentials: StoreError
+        await _preflight(transport, extra_client, probe_root)  # a missing bucket, refused credentials: StoreError
+        reached = True
         doctor.client = await transport.client()
         await transport.put(probe_root + "hello", b"s3capture doctor")  # no write permission: StoreError
 
@@ -730,7 +733,8 @@ async def diagnose(
         probes.append(doctor.latency_probe())
     finally:
         try:
-            left = await _clean(doctor, probe_root)
+            if reached:  # nothing was written before the store answered
+                left = await _clean(doctor, probe_root)
         finally:
             await transport.close()
     if probes:
@@ -743,6 +747,23 @@ async def diagnose(
             probes.append(Probe("cleanup", "ok", f"every object under {probe_root} deleted; a final LIST shows none", "",
                                 {"left": []}))
     return DoctorReport(url=url, endpoint=endpoint_url, probe_prefix=probe_root, probes=probes, left_behind=left)
+
+
+async def _preflight(transport: Transport, extra_client: Callable[..., Any], probe_root: str) -> None:
+    """One LIST of the probe prefix with at most two attempts and short timeouts, so a missing
+    bucket, refused credentials or an unreachable endpoint is one line within seconds (the
+    transport's own retries would take half a minute for an endpoint nobody listens on).
+    Raises ``StoreError``."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    async with extra_client(attempts=2, connect_timeout=3) as client:
+        try:
+            await client.list_objects_v2(Bucket=transport.bucket, Prefix=probe_root, MaxKeys=1)
+        except ClientError as error:
+            raise transport._wrap(error, "LIST", probe_root) from None
+        except BotoCoreError as error:
+            where = transport.endpoint_url or "AWS S3"
+            raise StoreError(f"cannot reach {where}: {error}", operation="LIST", key=probe_root) from None
 
 
 async def _clean(doctor: _Doctor, probe_root: str) -> list[str]:
