@@ -118,8 +118,10 @@ def serve(kind: str = "moto", bucket: str = "s3capture", prefix: str = "capture"
         if not stop.is_set():
             _create_bucket(server, bucket)
             print("\n".join(shell_lines(server.env(), url)), file=out, flush=True)
+            pids = ", ".join(str(pid) for pid in server.pids)
+            data = f", data in {server.data_dir}" if server.data_dir else ""
             print(
-                f"s3capture serve: {kind} at {server.endpoint_url} (pid {server.pid}) with bucket {bucket!r}; "
+                f"s3capture serve: {kind} at {server.endpoint_url} (pids {pids}{data}) with bucket {bucket!r}; "
                 "paste the lines above into a shell. Ctrl-C stops it and deletes everything it holds.",
                 file=sys.stderr,
                 flush=True,
