@@ -85,30 +85,37 @@ def _chosen_kind(config: pytest.Config) -> str:
     return raw
 
 
-@pytest.fixture(scope="session")
-def s3capture_server(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A local S3 server for the whole session (see the module docstring for how it is chosen)."""
+def _start_server(kind: str) -> Any:
+    """Start the ``kind`` server; ``pytest.skip`` if its software is missing, ``pytest.fail``
+    (with its log tail) if it cannot start."""
     from s3capture import localserver
 
-    kind = _chosen_kind(request.config)
     starters = {
         "moto": localserver.start_moto,
         "seaweedfs": localserver.start_seaweedfs,
         "ceph": localserver.start_ceph_rgw,
     }
     # pytest.skip/fail outside the except blocks: one line, no chained traceback.
-    server, missing, failed = None, None, None
+    missing, failed = None, None
     try:
-        server = starters[kind]()
+        # The server inherits the environment: a user's AWS_PROFILE breaks moto's own boto3 (500s).
+        with pytest.MonkeyPatch.context() as patch:
+            for name in _OVERRIDING_ENV:
+                patch.delenv(name, raising=False)
+            return starters[kind]()
     except localserver.ServerUnavailable as error:
         missing = str(error)
     except RuntimeError as error:
         failed = str(error)
     if missing is not None:
         pytest.skip(f"s3capture: the {kind} S3 server is not installed: {missing}")
-    if failed is not None:
-        pytest.fail(f"s3capture: the {kind} S3 server could not start: {failed}", pytrace=False)
-    assert server is not None
+    pytest.fail(f"s3capture: the {kind} S3 server could not start: {failed}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def s3capture_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A local S3 server for the whole session (see the module docstring for how it is chosen)."""
+    server = _start_server(_chosen_kind(request.config))
     try:
         yield server
     finally:
@@ -127,7 +134,10 @@ def _s3capture_client(s3capture_server: Any) -> Iterator[Any]:
     from botocore.config import Config
 
     config = Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 3})
-    client = boto3.session.Session().client("s3", config=config, **s3capture_server.client_kwargs())
+    with pytest.MonkeyPatch.context() as patch:  # a user's AWS_PROFILE must not reach this client
+        for name in _OVERRIDING_ENV:
+            patch.delenv(name, raising=False)
+        client = boto3.session.Session().client("s3", config=config, **s3capture_server.client_kwargs())
     try:
         yield client
     finally:
