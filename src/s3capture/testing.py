@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["SERVER_KINDS", "ENV_VAR", "OPTION"]
+__all__ = ["ENV_VAR", "OPTION", "SERVER_KINDS"]
 
 #: Servers the plugin can start.
 SERVER_KINDS = ("moto", "seaweedfs", "ceph")
@@ -194,7 +194,7 @@ def _delete_bucket_quietly(client: Any, bucket: str) -> None:
             for i in range(0, len(keys), 1000):
                 client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000], "Quiet": True})
         client.delete_bucket(Bucket=bucket)
-    except Exception as error:  # teardown never fails a test
+    except Exception as error:  # noqa: BLE001 - teardown never fails a test
         log.warning("s3capture: could not delete test bucket %s: %s", bucket, error)
 
 
