@@ -596,9 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")
     export.set_defaults(func=_export)
     from s3capture.doctor import register as register_doctor
+    from s3capture.serve import register as register_serve
 
-    doctor = register_doctor(sub)
-    parser.commands = {"demo": demo, "conformance": check, "export": export, "doctor": doctor}
+    parser.commands = {
+        "demo": demo, "conformance": check, "export": export,
+        "doctor": register_doctor(sub), "serve": register_serve(sub),
+    }
     return parser
 
 
