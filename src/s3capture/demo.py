@@ -557,11 +557,11 @@ def storage_lines(report: DemoReport) -> list[str]:
         f" {ratio} Gym's JSONL of the same calls ({_per_token(gym_per_token)} bytes per token)",
     ]
     detail = (
-        f"    ({report.stored_bytes:,} bytes in {report.entry_objects} entry objects, counting intents, markers, fences"
-        f" and delta checkpoints; tokens count each call's full prompt and its generation"
+        f"    ({report.stored_bytes:,} bytes in {report.entry_objects} entry objects, with intents, markers, fences"
+        f" and delta checkpoints; tokens: every call's full prompt + generation"
     )
     if report.gym_jsonl_bytes != report.gym_full_jsonl_bytes:
-        detail += f"; Gym's JSONL with delta prompts, delta_records: true, would take {human_bytes(report.gym_jsonl_bytes)}"
+        detail += f"; Gym's JSONL with delta prompts: {human_bytes(report.gym_jsonl_bytes)}"
     lines.append(detail + ")")
     return lines
 

@@ -146,7 +146,7 @@ def timing_lines(report: DemoReport, build_desc: str, *, what: str = "captured")
         f"  start-up: {report.startup_seconds:.1f} s ({report.workers} worker processes spawned, each opened and probed its store)",
         f"  capture: {what} {report.captured} of {report.calls} model calls in {report.seconds:.1f} s ({rate})",
         f"  {build_desc}: {report.build_seconds:.1f} s",
-        f"  total wall time: {report.wall_seconds:.1f} s",
+        f"  total wall time: {report.wall_seconds:.1f} s (from the start of the run to this report)",
     ]
 
 
