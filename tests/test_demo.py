@@ -11,6 +11,8 @@ under ``CI``.
 
 from __future__ import annotations
 
+import ast
+import io
 import multiprocessing
 import os
 import re
@@ -20,9 +22,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-import ast
-import io
 
 import pytest
 from gymcompat import running_under_ci
@@ -67,7 +66,7 @@ def _times(out: str) -> dict[str, float]:
                           ("capture", r"^  capture: (?:captured|committed) \d+ of \d+ model calls in ([\d.]+) s \([\d,.]+ calls/s"),
                           ("build", r"^  (?:freeze\+verify[+a-z ()]*|manifest\+verify\+retire): ([\d.]+) s$"),
                           ("total", r"^  total wall time: ([\d.]+) s")):
-        match = re.search(pattern, out, re.M)
+        match = re.search(pattern, out, re.MULTILINE)
         assert match, f"no {name} time in:\n{out}"
         times[name] = float(match.group(1))
     assert times["capture"] <= times["total"] and times["startup"] <= times["total"], out
@@ -95,7 +94,7 @@ def test_demo_replays_gym_rollouts_on_embedded_server(name: str, faithful: int):
     assert "UNRESOLVED 0" in out and "result: OK" in out
     _times(out)
     assert re.search(r"^  stored: [\d.]+ [kMG]B for [\d,]+ tokens: [\d.]+ bytes per token, [\d.]+x Gym's JSONL of the same calls"
-                     r" \([\d.]+ bytes per token\)$", out, re.M), out
+                     r" \([\d.]+ bytes per token\)$", out, re.MULTILINE), out
 
 
 @pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)

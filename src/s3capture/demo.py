@@ -28,7 +28,8 @@ import random
 import sys
 import time
 import traceback
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from s3capture.demo_common import (
     CallResult,
@@ -41,7 +42,13 @@ from s3capture.demo_common import (
     resolution_lines,
     timing_lines,
 )
-from s3capture.demo_ledger import LedgerDemoReport, LedgerWorker, build_ledger, default_staging_url, format_ledger_report
+from s3capture.demo_ledger import (
+    LedgerDemoReport,
+    LedgerWorker,
+    build_ledger,
+    default_staging_url,
+    format_ledger_report,
+)
 from s3capture.fingerprint import stamp_continuation
 from s3capture.protocols import TokenCaptureFrozenError
 from s3capture.records import (

@@ -11,8 +11,9 @@ import collections
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 __all__ = [
     "CallResult",

@@ -28,14 +28,33 @@ import asyncio
 import collections
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from s3capture.demo_common import CallResult, DemoReport, closing_lines, percentiles, probe_store, resolution_lines, timing_lines
-from s3capture.ledger_records import UNCOMMITTED_CALL_REASON, CaptureLedgerCommit, validate_manifest
+from s3capture.demo_common import (
+    CallResult,
+    DemoReport,
+    closing_lines,
+    percentiles,
+    probe_store,
+    resolution_lines,
+    timing_lines,
+)
+from s3capture.ledger_records import (
+    UNCOMMITTED_CALL_REASON,
+    CaptureLedgerCommit,
+    validate_manifest,
+)
 from s3capture.records import ParentResolutionStatus, RecordError
 from s3capture.replay import ReplayCall, ReplayRollout
-from s3capture.staging import StagedCall, call_record, compute_chain_hash, hash_token_ids, stage_call
+from s3capture.staging import (
+    StagedCall,
+    call_record,
+    compute_chain_hash,
+    hash_token_ids,
+    stage_call,
+)
 from s3capture.store import default_botocore_config, parse_s3_url
 
 __all__ = ["LedgerDemoReport", "LedgerWorker", "StagingArea", "build_ledger", "default_staging_url", "format_ledger_report"]
