@@ -220,6 +220,7 @@ def _check_demo(args: argparse.Namespace) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    started = time.perf_counter()  # the report's total wall time counts from here
     from s3capture.demo import format_report, run_workload
     from s3capture.replay import synthetic_rollouts
 
@@ -280,6 +281,7 @@ def _demo(args: argparse.Namespace) -> int:
             staging_url=args.staging_url,
             export_dest=args.export,
             keep=args.keep,
+            wall_started=started,
         )
         print(format_report(report, where=where))
         return 0 if report.ok else 1
