@@ -56,20 +56,23 @@ async def test_a_second_export_into_a_busy_folder_is_refused_and_nothing_dropped
 
 
 @MOTO
-@pytest.mark.xfail(strict=True, reason="design question: S3 has no lock without compare-and-swap; two exports into "
-                   "one s3:// prefix number their shards alike (docs/export.md: one export at a time per destination)")
 async def test_two_exports_into_one_s3_prefix_never_drop_a_rollout_whose_rows_are_gone(
     fresh: Any, bucket_url: str, s3_client: Any
 ) -> None:
+    """Two exports into one s3:// prefix numbered their shards alike, replaced each other's shards
+    and dropped rollouts whose rows were gone. Was a strict xfail ("S3 has no lock without
+    compare-and-swap"); an export now claims the prefix (PUT a claim, LIST the claims)."""
     import io
 
     await frozen_chains(fresh, ["a1", "a2", "b1", "b2"])
     dest = bucket_url + "-exports/run"
-    await asyncio.gather(
+    results = await asyncio.gather(
         export(bucket_url, dest, workers=0, ids=["a1", "a2"], drop=True),
         export(bucket_url, dest, workers=0, ids=["b1", "b2"], drop=True),
         return_exceptions=True,
     )
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert refused and all(isinstance(r, ValueError) and "another export" in str(r) for r in refused), results
     bucket = bucket_url[len("s3://"):].split("/")[0]
     exported = set()
     for manifest in await read_manifests(dest):
@@ -77,6 +80,61 @@ async def test_two_exports_into_one_s3_prefix_never_drop_a_rollout_whose_rows_ar
         exported |= {row["rollout_id"] for row in pq.read_table(io.BytesIO(body)).to_pylist()}
     dropped = {info.rollout_id async for info in fresh().rollouts("retired")}
     assert dropped <= exported, (dropped, exported)
+    # Every claim is gone afterwards, so the next export proceeds at once and takes the rest.
+    claims = s3_client.list_objects_v2(Bucket=bucket, Prefix="t-exports/run/.s3capture-export.lock/").get("KeyCount", 0)
+    assert claims == 0
+    again = await export(bucket_url, dest, workers=0, drop=True)
+    assert again.ok and {info.rollout_id async for info in fresh().rollouts("retired")} == {"a1", "a2", "b1", "b2"}
+
+
+@MOTO
+async def test_a_dead_export_s_claim_is_taken_over_after_the_lease(
+    fresh: Any, bucket_url: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed export leaves its claim; the next export is refused while the claim is younger than
+    the lease (by the store's clock) and takes the destination over after it."""
+    import s3capture.export as export_module
+
+    await frozen_chains(fresh, ["k1"])
+    bucket = bucket_url[len("s3://"):].split("/")[0]
+    dest = bucket_url + "-exports/dead"
+    s3_client.put_object(Bucket=bucket, Key="t-exports/dead/.s3capture-export.lock/deadbeef", Body=b"{}")
+    with pytest.raises(ValueError, match="another export"):
+        await export(bucket_url, dest, workers=0)
+    monkeypatch.setattr(export_module, "CLAIM_LEASE", -1.0)  # every other claim is older than the lease
+    summary = await export(bucket_url, dest, workers=0, drop=True)
+    assert summary.ok and summary.exported == 1 and summary.dropped == 1, format_summary(summary)
+    assert s3_client.list_objects_v2(Bucket=bucket, Prefix="t-exports/dead/.s3capture-export.lock/").get("KeyCount", 0) == 0
+
+
+@MOTO
+async def test_an_export_whose_claim_was_taken_over_stops_dropping(
+    fresh: Any, bucket_url: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export paused past the lease may have been taken over: once its renewal finds its claim
+    gone it drops nothing more (the rows it wrote stay; the rollouts stay frozen)."""
+    import s3capture.export as export_module
+
+    await frozen_chains(fresh, ["p1", "p2"])
+    bucket = bucket_url[len("s3://"):].split("/")[0]
+    monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.05)
+    real_lock = export_module._S3Destination.lock
+
+    async def lock_then_lose(self: Any) -> None:
+        await real_lock(self)
+        s3_client.delete_object(Bucket=bucket, Key=self._claim)  # another export took over
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if getattr(self, "_lost", None):
+                return
+        raise AssertionError("the renewal never noticed its claim was gone")
+
+    monkeypatch.setattr(export_module._S3Destination, "lock", lock_then_lose)
+    summary = await export(bucket_url, bucket_url + "-exports/lost", workers=0, drop=True)
+    assert summary.exported == 2 and summary.dropped == 0 and summary.drop_failed == 2, format_summary(summary)
+    assert all("no longer hold" in example for example in summary.drop_failed_examples)
+    assert {info.rollout_id async for info in fresh().rollouts("frozen")} == {"p1", "p2"}
+
 
 @MOTO
 async def test_a_rerun_never_drops_a_rollout_whose_data_file_is_gone(fresh: Any, tmp_path: Path, bucket_url: str) -> None:

@@ -47,6 +47,8 @@ from typing import Any
 
 import msgspec
 
+from s3capture.errors import StoreError
+
 __all__ = [
     "ENGINES",
     "ExportJob",
@@ -84,7 +86,16 @@ Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read
 data files would look unfinished and be removed."""
 _TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
 _LOCK = ".s3capture-export.lock"
-"""A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it."""
+"""A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
+On an ``s3://`` destination, the folder of the exports' claims (``_S3Destination.lock``)."""
+CLAIM_LEASE = 600.0
+"""Seconds (by the store's clock) after its last renewal at which an ``s3://`` destination's claim
+is stale: the export that wrote it is taken to be dead, and the next export takes the destination."""
+CLAIM_RENEW = 30.0
+"""Seconds between renewals of a live export's claim."""
+CLAIM_HOLD = 300.0
+"""Seconds after its last successful renewal at which an export stops dropping: it may have been
+taken over. Well below ``CLAIM_LEASE``, so a paused export fences itself before another can start."""
 _EXAMPLES = 20
 """Examples kept per reason in a summary (counts are exact; examples are bounded)."""
 _DROPS_AHEAD = 1024
@@ -386,9 +397,12 @@ class _Destination:
     async def remove(self, names: list[str]) -> None:
         raise NotImplementedError
 
-    def lock(self) -> None:
+    async def lock(self) -> None:
         """Take the destination for one export, until ``close``; ``ValueError`` when another holds it."""
         raise NotImplementedError
+
+    def check_held(self) -> None:
+        """Raise ``StoreError`` when this export may no longer hold the destination (before a drop)."""
 
     def temp_path(self, name: str) -> str:
         raise NotImplementedError
@@ -454,7 +468,7 @@ class _LocalDestination(_Destination):
             raise ValueError(f"--out {self.folder} exists and is not a folder")
         os.makedirs(self.folder, exist_ok=True)
 
-    def lock(self) -> None:
+    async def lock(self) -> None:
         """Take the folder for this export: an exclusive ``flock`` on ``.s3capture-export.lock``
         in it, held until ``close`` (the kernel releases it when the process dies, SIGKILL too).
         Two exports into one folder would number their shards alike and replace each other's
@@ -580,8 +594,79 @@ class _S3Destination(_Destination):
         _settle(existing, found)
         return existing
 
-    def lock(self) -> None:
-        """Nothing: S3 has no lock without compare-and-swap (one export at a time per prefix)."""
+    async def lock(self) -> None:
+        """Take the prefix for this export with a claim, without compare-and-swap.
+
+        The export PUTs its own claim ``<prefix>/.s3capture-export.lock/<run id>``, then LISTs the
+        claims (verified, and required to show its own). Any other claim renewed less than
+        ``CLAIM_LEASE`` seconds before its own, both by the store's clock, means another export is
+        alive: this one deletes its claim and raises ``ValueError``. Of two exports that start at
+        once, the later PUT's LIST always sees the earlier claim (read-after-write and
+        list-after-write consistency, which s3capture requires anyway; ``s3capture doctor`` checks
+        them), so at most one proceeds; both may refuse, never both proceed. A claim older than the
+        lease belongs to a dead export and is deleted. The claim is renewed every ``CLAIM_RENEW``
+        seconds until ``close``; ``check_held`` fails once the last renewal is ``CLAIM_HOLD`` seconds old
+        or the claim was taken over, so a paused export stops dropping before another can start.
+
+        Requests: 1 PUT, 1 LIST, a DELETE per stale claim; then a GET and a PUT per renewal.
+        Raises ``ValueError`` (another export holds the prefix), ``StoreError``.
+        """
+        import socket
+
+        self._claim = f"{self.prefix}{_LOCK}/{uuid.uuid4().hex}"
+        self._claim_body = msgspec.json.encode(
+            {"host": socket.gethostname(), "pid": os.getpid(), "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        )
+        await self.transport.put(self._claim, self._claim_body)
+        self._renewed = time.monotonic()
+        try:
+            claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[self._claim])
+            (mine,) = [c for c in claims if c.key == self._claim]
+            others = [c for c in claims if c.key != self._claim]
+            live = [c for c in others if mine.modified - c.modified < CLAIM_LEASE]
+            if live:
+                age = max(0.0, mine.modified - max(c.modified for c in live))
+                raise ValueError(
+                    f"--out s3://{self.bucket}/{self.prefix} is being written by another export (its claim "
+                    f"{live[0].key.rsplit('/', 1)[-1]} was renewed {age:.0f} s ago); one export at a time per "
+                    f"destination (a claim not renewed for {CLAIM_LEASE:.0f} s is taken over)"
+                )
+            stale = [c.key for c in others]
+            if stale:
+                _log.warning("taking over %s: %d claim(s) of dead exports", self.prefix or "/", len(stale))
+                await self.transport.delete(stale)
+        except BaseException:
+            claim, self._claim = self._claim, None
+            try:
+                await self.transport.delete([claim])
+            except Exception:  # noqa: BLE001 - the refusal matters more; a stale claim expires
+                pass
+            raise
+        self._renewal = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(CLAIM_RENEW)
+            claim = self._claim
+            if claim is None:
+                return
+            try:
+                if await self.transport.get(claim) is None:
+                    self._lost = "its claim was deleted (taken over after a pause longer than the lease?)"
+                    return
+                await self.transport.put(claim, self._claim_body)
+                self._renewed = time.monotonic()
+            except Exception as error:  # noqa: BLE001 - check_held decides when it is too late
+                _log.warning("could not renew the export's claim %s: %s", claim, error)
+
+    def check_held(self) -> None:
+        lost = getattr(self, "_lost", None)
+        if lost is None and getattr(self, "_claim", None) is not None:
+            overdue = time.monotonic() - self._renewed
+            if overdue > CLAIM_HOLD:
+                lost = f"its claim was last renewed {overdue:.0f} s ago"
+        if lost:
+            raise StoreError(f"this export may no longer hold s3://{self.bucket}/{self.prefix}: {lost}; no more drops")
 
     async def remove(self, names: list[str]) -> None:
         if names:
@@ -604,7 +689,16 @@ class _S3Destination(_Destination):
         await self.transport.put(self.prefix + name, body)
 
     async def close(self) -> None:
-        await self.transport.close()
+        renewal, claim = getattr(self, "_renewal", None), getattr(self, "_claim", None)
+        self._claim = None
+        try:
+            if renewal is not None:
+                renewal.cancel()
+                await asyncio.gather(renewal, return_exceptions=True)
+            if claim is not None:
+                await self.transport.delete([claim])
+        finally:
+            await self.transport.close()
 
 
 def _open_destination(job: ExportJob, session: Any = None) -> _Destination:
@@ -1727,7 +1821,7 @@ async def export(
     # -- the destination: durable shards, orphans of an interrupted run
     target = _open_destination(job)
     try:
-        target.lock()  # a local folder: held until the end (another export into it is refused)
+        await target.lock()  # held until the end: another export into it is refused
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:
@@ -1761,6 +1855,7 @@ async def export(
     async def drop_one(record: RolloutRecord) -> None:
         async with drop_limit:
             try:
+                target.check_held()  # another export may own the destination now: never drop on its rows
                 dropped = await store.drop(record.rollout_id, record.snapshot_id, record.version)
             except Exception as error:  # noqa: BLE001 - reported, never aborts the export
                 summary.drop_failed += 1
