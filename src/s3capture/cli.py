@@ -595,7 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")
     export.set_defaults(func=_export)
-    parser.commands = {"demo": demo, "conformance": check, "export": export}
+    from s3capture.ops import register as register_ops
+
+    ops_commands = register_ops(sub)  # ls, status, gc (s3capture.ops)
+    parser.commands = {"demo": demo, "conformance": check, "export": export, **ops_commands}
     return parser
 
 
