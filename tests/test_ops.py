@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from helpers import list_keys, put_bytes, simple_entry, split_bucket_url
+from helpers import list_keys, simple_entry, split_bucket_url
 from s3capture.cli import main
 from s3capture.ops import GcAction, format_rollout_row, gc, status
+from s3capture.rollouts import FENCE_RETIRED
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
 from s3capture.store import S3TokenStore
 
@@ -68,9 +69,10 @@ async def build(make: Any, s3_client: Any, bucket_url: str) -> None:
         assert await builder.drop(rid, snap.snapshot_id, snap.version)
     await writer.put(simple_entry("straggled", "c1"))
     await builder.retire(["straggled"])
-    bucket, root = split_bucket_url(bucket_url)
-    put_bytes(s3_client, bucket, f"{root}rollouts/straggled/log/i/late", b"")  # a straggler's intent, after the retire
-    put_bytes(s3_client, bucket, f"{root}rollouts/bare/fence", b'{"format":"s3capture.fence/1","state":"retired"}')
+    with pytest.raises(TokenCaptureRetiredError):  # a straggler: refused, but its intent landed
+        await writer.begin_call("straggled", "late")
+    # A fence alone: what a delete (or gc) that crashed between its two deletes leaves.
+    await writer._put(writer.layout.rollout("bare") + "fence", FENCE_RETIRED)
 
 
 OLD = ["dropped-1", "dropped-2", "straggled", "bare"]
@@ -111,11 +113,12 @@ async def test_gc_dry_run_deletes_nothing_then_yes_removes_exactly_the_old_lefto
     young_oldest, _ = newest_modified(s3_client, bucket_url, ["dropped-young"])
     assert young_oldest > old_newest
     now = time.time()
+    ops = fresh()
     threshold = now - (old_newest + young_oldest) / 2  # the old group is older, the young one younger
     before = list_keys(s3_client, bucket, root)
 
     actions: list[GcAction] = []
-    plan = await gc(fresh(), threshold, now=now, on_action=actions.append)
+    plan = await gc(ops, threshold, now=now, on_action=actions.append)
     assert list_keys(s3_client, bucket, root) == before  # a dry run deletes nothing
     assert plan.dry_run and plan.retired_seen == 4 and plan.too_young == 1
     assert (plan.deleted_rollouts, plan.retired_again, plan.deleted_objects) == (3, 1, 2 + 2 + 1 + 1)
@@ -130,9 +133,9 @@ async def test_gc_dry_run_deletes_nothing_then_yes_removes_exactly_the_old_lefto
     # A late put into a dropped rollout is refused, but its entry landed (a straggler): that makes
     # dropped-1 young again, so this gc leaves it alone.
     with pytest.raises(TokenCaptureRetiredError):
-        await fresh().put(simple_entry("dropped-1", "c9"))
+        await writer.put(simple_entry("dropped-1", "c9"))
     before = list_keys(s3_client, bucket, root)
-    done = await gc(fresh(), threshold, now=now, dry_run=False)
+    done = await gc(ops, threshold, now=now, dry_run=False)
     assert (done.deleted_rollouts, done.retired_again, done.deleted_objects, done.skipped, done.too_young) == (2, 1, 4, 0, 2)
     after = list_keys(s3_client, bucket, root)
     prefix = f"{root}rollouts/"
@@ -147,23 +150,23 @@ async def test_gc_dry_run_deletes_nothing_then_yes_removes_exactly_the_old_lefto
     assert json.loads(s3_client.get_object(Bucket=bucket, Key=prefix + "straggled/fence")["Body"].read())["state"] == "retired"
 
     # The straggled rollout was retired again just now: its fence goes only once it is old again.
-    again = await gc(fresh(), threshold, now=now, dry_run=False)
+    again = await gc(ops, threshold, now=now, dry_run=False)
     assert again.deleted_objects == 0 and again.retired_seen == 3 and again.too_young == 3
     # With everything old: dropped-1's straggler entry is removed (fence kept), the rest loses its fence.
-    later = await gc(fresh(), 0.0, now=time.time() + FAR, dry_run=False)
+    later = await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)
     assert (later.deleted_rollouts, later.retired_again) == (2, 1)
     assert keys_under(s3_client, bucket_url, "straggled") == [] and keys_under(s3_client, bucket_url, "dropped-young") == []
     assert keys_under(s3_client, bucket_url, "dropped-1") == ["fence", "retired"]
     with pytest.raises(TokenCaptureRetiredError):  # still fenced
-        await fresh().put(simple_entry("dropped-1", "c8"))
-    await gc(fresh(), 0.0, now=time.time() + FAR, dry_run=False)  # removes c8's straggler entry
-    last = await gc(fresh(), 0.0, now=time.time() + FAR, dry_run=False)
+        await writer.put(simple_entry("dropped-1", "c8"))
+    await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)  # removes c8's straggler entry
+    last = await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)
     assert last.deleted_rollouts == 1 and keys_under(s3_client, bucket_url, "dropped-1") == []
 
     # Id reuse: after gc the id reads as unused, as after delete; a put lands in a new open rollout.
     reuse = fresh()
     await reuse.put(simple_entry("dropped-1", "c9"))
-    infos = {info.rollout_id: info async for info in fresh().rollouts(prefix="dropped-1")}
+    infos = {info.rollout_id: info async for info in ops.rollouts(prefix="dropped-1")}
     assert infos["dropped-1"].state == "open" and infos["dropped-1"].objects == 1
     snapshot = await reuse.freeze("dropped-1")
     assert [e.model_call_id for e in snapshot.entries] == ["c9"] and not snapshot.incomplete
@@ -179,7 +182,7 @@ async def test_gc_skips_a_rollout_written_between_listing_and_recheck(fresh: Any
     original = store._list
 
     async def racing_list(prefix: str, **kwargs: Any) -> Any:
-        put_bytes(s3_client, bucket, f"{prefix}log/i/racer", b"")  # lands after the streaming listing
+        await writer._put(f"{prefix}log/i/racer", b"")  # lands after the streaming listing
         return await original(prefix, **kwargs)
 
     store._list = racing_list
@@ -198,52 +201,55 @@ def test_gc_rejects_a_negative_age() -> None:
 def test_cli_ls_status_gc(s3_env: Any, s3_client: Any, bucket_url: str, capsys: pytest.CaptureFixture[str],
                           monkeypatch: pytest.MonkeyPatch) -> None:
     async def setup() -> None:
-        stores: list[S3TokenStore] = []
-
-        def make(**kwargs: Any) -> S3TokenStore:
-            stores.append(S3TokenStore(bucket_url, **kwargs))
-            return stores[-1]
-
+        writer, builder = S3TokenStore(bucket_url, fence_grace=0.0), S3TokenStore(bucket_url, fence_grace=0.0)
         try:
-            await build(make, s3_client, bucket_url)
+            await writer.put(simple_entry("open-1", "c1"))
+            await writer.put(simple_entry("masked", "c1"))
+            await writer.begin_call("masked", "c2")
+            await builder.freeze("masked")
+            await writer.put(simple_entry("dropped", "c1"))
+            snap = await builder.freeze("dropped")
+            assert await builder.drop("dropped", snap.snapshot_id, snap.version)
         finally:
-            for store in stores:
-                await store.close()
+            await writer.close()
+            await builder.close()
 
     asyncio.run(setup())
     capsys.readouterr()
 
     assert main(["ls", bucket_url, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {row["rollout_id"]: row["state"] for row in rows}["dropped-1"] == "retired"
-    assert len(rows) == 10 and all({"objects", "bytes", "last_write", "version"} <= set(row) for row in rows)
-    assert main(["ls", bucket_url, "--json", "--state", "open"]) == 0
-    assert sorted(json.loads(line)["rollout_id"] for line in capsys.readouterr().out.splitlines()) == ["open-1", "open-2"]
-
+    assert [(row["rollout_id"], row["state"], row["objects"]) for row in rows] == [
+        ("dropped", "retired", 0), ("masked", "frozen", 3), ("open-1", "open", 1)
+    ]
+    assert all({"bytes", "last_write", "version", "snapshot_id", "sealed"} <= set(row) for row in rows)
     with monkeypatch.context() as patch:  # a terminal: the table
         patch.setattr(sys.stdout, "isatty", lambda: True)
         assert main(["ls", bucket_url, "--state", "frozen"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["rollout_id", "state", "objects", "bytes", "last_write"]
-    assert len(table) == 6 and table[1].split()[:3] == ["bare", "frozen", "0"]
+    assert len(table) == 2 and table[1].split()[:3] == ["masked", "frozen", "3"]
     assert format_rollout_row(None, table=False) == "rollout_id\tstate\tobjects\tbytes\tlast_write"
 
     assert main(["status", bucket_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["states"]["retired"]["rollouts"] == 3 and data["masked_by_reason"] == {"dangling_intent": 1, "marked_incomplete": 1}
+    assert data["states"]["retired"]["rollouts"] == 1 and data["masked_by_reason"] == {"dangling_intent": 1}
+    assert data["oldest_open"]["rollout_id"] == "open-1" and data["retired_leftover_objects"] == 2
     assert main(["status", bucket_url]) == 0
     text = capsys.readouterr().out
-    assert "masked by dangling_intent: 1" in text and "retired leftovers: 7 objects" in text
+    assert "masked by dangling_intent: 1" in text and "retired leftovers: 2 objects" in text
 
     bucket, root = split_bucket_url(bucket_url)
     before = list_keys(s3_client, bucket, root)
     time.sleep(1.1)  # LastModified has one-second resolution: everything above is at least 1 s old
     assert main(["gc", bucket_url, "--retired-older-than", "1s"]) == 0
     out, err = capsys.readouterr()
-    assert "would delete dropped-1" in out and "dry run" in out and "under 3600s" in err
+    assert "would delete dropped" in out and "dry run" in out and "under 3600s" in err
     assert list_keys(s3_client, bucket, root) == before
     assert main(["gc", bucket_url, "--retired-older-than", "1s", "--yes", "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    summary = lines[-1]
-    assert summary["type"] == "summary" and summary["deleted_rollouts"] == 3 and summary["retired_again"] == 1
-    assert keys_under(s3_client, bucket_url, "dropped-1") == [] and keys_under(s3_client, bucket_url, "frozen-ok")
+    assert lines[-1]["type"] == "summary" and lines[-1]["deleted_rollouts"] == 1 and lines[-1]["abandoned"] == 1
+    assert {(line["rollout_id"], line["action"]) for line in lines[:-1]} == {("dropped", "delete"), ("open-1", "abandoned")}
+    assert sorted(set(before) - set(list_keys(s3_client, bucket, root))) == [
+        f"{root}rollouts/dropped/fence", f"{root}rollouts/dropped/retired"
+    ]
