@@ -19,12 +19,12 @@ import time
 from typing import Any
 
 import pytest
-
 from helpers import list_keys, simple_entry, split_bucket_url
+
 from s3capture.cli import main
 from s3capture.ops import GcAction, format_rollout_row, gc, status
-from s3capture.rollouts import FENCE_RETIRED
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
+from s3capture.rollouts import FENCE_RETIRED
 from s3capture.store import S3TokenStore
 
 FAR = 10.0  # seconds added to "now" so that everything already written counts as old
@@ -173,7 +173,6 @@ async def test_gc_skips_a_rollout_written_between_listing_and_recheck(fresh: Any
     await writer.put(simple_entry("r1", "c1"))
     snap = await builder.freeze("r1")
     assert await builder.drop("r1", snap.snapshot_id, snap.version)
-    bucket, root = split_bucket_url(bucket_url)
     store = fresh()
     original = store._list
 

@@ -44,9 +44,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import math
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -66,6 +67,8 @@ __all__ = [
     "format_status",
     "format_gc",
     "format_rollout_row",
+    "format_action",
+    "register",
     "LS_HEADER",
 ]
 
@@ -342,7 +345,7 @@ async def gc(
     before stays done; a re-run continues).
     """
     for name, value in (("older_than", older_than), ("abandoned_after", abandoned_after)):
-        if value is not None and (not isinstance(value, (int, float)) or value != value or value < 0):
+        if value is not None and (not isinstance(value, (int, float)) or math.isnan(value) or value < 0):
             raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
     abandoned_after = older_than if abandoned_after is None else abandoned_after
     clock = time.time() if now is None else now
