@@ -598,10 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")
     export.set_defaults(func=_export)
     from s3capture.doctor import register as register_doctor
+    from s3capture.ops import register as register_ops
     from s3capture.serve import register as register_serve
 
     parser.commands = {
         "demo": demo, "conformance": check, "export": export,
+        **register_ops(sub),  # ls, status, gc
         "doctor": register_doctor(sub), "serve": register_serve(sub),
     }
     return parser

@@ -1,0 +1,656 @@
+"""Operations on a capture root: ``ls``, ``status`` and ``gc`` (library API and ``s3capture`` commands).
+
+Everything here starts from one streaming listing of ``<root>/rollouts/``
+(``S3TokenStore.rollouts_listed``), so memory stays bounded by one LIST page and one rollout's keys
+whatever the number of rollouts::
+
+    store = S3TokenStore("s3://bucket/capture")
+    async for info in store.rollouts("open"):                # what `s3capture ls` prints
+        ...
+    report = await status(store)                              # StoreStatus: counts, masked reasons, leftovers
+    plan = await gc(store, older_than=7 * 86400)              # GcReport of a dry run: nothing is deleted
+    done = await gc(store, older_than=7 * 86400, dry_run=False)
+
+What ``gc`` removes, and why it cannot lose an acknowledged entry (``docs/operations.md``):
+
+* A retired rollout keeps its fence (``fence``, ``{"state": "retired"}``) and its retire tombstone
+  (``retired``) forever, plus, rarely, objects of stragglers that landed after the retire (never
+  acknowledged as captured). ``gc`` handles a retired rollout only when **every** key under its
+  prefix, fence and tombstone included, is older than ``older_than`` (the store's LastModified
+  against this machine's clock), as the streaming listing *and* a second listing of the rollout
+  taken right before any write or delete both show, unchanged (same keys, ETags, sizes, times).
+* A rollout holding nothing but its fence and tombstone loses them: the tombstone first, then the
+  fence (a crash in between leaves a fence alone, which the next run removes: see below). Only
+  those two keys are deleted, never a key the second listing did not show, so a write landing
+  meanwhile stays where it landed (it re-opens the id, see "id reuse" in the docs).
+* A retired rollout that still holds other objects is *retired again*: the tombstone and the
+  retired fence are rewritten, then exactly the listed objects are deleted, the fence staying in
+  place. Rewriting refreshes their LastModified, so the fence outlives every deleted object by at
+  least ``older_than``: a straggler retrying one of those keys reads "retired" for that long and is
+  never acknowledged. A later run removes the fence and tombstone.
+* A key alone at a rollout prefix that is exactly ``fence`` (a delete or gc that crashed between
+  its two deletes), older than ``older_than``, is deleted.
+* Open rollouts quiet for longer than ``abandoned_after`` are *reported*, never deleted; frozen
+  rollouts are never touched (their consumer drops them).
+
+One gc per root at a time; do not ``retire`` or ``delete`` a rollout while a gc may be removing
+its fence. ``older_than`` must exceed the clock skew between this machine and the store plus the
+longest a ``put`` can stay in flight (retries included); ``MIN_SAFE_AGE`` (1 hour) is the least the
+command line takes without a warning; tests use 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from s3capture.rollouts import ROLLOUT_STATES, RolloutInfo, RolloutObjects
+from s3capture.transport import ListedObject
+
+__all__ = [
+    "MIN_SAFE_AGE",
+    "StateCounts",
+    "OldestOpen",
+    "StoreStatus",
+    "GcAction",
+    "GcReport",
+    "status",
+    "gc",
+    "format_status",
+    "format_gc",
+    "format_rollout_row",
+    "format_action",
+    "register",
+    "LS_HEADER",
+]
+
+MIN_SAFE_AGE = 3600.0
+"""Seconds: the smallest ``--retired-older-than`` the command line takes without a warning."""
+
+_MANIFEST_CONCURRENCY = 16
+_MANIFEST_LIMIT = 64 * 1024 * 1024
+
+
+class StateCounts(msgspec.Struct, kw_only=True):
+    """Rollouts of one state and what ``RolloutInfo`` counts for them (fence and tombstone excluded)."""
+
+    rollouts: int = 0
+    objects: int = 0
+    bytes: int = 0
+
+
+class OldestOpen(msgspec.Struct, kw_only=True):
+    """The open rollout whose newest object is oldest."""
+
+    rollout_id: str
+    last_write: datetime.datetime
+    age_seconds: float
+    """This machine's clock minus ``last_write`` (the store's clock), in seconds."""
+
+
+class StoreStatus(msgspec.Struct, kw_only=True):
+    """``status``: one streaming listing of a root, plus one GET per frozen rollout's manifest.
+
+    Masked counts come from the newest sealed manifest of each frozen rollout: the one of exactly
+    the listed state when it is sealed (``RolloutInfo.sealed``), else the one with the highest
+    version (the rollout changed since that freeze: ``frozen_changed``).
+    """
+
+    url: str
+    states: dict[str, StateCounts]
+    """``"open"``, ``"frozen"``, ``"retired"`` -> counts."""
+    oldest_open: OldestOpen | None = None
+    frozen_sealed: int = 0
+    """Frozen rollouts whose sealed manifest matches the listing (nothing changed since freeze)."""
+    frozen_changed: int = 0
+    """Frozen rollouts with a manifest that is not of the listed state (a late write landed)."""
+    frozen_without_manifest: int = 0
+    """Frozen rollouts with no manifest at all (a freeze that did not finish, or a bare fence)."""
+    trainable: int = 0
+    """Frozen rollouts whose newest manifest is complete."""
+    masked: int = 0
+    """Frozen rollouts whose newest manifest is ``incomplete`` (masked, not trainable)."""
+    masked_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    """Reason code (the text of a manifest reason before its first ``:``, e.g. ``dangling_intent``)
+    -> masked rollouts with at least one reason of that code."""
+    manifest_errors: int = 0
+    """Manifests that could not be read or decoded (counted neither trainable nor masked)."""
+    retired_leftover_objects: int = 0
+    """Every object under retired rollouts' prefixes: fence and tombstone (2 per rollout) plus
+    objects of stragglers; what ``gc`` can remove."""
+    retired_leftover_bytes: int = 0
+    bare_fences: int = 0
+    """Rollout prefixes holding only a fence (a delete or gc that crashed midway)."""
+
+
+class GcAction(msgspec.Struct, kw_only=True):
+    """One rollout ``gc`` acted on (or, in a dry run, would act on)."""
+
+    rollout_id: str
+    action: str
+    """``"delete"`` (fence and tombstone, or a bare fence, removed: the id reads as unused),
+    ``"retire_again"`` (straggler objects removed, fence and tombstone rewritten and kept),
+    ``"skipped"`` (changed between the listing and its re-check; nothing done) or ``"abandoned"``
+    (an open rollout quiet for ``abandoned_after``: reported only)."""
+    keys: list[str]
+    """Keys relative to the rollout prefix that were (would be) deleted; for ``abandoned``, none."""
+    objects: int = 0
+    bytes: int = 0
+    last_write: datetime.datetime | None = None
+    """Newest LastModified under the rollout prefix (store's clock)."""
+    reason: str = ""
+
+
+class GcReport(msgspec.Struct, kw_only=True):
+    """What ``gc`` did (or would do with ``dry_run=True``). Per-rollout details go to ``on_action``."""
+
+    url: str
+    dry_run: bool
+    older_than: float
+    abandoned_after: float
+    retired_seen: int = 0
+    """Retired rollouts listed."""
+    deleted_rollouts: int = 0
+    """Rollouts whose fence and tombstone (or bare fence) were (would be) removed."""
+    retired_again: int = 0
+    """Retired rollouts whose straggler objects were (would be) removed, fence kept."""
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+    skipped: int = 0
+    """Rollouts left alone because the re-check listing differed from the streaming one."""
+    too_young: int = 0
+    """Retired rollouts (or bare fences) with a key newer than ``older_than``."""
+    abandoned: int = 0
+    """Open rollouts quiet for longer than ``abandoned_after`` (reported, not deleted)."""
+    abandoned_bytes: int = 0
+
+
+# --------------------------------------------------------------------------- helpers
+def _age(now: float, modified: float) -> float:
+    return now - modified
+
+
+def _newest(items: Iterable[ListedObject]) -> float:
+    return max((item.modified for item in items), default=0.0)
+
+
+def _when(modified: float) -> datetime.datetime | None:
+    return datetime.datetime.fromtimestamp(modified, tz=datetime.timezone.utc) if modified > 0 else None
+
+
+def _progress(enabled: bool, what: str) -> Any:
+    """A tqdm counter of listed rollouts on stderr (disabled: a no-op with the same methods)."""
+    from tqdm import tqdm
+
+    return tqdm(desc=what, unit=" rollouts", file=sys.stderr, disable=not enabled, leave=False, mininterval=0.5)
+
+
+def _rollout_prefix(store: RolloutObjects, rollout_id: str) -> str:
+    return store.layout.rollout(rollout_id)
+
+
+def _reason_code(reason: str) -> str:
+    return reason.split(":", 1)[0].strip() or "unknown"
+
+
+class _ManifestHead(msgspec.Struct):
+    incomplete: bool
+    reasons: list[str] = []
+
+
+# --------------------------------------------------------------------------- status
+async def status(
+    store: RolloutObjects,
+    *,
+    prefix: str = "",
+    manifests: bool = True,
+    now: float | None = None,
+    progress: bool = False,
+) -> StoreStatus:
+    """Counts and bytes by state, the oldest open rollout, masked counts and retired leftovers.
+
+    ``store``: an ``S3TokenStore`` (a ``S3CaptureLedger`` works too, without manifests: it has
+    none). ``prefix``: only rollout ids starting with it. ``manifests``: read the newest sealed
+    manifest of each frozen rollout (one GET each, at most 16 in flight; needs ``s3:GetObject``);
+    ``False`` sends nothing but LIST requests. ``now``: seconds since the epoch for ages (default
+    this machine's clock; ages compare it with the store's LastModified). ``progress``: a counter
+    of listed rollouts on stderr.
+
+    Memory: one LIST page, one rollout's keys and at most 16 manifests at a time. Raises
+    ``StoreError`` when the store fails the listing (a manifest that cannot be read only counts in
+    ``manifest_errors``), ``TypeError``/``ValueError`` for a bad ``prefix``.
+    """
+    clock = time.time() if now is None else now
+    result = StoreStatus(url=store.url, states={state: StateCounts() for state in ROLLOUT_STATES})
+    oldest: tuple[float, str] | None = None
+    pending: set[asyncio.Task[None]] = set()
+    limit = asyncio.Semaphore(_MANIFEST_CONCURRENCY)
+
+    async def read_manifest(key: str) -> None:
+        try:
+            async with limit:
+                body = await store._get(key, _MANIFEST_LIMIT)
+            if body is None:
+                raise ValueError("vanished")
+            head = msgspec.json.decode(body, type=_ManifestHead)
+        except Exception:  # noqa: BLE001 - counted, never fatal to a status report
+            result.manifest_errors += 1
+            return
+        if head.incomplete:
+            result.masked += 1
+            for code in sorted({_reason_code(reason) for reason in head.reasons} or {"unknown"}):
+                result.masked_by_reason[code] = result.masked_by_reason.get(code, 0) + 1
+        else:
+            result.trainable += 1
+
+    bar = _progress(progress, "status")
+    try:
+        async with contextlib.aclosing(store.rollouts_listed(prefix=prefix)) as listed:
+            async for info, items in listed:
+                bar.update(1)
+                counts = result.states[info.state]
+                counts.rollouts += 1
+                counts.objects += info.objects
+                counts.bytes += info.bytes
+                rollout_prefix = _rollout_prefix(store, info.rollout_id)
+                rels = [item.key[len(rollout_prefix):] for item in items]
+                if info.state == "retired":
+                    result.retired_leftover_objects += len(items)
+                    result.retired_leftover_bytes += sum(item.size for item in items)
+                elif info.state == "open":
+                    if info.last_write is not None:
+                        stamp = info.last_write.timestamp()
+                        if oldest is None or stamp < oldest[0]:
+                            oldest = (stamp, info.rollout_id)
+                elif info.state == "frozen":
+                    if rels == ["fence"]:
+                        result.bare_fences += 1
+                    snaps = sorted(rel for rel in rels if rel.startswith("snap/"))
+                    if not snaps:
+                        result.frozen_without_manifest += 1
+                        continue
+                    if info.sealed:
+                        result.frozen_sealed += 1
+                        key = f"{rollout_prefix}snap/{info.version:020d}-{info.snapshot_id}"
+                    else:
+                        result.frozen_changed += 1
+                        key = rollout_prefix + snaps[-1]  # zero-padded versions: the highest sorts last
+                    if manifests:
+                        while len(pending) >= 4 * _MANIFEST_CONCURRENCY:
+                            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        pending.add(asyncio.ensure_future(read_manifest(key)))
+        if pending:
+            await asyncio.gather(*pending)
+            pending = set()
+    finally:
+        bar.close()
+        for task in pending:
+            task.cancel()
+    if oldest is not None:
+        result.oldest_open = OldestOpen(
+            rollout_id=oldest[1], last_write=_when(oldest[0]) or datetime.datetime.now(datetime.timezone.utc),
+            age_seconds=round(clock - oldest[0], 3),
+        )
+    result.masked_by_reason = dict(sorted(result.masked_by_reason.items(), key=lambda kv: (-kv[1], kv[0])))
+    return result
+
+
+# --------------------------------------------------------------------------- gc
+def _same_listing(first: list[ListedObject], second: list[ListedObject]) -> bool:
+    """Whether two listings of one prefix show the same objects (keys, ETags, sizes, times)."""
+    def view(items: list[ListedObject]) -> set[tuple[str, str, int, float]]:
+        return {(i.key, i.etag, i.size, round(i.modified, 3)) for i in items}
+
+    return len(first) == len(second) and view(first) == view(second)
+
+
+async def gc(
+    store: RolloutObjects,
+    older_than: float,
+    *,
+    dry_run: bool = True,
+    abandoned_after: float | None = None,
+    prefix: str = "",
+    now: float | None = None,
+    on_action: Callable[[GcAction], None] | None = None,
+    progress: bool = False,
+) -> GcReport:
+    """Remove what retired rollouts leave behind; report abandoned open rollouts.
+
+    ``older_than``: seconds; a retired rollout (or a bare fence) is handled only when every key
+    under its prefix is at least this old (``now`` minus the store's LastModified). ``dry_run``
+    (default ``True``): send nothing but LIST requests and report what would be done.
+    ``abandoned_after``: seconds an open rollout must be quiet to be reported as abandoned (default
+    ``older_than``). ``prefix``: only rollout ids starting with it. ``now``: seconds since the epoch
+    (default this machine's clock). ``on_action``: called with each ``GcAction`` as it is decided
+    (dry run) or done, so a caller can print them without ``gc`` keeping a list.
+
+    The rules (module docstring and ``docs/operations.md``): a rollout is changed only after a
+    second listing of its own prefix, right before the first write or delete, shows exactly what
+    the streaming listing showed; only listed keys are deleted; a retired rollout with straggler
+    objects is retired again (fence rewritten and kept) instead of losing its fence; open and
+    frozen rollouts are never written to or deleted from.
+
+    Requests: one streaming LIST of the root; without ``dry_run``, per rollout acted on one LIST
+    plus two DELETEs (fence and tombstone) or two PUTs and DeleteObjects (retire again).
+    Raises ``ValueError`` for a negative age, ``StoreError`` when the store fails (what was done
+    before stays done; a re-run continues).
+    """
+    for name, value in (("older_than", older_than), ("abandoned_after", abandoned_after)):
+        if value is not None and (not isinstance(value, (int, float)) or math.isnan(value) or value < 0):
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    abandoned_after = older_than if abandoned_after is None else abandoned_after
+    clock = time.time() if now is None else now
+    report = GcReport(url=store.url, dry_run=dry_run, older_than=float(older_than), abandoned_after=float(abandoned_after))
+
+    def emit(action: GcAction) -> None:
+        if on_action is not None:
+            on_action(action)
+
+    bar = _progress(progress, "gc")
+    try:
+        async with contextlib.aclosing(store.rollouts_listed(prefix=prefix)) as listed:
+            async for info, items in listed:
+                bar.update(1)
+                if info.state == "open":
+                    if info.last_write is not None and _age(clock, info.last_write.timestamp()) >= abandoned_after:
+                        report.abandoned += 1
+                        report.abandoned_bytes += info.bytes
+                        emit(GcAction(rollout_id=info.rollout_id, action="abandoned", keys=[], objects=info.objects,
+                                      bytes=info.bytes, last_write=info.last_write,
+                                      reason=f"open, quiet for {_age(clock, info.last_write.timestamp()):.0f}s"))
+                    continue
+                rollout_prefix = _rollout_prefix(store, info.rollout_id)
+                rels = sorted(item.key[len(rollout_prefix):] for item in items)
+                bare_fence = info.state == "frozen" and rels == ["fence"]
+                if info.state == "retired":
+                    report.retired_seen += 1
+                elif not bare_fence:
+                    continue  # frozen: its consumer drops it
+                newest = _newest(items)
+                if newest <= 0 or _age(clock, newest) < older_than:
+                    report.too_young += 1
+                    continue
+                await _collect_one(store, info, items, rollout_prefix, bare_fence, dry_run, report, emit)
+    finally:
+        bar.close()
+    return report
+
+
+async def _collect_one(
+    store: RolloutObjects,
+    info: RolloutInfo,
+    items: list[ListedObject],
+    rollout_prefix: str,
+    bare_fence: bool,
+    dry_run: bool,
+    report: GcReport,
+    emit: Callable[[GcAction], None],
+) -> None:
+    fences = {rollout_prefix + "fence", rollout_prefix + "retired"}
+    records = [item for item in items if item.key not in fences]
+    if not dry_run:
+        # The re-check: a listing of the rollout's own prefix right before anything is changed must
+        # show exactly what the streaming listing showed; anything new, gone or rewritten leaves
+        # the rollout alone (a writer or another tool is active there).
+        again = await store._list(rollout_prefix)
+        if not _same_listing(items, again):
+            report.skipped += 1
+            emit(GcAction(rollout_id=info.rollout_id, action="skipped", keys=[], last_write=_when(_newest(again)),
+                          reason="changed since the listing"))
+            return
+    if records:
+        # Retire again: the fence stays, rewritten, so every straggler retrying one of these keys
+        # keeps reading "retired"; tombstone first, as retire writes it.
+        rels = sorted(item.key[len(rollout_prefix):] for item in records)
+        action = GcAction(rollout_id=info.rollout_id, action="retire_again", keys=rels, objects=len(records),
+                          bytes=sum(item.size for item in records), last_write=_when(_newest(items)),
+                          reason="straggler objects of a retired rollout; fence and tombstone kept (rewritten)")
+        if not dry_run:
+            await store._write_retired(rollout_prefix)
+            await store._delete_keys([item.key for item in records])
+            store._cache.discard_prefix(rollout_prefix)
+        report.retired_again += 1
+    else:
+        present = [item for item in items if item.key in fences]
+        rels = sorted(item.key[len(rollout_prefix):] for item in present)
+        action = GcAction(rollout_id=info.rollout_id, action="delete", keys=rels, objects=len(present),
+                          bytes=sum(item.size for item in present), last_write=_when(_newest(items)),
+                          reason="bare fence" if bare_fence else "retired")
+        if not dry_run:
+            # Tombstone first, fence last: a crash in between leaves a bare fence, which still
+            # refuses writes and which the next gc removes.
+            if rollout_prefix + "retired" in {item.key for item in present}:
+                await store._delete_one(rollout_prefix + "retired")
+            await store._delete_one(rollout_prefix + "fence")
+            store._cache.discard_prefix(rollout_prefix)
+            store._forget_rollout(info.rollout_id)
+        report.deleted_rollouts += 1
+    report.deleted_objects += action.objects
+    report.deleted_bytes += action.bytes
+    emit(action)
+
+
+# --------------------------------------------------------------------------- formatting
+LS_HEADER = ("rollout_id", "state", "objects", "bytes", "last_write")
+_LS_WIDTHS = (40, 8, 8, 12, 20)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _stamp(value: datetime.datetime | None) -> str:
+    return value.strftime("%Y-%m-%dT%H:%M:%SZ") if value is not None else "-"
+
+
+def format_rollout_row(info: RolloutInfo | None, *, table: bool) -> str:
+    """One ``s3capture ls`` line (``None``: the header). ``table``: fixed-width columns with
+    human-readable sizes (a terminal); otherwise tab-separated exact values."""
+    if info is None:
+        cells = list(LS_HEADER)
+    else:
+        size = _human_bytes(info.bytes) if table else str(info.bytes)
+        cells = [info.rollout_id, info.state, str(info.objects), size, _stamp(info.last_write)]
+    if not table:
+        return "\t".join(cells)
+    left = cells[0].ljust(_LS_WIDTHS[0]) if len(cells[0]) <= _LS_WIDTHS[0] else cells[0]
+    return "  ".join([left, cells[1].ljust(_LS_WIDTHS[1]), cells[2].rjust(_LS_WIDTHS[2]),
+                      cells[3].rjust(_LS_WIDTHS[3]), cells[4]])
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def format_status(s: StoreStatus) -> str:
+    """``StoreStatus`` as the lines ``s3capture status`` prints."""
+    lines = [f"rollouts under {s.url}:"]
+    for state, counts in s.states.items():
+        lines.append(f"  {state:<8} {counts.rollouts:>8} rollouts  {counts.objects:>10} objects  {_human_bytes(counts.bytes):>12}")
+    if s.oldest_open is not None:
+        o = s.oldest_open
+        lines.append(f"oldest open rollout: {o.rollout_id} (last write {_stamp(o.last_write)}, {_duration(o.age_seconds)} ago)")
+    else:
+        lines.append("oldest open rollout: none")
+    frozen = s.states["frozen"].rollouts
+    if frozen:
+        lines.append(
+            f"frozen: {s.frozen_sealed} sealed, {s.frozen_changed} changed since freeze, "
+            f"{s.frozen_without_manifest} without a manifest"
+        )
+        lines.append(f"newest manifests: {s.trainable} trainable, {s.masked} masked, {s.manifest_errors} unreadable")
+        for code, count in s.masked_by_reason.items():
+            lines.append(f"  masked by {code}: {count}")
+    retired = s.states["retired"].rollouts
+    lines.append(
+        f"retired leftovers: {s.retired_leftover_objects} objects ({_human_bytes(s.retired_leftover_bytes)}) "
+        f"for {retired} retired rollouts; 's3capture gc' removes them"
+    )
+    if s.bare_fences:
+        lines.append(f"bare fences (an interrupted delete or gc): {s.bare_fences}")
+    return "\n".join(lines)
+
+
+def format_action(action: GcAction, *, dry_run: bool) -> str:
+    """One ``s3capture gc`` line per rollout."""
+    verb = {
+        "delete": "would delete" if dry_run else "deleted",
+        "retire_again": "would retire again" if dry_run else "retired again",
+        "skipped": "skipped",
+        "abandoned": "abandoned (kept)",
+    }[action.action]
+    keys = ", ".join(action.keys[:6]) + (f", ... ({len(action.keys)} keys)" if len(action.keys) > 6 else "")
+    detail = f"{action.objects} objects, {_human_bytes(action.bytes)}"
+    where = f"; last write {_stamp(action.last_write)}" if action.last_write is not None else ""
+    suffix = f": {keys}" if keys else ""
+    return f"{verb} {action.rollout_id} ({detail}{where}; {action.reason}){suffix}"
+
+
+def format_gc(r: GcReport) -> str:
+    """The summary line(s) of ``s3capture gc``."""
+    mode = "dry run (nothing deleted; --yes deletes)" if r.dry_run else "done"
+    would = "would remove" if r.dry_run else "removed"
+    return "\n".join([
+        f"gc {r.url}: {mode}",
+        f"  retired rollouts: {r.retired_seen} listed, {r.too_young} younger than {_duration(r.older_than)}",
+        f"  {would} {r.deleted_objects} objects ({_human_bytes(r.deleted_bytes)}): fences of {r.deleted_rollouts} "
+        f"rollouts, stragglers of {r.retired_again} (retired again, fence kept)",
+        f"  skipped (changed since the listing): {r.skipped}",
+        f"  abandoned open rollouts (quiet > {_duration(r.abandoned_after)}, not deleted): {r.abandoned} "
+        f"({_human_bytes(r.abandoned_bytes)})",
+    ])
+
+
+# --------------------------------------------------------------------------- command line
+def register(sub: Any) -> dict[str, Any]:
+    """Add ``ls``, ``status`` and ``gc`` to an argparse subparsers object; returns name -> parser."""
+    from s3capture.cli import _argument, check_endpoint, check_s3_url
+
+    def duration(text: str) -> float:
+        from s3capture.export import parse_duration
+
+        return parse_duration(text)
+
+    parsers: dict[str, Any] = {}
+    ls = sub.add_parser("ls", help="list a root's rollouts with state, objects, bytes and last write",
+                        description="One streaming listing of URL's rollouts (LIST only). A table on a terminal, "
+                        "tab-separated lines otherwise, JSON lines with --json.")
+    st = sub.add_parser("status", help="counts by state, oldest open rollout, masked counts, retired leftovers",
+                        description="One streaming listing plus one GET per frozen rollout's newest manifest "
+                        "(--no-manifests: LIST only). See docs/operations.md.")
+    g = sub.add_parser("gc", help="remove what retired rollouts leave behind (dry run unless --yes)",
+                       description="Delete the fence and tombstone of retired rollouts whose every key is older than "
+                       "--retired-older-than (retiring again those that hold straggler objects), after re-listing "
+                       "each one; report open rollouts quiet for that long without deleting them. A dry run unless "
+                       "--yes. See docs/operations.md for the rules and for what removing a fence means for id reuse.")
+    for parser in (ls, st, g):
+        parser.add_argument("url", type=_argument(check_s3_url), help="s3://bucket/prefix the rollouts were captured under")
+        parser.add_argument("--endpoint", type=_argument(check_endpoint),
+                            help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)")
+        parser.add_argument("--prefix", default="", help="only rollout ids starting with this text")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument("--state", choices=ROLLOUT_STATES, action="append", help="only this state (repeatable)")
+    for parser in (st, g):
+        parser.add_argument("--no-progress", action="store_true", help="no progress counter on stderr")
+    st.add_argument("--no-manifests", action="store_true", help="LIST only: skip the masked counts")
+    g.add_argument("--retired-older-than", type=_argument(duration), required=True, metavar="AGE",
+                   help="handle a retired rollout only when every key under it is this old, e.g. 7d, 12h")
+    g.add_argument("--abandoned-after", type=_argument(duration), metavar="AGE",
+                   help="report open rollouts quiet for this long (default: --retired-older-than)")
+    g.add_argument("--yes", action="store_true", help="delete (default: a dry run that deletes nothing)")
+    ls.set_defaults(func=_ls_command)
+    st.set_defaults(func=_status_command)
+    g.set_defaults(func=_gc_command)
+    parsers.update({"ls": ls, "status": st, "gc": g})
+    return parsers
+
+
+def _open_store(args: Any) -> Any:
+    import os
+
+    from s3capture.store import S3TokenStore
+
+    if args.endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL_S3"] = args.endpoint
+    return S3TokenStore(args.url, endpoint_url=args.endpoint)
+
+
+async def _close_after(store: Any, work: Any) -> Any:
+    try:
+        return await work
+    finally:
+        await store.close()
+
+
+def _ls_command(args: Any) -> int:
+    store = _open_store(args)
+    table = sys.stdout.isatty() and not args.json
+
+    async def run() -> int:
+        count = 0
+        if not args.json:
+            print(format_rollout_row(None, table=table), flush=table)
+        async with contextlib.aclosing(store.rollouts(args.state, prefix=args.prefix)) as rollouts:
+            async for info in rollouts:
+                line = msgspec.json.encode(info).decode() if args.json else format_rollout_row(info, table=table)
+                print(line)
+                count += 1
+        if table:
+            print(f"{count} rollouts", file=sys.stderr)
+        return 0
+
+    return asyncio.run(_close_after(store, run()))
+
+
+def _status_command(args: Any) -> int:
+    store = _open_store(args)
+    progress = not args.no_progress and sys.stderr.isatty()
+    result = asyncio.run(_close_after(store, status(store, prefix=args.prefix, manifests=not args.no_manifests,
+                                                     progress=progress)))
+    print(msgspec.json.encode(result).decode() if args.json else format_status(result))
+    return 0
+
+
+def _gc_command(args: Any) -> int:
+    if args.retired_older_than < MIN_SAFE_AGE:
+        print(
+            f"s3capture gc: warning: --retired-older-than {args.retired_older_than:g}s is under {MIN_SAFE_AGE:.0f}s; "
+            "a threshold must exceed the clock skew to the store plus the longest a put can take "
+            "(docs/operations.md)", file=sys.stderr,
+        )
+    store = _open_store(args)
+    progress = not args.no_progress and sys.stderr.isatty()
+    dry_run = not args.yes
+
+    def show(action: GcAction) -> None:
+        if args.json:
+            print(msgspec.json.encode({"type": "action", **msgspec.to_builtins(action)}).decode(), flush=True)
+        else:
+            print(format_action(action, dry_run=dry_run), flush=True)
+
+    report = asyncio.run(_close_after(store, gc(store, args.retired_older_than, dry_run=dry_run,
+                                                 abandoned_after=args.abandoned_after, prefix=args.prefix,
+                                                 on_action=show, progress=progress)))
+    if args.json:
+        print(msgspec.json.encode({"type": "summary", **msgspec.to_builtins(report)}).decode())
+    else:
+        print(format_gc(report))
+    return 0

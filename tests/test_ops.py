@@ -1,0 +1,250 @@
+"""``s3capture ls``, ``status`` and ``gc`` (``s3capture.ops``) against real local servers.
+
+A handful of rollouts in every state is built with the store API (open, frozen trainable, frozen
+masked two ways, frozen and written to since, dropped, retired with a straggler object, a bare
+fence), then: ``ls`` (table and JSON lines), the ``status`` numbers, a ``gc`` dry run that deletes
+nothing, and ``gc --yes`` that removes exactly the retired leftovers older than the threshold
+(the server's LastModified decides which: two groups written about a second apart), keeps every
+entry of open and frozen rollouts, retires a straggler's rollout again instead of removing its
+fence, skips a rollout written to between the listing and the re-check, and leaves an id that
+reads as unused (a put succeeds again, as after ``delete``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import pytest
+from helpers import list_keys, simple_entry, split_bucket_url
+
+from s3capture.cli import main
+from s3capture.ops import GcAction, format_rollout_row, gc, status
+from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
+from s3capture.rollouts import FENCE_RETIRED
+from s3capture.store import S3TokenStore
+
+FAR = 10.0  # seconds added to "now" so that everything already written counts as old
+
+
+def keys_under(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:
+    bucket, root = split_bucket_url(bucket_url)
+    prefix = f"{root}rollouts/{rollout_id}/"
+    return [key[len(prefix):] for key in list_keys(s3_client, bucket, prefix)]
+
+
+def newest_modified(s3_client: Any, bucket_url: str, rollout_ids: list[str]) -> tuple[float, float]:
+    """(oldest, newest) LastModified (store clock) over every key of the rollouts."""
+    bucket, root = split_bucket_url(bucket_url)
+    times = []
+    for rid in rollout_ids:
+        page = s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{root}rollouts/{rid}/")
+        times += [item["LastModified"].timestamp() for item in page.get("Contents", [])]
+    return min(times), max(times)
+
+
+async def build(make: Any, s3_client: Any, bucket_url: str) -> None:
+    """Rollouts in every state; ``make`` builds S3TokenStore clients (fence_grace 0: drops don't wait)."""
+    writer, builder = make(fence_grace=0.0), make(fence_grace=0.0)
+    await writer.put(simple_entry("open-1", "c1"))
+    await writer.begin_call("open-2", "c1")
+    await writer.put(simple_entry("frozen-ok", "c1"))
+    await builder.freeze("frozen-ok")
+    await writer.put(simple_entry("frozen-intent", "c1"))
+    await writer.begin_call("frozen-intent", "c2")  # no entry: dangling_intent
+    await builder.freeze("frozen-intent")
+    await writer.put(simple_entry("frozen-marked", "c1"))
+    await writer.mark_incomplete("frozen-marked", "c2")
+    await builder.freeze("frozen-marked")
+    await writer.put(simple_entry("frozen-late", "c1"))
+    await builder.freeze("frozen-late")
+    with pytest.raises(TokenCaptureFrozenError):
+        await writer.put(simple_entry("frozen-late", "c2"))
+    for rid in ("dropped-1", "dropped-2"):
+        await writer.put(simple_entry(rid, "c1"))
+        snap = await builder.freeze(rid)
+        assert await builder.drop(rid, snap.snapshot_id, snap.version)
+    await writer.put(simple_entry("straggled", "c1"))
+    await builder.retire(["straggled"])
+    with pytest.raises(TokenCaptureRetiredError):  # a straggler: refused, but its intent landed
+        await writer.begin_call("straggled", "late")
+    # A fence alone: what a delete (or gc) that crashed between its two deletes leaves.
+    await writer._put(writer.layout.rollout("bare") + "fence", FENCE_RETIRED)
+
+
+OLD = ["dropped-1", "dropped-2", "straggled", "bare"]
+
+
+async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_the_old_leftovers(
+    fresh: Any, s3_client: Any, bucket_url: str
+) -> None:
+    await build(fresh, s3_client, bucket_url)
+    store = fresh()
+    result = await status(store, now=time.time() + FAR)
+    states = {state: counts.rollouts for state, counts in result.states.items()}
+    assert states == {"open": 2, "frozen": 5, "retired": 3}  # the bare fence reads as frozen
+    assert result.bare_fences == 1
+    assert result.states["open"].objects == 2
+    assert result.oldest_open is not None and result.oldest_open.rollout_id == "open-1"
+    assert result.oldest_open.age_seconds >= FAR - 5
+    assert (result.frozen_sealed, result.frozen_changed, result.frozen_without_manifest) == (3, 1, 1)
+    assert (result.trainable, result.masked, result.manifest_errors) == (2, 2, 0)  # frozen-late's manifest: trainable
+    assert result.masked_by_reason == {"dangling_intent": 1, "marked_incomplete": 1}
+    # Two dropped rollouts keep fence + tombstone each; the straggled one also its straggler intent.
+    assert result.retired_leftover_objects == 2 + 2 + 3
+    assert result.retired_leftover_bytes > 0
+    listed_only = await status(store, manifests=False)
+    assert (listed_only.trainable, listed_only.masked) == (0, 0)
+    assert listed_only.states["retired"].rollouts == 3
+    bucket, root = split_bucket_url(bucket_url)
+    _, old_newest = newest_modified(s3_client, bucket_url, OLD)
+    await asyncio.sleep(1.2)  # LastModified has one-second resolution on some servers
+    writer, builder = fresh(fence_grace=0.0), fresh(fence_grace=0.0)
+    await writer.put(simple_entry("dropped-young", "c1"))
+    snap = await builder.freeze("dropped-young")
+    assert await builder.drop("dropped-young", snap.snapshot_id, snap.version)
+    young_oldest, _ = newest_modified(s3_client, bucket_url, ["dropped-young"])
+    assert young_oldest > old_newest
+    now = time.time()
+    ops = store
+    threshold = now - (old_newest + young_oldest) / 2  # the old group is older, the young one younger
+    before = list_keys(s3_client, bucket, root)
+
+    actions: list[GcAction] = []
+    plan = await gc(ops, threshold, now=now, on_action=actions.append)
+    assert list_keys(s3_client, bucket, root) == before  # a dry run deletes nothing
+    assert plan.dry_run and plan.retired_seen == 4 and plan.too_young == 1
+    assert (plan.deleted_rollouts, plan.retired_again, plan.deleted_objects) == (3, 1, 2 + 2 + 1 + 1)
+    by_id = {a.rollout_id: a for a in actions if a.action != "abandoned"}
+    assert sorted(by_id) == sorted(OLD)
+    assert by_id["dropped-1"].action == "delete" and by_id["dropped-1"].keys == ["fence", "retired"]
+    assert by_id["bare"].keys == ["fence"]
+    assert by_id["straggled"].action == "retire_again" and by_id["straggled"].keys == ["log/i/late"]
+    abandoned = sorted(a.rollout_id for a in actions if a.action == "abandoned")
+    assert abandoned == ["open-1", "open-2"] and plan.abandoned == 2
+
+    # A late put into a dropped rollout is refused, but its entry landed (a straggler): that makes
+    # dropped-1 young again, so this gc leaves it alone.
+    with pytest.raises(TokenCaptureRetiredError):
+        await writer.put(simple_entry("dropped-1", "c9"))
+    before = list_keys(s3_client, bucket, root)
+    done = await gc(ops, threshold, now=now, dry_run=False)
+    assert (done.deleted_rollouts, done.retired_again, done.deleted_objects, done.skipped, done.too_young) == (2, 1, 4, 0, 2)
+    after = list_keys(s3_client, bucket, root)
+    prefix = f"{root}rollouts/"
+    assert sorted(set(before) - set(after)) == sorted(
+        [prefix + "dropped-2/fence", prefix + "dropped-2/retired", prefix + "bare/fence", prefix + "straggled/log/i/late"]
+    )
+    assert set(after) <= set(before)  # nothing else removed; the re-retire only rewrote fence and tombstone
+    # Every key of open and frozen rollouts, and of the young retired ones, is still there.
+    for rid in ("open-1", "open-2", "frozen-ok", "frozen-intent", "frozen-marked", "frozen-late", "dropped-young", "dropped-1"):
+        assert keys_under(s3_client, bucket_url, rid) == [k[len(prefix + rid) + 1:] for k in before if k.startswith(prefix + rid + "/")]
+    assert keys_under(s3_client, bucket_url, "straggled") == ["fence", "retired"]  # fence kept, rewritten
+    assert json.loads(s3_client.get_object(Bucket=bucket, Key=prefix + "straggled/fence")["Body"].read())["state"] == "retired"
+
+    # The straggled rollout was retired again just now: its fence goes only once it is old again.
+    again = await gc(ops, threshold, now=now, dry_run=False)
+    assert again.deleted_objects == 0 and again.retired_seen == 3 and again.too_young == 3
+    # With everything old: dropped-1's straggler entry is removed (fence kept), the rest loses its fence.
+    later = await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)
+    assert (later.deleted_rollouts, later.retired_again) == (2, 1)
+    assert keys_under(s3_client, bucket_url, "straggled") == [] and keys_under(s3_client, bucket_url, "dropped-young") == []
+    assert keys_under(s3_client, bucket_url, "dropped-1") == ["fence", "retired"]
+    with pytest.raises(TokenCaptureRetiredError):  # still fenced
+        await writer.put(simple_entry("dropped-1", "c8"))
+    await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)  # removes c8's straggler entry
+    last = await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)
+    assert last.deleted_rollouts == 1 and keys_under(s3_client, bucket_url, "dropped-1") == []
+
+    # Id reuse: after gc the id reads as unused, as after delete; a put lands in a new open rollout.
+    reuse = fresh()
+    await reuse.put(simple_entry("dropped-1", "c9"))
+    infos = {info.rollout_id: info async for info in ops.rollouts(prefix="dropped-1")}
+    assert infos["dropped-1"].state == "open" and infos["dropped-1"].objects == 1
+    snapshot = await reuse.freeze("dropped-1")
+    assert [e.model_call_id for e in snapshot.entries] == ["c9"] and not snapshot.incomplete
+
+
+async def test_gc_skips_a_rollout_written_between_listing_and_recheck(fresh: Any, s3_client: Any, bucket_url: str) -> None:
+    writer, builder = fresh(fence_grace=0.0), fresh(fence_grace=0.0)
+    await writer.put(simple_entry("r1", "c1"))
+    snap = await builder.freeze("r1")
+    assert await builder.drop("r1", snap.snapshot_id, snap.version)
+    store = fresh()
+    original = store._list
+
+    async def racing_list(prefix: str, **kwargs: Any) -> Any:
+        await writer._put(f"{prefix}log/i/racer", b"")  # lands after the streaming listing
+        return await original(prefix, **kwargs)
+
+    store._list = racing_list
+    actions: list[GcAction] = []
+    report = await gc(store, 0.0, now=time.time() + FAR, dry_run=False, on_action=actions.append)
+    assert report.skipped == 1 and report.deleted_objects == 0
+    assert [a.action for a in actions] == ["skipped"]
+    assert keys_under(s3_client, bucket_url, "r1") == ["fence", "log/i/racer", "retired"]
+
+
+def test_gc_rejects_a_negative_age() -> None:
+    with pytest.raises(ValueError, match="older_than"):
+        asyncio.run(gc(S3TokenStore("s3://bucket/x"), -1.0))
+
+
+def test_cli_ls_status_gc(s3_env: Any, s3_client: Any, bucket_url: str, capsys: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def setup() -> None:
+        writer, builder = S3TokenStore(bucket_url, fence_grace=0.0), S3TokenStore(bucket_url, fence_grace=0.0)
+        try:
+            await writer.put(simple_entry("open-1", "c1"))
+            await writer.put(simple_entry("masked", "c1"))
+            await writer.begin_call("masked", "c2")
+            await builder.freeze("masked")
+            await writer.put(simple_entry("dropped", "c1"))
+            snap = await builder.freeze("dropped")
+            assert await builder.drop("dropped", snap.snapshot_id, snap.version)
+        finally:
+            await writer.close()
+            await builder.close()
+
+    asyncio.run(setup())
+    capsys.readouterr()
+
+    assert main(["ls", bucket_url, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["rollout_id"], row["state"], row["objects"]) for row in rows] == [
+        ("dropped", "retired", 0), ("masked", "frozen", 3), ("open-1", "open", 1)
+    ]
+    assert all({"bytes", "last_write", "version", "snapshot_id", "sealed"} <= set(row) for row in rows)
+    with monkeypatch.context() as patch:  # a terminal: the table
+        patch.setattr(sys.stdout, "isatty", lambda: True)
+        assert main(["ls", bucket_url, "--state", "frozen"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["rollout_id", "state", "objects", "bytes", "last_write"]
+    assert len(table) == 2 and table[1].split()[:3] == ["masked", "frozen", "3"]
+    assert format_rollout_row(None, table=False) == "rollout_id\tstate\tobjects\tbytes\tlast_write"
+
+    assert main(["status", bucket_url, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["states"]["retired"]["rollouts"] == 1 and data["masked_by_reason"] == {"dangling_intent": 1}
+    assert data["oldest_open"]["rollout_id"] == "open-1" and data["retired_leftover_objects"] == 2
+    assert main(["status", bucket_url]) == 0
+    text = capsys.readouterr().out
+    assert "masked by dangling_intent: 1" in text and "retired leftovers: 2 objects" in text
+
+    bucket, root = split_bucket_url(bucket_url)
+    before = list_keys(s3_client, bucket, root)
+    # A threshold of 0: LastModified (truncated to the second on some servers) is never after now.
+    assert main(["gc", bucket_url, "--retired-older-than", "0s"]) == 0
+    out, err = capsys.readouterr()
+    assert "would delete dropped" in out and "dry run" in out and "under 3600s" in err
+    assert list_keys(s3_client, bucket, root) == before
+    assert main(["gc", bucket_url, "--retired-older-than", "0s", "--yes", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[-1]["type"] == "summary" and lines[-1]["deleted_rollouts"] == 1 and lines[-1]["abandoned"] == 1
+    assert {(line["rollout_id"], line["action"]) for line in lines[:-1]} == {("dropped", "delete"), ("open-1", "abandoned")}
+    assert sorted(set(before) - set(list_keys(s3_client, bucket, root))) == [
+        f"{root}rollouts/dropped/fence", f"{root}rollouts/dropped/retired"
+    ]
