@@ -156,9 +156,11 @@ async def check_rollouts(bucket_url: str, served: dict[str, list[dict]]) -> None
             assert sorted(by_response) == sorted(body["id"] for body in responses)  # every captured call
             chain = [by_response[body["id"]] for body in responses]
             assert chain[0].parent_resolution == "root" and chain[0].parent_call_id is None
+            assert not chain[0].prompt_is_delta
             for parent, child in zip(chain, chain[1:]):  # each continuation resolved its parent
                 assert child.parent_resolution == "resolved"
                 assert child.parent_call_id == parent.model_call_id
+                assert child.prompt_is_delta  # delta_records: Gym stored the suffix after the parent
             for body, entry in zip(responses, chain):
                 assert list(entry.generation_token_ids) == body["output"][0]["generation_token_ids"]
 
