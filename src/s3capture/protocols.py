@@ -178,28 +178,38 @@ _INSTALLED_LINEAGE_STORE: LineageResolver | None = None
 """s3capture's own registry: used only when NeMo Gym is not importable (see ``gym_registry``)."""
 
 _GYM_MODULE = "nemo_gym.token_id_capture.protocols"
-_UNRESOLVED: Any = object()
-_GYM_REGISTRY: Any = _UNRESOLVED
+_GYM_REGISTRY: ModuleType | None = None
 
 
 def gym_registry() -> ModuleType | None:
     """NeMo Gym's registry module (``nemo_gym.token_id_capture.protocols``), or None without Gym.
 
-    Looked up once per process, on the first ``install_*`` / ``installed_*`` call (importing it
-    imports ``nemo_gym.token_id_capture``, about a third of a second, so not at import time).
-    None when no ``nemo_gym`` package is installed, or when importing it raises ``ImportError``
-    (for example without pydantic): then Gym cannot run in this process either.
+    Looked up on ``install_*`` / ``installed_*`` calls, not at import (importing it imports
+    ``nemo_gym.token_id_capture``, about a third of a second). Once found it is kept for the
+    process; while not found (no ``nemo_gym`` package, or importing it raises ``ImportError``, for
+    example without pydantic) it is looked for again on the next call, and s3capture's own registry
+    is used. When Gym is first found, anything already in s3capture's own registry moves into
+    Gym's where Gym's slot is empty, so nothing installed earlier is lost.
     """
-    global _GYM_REGISTRY
-    if _GYM_REGISTRY is _UNRESOLVED:
-        registry = None
-        try:
-            if importlib.util.find_spec("nemo_gym") is not None:
-                registry = importlib.import_module(_GYM_MODULE)
-        except ImportError:
-            registry = None
-        _GYM_REGISTRY = registry
-    return _GYM_REGISTRY
+    global _GYM_REGISTRY, _INSTALLED_SINK, _INSTALLED_SOURCE, _INSTALLED_LINEAGE_STORE
+    if _GYM_REGISTRY is not None:
+        return _GYM_REGISTRY
+    try:
+        if importlib.util.find_spec("nemo_gym") is None:
+            return None
+        registry = importlib.import_module(_GYM_MODULE)
+    except (ImportError, ValueError):
+        return None
+    for value, installed, install in (
+        (_INSTALLED_SINK, registry.installed_token_sink, registry.install_token_sink),
+        (_INSTALLED_SOURCE, registry.installed_token_source, registry.install_token_source),
+        (_INSTALLED_LINEAGE_STORE, registry.installed_lineage_store, registry.install_lineage_store),
+    ):
+        if value is not None and installed() is None:
+            install(value)
+    _INSTALLED_SINK = _INSTALLED_SOURCE = _INSTALLED_LINEAGE_STORE = None
+    _GYM_REGISTRY = registry
+    return registry
 
 
 def install_token_sink(sink: TokenSink | None) -> None:
