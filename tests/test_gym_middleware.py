@@ -180,9 +180,6 @@ async def check_rollouts(bucket_url: str, served: dict[str, list[dict]]) -> None
 async def test_gym_model_server_captures_into_s3capture_and_gym_rebuilds(s3_env, bucket_url):
     require_gym()
     pytest.importorskip("httpx")
-    import s3capture
-
-    assert s3capture.installed_token_sink() is None  # the YAML route, not a process-wide store
     server, backend_ids = stub_server(capture_config(bucket_url))  # the README's block: delta_records true
     app = server.setup_webserver()  # Gym's install_model_call_capture builds s3capture's stores here
     rollout_ids = [f"mw-{index}-{uuid.uuid4().hex[:6]}" for index in range(ROLLOUTS)]
