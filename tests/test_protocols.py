@@ -41,7 +41,10 @@ def _restore_installed():
     """Install functions keep process-wide state: put it back after every test."""
     saved = (installed_token_sink(), installed_token_source(), installed_lineage_store())
     yield
-    protocols._INSTALLED_SINK, protocols._INSTALLED_SOURCE, protocols._INSTALLED_LINEAGE_STORE = saved
+    # Through the install functions: with Gym importable the registry is Gym's, not these globals.
+    install_token_sink(saved[0])
+    install_token_source(saved[1])
+    install_lineage_store(saved[2])
 
 
 # ---------------------------------------------------------------------------------------------

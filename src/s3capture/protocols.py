@@ -3,19 +3,29 @@
 Source of the contract: ``nemo_gym.token_id_capture.protocols`` (the revision described in
 ``shared/spec/protocols-reference.txt``, newer than nemo-gym 0.7.0: it adds ``retire``, ``delete``,
 the frozen and retired errors and ``RolloutRetiredError``). This module imports only the standard
-library and ``s3capture.records``, so a process can depend on the contracts without aioboto3.
+library, ``s3capture.records`` and ``s3capture.gym_compat`` (standard library only), so a process
+can depend on the contracts without aioboto3.
 
 The runtime-checkable protocols check method presence only. s3capture's S3 implementation lives in
-``s3capture.store``; the install functions below keep one process-wide default of each kind.
+``s3capture.store``; the install functions below keep one process-wide default of each kind. There
+is one registry per process: when ``nemo_gym`` is importable, ``install_*`` and ``installed_*``
+are Gym's own (``nemo_gym.token_id_capture.protocols``), so a store installed through either
+package is the one Gym's capture middleware and consumers see; without Gym they use s3capture's.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
+from s3capture import gym_compat
 from s3capture.records import ParentResolutionStatus, TokenEntry
+
+gym_compat.apply_if_gym_installed()  # Gym 0.7.0's build_sink() on Python 3.11; see s3capture.gym_compat
 
 __all__ = [
     "TokenCaptureSnapshot",
@@ -35,6 +45,7 @@ __all__ = [
     "installed_token_sink",
     "installed_token_source",
     "installed_lineage_store",
+    "gym_registry",
 ]
 
 
@@ -164,40 +175,102 @@ class CaptureLedger(LineageResolver, Protocol):
 _INSTALLED_SINK: TokenSink | None = None
 _INSTALLED_SOURCE: TokenSource | None = None
 _INSTALLED_LINEAGE_STORE: LineageResolver | None = None
+"""s3capture's own registry: used only when NeMo Gym is not importable (see ``gym_registry``)."""
+
+_GYM_MODULE = "nemo_gym.token_id_capture.protocols"
+_GYM_REGISTRY: ModuleType | None = None
+
+
+def gym_registry() -> ModuleType | None:
+    """NeMo Gym's registry module (``nemo_gym.token_id_capture.protocols``), or None without Gym.
+
+    Looked up on ``install_*`` / ``installed_*`` calls, not at import (importing it imports
+    ``nemo_gym.token_id_capture``, about a third of a second). Once found it is kept for the
+    process; while not found (no ``nemo_gym`` package, or importing it raises ``ImportError``, for
+    example without pydantic) it is looked for again on the next call, and s3capture's own registry
+    is used. When Gym is first found, anything already in s3capture's own registry moves into
+    Gym's where Gym's slot is empty, so nothing installed earlier is lost.
+    """
+    global _GYM_REGISTRY, _INSTALLED_SINK, _INSTALLED_SOURCE, _INSTALLED_LINEAGE_STORE
+    if _GYM_REGISTRY is not None:
+        return _GYM_REGISTRY
+    try:
+        if importlib.util.find_spec("nemo_gym") is None:
+            return None
+        registry = importlib.import_module(_GYM_MODULE)
+    except (ImportError, ValueError):
+        return None
+    for value, installed, install in (
+        (_INSTALLED_SINK, registry.installed_token_sink, registry.install_token_sink),
+        (_INSTALLED_SOURCE, registry.installed_token_source, registry.install_token_source),
+        (_INSTALLED_LINEAGE_STORE, registry.installed_lineage_store, registry.install_lineage_store),
+    ):
+        if value is not None and installed() is None:
+            install(value)
+    _INSTALLED_SINK = _INSTALLED_SOURCE = _INSTALLED_LINEAGE_STORE = None
+    _GYM_REGISTRY = registry
+    return registry
 
 
 def install_token_sink(sink: TokenSink | None) -> None:
     """Set (or clear, with ``None``) the process-wide default sink.
 
-    Raises ``TypeError`` when ``sink`` lacks ``put``, ``mark_incomplete`` or ``close``.
+    With NeMo Gym importable this is Gym's ``install_token_sink`` (one registry: Gym's capture
+    middleware then uses ``sink`` for every training-capture call without a configured sink), else
+    s3capture's own registry. Raises ``TypeError`` when ``sink`` lacks ``put``, ``mark_incomplete``
+    or ``close`` (nothing is installed then).
     """
     global _INSTALLED_SINK
     if sink is not None:
         missing = [name for name in ("put", "mark_incomplete", "close") if not callable(getattr(sink, name, None))]
         if missing:
             raise TypeError(f"{type(sink).__name__} is not a TokenSink: it lacks {', '.join(missing)}")
-    _INSTALLED_SINK = sink
+    gym = gym_registry()
+    if gym is not None:
+        gym.install_token_sink(sink)
+    else:
+        _INSTALLED_SINK = sink
 
 
 def install_token_source(source: TokenSource | None) -> None:
-    """Set (or clear) the caller-owned source in this process. It is never closed for you."""
+    """Set (or clear) the caller-owned source in this process. It is never closed for you.
+
+    Gym's registry when NeMo Gym is importable, else s3capture's own.
+    """
     global _INSTALLED_SOURCE
-    _INSTALLED_SOURCE = source
+    gym = gym_registry()
+    if gym is not None:
+        gym.install_token_source(source)
+    else:
+        _INSTALLED_SOURCE = source
 
 
 def install_lineage_store(store: LineageResolver | None) -> None:
-    """Set (or clear) the process-wide request-time lineage store."""
+    """Set (or clear) the process-wide request-time lineage store (or ``CaptureLedger``).
+
+    Gym's registry when NeMo Gym is importable, else s3capture's own.
+    """
     global _INSTALLED_LINEAGE_STORE
-    _INSTALLED_LINEAGE_STORE = store
+    gym = gym_registry()
+    if gym is not None:
+        gym.install_lineage_store(store)
+    else:
+        _INSTALLED_LINEAGE_STORE = store
 
 
 def installed_token_sink() -> TokenSink | None:
-    return _INSTALLED_SINK
+    """The process-wide sink (Gym's ``installed_token_sink()`` when Gym is importable), or None."""
+    gym = gym_registry()
+    return gym.installed_token_sink() if gym is not None else _INSTALLED_SINK
 
 
 def installed_token_source() -> TokenSource | None:
-    return _INSTALLED_SOURCE
+    """The process-wide source (Gym's ``installed_token_source()`` when Gym is importable), or None."""
+    gym = gym_registry()
+    return gym.installed_token_source() if gym is not None else _INSTALLED_SOURCE
 
 
 def installed_lineage_store() -> LineageResolver | None:
-    return _INSTALLED_LINEAGE_STORE
+    """The process-wide lineage store (Gym's ``installed_lineage_store()`` when Gym is importable), or None."""
+    gym = gym_registry()
+    return gym.installed_lineage_store() if gym is not None else _INSTALLED_LINEAGE_STORE
