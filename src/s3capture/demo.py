@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 from s3capture.fingerprint import stamp_continuation
 from s3capture.protocols import TokenCaptureFrozenError
@@ -519,14 +519,14 @@ def run_workload(
         staging_url = staging_url or default_staging_url(url)
         report: DemoReport = LedgerDemoReport(capture=capture, staging_url=staging_url)
 
-        def build(bar: Any) -> Awaitable[None]:
+        def build(bar: Any) -> Coroutine[Any, Any, None]:
             return build_ledger(url, staging_url, rollouts, report, bar, manifest_hook)  # type: ignore[arg-type]
 
         build_desc = "manifest+verify+retire"
     else:
         report = DemoReport(capture=capture, url=url)
 
-        def build(bar: Any) -> Awaitable[None]:
+        def build(bar: Any) -> Coroutine[Any, Any, None]:
             return _build(url, [r.rollout_id for r in rollouts], report, bar, export_dest, keep)
 
         build_desc = "freeze+verify" if export_dest or keep else "freeze+verify+drop"
@@ -606,11 +606,11 @@ def run_workload(
         report.build_seconds = time.perf_counter() - build_started
         build_bar.close()
     finally:
-        for key, value in saved.items():
-            if value is None:
+        for key, old in saved.items():
+            if old is None:
                 os.environ.pop(key, None)
             else:
-                os.environ[key] = value
+                os.environ[key] = old
     report.seconds = time.perf_counter() - started - report.build_seconds
     return report
 
