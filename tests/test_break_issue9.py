@@ -324,22 +324,25 @@ async def test_the_exporters_drop_waits_the_fleets_fence_grace(
 
 
 @MOTO
-@pytest.mark.xfail(strict=True, reason="design question: an open rollout read unsealed is exported as trainable; when "
-                   "a later snapshot of it is masked (a marker), --masked skip writes nothing that supersedes the "
-                   "trainable rows, so 'keep the highest version per rollout_id' (docs/export.md) still trains on it")
 async def test_a_rollout_masked_after_an_unsealed_export_leaves_no_trainable_latest_row(
     fresh: Any, tmp_path: Path, bucket_url: str
 ) -> None:
+    """An open rollout exported unsealed (trainable), then masked by a marker: --masked skip must
+    still write its masked rows, or "keep the highest version per rollout_id" trains on the stale
+    trainable ones. Found by a breaker session; was a strict xfail."""
     writer = fresh()
     await put_chain(writer, "paused", 2)  # an agent waiting on a long tool call: open, quiescent
     dest = tmp_path / "o"
     assert (await export(bucket_url, str(dest), workers=0, min_age=0)).exported == 1
     await writer.mark_incomplete("paused", "call-002")  # its next call failed to capture
     again = await export(bucket_url, str(dest), workers=0, min_age=0)
-    assert again.changed_since_export == 1 and again.masked_excluded == 1
+    assert again.changed_since_export == 1 and again.masked_written == 1 and again.masked_excluded == 0
     rows = [row for row in rows_of(dest) if row["rollout_id"] == "paused"]
     latest = max(row["version"] for row in rows)
     assert all(row["masked"] for row in rows if row["version"] == latest)
+    assert any(not row["masked"] for row in rows if row["version"] < latest)  # the earlier export stays
+    third = await export(bucket_url, str(dest), workers=0, min_age=0)  # resumable: nothing to write again
+    assert third.already_exported == 1 and third.shards_written == 0
 
 
 @MOTO

@@ -269,6 +269,7 @@ def test_valid_options_and_inputs_reach_the_workload(guarded: None, tmp_path: Pa
     assert [len(r.calls) for r in rollouts] == [1, 0, 1, 1]
     assert url == "s3://bkt/run"
     assert env == {"AWS_ENDPOINT_URL": "https://minio.example:9000/", "AWS_ENDPOINT_URL_S3": "https://minio.example:9000/"}
+    assert isinstance(reached.value.kwargs.pop("wall_started"), float)  # the command's start, for the total wall time
     assert reached.value.kwargs == dict(workers=256, concurrency=1, parallel_rollouts=1, delta=True, seed=7,
                                         progress=False, capture="ledger", staging_url="s3://other_bucket.x/stage",
                                         export_dest=None, keep=False)

@@ -11,6 +11,8 @@ under ``CI``.
 
 from __future__ import annotations
 
+import ast
+import io
 import multiprocessing
 import os
 import re
@@ -24,7 +26,8 @@ from pathlib import Path
 import pytest
 from gymcompat import running_under_ci
 
-from s3capture.demo import run_workload
+from s3capture.demo import format_report, run_workload
+from s3capture.demo_common import PlainProgress, open_progress
 from s3capture.replay import synthetic_rollouts
 
 # The example data lives beside the checkout, in ../shared (never copied into the repository).
@@ -56,6 +59,22 @@ def _run_demo(args: list[str], env_extra: dict[str, str] | None = None) -> str:
     return proc.stdout
 
 
+def _times(out: str) -> dict[str, float]:
+    """The summary's start-up, capture, builder and total wall times (seconds), checked for consistency."""
+    times = {}
+    for name, pattern in (("startup", r"^  start-up: ([\d.]+) s \(\d+ worker processes"),
+                          ("capture", r"^  capture: (?:captured|committed) \d+ of \d+ model calls in ([\d.]+) s \([\d,.]+ calls/s"),
+                          ("build", r"^  (?:freeze\+verify[+a-z ()]*|manifest\+verify\+retire): ([\d.]+) s$"),
+                          ("total", r"^  total wall time: ([\d.]+) s")):
+        match = re.search(pattern, out, re.MULTILINE)
+        assert match, f"no {name} time in:\n{out}"
+        times[name] = float(match.group(1))
+    assert times["capture"] <= times["total"] and times["startup"] <= times["total"], out
+    # Each is rounded to 0.1 s in the text.
+    assert times["startup"] + times["capture"] + times["build"] <= times["total"] + 0.21, out
+    return times
+
+
 def _numbers(out: str, label: str) -> tuple[int, int]:
     match = re.search(label + r": (\d+)/(\d+)", out)
     assert match, f"no {label!r} line in:\n{out}"
@@ -73,6 +92,9 @@ def test_demo_replays_gym_rollouts_on_embedded_server(name: str, faithful: int):
     assert re.search(r"snapshots: trainable (\d+), masked 0; dropped after consumption (\d+)/\1", out), out
     assert re.search(r"chains checked \d+, broken 0", out), out
     assert "UNRESOLVED 0" in out and "result: OK" in out
+    _times(out)
+    assert re.search(r"^  stored: [\d.]+ [kMG]B for [\d,]+ tokens: [\d.]+ bytes per token, [\d.]+x Gym's JSONL of the same calls"
+                     r" \([\d.]+ bytes per token\)$", out, re.MULTILINE), out
 
 
 @pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
@@ -171,3 +193,98 @@ def test_demo_keep_leaves_frozen_rollouts_that_export_reads(s3_server, bucket_ur
     table = pq.read_table(dest)
     assert table.num_rows == 4 and not any(table.column("masked").to_pylist())
     assert sorted(table.column("num_calls").to_pylist()) == [3, 3, 3, 3]
+
+
+def test_plain_progress_writes_whole_lines_every_tenth_and_every_few_seconds():
+    clock = [100.0]
+    out = io.StringIO()
+    progress = PlainProgress(50, "model calls", "call", out, every=5.0, clock=lambda: clock[0])
+    for _ in range(50):
+        clock[0] += 0.01
+        progress.update(1)
+    progress.close()
+    text = out.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert [line.split(": ")[1].split(" ")[0] for line in lines] == [f"{n}/50" for n in range(5, 51, 5)]
+    assert lines[-1] == "model calls: 50/50 calls (100%), 0.5 s"
+    # A slow run also gets a line every `every` seconds between the 10 % marks, and close() adds the last count.
+    out = io.StringIO()
+    progress = PlainProgress(1000, "rollouts", "rollout", out, every=5.0, clock=lambda: clock[0])
+    for _ in range(3):
+        clock[0] += 6.0
+        progress.update(1)
+    progress.close()
+    progress.update(1)  # after close: nothing more
+    assert out.getvalue().splitlines() == [
+        "rollouts: 1/1,000 rollouts (0%), 6.0 s", "rollouts: 2/1,000 rollouts (0%), 12.0 s", "rollouts: 3/1,000 rollouts (0%), 18.0 s",
+    ]
+
+
+def test_open_progress_redraws_only_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plain = io.StringIO()
+    assert isinstance(open_progress(10, "model calls", "call", stream=plain), PlainProgress)
+    bar = open_progress(10, "model calls", "call", stream=Terminal())
+    assert type(bar).__name__ == "tqdm"
+    bar.close()
+    silent = io.StringIO()
+    off = open_progress(10, "model calls", "call", enabled=False, stream=silent)
+    off.update(10)
+    off.close()
+    assert silent.getvalue() == ""
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_demo_off_a_terminal_prints_progress_lines_and_separate_times(s3_env, bucket_url, capsys):
+    """stderr captured (not a terminal): whole progress lines, no carriage-return redraws; the summary
+    reports worker start-up apart from capture time, and the total wall time."""
+    started = time.perf_counter()
+    report = run_workload(synthetic_rollouts(4, 3, seed=7), bucket_url, s3_env.env(), workers=1, concurrency=4,
+                          parallel_rollouts=4, progress=True, wall_started=started)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.endswith("\n"), err
+    assert "model calls: 12/12 calls (100%)" in err and "freeze+verify+drop: 4/4 rollouts (100%)" in err, err
+    assert report.ok and report.captured == 12
+    assert 0 < report.startup_seconds and 0 < report.seconds and 0 < report.build_seconds
+    assert report.startup_seconds + report.seconds + report.build_seconds <= report.wall_seconds
+    assert report.wall_seconds <= time.perf_counter() - started
+    out = format_report(report, where=bucket_url)
+    times = _times(out)
+    assert times["capture"] == round(report.seconds, 1) and times["total"] == round(report.wall_seconds, 1), out
+    assert "start-up" in out.split("capture:")[0]  # start-up comes first, on its own line
+
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "s3capture"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at the top or inside functions."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_demo_and_demo_ledger_do_not_import_each_other():
+    """The dependency runs one way: demo -> demo_ledger -> demo_common (which imports neither)."""
+    assert not {"s3capture.demo", "s3capture.demo_ledger"} & _imported_modules(SRC / "demo_common.py")
+    assert "s3capture.demo" not in _imported_modules(SRC / "demo_ledger.py")
+    assert "s3capture.demo_ledger" in _imported_modules(SRC / "demo.py")
+    # And at run time: demo_ledger imports (and its worker opens) with s3capture.demo blocked.
+    code = (
+        "import sys; sys.modules['s3capture.demo'] = None\n"
+        "import s3capture.demo_ledger as m\n"
+        "m.LedgerWorker('s3://b/run', 's3://b/run-staging', 2)\n"
+        "assert 's3capture.demo' not in [k for k, v in sys.modules.items() if v is not None]\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

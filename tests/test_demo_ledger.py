@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from gymcompat import require_gym
-from test_demo import example_file
+from test_demo import _times, example_file
 
 from s3capture.demo import format_report, run_workload
 from s3capture.replay import load_rollouts, synthetic_rollouts
@@ -141,3 +141,4 @@ def test_ledger_demo_command_on_anyterminal_hermes():
     assert re.search(r"calls rebuilt from staged deltas .*: 147/147; broken 0", out), out
     assert re.search(r"ledger bytes: [\d,]+ .* staged bytes: [\d,]+", out), out
     assert "result: OK" in out
+    _times(out)  # start-up, capture (committed calls) and the builder, each within the total wall time

@@ -1036,10 +1036,7 @@ async def test_missing_bucket_read_first_operations_raise_store_error(s3_env):
 
 
 async def test_missing_bucket_write_operations_raise_store_error(s3_env):
-    if s3_env.kind == "seaweedfs":
-        # `weed mini` creates a missing bucket on the first PutObject (probed: PUT to an unknown bucket
-        # succeeds and the bucket appears in ListBuckets), so there is no missing bucket to report.
-        pytest.skip("SeaweedFS auto-creates a bucket on PUT")
+    # (`weed mini` would create a missing bucket on the first PutObject; start_seaweedfs turns that off.)
     bucket, store = _missing_bucket_store()
     try:
         entry = simple_entry("r", "c")

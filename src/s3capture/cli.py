@@ -220,6 +220,7 @@ def _check_demo(args: argparse.Namespace) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    started = time.perf_counter()  # the report's total wall time counts from here
     from s3capture.demo import format_report, run_workload
     from s3capture.replay import synthetic_rollouts
 
@@ -280,6 +281,7 @@ def _demo(args: argparse.Namespace) -> int:
             staging_url=args.staging_url,
             export_dest=args.export,
             keep=args.keep,
+            wall_started=started,
         )
         print(format_report(report, where=where))
         return 0 if report.ok else 1
@@ -595,7 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")
     export.set_defaults(func=_export)
-    parser.commands = {"demo": demo, "conformance": check, "export": export}
+    from s3capture.doctor import register as register_doctor
+    from s3capture.serve import register as register_serve
+
+    parser.commands = {
+        "demo": demo, "conformance": check, "export": export,
+        "doctor": register_doctor(sub), "serve": register_serve(sub),
+    }
     return parser
 
 

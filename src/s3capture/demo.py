@@ -28,9 +28,27 @@ import random
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+from s3capture.demo_common import (
+    CallResult,
+    DemoReport,
+    closing_lines,
+    human_bytes,
+    open_progress,
+    percentiles,
+    probe_store,
+    resolution_lines,
+    timing_lines,
+)
+from s3capture.demo_ledger import (
+    LedgerDemoReport,
+    LedgerWorker,
+    build_ledger,
+    default_staging_url,
+    format_ledger_report,
+)
 from s3capture.fingerprint import stamp_continuation
 from s3capture.protocols import TokenCaptureFrozenError
 from s3capture.records import (
@@ -44,86 +62,6 @@ from s3capture.replay import ReplayCall, ReplayRollout
 from s3capture.trajectory import ChainError, check_chain, cumulative_prompt
 
 RESOLVED = ParentResolutionStatus.RESOLVED
-
-
-@dataclass
-class CallResult:
-    rollout_id: str
-    index: int
-    worker: int
-    status: str
-    reason: str
-    parent_ok: bool
-    resolve_ms: float
-    put_ms: float
-    error: str = ""
-    committed: bool = True
-    """False when the call left no committed record (ledger mode: a failure row instead)."""
-    failure: str = ""
-    """The failure row's reason when the call was not committed (ledger mode)."""
-    stage_ms: float = 0.0
-    """Time to stage the token delta outside the store (ledger mode)."""
-
-
-@dataclass
-class DemoReport:
-    """What a demo run did; ``ok`` is True when every acceptance condition held."""
-
-    capture: str = "store"
-    url: str = ""
-    rollouts: int = 0
-    calls: int = 0
-    captured: int = 0
-    statuses: collections.Counter = field(default_factory=collections.Counter)
-    faithful: int = 0
-    faithful_resolved: int = 0
-    unresolved_reasons: collections.Counter = field(default_factory=collections.Counter)
-    trainable: int = 0
-    masked: int = 0
-    masked_reasons: list[str] = field(default_factory=list)
-    chains_checked: int = 0
-    chains_broken: list[str] = field(default_factory=list)
-    dropped: int = 0
-    requests: collections.Counter = field(default_factory=collections.Counter)
-    resolve_ms: list[float] = field(default_factory=list)
-    put_ms: list[float] = field(default_factory=list)
-    stage_ms: list[float] = field(default_factory=list)
-    failures: collections.Counter = field(default_factory=collections.Counter)
-    stored_bytes: int = 0
-    entry_objects: int = 0
-    gym_jsonl_bytes: int = 0
-    gym_full_jsonl_bytes: int = 0
-    tokens: int = 0
-    full_tokens: int = 0
-    errors: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    build_seconds: float = 0.0
-    export_summary: Any = None
-    """The ``ExportSummary`` of ``--export`` (None without it)."""
-    kept: int = 0
-    """Rollouts left frozen for a later export (``--keep``)."""
-
-    @property
-    def ok(self) -> bool:
-        return (
-            not self.errors
-            and self.faithful_resolved == self.faithful
-            and self.masked == 0
-            and not self.chains_broken
-            and self.dropped + self.kept == self.rollouts
-            and (self.export_summary is None or (self.export_summary.exported == self.rollouts and not self.export_summary.failed))
-        )
-
-
-def _percentiles(values: list[float]) -> str:
-    if not values:
-        return "n/a"
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return f"p50 {pick(0.5):.1f} ms  p90 {pick(0.9):.1f} ms  p99 {pick(0.99):.1f} ms  max {ordered[-1]:.1f} ms"
 
 
 def _token_item_index(items: list[dict]) -> int | None:
@@ -206,29 +144,8 @@ class _StoreWorker:
 
 def _open_worker(url: str, concurrency: int, options: dict[str, Any]) -> Any:
     if options["capture"] == "ledger":
-        from s3capture.demo_ledger import LedgerWorker
-
         return LedgerWorker(url, options["staging_url"], concurrency)
     return _StoreWorker(url, concurrency, options["delta"])
-
-
-async def probe_store(url: str) -> None:
-    """One LIST under ``url`` (a key prefix nothing uses), with at most two attempts.
-
-    A worker's start-up check: an unreachable endpoint, missing credentials, refused credentials or
-    a missing bucket fail here, once and within seconds, instead of in every model call after
-    botocore's five attempts each. Raises ``StoreError`` (or ``ValueError`` for a bad URL).
-    """
-    from s3capture.store import S3TokenStore, default_botocore_config
-
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    extra = {"s3": {"addressing_style": "path"}} if endpoint else {}
-    config = default_botocore_config(10, retries={"mode": "standard", "max_attempts": 2}, **extra)
-    probe = S3TokenStore(url, botocore_config=config)
-    try:
-        await probe._list(probe.layout.root + ".s3capture-demo-probe")
-    finally:
-        await probe.close()
 
 
 def _one_line(error: BaseException) -> str:
@@ -475,6 +392,7 @@ def run_workload(
     manifest_hook: Callable[[dict], None] | None = None,
     export_dest: str | None = None,
     keep: bool = False,
+    wall_started: float | None = None,
 ) -> DemoReport:
     """Replay ``rollouts`` through ``workers`` processes against ``url``; return the report.
 
@@ -490,9 +408,14 @@ def run_workload(
     a ``demo_ledger.LedgerDemoReport``. ``export_dest`` (``capture="store"`` only): export the
     frozen rollouts there as training trajectories (``s3capture.export``) before they are dropped;
     ``keep`` (``capture="store"`` only): freeze and verify, but leave every rollout frozen.
-    """
-    from tqdm import tqdm
 
+    ``progress``: progress on stderr, a redrawn bar on a terminal and plain lines (every 10 % or
+    5 s) otherwise. The report's times (seconds): ``startup_seconds`` until every worker has opened
+    and probed its store, ``seconds`` the capture alone, ``build_seconds`` the builder and
+    ``wall_seconds`` from ``wall_started`` (a ``time.perf_counter()`` reading, e.g. the command's
+    start; default: this call's start) to the end.
+    """
+    wall_started = time.perf_counter() if wall_started is None else wall_started
     from s3capture.store import parse_s3_url
 
     # Every argument is checked before any worker starts (a bad one would otherwise kill every worker).
@@ -514,8 +437,6 @@ def run_workload(
         raise ValueError(f"nothing to replay: {len(rollouts)} rollouts and no model call among them")
 
     if capture == "ledger":
-        from s3capture.demo_ledger import LedgerDemoReport, build_ledger, default_staging_url
-
         staging_url = staging_url or default_staging_url(url)
         report: DemoReport = LedgerDemoReport(capture=capture, staging_url=staging_url)
 
@@ -534,7 +455,7 @@ def run_workload(
     report.faithful = sum(max(0, len(r.calls) - 1) for r in rollouts)
     options = {"capture": capture, "delta": delta, "staging_url": staging_url}
     rng = random.Random(seed)
-    started = time.perf_counter()
+    report.workers = workers
     pool = _WorkerPool(workers, url, env, options, concurrency)
     by_id = {r.rollout_id: r for r in rollouts}
     waiting = collections.deque(r.rollout_id for r in rollouts if r.calls)
@@ -547,10 +468,14 @@ def run_workload(
         pool.send(worker, (rollout_id, calls[index], expected_parent))
 
     in_flight = 0
-    bar = tqdm(total=report.calls, desc="model calls", unit="call", disable=not progress, file=sys.stderr)
+    bar: Any = None
     aborted = True
     try:
+        startup_started = time.perf_counter()
         pool.start()  # raises at once when a worker cannot open or reach its store
+        capture_started = time.perf_counter()
+        report.startup_seconds = capture_started - startup_started
+        bar = open_progress(report.calls, "model calls", "call", enabled=progress)
         while waiting and in_flight < parallel_rollouts:
             dispatch(waiting.popleft(), 0)
             in_flight += 1
@@ -589,9 +514,11 @@ def run_workload(
                 if waiting:
                     dispatch(waiting.popleft(), 0)
                     in_flight += 1
+        report.seconds = time.perf_counter() - capture_started
         aborted = False
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         pool.stop(abort=aborted)
         report.requests.update(pool.requests)
     if report.errors and not report.captured:
@@ -600,7 +527,7 @@ def run_workload(
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        build_bar = tqdm(total=len(rollouts), desc=build_desc, unit="rollout", disable=not progress, file=sys.stderr)
+        build_bar = open_progress(len(rollouts), build_desc, "rollout", enabled=progress)
         build_started = time.perf_counter()
         asyncio.run(build(build_bar))
         report.build_seconds = time.perf_counter() - build_started
@@ -611,51 +538,61 @@ def run_workload(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-    report.seconds = time.perf_counter() - started - report.build_seconds
+    report.wall_seconds = time.perf_counter() - wall_started
     return report
 
 
-def resolution_lines(report: DemoReport) -> list[str]:
-    """The report lines on parent resolution, shared by both capture modes."""
-    s = report.statuses
-    return [
-        f"  parent resolution: ROOT {s['root']}, RESOLVED {s['resolved']}, UNRESOLVED {s['unresolved']}"
-        + (f" (reasons: {dict(report.unresolved_reasons)})" if report.unresolved_reasons else ""),
-        f"  faithful continuations RESOLVED to the right parent: {report.faithful_resolved}/{report.faithful}",
+def _per_token(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def storage_lines(report: DemoReport) -> list[str]:
+    """What the run stored on S3, per token of the full sequences, against Gym's JSONL of the same calls.
+
+    The first line is one sentence: bytes stored, tokens (every call's full prompt plus its
+    generation, the sequences a trainer reads), bytes per token, and the ratio to Gym's JSONL of
+    the same calls with full prompts. The second says what the bytes include and, when prompts were
+    stored as deltas, the size of Gym's JSONL with delta prompts (``delta_records: true``).
+    """
+    if not report.full_tokens:
+        return [f"  stored: {human_bytes(report.stored_bytes)} in {report.entry_objects} entry objects, no tokens"]
+    per_token = report.stored_bytes / report.full_tokens
+    gym_per_token = report.gym_full_jsonl_bytes / report.full_tokens
+    ratio = f"{report.stored_bytes / report.gym_full_jsonl_bytes:.2f}x" if report.gym_full_jsonl_bytes else "n/a"
+    lines = [
+        f"  stored: {human_bytes(report.stored_bytes)} for {report.full_tokens:,} tokens: {_per_token(per_token)} bytes per token,"
+        f" {ratio} Gym's JSONL of the same calls ({_per_token(gym_per_token)} bytes per token)",
     ]
-
-
-def closing_lines(report: DemoReport, problems: list[str]) -> list[str]:
-    """The S3 request counts, up to five of each kind of problem, errors and the verdict."""
-    lines = ["  S3 requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report.requests.items()))]
-    lines.extend(problems)
-    for item in report.errors[:5]:
-        lines.append(f"  ERROR {item.strip()}")
-    lines.append("  result: " + ("OK" if report.ok else "FAILED"))
+    detail = (
+        f"    ({report.stored_bytes:,} bytes in {report.entry_objects} entry objects, with intents, markers, fences"
+        f" and delta checkpoints; tokens: every call's full prompt + generation"
+    )
+    if report.gym_jsonl_bytes != report.gym_full_jsonl_bytes:
+        detail += f"; Gym's JSONL with delta prompts: {human_bytes(report.gym_jsonl_bytes)}"
+    lines.append(detail + ")")
     return lines
 
 
 def format_report(report: DemoReport, *, where: str) -> str:
     """Human-readable summary of a demo run (either capture mode)."""
     if report.capture == "ledger":
-        from s3capture.demo_ledger import format_ledger_report
-
         return format_ledger_report(report, where=where)  # type: ignore[arg-type]
+    if report.export_summary is not None:
+        build_desc = "freeze+verify+export+drop"
+    elif report.kept:
+        build_desc = "freeze+verify (kept frozen)"
+    else:
+        build_desc = "freeze+verify+drop"
     lines = [
         f"s3capture demo against {where}",
-        f"  rollouts {report.rollouts}, model calls {report.calls}, captured {report.captured} in {report.seconds:.1f} s;"
-        f" freeze+verify+drop in {report.build_seconds:.1f} s (each drop waits until its freeze is fence_grace + 0.1 s old)",
+        f"  rollouts {report.rollouts}, model calls {report.calls}",
+        *timing_lines(report, build_desc),
         *resolution_lines(report),
         f"  snapshots: trainable {report.trainable}, masked {report.masked}; dropped after consumption {report.dropped}/{report.rollouts}",
         f"  chains checked {report.chains_checked}, broken {len(report.chains_broken)}",
-        f"  put     latency: {_percentiles(report.put_ms)}",
-        f"  resolve latency: {_percentiles(report.resolve_ms)}",
-        f"  stored: {report.stored_bytes:,} bytes in {report.entry_objects} entry objects (including intents, markers,"
-        f" fences, delta checkpoints); Gym JSONL of the same entries: {report.gym_jsonl_bytes:,} bytes"
-        + (f" ({report.stored_bytes / max(1, report.tokens):.2f} vs {report.gym_jsonl_bytes / max(1, report.tokens):.2f} bytes per stored token)" if report.tokens else ""),
-        f"  Gym JSONL of the same calls with full prompts: {report.gym_full_jsonl_bytes:,} bytes"
-        f" ({report.gym_full_jsonl_bytes / max(1, report.full_tokens):.2f} bytes per token; s3capture stores"
-        f" {report.stored_bytes / max(1, report.full_tokens):.2f} per token of the full sequences)",
+        f"  put     latency: {percentiles(report.put_ms)}",
+        f"  resolve latency: {percentiles(report.resolve_ms)}",
+        *storage_lines(report),
     ]
     if report.kept:
         lines.append(

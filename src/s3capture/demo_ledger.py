@@ -29,14 +29,33 @@ import builtins
 import collections
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from s3capture.demo import CallResult, DemoReport, _percentiles, closing_lines, resolution_lines
-from s3capture.ledger_records import UNCOMMITTED_CALL_REASON, CaptureLedgerCommit, validate_manifest
+from s3capture.demo_common import (
+    CallResult,
+    DemoReport,
+    closing_lines,
+    percentiles,
+    probe_store,
+    resolution_lines,
+    timing_lines,
+)
+from s3capture.ledger_records import (
+    UNCOMMITTED_CALL_REASON,
+    CaptureLedgerCommit,
+    validate_manifest,
+)
 from s3capture.records import ParentResolutionStatus, RecordError
 from s3capture.replay import ReplayCall, ReplayRollout
-from s3capture.staging import StagedCall, call_record, compute_chain_hash, hash_token_ids, stage_call
+from s3capture.staging import (
+    StagedCall,
+    call_record,
+    compute_chain_hash,
+    hash_token_ids,
+    stage_call,
+)
 from s3capture.store import default_botocore_config, parse_s3_url
 
 __all__ = ["LedgerDemoReport", "LedgerWorker", "StagingArea", "build_ledger", "default_staging_url", "format_ledger_report"]
@@ -205,8 +224,6 @@ class LedgerWorker:
 
     async def probe(self) -> None:
         """The worker's start-up check: one LIST in the ledger's bucket and one in the staging bucket."""
-        from s3capture.demo import probe_store
-
         await probe_store(self.ledger.url)
         await probe_store(self.staging.url)
 
@@ -402,8 +419,8 @@ def format_ledger_report(report: LedgerDemoReport, *, where: str) -> str:
     lines = [
         f"s3capture demo --capture ledger against {where}",
         f"  token deltas staged outside the ledger, in {report.staging_url} (the framework's transfer queue)",
-        f"  rollouts {report.rollouts}, model calls {report.calls}, committed {report.captured} in {report.seconds:.1f} s;"
-        f" manifest+verify+retire in {report.build_seconds:.1f} s",
+        f"  rollouts {report.rollouts}, model calls {report.calls}",
+        *timing_lines(report, "manifest+verify+retire", what="committed"),
         *resolution_lines(report),
         f"  failure rows: {failures}",
         f"  manifests valid: {report.manifests_valid}/{report.rollouts} ({gym})",
@@ -412,9 +429,9 @@ def format_ledger_report(report: LedgerDemoReport, *, where: str) -> str:
         f" {report.calls_rebuilt}/{report.captured}; broken {len(report.rebuild_problems)}",
         f"  retired: {report.retired}/{report.rollouts_with_rows}; staged objects deleted by the builder:"
         f" {report.staged_deleted}/{report.staged_objects}",
-        f"  resolve latency: {_percentiles(report.resolve_ms)}",
-        f"  stage   latency: {_percentiles(report.stage_ms)}",
-        f"  record  latency: {_percentiles(report.put_ms)}",
+        f"  resolve latency: {percentiles(report.resolve_ms)}",
+        f"  stage   latency: {percentiles(report.stage_ms)}",
+        f"  record  latency: {percentiles(report.put_ms)}",
         f"  ledger bytes: {report.ledger_bytes:,} in {report.ledger_objects} objects (rows, fingerprint index,"
         f" failure rows){ratio}; staged bytes: {report.staged_bytes:,} in {report.staged_objects} objects",
     ]

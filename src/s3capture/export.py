@@ -986,10 +986,13 @@ class ListedRollout(msgspec.Struct, frozen=True):
     """A rollout of a shard task with the objects the parent's listing showed under its prefix
     (``S3TokenStore.rollouts``' own listing): ``export_shard`` reads its snapshot from them
     (``read_snapshot(listing=...)``) instead of listing the rollout again. ``info`` is its
-    ``RolloutInfo``; ``listing`` its ``ListedObject``s."""
+    ``RolloutInfo``; ``listing`` its ``ListedObject``s. ``supersedes``: the destination holds
+    trainable rows of an earlier snapshot of it, so a masked build is written (``masked=true``)
+    even under ``masked="skip"``, and the newest rows of the rollout are never trainable."""
 
     info: Any
     listing: tuple = ()
+    supersedes: bool = False
 
     @property
     def rollout_id(self) -> str:
@@ -1055,7 +1058,7 @@ async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = 
     return built
 
 
-def _consume(built: _Built, writer: _Writer, result: ShardResult, job: ExportJob) -> None:
+def _consume(built: _Built, writer: _Writer, result: ShardResult, job: ExportJob, supersedes: bool = False) -> None:
     info = built.info
     rid = info.rollout_id
     if built.skipped:
@@ -1065,7 +1068,9 @@ def _consume(built: _Built, writer: _Writer, result: ShardResult, job: ExportJob
         result.failed.append((rid, built.failed))
         return
     rows = tokens = 0
-    written = not built.masked or job.masked == "include"
+    # masked="skip" leaves a masked rollout out, except over trainable rows of an earlier export:
+    # "the highest version per rollout_id" must then be the masked one.
+    written = not built.masked or job.masked == "include" or supersedes
     if written:
         try:
             rows, tokens = writer.add(built)
@@ -1098,15 +1103,18 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
     source_before = collections.Counter(store.request_counts)
     dest_before = collections.Counter(dest.requests)
     writer = _open_writer(job, dest, shard)
-    window: collections.deque[asyncio.Task] = collections.deque()
+    window: collections.deque[tuple[asyncio.Task, bool]] = collections.deque()
     try:
         for item in rollouts:
             info, listing = (item.info, item.listing) if isinstance(item, ListedRollout) else (item, None)
-            window.append(asyncio.create_task(_read_and_build(store, job, info, listing)))
+            supersedes = bool(getattr(item, "supersedes", False))
+            window.append((asyncio.create_task(_read_and_build(store, job, info, listing)), supersedes))
             if len(window) >= job.concurrency:
-                _consume(await window.popleft(), writer, result, job)
+                task, supersedes = window.popleft()
+                _consume(await task, writer, result, job, supersedes)
         while window:
-            _consume(await window.popleft(), writer, result, job)
+            task, supersedes = window.popleft()
+            _consume(await task, writer, result, job, supersedes)
         result.data, result.bytes_written = await writer.publish()
         if result.data is None and not result.records:
             return result  # every rollout failed or was skipped: nothing decided, nothing to record
@@ -1127,7 +1135,7 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
         await dest.publish_bytes(result.manifest, body)
         result.bytes_written += len(body)
     except BaseException:
-        for task in window:
+        for task, _ in window:
             task.cancel()
         writer.discard()
         raise
@@ -1840,7 +1848,8 @@ async def export(
                     skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
                     continue
             summary.selected += 1
-            batch.append(ListedRollout(info, tuple(listing)))  # the worker reads it without listing it again
+            # the worker reads it without listing it again
+            batch.append(ListedRollout(info, tuple(listing), supersedes=previous is not None and previous.written))
             batch_bytes += int(info.bytes or 0)
             if len(batch) >= shard_rollouts or batch_bytes >= shard_bytes:
                 bar.planned(len(batch))

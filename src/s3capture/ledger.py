@@ -296,8 +296,13 @@ class S3CaptureLedger(RolloutObjects):
         when the manifest is read is listed under ``failures`` with Gym's reason
         ``request_finished_without_staged_coordinates``, so a call whose ``record`` and
         ``record_failure`` were both lost (a crashed worker, a killed harness) still masks the
-        rollout. Call it only for calls whose rows will be read after they finished. Raises
-        ``ValueError`` for an id that cannot be stored.
+        rollout. Call it only for calls whose rows will be read after they finished.
+
+        Requests: one PUT of the (empty) intent ``ledger/intent/<cid>``.
+
+        Raises:
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed the PUT.
         """
         prefix = self.layout.rollout(rollout_id)
         segment = self.layout.check_call_id(prefix, model_call_id)
@@ -344,8 +349,14 @@ class S3CaptureLedger(RolloutObjects):
         key as the call id), and a ``begin_call`` intent without any row Gym's
         ``request_finished_without_staged_coordinates``, and a row whose ``parent_call_id`` has no
         committed row ``missing_parent_row``, so such a rollout never looks trainable. Requests: one LIST page per 1,000 ledger keys with a GET of the retire tombstone, then one
-        GET per uncached row with a second GET of the tombstone (in parallel). Raises
-        ``RolloutRetiredError`` for a rollout retired before or while the manifest is read.
+        GET per uncached row with a second GET of the tombstone (in parallel). Every failure code
+        and its meaning: ``docs/reasons.md``.
+
+        Raises:
+            RolloutRetiredError: the rollout was retired before or while the manifest was read.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request (``ListingError`` for a listing that cannot
+                be trusted after retries).
         """
         prefix = self.layout.rollout(rollout_id)
         listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
@@ -429,9 +440,13 @@ class S3CaptureLedger(RolloutObjects):
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether any committed or failure row exists (two round trips).
 
-        Raises ``RolloutRetiredError`` for a retired rollout, so admission can refuse its late calls.
         Requests: two LISTs (one key each) together, then a GET of the retire tombstone: read after
         the LISTs, it also catches a retire that deleted rows while they were listed.
+
+        Raises:
+            RolloutRetiredError: the rollout is retired, so admission can refuse its late calls.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request.
         """
         prefix = self.layout.rollout(rollout_id)
         pages = await asyncio.gather(
@@ -453,7 +468,12 @@ class S3CaptureLedger(RolloutObjects):
         UNRESOLVED rather than letting another call win by elimination; candidates must match
         the recorded request context; several candidates count as one only when their cumulative
         hash and length agree (the smallest call id wins, as in Gym). Failure rows never take
-        part. A retired rollout is UNRESOLVED. Raises ``ValueError`` for an unstorable id.
+        part. A retired rollout is UNRESOLVED (``retired``); every reason: ``docs/reasons.md``.
+        Malformed request items give UNRESOLVED, never an error.
+
+        Raises:
+            ValueError: an unstorable ``rollout_id`` (before any request).
+            StoreError: the store failed a LIST or a GET.
         """
         prefix = self.layout.rollout(rollout_id)
         try:
@@ -555,6 +575,11 @@ class S3CaptureLedger(RolloutObjects):
         and ``manifest``/``has_rows`` raise ``RolloutRetiredError`` until the id is deleted.
         Requests per rollout: one LIST page per 1,000 keys, two PUTs, one DeleteObjects per
         1,000 keys.
+
+        Raises:
+            TypeError: ``rollout_ids`` is a single str.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request.
         """
         return await super().retire(rollout_ids)
 
@@ -562,7 +587,14 @@ class S3CaptureLedger(RolloutObjects):
         """Remove the ledgers and fences of rollouts (idempotent); the id then reads as unused.
 
         Delete only once nothing of those attempts can still write: a late ``record`` after the
-        delete starts a new ledger. Returns ``{"removed": [...], "absent": [...]}``.
+        delete starts a new ledger. Returns ``{"removed": [...], "absent": [...]}``. Requests per
+        rollout: one LIST page per 1,000 keys, one DeleteObjects per 1,000 records, then one for
+        the fence and tombstone.
+
+        Raises:
+            TypeError: ``rollout_ids`` is a single str.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request.
         """
         return await super().delete(rollout_ids)
 

@@ -490,7 +490,9 @@ def start_seaweedfs(
     (the gRPC port) is free too, stores data in a fresh temporary directory (also the
     process's TMPDIR and cwd, holding its log ``weed.log``) and passes the fixed
     credentials :data:`SEAWEEDFS_ACCESS_KEY` / :data:`SEAWEEDFS_SECRET_KEY` via the
-    environment. Ready once ``GET /healthz`` on the S3 port returns 200. If the process
+    environment. A PUT to a missing bucket is ``NoSuchBucket``, as on S3 (``weed mini``'s
+    default, creating the bucket, is turned off). Ready once ``GET /healthz`` on the S3 port
+    returns 200. If the process
     exits because a port was taken in the meantime, it retries with new ports (3 tries).
 
     Args:
@@ -537,6 +539,7 @@ def start_seaweedfs(
             "-webdav=false",
             "-master.telemetry=false",
             "-volume.preStopSeconds=0",  # graceful SIGTERM exit in ~1.2 s instead of ~2.2 s
+            "-s3.autoCreateBucket=false",  # a PUT to a missing bucket is NoSuchBucket, as on S3
         ]
         cmd += [f"-{flag}={port}" for flag, port in zip(_WEED_PORT_FLAGS, ports)]
         for name in ("filer", "s3"):

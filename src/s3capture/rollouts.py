@@ -330,7 +330,10 @@ class RolloutObjects:
 
         The spill file belongs to this client's ``(endpoint, bucket, prefix)`` and is shared by
         every client of it on this host, token stores and ledgers alike. What cannot be stored is
-        spilled again. Raises ``StoreError`` when the store still fails.
+        spilled again. Requests: one PUT per spilled object, in parallel.
+
+        Raises:
+            StoreError: the store still fails (the objects stay spilled for the next replay).
         """
         spill = self._spill_file
         if spill is None or not spill.pending():
@@ -568,8 +571,15 @@ class RolloutObjects:
         unretired fence (including refused late writes a retired rollout kept, which no reader uses);
         absent are ids with nothing to remove (never written, or retired already).
         Later writes to a retired rollout raise ``TokenCaptureRetiredError``. Contract:
-        ``TokenSource.retire`` / ``CaptureLedger.retire`` in the protocol reference. Raises
-        ``ValueError``/``TypeError`` for unstorable ids and ``StoreError`` when the store fails.
+        ``TokenSource.retire`` / ``CaptureLedger.retire`` in the protocol reference.
+
+        Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys, PUTs of
+        the retire tombstone and the fence, one DeleteObjects per 1,000 records.
+
+        Raises:
+            TypeError: ``rollout_ids`` is a single str.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request.
         """
         ids = self._check_ids(rollout_ids)
         removed: list[str] = []
@@ -589,7 +599,14 @@ class RolloutObjects:
 
         Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing was stored for the id).
         Records go first and the fence and tombstone last, so a crash mid-delete leaves a fenced
-        rollout that a second ``delete`` finishes. Raises ``StoreError`` when the store fails.
+        rollout that a second ``delete`` finishes. Requests per rollout (up to 8 at a time): one
+        LIST page per 1,000 keys, one DeleteObjects per 1,000 records, then one for the fence and
+        tombstone.
+
+        Raises:
+            TypeError: ``rollout_ids`` is a single str.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request.
         """
         ids = self._check_ids(rollout_ids)
         removed: set[str] = set()

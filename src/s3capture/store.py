@@ -53,6 +53,7 @@ from s3capture.layout import MAX_KEY_BYTES, MAX_SEGMENT_BYTES, checkpoint_rel, e
 from s3capture.protocols import (
     LineageMatch,
     LineageResolution,
+    RolloutRemovalPayload,
     TokenCaptureFrozenError,
     TokenCaptureRetiredError,
     TokenCaptureSnapshot,
@@ -118,9 +119,16 @@ _TOKEN_HEADER = 9  # encode_token_ids: version byte + big-endian u64 count
 class FrozenSnapshot(TokenCaptureSnapshot):
     """A ``TokenCaptureSnapshot`` that also says why it is incomplete.
 
-    ``reasons`` is a sorted tuple of strings such as ``"conflicting_payloads:<cid>"``,
-    ``"dangling_intent:<cid>"``, ``"marked_incomplete:<cid>"``, ``"unreadable:<key>:<why>"``,
-    ``"vanished:<key>"``, ``"misfiled:<key>"`` and ``"foreign_object:<key>"``; empty when complete.
+    Fields: ``rollout_id``; ``entries``, a tuple of entries (``S3TokenStore.entry_type``: s3capture's
+    ``TokenEntry`` or Gym's), one per call id, in call-id order; ``incomplete`` (True exactly when
+    ``reasons`` is not empty); ``snapshot_id``, a hex digest of the listed keys and ETags;
+    ``version``, the number of log objects (entries, intents, markers); ``reasons``.
+
+    ``reasons`` is a sorted tuple of strings ``"<code>:<argument>"`` such as
+    ``"conflicting_payloads:<cid>"``, ``"dangling_intent:<cid>"``, ``"marked_incomplete:<cid>"``,
+    ``"missing_parent:<cid>"``, ``"broken_chain:<cid>"``, ``"unreadable:<key>:<why>"``,
+    ``"vanished:<key>"``, ``"misfiled:<key>"`` and ``"foreign_object:<key>"`` (``<key>`` relative to
+    the rollout's prefix); empty when complete. Every code and its meaning: ``docs/reasons.md``.
     """
 
     reasons: tuple[str, ...] = ()
@@ -604,8 +612,14 @@ class S3TokenStore(RolloutObjects):
 
         The intent is PUT first and the fence read after it lands, so a ``begin_call`` that returns
         is always seen by a later freeze's LIST: an intent with no entry at freeze masks the rollout.
-        Raises ``TokenCaptureFrozenError`` / ``TokenCaptureRetiredError`` when the rollout is fenced
-        (fail the model call before generation), ``ValueError`` for unstorable ids.
+        Requests: a PUT of the (empty) intent ``log/i/<cid>``, then a GET of the fence (two round
+        trips).
+
+        Raises:
+            TokenCaptureFrozenError: the rollout is frozen (fail the model call before generation).
+            TokenCaptureRetiredError: the rollout is retired (likewise).
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed the PUT or the GET.
         """
         prefix = self.layout.rollout(rollout_id)
         key = prefix + "log/i/" + self.layout.check_call_id(prefix, model_call_id)
@@ -666,7 +680,7 @@ class S3TokenStore(RolloutObjects):
         await self._replay_spill_quietly()
 
     # ------------------------------------------------------------------ TokenSource
-    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+    async def freeze(self, rollout_id: str) -> FrozenSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
         Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
@@ -683,8 +697,14 @@ class S3TokenStore(RolloutObjects):
         The snapshot is built from the listing exactly as ``read_snapshot`` builds it (one private
         method), so a read-only reader of an unchanged frozen rollout gets the same one.
 
-        Raises ``TokenCaptureRetiredError`` for a retired rollout (delete it to reuse the id). Raises ``StoreError`` (``ListingError`` for a listing that does
-        not show the fence this freeze wrote, after retries) when the store fails.
+        Returns a ``FrozenSnapshot``: the entries in ``entry_type``, ``version``, ``snapshot_id``,
+        ``incomplete`` and its ``reasons`` (``docs/reasons.md``).
+
+        Raises:
+            TokenCaptureRetiredError: the rollout is retired (delete it to reuse the id).
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request; ``ListingError`` (a ``StoreError``) for a
+                listing that does not show the fence this freeze wrote, after retries.
         """
         prefix = self.layout.rollout(rollout_id)
         await self._put(prefix + "fence", FENCE_FROZEN)
@@ -985,8 +1005,19 @@ class S3TokenStore(RolloutObjects):
         its own tombstone and return False; else write the retire tombstone and delete the records.
         So every acknowledged put or marker is in the snapshot or fails the drop.
 
-        Raises ``StoreError`` (``ListingError`` for a decisive listing without the tombstone, after
-        retries) when the store fails; ``ValueError`` for an unstorable id.
+        Requests: one LIST page per 1,000 keys of the rollout; when it matches, a wait of up to
+        ``fence_grace`` seconds, a PUT of the drop tombstone, a PUT of the fence, the decisive LIST;
+        then either a PUT of the fence and a DELETE of the tombstone (False), or PUTs of the retire
+        tombstone and the fence and one DeleteObjects per 1,000 records (True).
+
+        Returns True when the snapshot was retired (its records are deleted), False when the
+        rollout is not frozen at exactly ``version`` and ``snapshot_id`` (changed, open, or retired
+        already); nothing is removed then.
+
+        Raises:
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request; ``ListingError`` (a ``StoreError``) for a
+                decisive listing without the tombstone, after retries.
         """
         prefix = self.layout.rollout(rollout_id)
         scan = await self._scan(rollout_id)
@@ -1018,13 +1049,27 @@ class S3TokenStore(RolloutObjects):
         self._forget_rollout(rollout_id)
         return True
 
-    async def retire(self, rollout_ids: Sequence[str]) -> Any:
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
+        """Remove rollouts' records and keep a fence, whatever their state (idempotent).
+
+        Returns ``{"removed": [...], "absent": [...]}``: removed are ids that had records or an
+        unretired fence (including refused late writes a retired rollout kept, which no reader
+        uses); absent are ids with nothing to remove (never written, or retired already). Later
+        writes to a retired rollout raise ``TokenCaptureRetiredError``. Contract:
+        ``TokenSource.retire`` in the protocol reference.
+
+        Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys, PUTs of
+        the retire tombstone and the fence, one DeleteObjects per 1,000 records.
+
+        Raises:
+            TypeError: ``rollout_ids`` is a single str.
+            ValueError: an id that cannot be stored (before any request).
+            StoreError: the store failed a request.
+        """
         removal = await super().retire(rollout_ids)
         for rollout_id in rollout_ids:
             self._forget_rollout(rollout_id)  # no more writes: its call keys and fence time go
         return removal
-
-    retire.__doc__ = RolloutObjects.retire.__doc__
 
     # ------------------------------------------------------------------ LineageResolver
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
@@ -1036,8 +1081,17 @@ class S3TokenStore(RolloutObjects):
         (more only where a checkpoint is missing or fails its digest). A call id
         with more than one payload under the fingerprint counts as zero candidates; candidates
         must match the recorded request context (``conversation_digest`` of the leading items);
-        several candidates count as one only when their cumulative tokens are identical. Raises
-        ``ValueError`` for an unstorable ``rollout_id``; malformed request items give UNRESOLVED.
+        several candidates count as one only when their cumulative tokens are identical.
+
+        ``request_items``: the continuation request's input items (Responses-API dicts), in order.
+        Returns a ``LineageResolution``: ROOT (no assistant turn in the request); RESOLVED with a
+        ``LineageMatch`` (``model_call_id``, the parent's ``cumulative_token_ids``, its ``digest``,
+        ``prev_len`` = their count); or UNRESOLVED with a ``reason`` (``docs/reasons.md``,
+        "Unresolved lineage reasons"). Malformed request items give UNRESOLVED, never an error.
+
+        Raises:
+            ValueError: an unstorable ``rollout_id`` (before any request).
+            StoreError: the store failed the LIST or a GET.
         """
         prefix = self.layout.rollout(rollout_id)
         try:

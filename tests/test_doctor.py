@@ -1,0 +1,190 @@
+"""``s3capture doctor`` on every test server: the verdicts measured there, the exit status, the
+``--json`` shape, one-line setup errors, and nothing left behind under the prefix.
+
+The per-server verdicts are what the probes measured on moto 5.2.5, SeaweedFS 4.48 and Ceph RGW
+16.2.15 (docs/doctor.md): SeaweedFS lists in directory order, collapses ``//``, refuses dot
+segments and verifies checksums; moto verifies neither Content-MD5 nor checksums; Ceph verifies
+Content-MD5 but ignores ``x-amz-checksum-*``. A fault proxy shows the failures (a listing that
+hides young keys) and notes (keys outside the prefix, a skewed ``Date``) on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from faultproxy import FaultProxy, ListHideYoung, ListSiblings, Request
+
+from s3capture.cli import main
+from s3capture.doctor import (
+    ORDER_KEYS,
+    PROBES,
+    DoctorReport,
+    diagnose,
+    format_report,
+    grade_order,
+)
+from s3capture.rollouts import _segment_after
+
+SAMPLES = "3"
+
+# Verdicts measured on each local server; every other probe is "ok" there.
+KNOWN: dict[str, dict[str, str]] = {
+    "moto": {"content-md5": "note", "checksum-headers": "note"},
+    "seaweedfs": {"listing-order": "note", "double-slash": "note", "dot-segments": "note"},
+    "ceph": {"checksum-headers": "note"},
+}
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["doctor", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _keys(s3_client: Any, url: str) -> list[str]:
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+
+def test_doctor_json_verdicts_of_each_server(s3_env: Any, bucket_url: str, s3_client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, bucket_url, "--samples", SAMPLES, "--json")  # endpoint from AWS_ENDPOINT_URL
+    report = json.loads(out)
+    assert code == 0, (out, err)
+    assert set(report) == {"url", "endpoint", "probe_prefix", "probes", "left_behind", "ok", "counts"}
+    assert report["ok"] is True and report["left_behind"] == []
+    assert report["url"] == bucket_url and report["endpoint"] == s3_env.endpoint_url
+    assert report["probe_prefix"].startswith("t/_s3capture-doctor-") and report["probe_prefix"].endswith("/")
+    assert [p["name"] for p in report["probes"]] == list(PROBES)
+    for probe in report["probes"]:
+        assert set(probe) == {"name", "verdict", "detail", "advice", "data"}
+        assert probe["verdict"] in ("ok", "note") and probe["detail"]
+        assert bool(probe["advice"]) == (probe["verdict"] != "ok"), probe
+    assert sum(report["counts"].values()) == len(PROBES) and report["counts"]["fail"] == 0
+    verdicts = {p["name"]: p["verdict"] for p in report["probes"]}
+    data = {p["name"]: p["data"] for p in report["probes"]}
+    if s3_env.kind in KNOWN:
+        assert verdicts == {name: KNOWN[s3_env.kind].get(name, "ok") for name in PROBES}
+    if s3_env.kind == "seaweedfs":
+        assert data["listing-order"]["order"] == "directory"
+        assert data["double-slash"]["listed"] == ["a/x"]  # '//' collapsed
+    elif s3_env.kind in ("moto", "ceph"):
+        assert data["listing-order"]["order"] == "byte"
+        assert data["double-slash"]["listed"] == ["a//x"]
+    assert data["latency"]["PUT"]["samples"] == int(SAMPLES)
+    # the table the command prints without --json, from the same report
+    parsed = msgspec.convert({k: v for k, v in report.items() if k not in ("ok", "counts")}, DoctorReport)
+    assert parsed.ok and parsed.probe("read-after-write").data["stale_reads"] == 0
+    lines = format_report(parsed).splitlines()
+    assert lines[0].startswith(f"s3capture doctor: {bucket_url} on {s3_env.endpoint_url}")
+    for name in PROBES:
+        assert any(line.split()[:2] == [name, verdicts[name].upper()] for line in lines), name
+    assert lines[-1].startswith("verdict: OK")
+    assert _keys(s3_client, bucket_url) == []  # nothing left behind, not even the probe prefix
+
+
+def test_doctor_missing_bucket(s3_env: Any, bucket_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = bucket_url.replace("s3://", "s3://no-such-").split("/")[2]
+    code, out, err = _run(capsys, f"s3://{missing}/p", "--endpoint", s3_env.endpoint_url)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "s3capture doctor: error:" in err and "does not exist" in err, err
+
+
+def test_doctor_refused_credentials(
+    s3_env: Any, bucket_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if s3_env.kind == "moto":
+        pytest.skip("moto does not check signatures")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    code, out, err = _run(capsys, bucket_url, "--samples", "1")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "refused" in err, err
+
+
+def test_doctor_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["http://b/p"], ["s3://b/p", "--samples", "0"], ["s3://b/p", "--endpoint", "ftp://x"]):
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
+
+
+@pytest.fixture
+def proxy(s3_server: Any) -> Iterator[FaultProxy]:
+    """A fault proxy in front of ``s3_server``, served by an event loop in a thread (so the
+    synchronous CLI can run against it)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    started = asyncio.run_coroutine_threadsafe(FaultProxy.for_server(s3_server).start(), loop).result(10)
+    try:
+        yield started
+    finally:
+        asyncio.run_coroutine_threadsafe(started.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(
+    s3_env: Any, bucket_url: str, s3_client: Any, proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def rule(request: Request) -> Any:
+        if not request.is_list:
+            return None
+        prefix = request.params.get("prefix", "")
+        if "/law/" in prefix:
+            return ListHideYoung(300)  # list-after-write lag of 300 ms
+        if prefix.endswith("/pfx/r1/"):
+            return ListSiblings()  # 'r1/' answered with r10/ and r1-x/ too
+        return None
+
+    proxy.rule = rule
+    proxy.date_skew = 30.0
+    code, out, _err = _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
+    report = json.loads(out)
+    verdicts = {p["name"]: p for p in report["probes"]}
+    assert code == 1 and report["ok"] is False
+    assert verdicts["list-after-write"]["verdict"] == "fail"
+    assert verdicts["list-after-write"]["data"]["late"] >= 1
+    assert "consistency" in verdicts["list-after-write"]["advice"]
+    assert verdicts["prefix"]["verdict"] == "note"
+    assert verdicts["prefix"]["data"]["outside_prefix"] == {"/r1/": ["/r1-x/a", "/r10/a"]}
+    assert verdicts["clock-skew"]["verdict"] == "note"
+    assert 28 <= verdicts["clock-skew"]["data"]["skew_seconds"] <= 32
+    assert report["counts"]["fail"] == 1
+    assert verdicts["cleanup"]["verdict"] == "ok" and report["left_behind"] == []
+    assert _keys(s3_client, bucket_url) == []
+
+
+async def test_diagnose_refuses_bad_arguments_before_any_request() -> None:
+    for url, samples in (("s3://b/p", 0), ("s3://b/p", 1001), ("http://b/p", 1)):
+        with pytest.raises(ValueError):
+            await diagnose(url, endpoint_url="http://127.0.0.1:1", samples=samples)
+
+
+def test_grade_order_follows_what_rollouts_accepts() -> None:
+    """No server lists out of order, so the grading of orders is shown on listings given here."""
+    byte = sorted(ORDER_KEYS, key=lambda k: k.encode())
+    tree = sorted(ORDER_KEYS, key=lambda k: [s.encode() for s in k.split("/")])
+    assert byte != tree and byte.index("a/x") > byte.index("a-b/x") and tree.index("a/x") < tree.index("a-b/x")
+    assert (grade_order(byte).verdict, grade_order(byte).data["order"]) == ("ok", "byte")
+    assert (grade_order(tree).verdict, grade_order(tree).data["order"]) == ("note", "directory")
+    utf16 = sorted(ORDER_KEYS, key=lambda k: k.encode("utf-16-be"))  # only the non-ASCII keys move
+    assert utf16 != byte and grade_order(utf16).verdict == "note" and grade_order(utf16).data["order"] == "other"
+    folded = sorted(ORDER_KEYS, key=str.lower)  # 'B/x' among the lower-case letters
+    assert grade_order(folded).verdict == "fail"
+    split = [k for k in byte if k != "a/y"] + ["a/y"]  # one rollout's keys not consecutive
+    assert grade_order(split).verdict == "fail"
+    assert grade_order(byte[:-1]).verdict == "fail" and grade_order(byte[:-1]).data["order"] == "incomplete"
+    # the grading agrees with the check S3TokenStore.rollouts applies to its listing
+    for listed in (byte, tree, folded, split):
+        segments = [k.split("/")[0] for k in listed if k.isascii()]
+        firsts = [s for i, s in enumerate(segments) if i == 0 or s != segments[i - 1]]
+        accepted = len(set(firsts)) == len(firsts) and all(_segment_after(a, b) for a, b in itertools.pairwise(firsts))
+        assert accepted == (grade_order(listed).verdict != "fail"), listed
