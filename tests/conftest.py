@@ -352,7 +352,7 @@ def delete_bucket_quietly(client: Any, bucket: str) -> None:
             for i in range(0, len(keys), 1000):  # SeaweedFS rejects more than 1,000 keys
                 client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000], "Quiet": True})
         client.delete_bucket(Bucket=bucket)
-    except Exception as exc:  # best effort: never fail the test in teardown
+    except Exception as exc:  # noqa: BLE001 - best effort: never fail the test in teardown
         log.warning("could not delete test bucket %s: %s", bucket, exc)
 
 

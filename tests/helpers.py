@@ -300,7 +300,7 @@ def run_put_processes(url: str, env: dict[str, str], per_process: list[list[byte
             except queue_module.Empty:
                 dead = [p for p in processes if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"put worker(s) died: {[(p.pid, p.exitcode) for p in dead]}")
+                    raise RuntimeError(f"put worker(s) died: {[(p.pid, p.exitcode) for p in dead]}") from None
                 continue
             out[worker] = outcomes
     finally:

@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import build_conversation, turn_entry  # noqa: E402
+from helpers import build_conversation, turn_entry
 
 
 # --------------------------------------------------------------------------- journal
@@ -364,7 +364,7 @@ def child_main(role: str, config: dict, index: int, events: Any) -> None:
     global _EVENTS
     _EVENTS = events
     os.environ.update(config["env"])
-    stacks = open(Path(config["workdir"]) / f"stacks-{role}-{index}.txt", "a")  # noqa: SIM115
+    stacks = open(Path(config["workdir"]) / f"stacks-{role}-{index}.txt", "a")  # open until exit
     faulthandler.register(signal.SIGUSR1, file=stacks)  # the test dumps stacks when stuck
     event("start", role, index)
     try:

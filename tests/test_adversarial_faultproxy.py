@@ -64,6 +64,17 @@ async def wire(s3_server, bucket_url):
         await proxy.stop()
 
 
+def _client_errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (BotoCoreError, ClientError)
+
+
+# What boto3 raises for a broken exchange: an error answer (ClientError) or a connection, timeout or
+# body error (BotoCoreError); anything else (a TypeError, say) is a bug, not the fault injected.
+_CLIENT_ERRORS = _client_errors()
+
+
 def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return asyncio.to_thread(fn, *args, **kwargs)
 
@@ -106,7 +117,7 @@ async def test_fail_before_applying(wire, answer):
 async def test_lost_ack_is_applied(wire):
     proxy, client, bucket = wire
     proxy.rule = once(lambda r: r.method == "PUT", DropResponse())
-    with pytest.raises(Exception):
+    with pytest.raises(_CLIENT_ERRORS):
         await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x")
     assert await _keys(client, bucket) == ["k"]
 
@@ -114,7 +125,7 @@ async def test_lost_ack_is_applied(wire):
 async def test_apply_late_lands_after_the_client_gave_up(wire):
     proxy, client, bucket = wire
     proxy.rule = once(lambda r: r.method == "PUT", ApplyLate(0.5))
-    with pytest.raises(Exception):
+    with pytest.raises(_CLIENT_ERRORS):
         await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x")
     assert await _keys(client, bucket) == []
     await asyncio.sleep(0.8)
@@ -132,7 +143,7 @@ async def test_twice_delivers_two_requests(wire):
 async def test_truncate_never_applies(wire):
     proxy, client, bucket = wire
     proxy.rule = once(lambda r: r.method == "PUT", Truncate(0.5))
-    with pytest.raises(Exception):
+    with pytest.raises(_CLIENT_ERRORS):
         await _run(client.put_object, Bucket=bucket, Key="k", Body=b"x" * 1000)
     await asyncio.sleep(0.1)
     assert await _keys(client, bucket) == []
@@ -146,7 +157,7 @@ async def test_cut_and_short_bodies(wire):
         return client.get_object(Bucket=bucket, Key="k")["Body"].read()
 
     proxy.rule = once(lambda r: r.method == "GET", CutBody(0.5))
-    with pytest.raises(Exception):
+    with pytest.raises(_CLIENT_ERRORS):
         await _run(read)
     proxy.rule = once(lambda r: r.method == "GET", ShortBody(0.5))
     assert await _run(read) == b"y" * 500  # well-formed and short: no error at all

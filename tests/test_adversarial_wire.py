@@ -28,7 +28,9 @@ async def test_first_response_of_every_request_lost_keeps_every_invariant(s3_ser
 
     proxy.rule = rule
     try:
-        make = lambda: fresh(endpoint_url=proxy.endpoint, fence_grace=1.0)
+        def make():
+            return fresh(endpoint_url=proxy.endpoint, fence_grace=1.0)
+
         turns = build_conversation("r-lossy", 4)
         cum = None
         for turn in turns:

@@ -407,7 +407,7 @@ async def test_sigkill_between_shards_then_rerun_equals_an_uninterrupted_export(
     assert states == {**{rid: "retired" for rid in ids}, "r-masked": "frozen"}
 
 
-async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monkeypatch: pytest.MonkeyPatch,
+async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monkeypatch: pytest.MonkeyPatch,  # noqa: F811 - the fixture
                                                             tmp_path: Path) -> None:
     """Credentials with GetObject and ListBucket only (SeaweedFS identities, a Ceph bucket policy)."""
     import aioboto3

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from helpers import DEFAULT_REQUEST, assistant_output, build_conversation, canonical, make_entry, next_request, simple_entry, turn_entry
-from s3capture.cache import LRU, CallKeys, Stored, entry_heap_estimate
+from helpers import build_conversation, canonical, next_request, simple_entry, turn_entry
+from s3capture.cache import LRU, CallKeys, entry_heap_estimate
 from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry
 from s3capture.store import S3TokenStore
 

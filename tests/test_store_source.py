@@ -702,7 +702,7 @@ async def test_roots_are_isolated_and_keys_stay_under_them(new_store, raw, bucke
     bucket, _ = split_bucket_url(bucket_url)
     roots = ["t/deep/er", "t/deep/er2", "t/deep/e"]
     entries = {}
-    for i, root in enumerate(roots):
+    for root in roots:
         store = new_store(url=f"s3://{bucket}/{root}/")  # a trailing slash is the same root
         entries[root] = simple_entry("same-rollout", "call", text=root)
         await store.put(entries[root])

@@ -431,7 +431,7 @@ def test_build_rollout_never_raises_and_masks_every_broken_chain():
     for variant, broken in variants:
         problems = check_chain(variant)
         assert bool(problems) == broken, problems  # an emptied generation fails its digest too
-        for engine, build in builds(snapshot(variant)).items():
+        for build in builds(snapshot(variant)).values():
             assert isinstance(build, RolloutBuild)
             for row in build.trajectories:
                 assert len(row.token_ids) == len(row.loss_mask) == len(row.logprobs)

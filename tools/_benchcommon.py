@@ -29,8 +29,8 @@ try:  # an installed s3capture wins; a plain checkout works too
 except ImportError:  # pragma: no cover - depends on how the tool is run
     sys.path.insert(0, str(ROOT / "src"))
 
-from s3capture.fingerprint import stamp_continuation
-from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, store_prompt_as_delta
+from s3capture.fingerprint import stamp_continuation  # noqa: E402 - after the sys.path fallback
+from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, store_prompt_as_delta  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("S3CAPTURE_BENCH_DATA", "/work/shared/data/gym-example-rollouts"))
 CREATED_AT = 1_700_000_000.0
@@ -141,7 +141,10 @@ def synthetic_entry(
     prompt = synthetic_tokens(rng, total_tokens - generation_tokens)
     generation = synthetic_tokens(rng, generation_tokens)
     log_probs = [synthetic_log_prob(rng) for _ in generation]
-    words = lambda n: " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
     request_items = [
         {"role": "system", "content": words(60), "type": "message"},
         {"role": "user", "content": words(max(8, len(prompt) * 3 // 4)), "type": "message"},

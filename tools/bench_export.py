@@ -54,7 +54,6 @@ import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from _benchcommon import (

@@ -87,7 +87,7 @@ class LRU:
 
     def grow(self, key: str, value: Any, extra: int) -> None:
         """Add ``extra`` bytes to ``value`` (memoized data), keeping the byte count and the bound."""
-        if self._data.get(key) is value:
+        if key in self._data and self._data[key] is value:
             self.nbytes -= value.nbytes
             del self._data[key]
         value.nbytes += extra

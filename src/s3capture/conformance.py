@@ -228,10 +228,10 @@ async def _expect_error(ctx: _Ctx, awaitable: Awaitable[Any], names: Sequence[st
     """Await; return the raised error when it is one of ``names``; fail the check otherwise."""
     try:
         await awaitable
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         if any(_has_error(error, name) for name in names):
             return error
-        raise ConformanceError(ctx.name, f"{what} raised {type(error).__name__}: {error}; expected {' or '.join(names)}")
+        raise ConformanceError(ctx.name, f"{what} raised {type(error).__name__}: {error}; expected {' or '.join(names)}") from error
     return None
 
 
@@ -381,6 +381,7 @@ async def source_retire_fences_late_put(ctx: _Ctx) -> None:
     late = ctx.entry(rid, "call-2", prompt=[1, 2], generation=[3], text="b")
     error = await _expect_error(ctx, (await ctx.sink()).put(late), ["TokenCaptureRetiredError"], "a put after retire")
     ctx.require(error is not None, "a put after retire succeeded (it must raise TokenCaptureRetiredError)")
+    assert error is not None  # for the type checker: require() raised otherwise
     ctx.require(_has_error(error, "TokenCaptureFrozenError"), "TokenCaptureRetiredError is not a TokenCaptureFrozenError")
 
 
@@ -662,7 +663,7 @@ async def ledger_unused_rollout(ctx: _Ctx) -> None:
 # ---------------------------------------------------------------------------------------- shapes
 async def protocol_shapes_and_install(ctx: _Ctx) -> None:
     suite = ctx.suite
-    pairs = [
+    pairs: list[tuple[Any, type, Callable[[Any], None], Callable[[], Any]]] = [
         (suite.sink_factory, protocols.TokenSink, protocols.install_token_sink, protocols.installed_token_sink),
         (suite.source_factory, protocols.TokenSource, protocols.install_token_source, protocols.installed_token_source),
         (suite.resolver_factory, protocols.LineageResolver, protocols.install_lineage_store,

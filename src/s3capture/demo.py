@@ -28,7 +28,7 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from s3capture.demo_common import (
@@ -440,14 +440,14 @@ def run_workload(
         staging_url = staging_url or default_staging_url(url)
         report: DemoReport = LedgerDemoReport(capture=capture, staging_url=staging_url)
 
-        def build(bar: Any) -> Awaitable[None]:
+        def build(bar: Any) -> Coroutine[Any, Any, None]:
             return build_ledger(url, staging_url, rollouts, report, bar, manifest_hook)  # type: ignore[arg-type]
 
         build_desc = "manifest+verify+retire"
     else:
         report = DemoReport(capture=capture, url=url)
 
-        def build(bar: Any) -> Awaitable[None]:
+        def build(bar: Any) -> Coroutine[Any, Any, None]:
             return _build(url, [r.rollout_id for r in rollouts], report, bar, export_dest, keep)
 
         build_desc = "freeze+verify" if export_dest or keep else "freeze+verify+drop"
@@ -533,11 +533,11 @@ def run_workload(
         report.build_seconds = time.perf_counter() - build_started
         build_bar.close()
     finally:
-        for key, value in saved.items():
-            if value is None:
+        for key, old in saved.items():
+            if old is None:
                 os.environ.pop(key, None)
             else:
-                os.environ[key] = value
+                os.environ[key] = old
     report.wall_seconds = time.perf_counter() - wall_started
     return report
 

@@ -25,6 +25,7 @@ and ``staging/``), played end to end with ``S3CaptureLedger``:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import os
 import time
@@ -146,7 +147,7 @@ class StagingArea:
                 out.extend((item["Key"], item["Size"]) for item in page.get("Contents", ()))
         return out
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: builtins.list[str]) -> None:  # `list` here is the method above
         client = await self._s3()
         for start in range(0, len(keys), 1000):
             batch = [{"Key": key} for key in keys[start : start + 1000]]

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -483,7 +483,7 @@ class _LocalDestination(_Destination):
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
-            self._lock = handle
+            self._lock: io.BufferedRandom | None = handle
             return
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -871,8 +871,6 @@ class _ParquetWriter(_Writer):
         return len(rows), tokens
 
     def _flush(self) -> None:
-        import pyarrow as pa
-
         if not self.buffer:
             return
         self._write(self.buffer)
@@ -1296,7 +1294,7 @@ def _exit_with_parent(parent: int) -> None:
 
 async def local_engine(
     job: ExportJob, shards: AsyncIterator[ShardTask], *, workers: int = 2, report: Callable | None = None
-) -> AsyncIterator[ShardResult]:
+) -> AsyncGenerator[ShardResult, None]:
     """Run ``export_shard`` for every shard task on this machine; yield each ``ShardResult`` as it ends.
 
     ``workers >= 1``: a process pool of that many processes (``spawn``); ``workers == 0``: one shard
@@ -1462,7 +1460,7 @@ async def ray_engine(
     num_cpus: float = 1.0,
     max_retries: int = 2,
     poll_interval: float = 0.05,
-) -> AsyncIterator[ShardResult]:
+) -> AsyncGenerator[ShardResult, None]:
     """Run ``export_shard`` for every shard task as a Ray task; yield each ``ShardResult`` as it ends.
 
     The same function, arguments and output files as ``local_engine``: each task is one whole
@@ -1530,7 +1528,7 @@ async def ray_engine(
 
         def drain(final: bool = False) -> None:
             nonlocal take, next_take
-            if sink is None:
+            if sink is None or report is None:  # both or neither
                 return
             if take is not None and (final or ray.wait([take], timeout=0)[0]):
                 report(ray.get(take))
@@ -1575,7 +1573,7 @@ async def ray_engine(
             ray.shutdown()
 
 
-ENGINES: dict[str, Callable[..., AsyncIterator[ShardResult]]] = {"local": local_engine, "ray": ray_engine}
+ENGINES: dict[str, Callable[..., AsyncGenerator[ShardResult, None]]] = {"local": local_engine, "ray": ray_engine}
 """Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report, **options)``
 (``options``: ``export(engine_options=...)``): it runs
 ``export_shard`` for every ``(shard, rollouts)`` task of the async iterator ``shards`` and yields
@@ -1973,7 +1971,7 @@ async def export(
                         await asyncio.gather(*list(drop_tasks))
                     print(f"s3capture export: holding after {handled} shards", file=sys.stderr, flush=True)
                     while True:  # a test kills the process here
-                        time.sleep(3600)
+                        time.sleep(3600)  # noqa: ASYNC251 - blocks the loop on purpose: nothing more runs
         if drop_tasks:
             await asyncio.gather(*list(drop_tasks))
         if wanted is not None:

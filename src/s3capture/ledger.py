@@ -326,7 +326,7 @@ class S3CaptureLedger(RolloutObjects):
         if _sha(data) != sha:
             raise RecordError("ledger object bytes do not match the SHA-256 in their key")
         try:
-            value = msgspec.json.decode(data, type=kind)
+            value: Any = msgspec.json.decode(data, type=kind)
         except msgspec.DecodeError as error:
             raise RecordError(f"not an s3capture ledger object: {error}") from None
         expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT

@@ -27,7 +27,7 @@ field at fault. This module imports only msgspec and the standard library.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -57,9 +57,9 @@ __all__ = [
     "LEDGER_MISSING_PARENT_REASON",
 ]
 
-STAGING_SCHEMA_VERSION = 2
-STAGING_DIGEST_VERSION = 2
-EXTRAS_DIGEST_VERSION = 1
+STAGING_SCHEMA_VERSION: Final = 2
+STAGING_DIGEST_VERSION: Final = 2
+EXTRAS_DIGEST_VERSION: Final = 1
 
 # Gym's reason codes (``nemo_gym.token_id_capture.records``), reproduced: they are wire contract.
 LEDGER_ROW_MISSING_RESPONSE_ID_REASON = "ledger_row_missing_response_id"

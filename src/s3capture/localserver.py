@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import errno
 import importlib.util
+import io
 import json
 import os
 import random
@@ -125,7 +126,7 @@ def _stop_all_at_exit() -> None:
     for server in list(_live_servers):  # stop() removes it from the set
         try:
             server.stop()
-        except Exception:  # pragma: no cover - best effort at interpreter exit
+        except Exception:  # noqa: BLE001  # pragma: no cover - best effort at interpreter exit
             pass
 
 
@@ -453,7 +454,7 @@ def _drain_moto_stderr(
     proc: subprocess.Popen, tail: "_TailBuffer", found: threading.Event, found_url: list[str]
 ) -> None:
     stream = proc.stderr
-    assert stream is not None
+    assert isinstance(stream, io.BufferedReader)  # a binary PIPE: read1 returns what is there
     pending = ""
     try:
         while True:

@@ -73,12 +73,12 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 try:  # msgspec is a declared dependency; fall back to json so this module stays stdlib-only.
     import msgspec as _msgspec
 
-    _decode_line = _msgspec.json.Decoder().decode
+    _decode_line: Callable[[bytes | str], Any] = _msgspec.json.Decoder().decode
     _DecodeError: tuple[type[BaseException], ...] = (_msgspec.DecodeError,)
 except ImportError:  # pragma: no cover - exercised only without msgspec
     _decode_line = json.loads

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -305,7 +305,7 @@ class RolloutObjects:
         if self._spill_file is not None and self.transport.opened and not self.transport.closed:
             try:
                 await self.replay_spill()
-            except Exception:  # noqa: BLE001 - replay is best effort at close; the spill file stays
+            except Exception:  # replay is best effort at close; the spill file stays
                 log.warning("could not replay spilled objects at close", exc_info=True)
         await self.transport.close()
 
@@ -378,7 +378,7 @@ class RolloutObjects:
         if self._spill_file is not None and self._spill_file.pending():
             try:
                 await self.replay_spill()
-            except Exception:  # noqa: BLE001 - the spill stays for the next replay
+            except Exception:  # the spill stays for the next replay
                 log.warning("spilled objects could not be replayed yet", exc_info=True)
 
     # ------------------------------------------------------------------ listing the root's rollouts
@@ -428,7 +428,7 @@ class RolloutObjects:
             async for info, _ in listed:
                 yield info
 
-    async def _listed_rollouts(self, states: frozenset[str], prefix: str) -> AsyncIterator[tuple[RolloutInfo, list[ListedObject]]]:
+    async def _listed_rollouts(self, states: frozenset[str], prefix: str) -> AsyncGenerator[tuple[RolloutInfo, list[ListedObject]], None]:
         base = f"{self.layout.root}rollouts/"
         list_prefix = base + (escape_id(prefix) if prefix else "")
         if len(list_prefix.encode()) > MAX_KEY_BYTES:
@@ -451,7 +451,7 @@ class RolloutObjects:
                 if info is not None and info.state in states:
                     yield info, items
 
-    async def _rollout_groups(self, base: str, list_prefix: str) -> AsyncIterator[tuple[str, list[ListedObject]]]:
+    async def _rollout_groups(self, base: str, list_prefix: str) -> AsyncGenerator[tuple[str, list[ListedObject]], None]:
         """``(escaped segment, its listed objects)`` per rollout prefix under ``base``, from one
         paged LIST of ``list_prefix`` (each page verified and retried by the transport), one page
         fetched ahead. A rollout's keys are consecutive in every listing order, so a rollout ends

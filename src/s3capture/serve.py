@@ -28,6 +28,7 @@ import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["SERVER_KINDS", "register", "serve", "shell_lines"]
@@ -50,7 +51,7 @@ def shell_lines(env: dict[str, str], url: str) -> list[str]:
 def _start(kind: str) -> Any:
     from s3capture import localserver
 
-    starters = {
+    starters: dict[str, Callable[[], localserver.LocalS3Server]] = {
         "moto": localserver.start_moto,
         "seaweedfs": localserver.start_seaweedfs,
         "ceph": localserver.start_ceph_rgw,

@@ -30,7 +30,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -53,9 +53,9 @@ __all__ = [
     "call_record",
 ]
 
-STAGING_SCHEMA_VERSION = 2
-STAGING_DIGEST_VERSION = 2
-EXTRAS_DIGEST_VERSION = 1
+STAGING_SCHEMA_VERSION: Final = 2
+STAGING_DIGEST_VERSION: Final = 2
+EXTRAS_DIGEST_VERSION: Final = 1
 
 _CALL_DIGEST_DOMAIN = b"nemo-gym-staging-call-v2"
 _EXTRAS_DIGEST_DOMAIN = b"nemo-gym-staging-extras-v1"

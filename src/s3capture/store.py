@@ -62,7 +62,6 @@ from s3capture.records import (
     ParentResolutionStatus,
     RecordError,
     TokenEntry,
-    coerce_entry,
     compute_digest,
     decode_entry,
     encode_entry,
@@ -138,7 +137,7 @@ class FrozenSnapshot(TokenCaptureSnapshot):
 def _shallow_copy(entry: TokenEntry) -> TokenEntry:
     """A copy of a cached entry whose scalar fields, token-id and log-probability lists and
     top-level containers are its own; nested items are shared (see ``S3TokenStore._hand_out``)."""
-    out = entry.__copy__()
+    out = entry.__copy__()  # type: ignore[attr-defined]  # msgspec.Struct defines it; its stubs do not
     out.prompt_token_ids = list(entry.prompt_token_ids)
     out.generation_token_ids = list(entry.generation_token_ids)
     out.generation_log_probs = list(entry.generation_log_probs)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -90,7 +90,7 @@ def _start_server(kind: str) -> Any:
     (with its log tail) if it cannot start."""
     from s3capture import localserver
 
-    starters = {
+    starters: dict[str, Callable[[], localserver.LocalS3Server]] = {
         "moto": localserver.start_moto,
         "seaweedfs": localserver.start_seaweedfs,
         "ceph": localserver.start_ceph_rgw,

@@ -542,13 +542,13 @@ def _trajectory_from_response(response: dict, entries: Sequence[Any]) -> tuple[T
         by_id.setdefault(entry.model_call_id, entry)
     memo: dict[str, list[int]] = {}
     index: dict[tuple[int, tuple[int, ...]], list[tuple[Any, list[int]]]] = {}
-    for cid, entry in by_id.items():
+    for entry in by_id.values():
         try:
             cumulative = _cumulative(entry, by_id, memo)
         except ChainError:
             continue  # Gym excluded it too (delta_chain_unreconstructable)
-        generation = tuple(entry.generation_token_ids)
-        index.setdefault((len(cumulative) - len(generation), generation), []).append((entry, cumulative))
+        generated_ids = tuple(entry.generation_token_ids)
+        index.setdefault((len(cumulative) - len(generated_ids), generated_ids), []).append((entry, cumulative))
     candidates: list[list[Any]] = []
     for position, item in enumerate(generated):
         prompt = list(item.get("prompt_token_ids") or [])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import collections
 import hashlib
 import inspect
@@ -383,7 +384,8 @@ class Transport:
         for attempt in (0, 1):
             client, generation = await self._client(state)
             task = asyncio.current_task()
-            state.inflight.add(task)  # type: ignore[arg-type]
+            assert task is not None  # a coroutine always runs in a task
+            state.inflight.add(task)
             state.idle.clear()
             try:
                 if self._closed:
@@ -397,7 +399,7 @@ class Transport:
                     continue
                 raise self._wrap(error, operation, key) from error
             finally:
-                state.inflight.discard(task)  # type: ignore[arg-type]
+                state.inflight.discard(task)
                 if not state.inflight:
                     state.idle.set()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -613,7 +615,7 @@ class Transport:
                 log.warning("%s; listing again", error)
         raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: builtins.list[str]) -> None:  # `list` here is the method above
         """Delete ``keys`` with DeleteObjects in batches of 1,000, or one DELETE each where the store
         does not implement it. Missing keys are not an error. Raises ``StoreError``."""
         for start in range(0, len(keys), 1000):

@@ -37,10 +37,14 @@ import re
 import threading
 import xml.etree.ElementTree as ET
 from contextlib import AsyncExitStack
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote_plus
 
 from s3capture.errors import StoreError
+if TYPE_CHECKING:
+    from obstore.store import S3Config
+
 from s3capture.transport import _NOT_FOUND, _NOT_IMPLEMENTED, Transport, _BodyFailed, _Got, _TooLarge, _Unverified
 
 __all__ = ["ObstoreTransport"]
@@ -67,9 +71,10 @@ def _rust_threads_in_asyncio() -> int:
 
     me = threading.get_ident()
     busy = 0
-    for ident, frame in sys._current_frames().items():
+    for ident, top in sys._current_frames().items():
         if ident == me:
             continue
+        frame: FrameType | None = top
         while frame is not None:
             code = frame.f_code
             if code.co_name in ("call_soon_threadsafe", "_write_to_self") and "asyncio" in code.co_filename:
@@ -175,7 +180,7 @@ class ObstoreTransport(Transport):
             self._profile = profile if profile not in (None, "default") else None
             botocore_session = botocore.session.Session(profile=self._profile)
             explicit = getattr(getattr(session, "_session", None), "_credentials", None)
-            if getattr(explicit, "method", None) == "explicit" and getattr(explicit, "access_key", None):
+            if explicit is not None and getattr(explicit, "method", None) == "explicit" and getattr(explicit, "access_key", None):
                 # aioboto3.Session(aws_access_key_id=..., ...): the caller's keys, as on aioboto3.
                 # Credentials the session resolved from its chain (env, instance role, SSO) are
                 # not copied: they may be temporary, and the chain is read again here.
@@ -271,7 +276,7 @@ class ObstoreTransport(Transport):
         from obstore.store import S3Store
 
         frozen = self._frozen()  # before anything is opened: missing credentials leak nothing
-        config: dict[str, Any] = {"region": self.region, "virtual_hosted_style_request": False}
+        config: S3Config = {"region": self.region, "virtual_hosted_style_request": False}
         if self.endpoint_url:
             config["endpoint"] = self.endpoint_url
         provider: Any = None
@@ -282,7 +287,7 @@ class ObstoreTransport(Transport):
             # (one at interpreter exit can abort the process); a rotation rebuilds the client.
             config["access_key_id"], config["secret_access_key"] = frozen.access_key, frozen.secret_key
             if frozen.token:
-                config["token"] = frozen.token
+                config["session_token"] = frozen.token  # the key S3Config names ("token" is an alias)
         store = S3Store(
             self.bucket,
             config=config,
@@ -421,7 +426,7 @@ class ObstoreTransport(Transport):
                 async with http.get(yarl.URL(url, encoded=True), headers=dict(request.headers.items())) as response:
                     body = await response.read()
                     status = response.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 if attempt + 1 < self._attempts:
                     continue
                 raise
