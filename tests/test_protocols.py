@@ -11,7 +11,6 @@ import pytest
 from gymcompat import INSTALL, require_gym
 
 import s3capture
-from s3capture import protocols
 from s3capture.protocols import (
     CaptureLedger,
     LineageMatch,

@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 from urllib.parse import urlparse
 
 # Bucket names S3-compatible stores accept between them (AWS, GCS, MinIO, R2, Ceph): letters, digits,
@@ -107,10 +107,13 @@ def check_endpoint(url: str) -> str:
     return url
 
 
-def _argument(check: Callable[[str], str]) -> Callable[[str], str]:
+_T = TypeVar("_T")
+
+
+def _argument(check: Callable[[str], _T]) -> Callable[[str], _T]:
     """An argparse ``type`` from a ``ValueError``-raising check."""
 
-    def parse(text: str) -> str:
+    def parse(text: str) -> _T:
         try:
             return check(text)
         except ValueError as error:

@@ -575,6 +575,11 @@ class _S3Destination(_Destination):
         self.prefix = f"{prefix}/" if prefix else ""
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self.transport = make_transport(transport, self.bucket, endpoint_url=endpoint, session=session, max_concurrency=8)
+        self._claim: str | None = None  # this export's claim of the prefix (``lock``), until ``close``
+        self._claim_body = b""
+        self._renewed = 0.0
+        self._renewal: asyncio.Task | None = None
+        self._lost: str | None = None
 
     @property
     def requests(self) -> collections.Counter:  # type: ignore[override]
@@ -613,16 +618,16 @@ class _S3Destination(_Destination):
         """
         import socket
 
-        self._claim = f"{self.prefix}{_LOCK}/{uuid.uuid4().hex}"
+        claim = self._claim = f"{self.prefix}{_LOCK}/{uuid.uuid4().hex}"
         self._claim_body = msgspec.json.encode(
             {"host": socket.gethostname(), "pid": os.getpid(), "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         )
-        await self.transport.put(self._claim, self._claim_body)
+        await self.transport.put(claim, self._claim_body)
         self._renewed = time.monotonic()
         try:
-            claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[self._claim])
-            (mine,) = [c for c in claims if c.key == self._claim]
-            others = [c for c in claims if c.key != self._claim]
+            claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[claim])
+            (mine,) = [c for c in claims if c.key == claim]
+            others = [c for c in claims if c.key != claim]
             live = [c for c in others if mine.modified - c.modified < CLAIM_LEASE]
             if live:
                 age = max(0.0, mine.modified - max(c.modified for c in live))
@@ -636,7 +641,7 @@ class _S3Destination(_Destination):
                 _log.warning("taking over %s: %d claim(s) of dead exports", self.prefix or "/", len(stale))
                 await self.transport.delete(stale)
         except BaseException:
-            claim, self._claim = self._claim, None
+            self._claim = None
             try:
                 await self.transport.delete([claim])
             except Exception:  # noqa: BLE001 - the refusal matters more; a stale claim expires
@@ -660,8 +665,8 @@ class _S3Destination(_Destination):
                 _log.warning("could not renew the export's claim %s: %s", claim, error)
 
     def check_held(self) -> None:
-        lost = getattr(self, "_lost", None)
-        if lost is None and getattr(self, "_claim", None) is not None:
+        lost = self._lost
+        if lost is None and self._claim is not None:
             overdue = time.monotonic() - self._renewed
             if overdue > CLAIM_HOLD:
                 lost = f"its claim was last renewed {overdue:.0f} s ago"
@@ -689,8 +694,8 @@ class _S3Destination(_Destination):
         await self.transport.put(self.prefix + name, body)
 
     async def close(self) -> None:
-        renewal, claim = getattr(self, "_renewal", None), getattr(self, "_claim", None)
-        self._claim = None
+        renewal, claim = self._renewal, self._claim
+        self._claim = self._renewal = None
         try:
             if renewal is not None:
                 renewal.cancel()

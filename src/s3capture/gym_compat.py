@@ -65,7 +65,7 @@ def install_protocol_attrs_shim() -> bool:
     getter = getattr(typing, "_get_protocol_attrs", None)
     if getter is None:  # pragma: no cover - a 3.11 without the helper: nothing safe to do
         return False
-    meta.__protocol_attrs__ = _ProtocolAttrs()
+    meta.__protocol_attrs__ = _ProtocolAttrs()  # type: ignore[attr-defined]  # 3.12 has it; this is the 3.11 shim
     return hasattr(typing.Protocol, "__protocol_attrs__")
 
 

@@ -416,7 +416,7 @@ class RolloutObjects:
 
     def rollouts_listed(
         self, state: str | Iterable[str] | None = None, *, prefix: str = ""
-    ) -> AsyncIterator[tuple[RolloutInfo, list[ListedObject]]]:
+    ) -> AsyncGenerator[tuple[RolloutInfo, list[ListedObject]], None]:
         """``rollouts``, each ``RolloutInfo`` with the objects listed under its rollout prefix
         (fence and tombstones included): what ``S3TokenStore.read_snapshot(listing=...)`` takes
         to read that listed state without listing the rollout again (``s3capture export`` does).
