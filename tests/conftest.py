@@ -189,7 +189,9 @@ def selected_transports() -> tuple[str, ...]:
     chosen = tuple(dict.fromkeys(p.strip().lower() for p in raw.split(",") if p.strip()))
     unknown = [k for k in chosen if k not in TRANSPORT_KINDS]
     if unknown:
-        raise pytest.UsageError(f"{_TRANSPORTS_VAR}={raw!r}: unknown transport(s) {unknown}; choose from {list(TRANSPORT_KINDS)}")
+        raise pytest.UsageError(
+            f"{_TRANSPORTS_VAR}={raw!r}: unknown transport(s) {unknown}; choose from {list(TRANSPORT_KINDS)}"
+        )
     return chosen
 
 
@@ -233,7 +235,9 @@ def transport_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
             import obstore  # noqa: F401
         except ImportError:
             if running_under_ci():
-                pytest.fail("the obstore transport is required under CI: pip install 's3capture[obstore]'", pytrace=False)
+                pytest.fail(
+                    "the obstore transport is required under CI: pip install 's3capture[obstore]'", pytrace=False
+                )
             pytest.skip("obstore is not installed (pip install 's3capture[obstore]')")
     monkeypatch.setenv("S3CAPTURE_TRANSPORT", kind)
     return kind

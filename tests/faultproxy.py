@@ -364,7 +364,9 @@ class FaultProxy:
         region = scope.group(1) if scope else "us-east-1"
         drop = {"authorization", "x-amz-date", "x-amz-security-token", "x-amz-content-sha256", "connection"}
         headers = {k: v for k, v in request.headers.items() if k not in drop}
-        aws = AWSRequest(method=request.method, url=f"http://{headers['host']}{request.target}", headers=headers, data=request.body)
+        aws = AWSRequest(
+            method=request.method, url=f"http://{headers['host']}{request.target}", headers=headers, data=request.body
+        )
         S3SigV4Auth(Credentials(*self.credentials), "s3", region).add_auth(aws)
         request.headers = {k.lower(): v for k, v in aws.headers.items()}
 
@@ -409,6 +411,7 @@ class FaultProxy:
     def _rewrite_list_body(self, request: Request, action: Any, body: bytes) -> bytes:
         items = _CONTENTS.findall(body)
         keep = list(items)
+
         def key_of(item: bytes) -> str:
             found = re.search(rb"<Key>(.*?)</Key>", item, re.S)
             name = found.group(1).decode() if found else ""
@@ -457,7 +460,13 @@ class FaultProxy:
             else:
                 action = await self.rule(request) if self.rule is not None else None
             if isinstance(action, Respond):
-                writer.write(_build(f"HTTP/1.1 {action.status} {action.reason}", [("Content-Type", action.content_type)], action.body))
+                writer.write(
+                    _build(
+                        f"HTTP/1.1 {action.status} {action.reason}",
+                        [("Content-Type", action.content_type)],
+                        action.body,
+                    )
+                )
                 await writer.drain()
                 return
             if isinstance(action, ListEmpty):
@@ -490,7 +499,14 @@ class FaultProxy:
                         skewed = email.utils.parsedate_to_datetime(value).timestamp() + self.date_skew
                         headers = _set_header(headers, name, email.utils.formatdate(skewed, usegmt=True))
             if request.method == "HEAD":
-                writer.write(_build(status, headers, b"", length=int(dict((n.lower(), v) for n, v in headers).get("content-length", 0))))
+                writer.write(
+                    _build(
+                        status,
+                        headers,
+                        b"",
+                        length=int(dict((n.lower(), v) for n, v in headers).get("content-length", 0)),
+                    )
+                )
             elif isinstance(action, CutBody):
                 writer.write(_build(status, headers, body[: int(len(body) * action.fraction)], length=len(body)))
             elif isinstance(action, ShortBody):

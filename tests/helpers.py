@@ -130,7 +130,9 @@ def build_conversation(
             output = assistant_output(f"answer {i} of {rollout_id}")
         prompt = list(cumulative)
         generation = [token_base + 10 * i + 5, token_base + 10 * i + 6, token_base + 10 * i + 7]
-        out.append(Turn(f"{call_prefix}-{i:03d}", list(items), output, prompt, generation, out[-1].call_id if out else None))
+        out.append(
+            Turn(f"{call_prefix}-{i:03d}", list(items), output, prompt, generation, out[-1].call_id if out else None)
+        )
         items = items + output
         if output[0].get("type") == "function_call":
             items.append(tool_result(f"fc-{i}", f"result {i}"))
@@ -145,7 +147,9 @@ def next_request(turn: Turn, follow_up: str = "next") -> list[dict]:
     return list(turn.request_items) + list(turn.output_items) + [user(follow_up)]
 
 
-def turn_entry(rollout_id: str, turn: Turn, *, delta: bool = False, parent_cumulative: list[int] | None = None) -> TokenEntry:
+def turn_entry(
+    rollout_id: str, turn: Turn, *, delta: bool = False, parent_cumulative: list[int] | None = None
+) -> TokenEntry:
     """``make_entry`` for a ``Turn`` (RESOLVED to the previous turn, or ROOT for the first)."""
     return make_entry(
         rollout_id,
@@ -165,7 +169,7 @@ def _key_of(url: str, bucket: str) -> str:
     path = unquote(urlparse(url).path)
     marker = f"/{bucket}/"
     if path.startswith(marker):
-        return path[len(marker):]
+        return path[len(marker) :]
     return path.lstrip("/")
 
 
@@ -271,7 +275,9 @@ def process_put_worker(
     results.put((worker, outcomes))
 
 
-def run_put_processes(url: str, env: dict[str, str], per_process: list[list[bytes]], timeout: float = 180.0) -> dict[int, list]:
+def run_put_processes(
+    url: str, env: dict[str, str], per_process: list[list[bytes]], timeout: float = 180.0
+) -> dict[int, list]:
     """Spawn one process per payload list (``process_put_worker``) and return their outcomes.
 
     The processes start their puts together (a barrier), so their requests race at the server.
@@ -470,10 +476,14 @@ def read_envelope(s3_client: Any, bucket: str, key: str) -> dict:
 
 def write_envelope(s3_client: Any, bucket: str, key: str, envelope: dict) -> None:
     """Rewrite an entry object's envelope, keeping its entry bytes exactly (so its key stays right)."""
-    raw = zstandard.ZstdDecompressor().decompress(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), max_output_size=1 << 24)
+    raw = zstandard.ZstdDecompressor().decompress(
+        s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), max_output_size=1 << 24
+    )
     entry = raw[raw.index(b',"entry":') + len(b',"entry":') : raw.rindex(b',"format":')]
     fields = {k: v for k, v in envelope.items() if k not in ("entry", "format")}
-    body = b"{" + b",".join(json.dumps(k).encode() + b":" + json.dumps(v, separators=(",", ":")).encode() for k, v in sorted(fields.items()))
+    body = b"{" + b",".join(
+        json.dumps(k).encode() + b":" + json.dumps(v, separators=(",", ":")).encode() for k, v in sorted(fields.items())
+    )
     body += b',"entry":' + entry + b',"format":"s3capture.entry/1"}'
     put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
 
@@ -484,7 +494,9 @@ async def put_chain(writer: Any, rollout_id: str, depth: int) -> tuple[list[Any]
     turns = build_conversation(rollout_id, depth)
     entries = []
     for index, turn in enumerate(turns):
-        entry = turn_entry(rollout_id, turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        entry = turn_entry(
+            rollout_id, turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None
+        )
         await writer.put(entry)
         entries.append(entry)
     return turns, entries

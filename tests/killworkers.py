@@ -194,8 +194,11 @@ async def run_writer(config: dict, index: int) -> None:
             while not stop.exists():
                 finished = {r["r"] for r in journal.records if r["t"] in ("done_r", "stop", "abandon")}
                 sends = {(r["r"], r["c"]): r["p"] for r in journal.records if r["t"] == "send"}
-                acked = [k for k in dict.fromkeys((r["r"], r["c"]) for r in journal.records if r["t"] == "ack")
-                         if k[0] in finished]
+                acked = [
+                    k
+                    for k in dict.fromkeys((r["r"], r["c"]) for r in journal.records if r["t"] == "ack")
+                    if k[0] in finished
+                ]
                 if acked:
                     rid, cid = rng.choice(acked)
                     event("op", "retry", rid, cid)
@@ -294,8 +297,15 @@ async def run_builder(config: dict) -> None:
             journal.add(t="freeze_err", r=rid, e=str(error)[:200])
             return "error"
         shas = {e.model_call_id: hashlib.sha256(_canonical(e)).hexdigest() for e in snap.entries}
-        journal.add(t="snap", r=rid, id=snap.snapshot_id, v=snap.version, inc=snap.incomplete,
-                    reasons=list(snap.reasons), entries=shas)
+        journal.add(
+            t="snap",
+            r=rid,
+            id=snap.snapshot_id,
+            v=snap.version,
+            inc=snap.incomplete,
+            reasons=list(snap.reasons),
+            entries=shas,
+        )
         if snap.incomplete:
             return "incomplete"
         return "dropped" if await drop(rid, snap.snapshot_id, snap.version, journaled=False) else "changed"
@@ -401,8 +411,11 @@ def _warm_session() -> Any:
 
     async def build() -> None:
         async with session.client(
-            "s3", endpoint_url="http://127.0.0.1:9", region_name="us-east-1",
-            aws_access_key_id="warm", aws_secret_access_key="warm",
+            "s3",
+            endpoint_url="http://127.0.0.1:9",
+            region_name="us-east-1",
+            aws_access_key_id="warm",
+            aws_secret_access_key="warm",
         ):
             pass
 

@@ -294,6 +294,7 @@ class _Machine(RuleBasedStateMachine):
 
     def run_together(self, ops: list[tuple[str, int, Callable[[], Any], float]]) -> list[Outcome]:
         self.stats.steps += 1
+
         async def together() -> list[Outcome]:
             return list(await asyncio.gather(*(self._timed(*op) for op in ops)))
 
@@ -317,8 +318,11 @@ class _Machine(RuleBasedStateMachine):
         return keys
 
     # ------------------------------------------------------------------ faults
-    @rule(client=st.integers(1, CLIENTS - 1), kind=st.sampled_from((None, *FAULT_KINDS)),
-          scope=st.sampled_from(FAULT_SCOPES))
+    @rule(
+        client=st.integers(1, CLIENTS - 1),
+        kind=st.sampled_from((None, *FAULT_KINDS)),
+        scope=st.sampled_from(FAULT_SCOPES),
+    )
     def fault(self, client: int, kind: str | None, scope: str) -> None:
         """Switch client ``client``'s proxy to a fault (``kind`` on ``scope``) or off (None)."""
         self.switches[client].kind = kind
@@ -406,9 +410,7 @@ class TokenStoreMachine(_Machine):
     def make_client(self, endpoint: str, session: Any, config: Any) -> Any:
         from s3capture.store import S3TokenStore
 
-        return S3TokenStore(
-            self.url, endpoint_url=endpoint, session=session, botocore_config=config, fence_grace=GRACE
-        )
+        return S3TokenStore(self.url, endpoint_url=endpoint, session=session, botocore_config=config, fence_grace=GRACE)
 
     def __init__(self) -> None:
         super().__init__()
@@ -439,7 +441,13 @@ class TokenStoreMachine(_Machine):
             m.writes.append(time.monotonic())
             return await store.put(var.entry)
 
-        return (f"put({rollout},{var.cid},{var.sha[:6]})", client, go, delay, lambda out: self.after_put(rollout, var, out))
+        return (
+            f"put({rollout},{var.cid},{var.sha[:6]})",
+            client,
+            go,
+            delay,
+            lambda out: self.after_put(rollout, var, out),
+        )
 
     def after_put(self, rollout: str, var: _Variant, out: Outcome) -> None:
         m = self.model[rollout]
@@ -457,14 +465,14 @@ class TokenStoreMachine(_Machine):
         m = self.model[rollout]
         if m.retired_at is not None and m.retired_at < out.start:
             allowed: tuple[type[BaseException], ...] = (TokenCaptureRetiredError, StoreError, RecordError)
-            freezes = m.freezes + [(o.start, o.end) for o in getattr(self, "racing", []) if o.name == f"freeze({rollout})"]
+            freezes = m.freezes + [
+                (o.start, o.end) for o in getattr(self, "racing", []) if o.name == f"freeze({rollout})"
+            ]
             if "mark_incomplete" not in out.name and any(a < out.end and b > out.start for a, b in freezes):
                 # Documented: a freeze of a retired rollout rewrites its fence as "frozen" until its
                 # LIST shows the tombstone; a put or begin_call reading it then is refused as frozen.
                 allowed += (TokenCaptureFrozenError,)
-            elif "mark_incomplete" not in out.name and any(
-                end > (m.retire_start or 0.0) for end in m.broken_freezes
-            ):
+            elif "mark_incomplete" not in out.name and any(end > (m.retire_start or 0.0) for end in m.broken_freezes):
                 # Documented (docs/reliability.md, Finding 2): a freeze of a retired rollout that a
                 # fault interrupted after it PUT the frozen fence, before it restored the retired one,
                 # leaves the fence "frozen" until the next retire, drop or delete; a put or
@@ -521,7 +529,13 @@ class TokenStoreMachine(_Machine):
 
     def op_freeze(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
         store = self.clients[client]
-        return (f"freeze({rollout})", client, lambda: store.freeze(rollout), delay, lambda out: self.after_freeze(rollout, out))
+        return (
+            f"freeze({rollout})",
+            client,
+            lambda: store.freeze(rollout),
+            delay,
+            lambda out: self.after_freeze(rollout, out),
+        )
 
     def after_freeze(self, rollout: str, out: Outcome) -> None:
         m = self.model[rollout]
@@ -580,9 +594,7 @@ class TokenStoreMachine(_Machine):
                 )
         for cid, landed in m.landed.items():
             known = [sha for sha, t in landed.items() if t < before]
-            self.stats.check(
-                len(known) < 2, "conflict_masks", lambda: f"{desc()} although {cid} has payloads {known}"
-            )
+            self.stats.check(len(known) < 2, "conflict_masks", lambda: f"{desc()} although {cid} has payloads {known}")
         for ack in m.intents:
             if ack.end < before:
                 self.stats.check(
@@ -602,7 +614,13 @@ class TokenStoreMachine(_Machine):
             m.writes.append(time.monotonic())
             return await store.drop(rollout, sid, version)
 
-        return (f"drop({rollout},v{version},{sid[:8]})", client, go, delay, lambda out: self.after_drop(rollout, snap, out))
+        return (
+            f"drop({rollout},v{version},{sid[:8]})",
+            client,
+            go,
+            delay,
+            lambda out: self.after_drop(rollout, snap, out),
+        )
 
     def after_drop(self, rollout: str, snap: _Snap | None, out: Outcome) -> None:
         m = self.model[rollout]
@@ -638,8 +656,12 @@ class TokenStoreMachine(_Machine):
                 self.check_complete_snapshot(rollout, m.dropped, float("inf"), "dropped")
 
     # ------------------------------------------------------------------ rules
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
-          v=st.sampled_from((0, 0, 0, 0, 1, 2)))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 0, 0, 1, 2)),
+    )
     def put(self, client: int, rollout: str, turn: int, v: int) -> None:
         var = self.variant(rollout, turn, v)
         self.do(self.op_put(client, rollout, var))
@@ -653,8 +675,12 @@ class TokenStoreMachine(_Machine):
         else:
             self.retry_put(client, data)
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
-          marker=st.sampled_from((False, False, True)))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        turn=st.integers(0, TURNS - 1),
+        marker=st.sampled_from((False, False, True)),
+    )
     def custody(self, client: int, rollout: str, turn: int, marker: bool) -> None:
         """A ``begin_call`` intent, or (less often: it masks the rest of the generation) a marker."""
         if marker:
@@ -662,7 +688,11 @@ class TokenStoreMachine(_Machine):
         else:
             self.begin_call(client, rollout, turn)
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), delete=st.sampled_from((True, True, False)))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        delete=st.sampled_from((True, True, False)),
+    )
     def remove(self, client: int, rollout: str, delete: bool) -> None:
         """``delete`` (a new generation of the id) or ``retire`` one rollout."""
         if delete:
@@ -681,8 +711,12 @@ class TokenStoreMachine(_Machine):
 
     def conflicting_put(self, client: int, data: st.DataObject, other: int) -> None:
         """Another payload for a call id put before (a conflict)."""
-        choices = sorted((r, var.cid) for r, m in self.model.items() for shas in m.attempted.values()
-                         for var in (self.by_sha[s] for s in shas))
+        choices = sorted(
+            (r, var.cid)
+            for r, m in self.model.items()
+            for shas in m.attempted.values()
+            for var in (self.by_sha[s] for s in shas)
+        )
         if not choices:
             return
         rollout, cid = data.draw(st.sampled_from(choices))
@@ -707,11 +741,27 @@ class TokenStoreMachine(_Machine):
             return
         self.do(self.op_put(client, rollout, self.variant(rollout, turn, 0)))
 
-    @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          intents=st.booleans(), turns=st.integers(1, TURNS), conflict=st.sampled_from((None, None, 0, 1, 2)),
-          consume=st.sampled_from(("no", "drop", "drop+retry")), delay=st.sampled_from(RACE_DELAYS))
-    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None,
-                  consume: str, delay: float) -> None:
+    @rule(
+        writer=st.integers(0, CLIENTS - 1),
+        builder=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        intents=st.booleans(),
+        turns=st.integers(1, TURNS),
+        conflict=st.sampled_from((None, None, 0, 1, 2)),
+        consume=st.sampled_from(("no", "drop", "drop+retry")),
+        delay=st.sampled_from(RACE_DELAYS),
+    )
+    def lifecycle(
+        self,
+        writer: int,
+        builder: int,
+        rollout: str,
+        intents: bool,
+        turns: int,
+        conflict: int | None,
+        consume: str,
+        delay: float,
+    ) -> None:
         """A whole attempt: delete the id, serve ``turns`` calls in order (optionally one call again
         with another payload), resolve, freeze, and maybe drop, alone or racing an identical retry
         of the last put (a retry that may read the drop's tentative retired fence)."""
@@ -780,8 +830,12 @@ class TokenStoreMachine(_Machine):
             self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
         self.model[rollout] = _StoreRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
-          v=st.sampled_from((0, 0, 1, 2)))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 1, 2)),
+    )
     def resolve(self, client: int, rollout: str, turn: int, v: int) -> None:
         var = self.variant(rollout, turn, v)
         store = self.clients[client]
@@ -798,35 +852,65 @@ class TokenStoreMachine(_Machine):
         if res.status == ParentResolutionStatus.RESOLVED:
             match = res.match
             self.stats.check(
-                match.model_call_id == var.cid, "resolve_right_parent",
+                match.model_call_id == var.cid,
+                "resolve_right_parent",
                 lambda: f"{out.describe()}: the request continues {var.cid}",
             )
-            allowed = same_output if not m.dirty else {
-                s: w for s, w in self.by_sha.items() if w.cid == var.cid and w.output_key == var.output_key
-            }
+            allowed = (
+                same_output
+                if not m.dirty
+                else {s: w for s, w in self.by_sha.items() if w.cid == var.cid and w.output_key == var.output_key}
+            )
             self.stats.check(
-                any(tuple(match.cumulative_token_ids) == w.cumulative and match.digest == w.digest for w in allowed.values()),
+                any(
+                    tuple(match.cumulative_token_ids) == w.cumulative and match.digest == w.digest
+                    for w in allowed.values()
+                ),
                 "resolve_right_tokens",
                 lambda: f"{out.describe()}: tokens {match.cumulative_token_ids} are no payload of {var.cid} continued",
             )
             landed = [s for s in same_output if s in m.landed.get(var.cid, {}) and m.landed[var.cid][s] < out.start]
             if m.retired_at is None and not m.maybe_removed:
                 self.stats.check(
-                    len(landed) < 2, "resolve_unresolved_on_conflict",
+                    len(landed) < 2,
+                    "resolve_unresolved_on_conflict",
                     lambda: f"{out.describe()} although {var.cid} has payloads {landed} under this fingerprint",
                 )
         elif (
-            not m.dirty and not m.maybe_removed and m.retired_at is None and set(same_output) == {var.sha}
+            not m.dirty
+            and not m.maybe_removed
+            and m.retired_at is None
+            and set(same_output) == {var.sha}
             and any(a.key == var.sha and a.end < out.start for a in m.puts)
         ):
-            self.stats.check(False, "resolve_finds_acknowledged_parent",
-                             lambda: f"{out.describe()} although {var.cid} {var.sha[:8]} was acknowledged")
+            self.stats.check(
+                False,
+                "resolve_finds_acknowledged_parent",
+                lambda: f"{out.describe()} although {var.cid} {var.sha[:8]} was acknowledged",
+            )
 
-    @rule(a=st.integers(0, CLIENTS - 1), b=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          kind=st.sampled_from(("put+freeze", "put+drop", "retry+drop", "mark+drop", "begin+freeze", "put+put",
-                                "freeze+freeze", "put+retire", "retry+freeze")),
-          turn=st.integers(0, TURNS - 1), v=st.sampled_from((0, 0, 1)),
-          da=st.sampled_from(RACE_DELAYS), db=st.sampled_from(RACE_DELAYS))
+    @rule(
+        a=st.integers(0, CLIENTS - 1),
+        b=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        kind=st.sampled_from(
+            (
+                "put+freeze",
+                "put+drop",
+                "retry+drop",
+                "mark+drop",
+                "begin+freeze",
+                "put+put",
+                "freeze+freeze",
+                "put+retire",
+                "retry+freeze",
+            )
+        ),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 1)),
+        da=st.sampled_from(RACE_DELAYS),
+        db=st.sampled_from(RACE_DELAYS),
+    )
     def race(self, a: int, b: int, rollout: str, kind: str, turn: int, v: int, da: float, db: float) -> None:
         """Two operations at once on two clients, with small start delays."""
         var = self.variant(rollout, turn, v)
@@ -834,7 +918,9 @@ class TokenStoreMachine(_Machine):
         ops: list[tuple] = []
         for who, what, delay in ((a, first, da), (b, second, db)):
             if what == "put":
-                ops.append(self.op_put(who, rollout, var if not ops else self.variant(rollout, (turn + 1) % TURNS, 0), delay))
+                ops.append(
+                    self.op_put(who, rollout, var if not ops else self.variant(rollout, (turn + 1) % TURNS, 0), delay)
+                )
             elif what == "retry":  # an identical retry of a payload put before, when there is one
                 tried = sorted(sha for shas in self.model[rollout].attempted.values() for sha in shas)
                 again = self.by_sha[tried[turn % len(tried)]] if tried else var
@@ -908,8 +994,13 @@ class LedgerMachine(_Machine):
     def op_record(self, client: int, rollout: str, c: _Commit, delay: float = 0.0) -> tuple:
         ledger = self.clients[client]
         self.model[rollout].attempted[c.cid].add(c.variant)
-        return (f"record({rollout},{c.cid},v{c.variant})", client, lambda: ledger.record(c.commit), delay,
-                lambda out: self.after_record(rollout, c, out))
+        return (
+            f"record({rollout},{c.cid},v{c.variant})",
+            client,
+            lambda: ledger.record(c.commit),
+            delay,
+            lambda out: self.after_record(rollout, c, out),
+        )
 
     def after_record(self, rollout: str, c: _Commit, out: Outcome) -> None:
         from s3capture.ledger import LedgerConflictError
@@ -923,8 +1014,13 @@ class LedgerMachine(_Machine):
 
     def op_manifest(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
         ledger = self.clients[client]
-        return (f"manifest({rollout})", client, lambda: ledger.manifest(rollout), delay,
-                lambda out: self.after_manifest(rollout, out))
+        return (
+            f"manifest({rollout})",
+            client,
+            lambda: ledger.manifest(rollout),
+            delay,
+            lambda out: self.after_manifest(rollout, out),
+        )
 
     def after_manifest(self, rollout: str, out: Outcome) -> None:
         from s3capture.ledger_records import (
@@ -936,7 +1032,8 @@ class LedgerMachine(_Machine):
         m = self.model[rollout]
         if m.retired_at is not None and m.retired_at < out.start:
             self.stats.check(
-                isinstance(out.error, (RolloutRetiredError, StoreError)), "manifest_after_retire_raises",
+                isinstance(out.error, (RolloutRetiredError, StoreError)),
+                "manifest_after_retire_raises",
                 lambda: out.describe(),
             )
         if not out.ok:
@@ -950,14 +1047,16 @@ class LedgerMachine(_Machine):
         for cid, rec in records.items():
             known = [c for (r, _, _), c in self.commits.items() if r == rollout and c.cid == cid]
             self.stats.check(
-                any(_same_record(rec, c.commit["record"]) for c in known), "no_phantom_rows",
+                any(_same_record(rec, c.commit["record"]) for c in known),
+                "no_phantom_rows",
                 lambda: f"{desc()}: row of {cid} was never recorded",
             )
         for cid, landed in m.landed.items():
             known = [v for v, t in landed.items() if t < out.start]
             if len(known) >= 2:
                 self.stats.check(
-                    (cid, CONFLICT) in failures and cid not in records, "conflict_in_failures",
+                    (cid, CONFLICT) in failures and cid not in records,
+                    "conflict_in_failures",
                     lambda: f"{desc()}: {cid} has rows {known}",
                 )
         for cid, v, end in m.rows:
@@ -966,42 +1065,53 @@ class LedgerMachine(_Machine):
             mine = self.commit(rollout, int(cid.rsplit("-", 1)[1]), v).commit["record"]
             if m.attempted[cid] == {v} and not m.dirty:  # (a failed delete may have left other rows)
                 self.stats.check(
-                    cid in records and _same_record(records[cid], mine), "acknowledged_row_in_manifest",
+                    cid in records and _same_record(records[cid], mine),
+                    "acknowledged_row_in_manifest",
                     lambda: f"{desc()}: lacks acknowledged row {cid} v{v}",
                 )
             else:
                 self.stats.check(
-                    cid in records or (cid, CONFLICT) in failures, "acknowledged_row_in_manifest",
+                    cid in records or (cid, CONFLICT) in failures,
+                    "acknowledged_row_in_manifest",
                     lambda: f"{desc()}: lacks acknowledged row {cid} v{v} (nor a conflict)",
                 )
         for cid, reason, end in m.failures:
             if end < out.start:
                 self.stats.check(
-                    (cid, reason) in failures, "acknowledged_failure_in_manifest",
+                    (cid, reason) in failures,
+                    "acknowledged_failure_in_manifest",
                     lambda: f"{desc()}: lacks failure {cid} {reason}",
                 )
         for cid, end in m.intents:
             if end < out.start and cid not in m.attempted and cid not in m.failure_attempted and not m.dirty:
                 self.stats.check(
-                    (cid, UNCOMMITTED) in failures, "intent_without_row_in_failures",
+                    (cid, UNCOMMITTED) in failures,
+                    "intent_without_row_in_failures",
                     lambda: f"{desc()}: intent {cid} has no row",
                 )
             elif end < out.start:
                 self.stats.check(
-                    cid in records or cid in failed, "intent_without_row_in_failures",
+                    cid in records or cid in failed,
+                    "intent_without_row_in_failures",
                     lambda: f"{desc()}: intent {cid} is neither a row nor a failure",
                 )
         if not failures:
             for cid, rec in records.items():
                 self.stats.check(
-                    rec["parent_call_id"] is None or rec["parent_call_id"] in records, "no_missing_parent_in_trainable",
+                    rec["parent_call_id"] is None or rec["parent_call_id"] in records,
+                    "no_missing_parent_in_trainable",
                     lambda: f"{desc()}: {cid}'s parent {rec['parent_call_id']} has no row",
                 )
 
     def op_retire(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
         ledger = self.clients[client]
-        return (f"retire({rollout})", client, lambda: ledger.retire([rollout]), delay,
-                lambda out: self.after_retire(rollout, out))
+        return (
+            f"retire({rollout})",
+            client,
+            lambda: ledger.retire([rollout]),
+            delay,
+            lambda out: self.after_retire(rollout, out),
+        )
 
     def after_retire(self, rollout: str, out: Outcome) -> None:
         self.expect_error_types(out, ())
@@ -1012,8 +1122,12 @@ class LedgerMachine(_Machine):
             m.maybe_removed = True
 
     # ------------------------------------------------------------------ rules
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
-          v=st.sampled_from((0, 0, 0, 0, 1, 2)))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 0, 0, 1, 2)),
+    )
     def record(self, client: int, rollout: str, turn: int, v: int) -> None:
         c = self.commit(rollout, turn, v)
         self.do(self.op_record(client, rollout, c))
@@ -1055,15 +1169,20 @@ class LedgerMachine(_Machine):
         pick = next((v for v in (other, 3 - other, 0) if v not in tried), other)
         self.do(self.op_record(client, rollout, self.commit(rollout, turn, pick)))
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
-          reason=st.sampled_from(("unresolved_parent", "timeout")))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        turn=st.integers(0, TURNS - 1),
+        reason=st.sampled_from(("unresolved_parent", "timeout")),
+    )
     def record_failure(self, client: int, rollout: str, turn: int, reason: str) -> None:
         ledger = self.clients[client]
         m = self.model[rollout]
         cid = build_conversation(rollout, TURNS)[turn].call_id
         m.failure_attempted.add(cid)
-        out = self.run(f"record_failure({rollout},{cid},{reason})", client,
-                       lambda: ledger.record_failure(rollout, cid, reason))
+        out = self.run(
+            f"record_failure({rollout},{cid},{reason})", client, lambda: ledger.record_failure(rollout, cid, reason)
+        )
         self.expect_error_types(out, ())
         if out.ok:
             m.failures.append((cid, reason, out.end))
@@ -1078,11 +1197,18 @@ class LedgerMachine(_Machine):
         if out.ok:
             m.intents.append((cid, out.end))
 
-    @rule(writer=st.integers(0, CLIENTS - 1), builder=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          intents=st.booleans(), turns=st.integers(1, TURNS), conflict=st.sampled_from((None, None, 0, 1, 2)),
-          retire=st.booleans())
-    def lifecycle(self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None,
-                  retire: bool) -> None:
+    @rule(
+        writer=st.integers(0, CLIENTS - 1),
+        builder=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        intents=st.booleans(),
+        turns=st.integers(1, TURNS),
+        conflict=st.sampled_from((None, None, 0, 1, 2)),
+        retire=st.booleans(),
+    )
+    def lifecycle(
+        self, writer: int, builder: int, rollout: str, intents: bool, turns: int, conflict: int | None, retire: bool
+    ) -> None:
         """A whole attempt: delete the id, record ``turns`` calls in order (optionally one call again
         with another commit), resolve, read the manifest, maybe retire."""
         self.delete(builder, rollout)
@@ -1123,12 +1249,18 @@ class LedgerMachine(_Machine):
             self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
         self.model[rollout] = _LedgerRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
 
-    @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1),
-          v=st.sampled_from((0, 0, 1, 2)))
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 1, 2)),
+    )
     def resolve(self, client: int, rollout: str, turn: int, v: int) -> None:
         c = self.commit(rollout, turn, v)
         ledger = self.clients[client]
-        out = self.run(f"resolve({rollout},after {c.cid} v{v})", client, lambda: ledger.resolve(rollout, c.continuation))
+        out = self.run(
+            f"resolve({rollout},after {c.cid} v{v})", client, lambda: ledger.resolve(rollout, c.continuation)
+        )
         self.expect_error_types(out, ())
         if not out.ok:
             return
@@ -1147,25 +1279,40 @@ class LedgerMachine(_Machine):
                 lambda: f"{out.describe()}: the request continues {c.cid} (cum_len {rec['cum_len']})",
             )
             self.stats.check(
-                m.retired_at is None or m.retired_at > out.start, "resolve_unresolved_after_retire", lambda: out.describe()
+                m.retired_at is None or m.retired_at > out.start,
+                "resolve_unresolved_after_retire",
+                lambda: out.describe(),
             )
             landed = [w for w, t in m.landed.get(c.cid, {}).items() if t < out.start]
             if m.retired_at is None and not m.maybe_removed:
                 self.stats.check(
-                    len(landed) < 2, "resolve_unresolved_on_conflict",
+                    len(landed) < 2,
+                    "resolve_unresolved_on_conflict",
                     lambda: f"{out.describe()} although {c.cid} has rows {landed}",
                 )
         elif (
-            not m.dirty and not m.maybe_removed and m.retired_at is None and m.attempted.get(c.cid) == {v}
+            not m.dirty
+            and not m.maybe_removed
+            and m.retired_at is None
+            and m.attempted.get(c.cid) == {v}
             and any(cid == c.cid and w == v and end < out.start for cid, w, end in m.rows)
         ):
-            self.stats.check(False, "resolve_finds_acknowledged_parent",
-                             lambda: f"{out.describe()} although {c.cid} v{v} was acknowledged")
+            self.stats.check(
+                False,
+                "resolve_finds_acknowledged_parent",
+                lambda: f"{out.describe()} although {c.cid} v{v} was acknowledged",
+            )
 
-    @rule(a=st.integers(0, CLIENTS - 1), b=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS),
-          kind=st.sampled_from(("record+manifest", "record+retire", "record+record", "manifest+retire")),
-          turn=st.integers(0, TURNS - 1), v=st.sampled_from((0, 0, 1)),
-          da=st.sampled_from(RACE_DELAYS[:4]), db=st.sampled_from(RACE_DELAYS[:4]))
+    @rule(
+        a=st.integers(0, CLIENTS - 1),
+        b=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        kind=st.sampled_from(("record+manifest", "record+retire", "record+record", "manifest+retire")),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 1)),
+        da=st.sampled_from(RACE_DELAYS[:4]),
+        db=st.sampled_from(RACE_DELAYS[:4]),
+    )
     def race(self, a: int, b: int, rollout: str, kind: str, turn: int, v: int, da: float, db: float) -> None:
         first, second = kind.split("+")
         ops: list[tuple] = []

@@ -150,10 +150,21 @@ async def test_unreadable_sibling_candidate_does_not_let_another_win(fresh, s3_c
         raw["schema_version"] = 2
         payload = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
         sha = hashlib.sha256(payload).hexdigest()
-        s3_client.delete_object(Bucket=bucket, Key=prefix + layout.entry_rel(prefix, b.continuation_fingerprint, "B", hashlib.sha256(encode_entry(b)).hexdigest()))
-        put_bytes(s3_client, bucket, prefix + layout.entry_rel(prefix, b.continuation_fingerprint, "B", sha), _envelope(payload, []))
+        s3_client.delete_object(
+            Bucket=bucket,
+            Key=prefix
+            + layout.entry_rel(prefix, b.continuation_fingerprint, "B", hashlib.sha256(encode_entry(b)).hexdigest()),
+        )
+        put_bytes(
+            s3_client,
+            bucket,
+            prefix + layout.entry_rel(prefix, b.continuation_fingerprint, "B", sha),
+            _envelope(payload, []),
+        )
     else:
-        key = prefix + layout.entry_rel(prefix, b.continuation_fingerprint, "B", hashlib.sha256(encode_entry(b)).hexdigest())
+        key = prefix + layout.entry_rel(
+            prefix, b.continuation_fingerprint, "B", hashlib.sha256(encode_entry(b)).hexdigest()
+        )
         put_bytes(s3_client, bucket, key, b"\x28\xb5\x2f\xfd garbage")
 
     resolution = await fresh().resolve("r-sib", request)
@@ -176,7 +187,11 @@ async def test_delta_entry_without_its_parent_masks_the_snapshot(fresh, s3_clien
     bucket, root = split_bucket_url(bucket_url)
     from helpers import list_keys
 
-    (parent_key,) = [k for k in list_keys(s3_client, bucket, Layout(root.rstrip("/")).rollout("r-broken")) if f"/{turns[1].call_id}/" in k]
+    (parent_key,) = [
+        k
+        for k in list_keys(s3_client, bucket, Layout(root.rstrip("/")).rollout("r-broken"))
+        if f"/{turns[1].call_id}/" in k
+    ]
     s3_client.delete_object(Bucket=bucket, Key=parent_key)
     snapshot = await fresh().freeze("r-broken")
     assert {e.model_call_id for e in snapshot.entries} == {turns[0].call_id, turns[2].call_id}
@@ -208,4 +223,6 @@ async def test_cache_heap_stays_near_cache_bytes_for_full_prompt_entries(fresh):
         retained = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert retained <= 1.25 * limit, f"the cache retains {retained / 2**20:.1f} MiB with cache_bytes={limit / 2**20:.1f} MiB"
+    assert retained <= 1.25 * limit, (
+        f"the cache retains {retained / 2**20:.1f} MiB with cache_bytes={limit / 2**20:.1f} MiB"
+    )

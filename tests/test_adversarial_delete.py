@@ -64,11 +64,15 @@ async def test_delete_objects_not_implemented_falls_back_to_single_deletes(s3_se
 # checksum and no Content-MD5; stores that require Content-MD5 (MinIO/Ceph/OneFS-era servers, see botocore
 # 1.36 regressions) answer 400 MissingContentMD5, which is not treated as 'unsupported', so retire/drop/delete
 # fail outright
-async def test_retire_works_on_a_store_that_requires_content_md5_for_delete_objects(s3_server, fresh, s3_client, bucket_url):
+async def test_retire_works_on_a_store_that_requires_content_md5_for_delete_objects(
+    s3_server, fresh, s3_client, bucket_url
+):
     async def rule(request: Any) -> Any:
         if _is_delete_objects(request) and "content-md5" not in request.headers:
             return Respond(
-                400, not_implemented_xml("MissingContentMD5", "Missing required header for this request: Content-Md5."), "Bad Request"
+                400,
+                not_implemented_xml("MissingContentMD5", "Missing required header for this request: Content-Md5."),
+                "Bad Request",
             )
         return None
 
@@ -85,7 +89,9 @@ async def test_retire_works_on_a_store_that_requires_content_md5_for_delete_obje
         await proxy.stop()
 
 
-async def test_lost_delete_objects_response_is_retried_and_retire_is_idempotent(s3_server, fresh, s3_client, bucket_url):
+async def test_lost_delete_objects_response_is_retried_and_retire_is_idempotent(
+    s3_server, fresh, s3_client, bucket_url
+):
     """Holds: the first DeleteObjects executes but its response is lost; botocore retries it."""
     lost = {"n": 0}
 
@@ -116,7 +122,9 @@ async def test_retire_that_failed_mid_way_is_finished_by_a_retry(s3_server, fres
             return Respond(500, not_implemented_xml("InternalError", "boom"), "Internal Server Error")
         return None
 
-    config = default_botocore_config(16, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"})
+    config = default_botocore_config(
+        16, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+    )
     proxy, store = await _setup(s3_server, fresh, rule, botocore_config=config)
     try:
         await _fill(store, "r-half")

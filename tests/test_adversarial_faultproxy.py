@@ -48,7 +48,13 @@ def _client(proxy: FaultProxy, server: Any, key: str | None = None) -> Any:
         aws_access_key_id=key or server.access_key,
         aws_secret_access_key=server.secret_key if key is None else "some-secret",
         region_name="us-east-1",
-        config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "total_max_attempts": 1}, read_timeout=5, response_checksum_validation="when_required", request_checksum_calculation="when_required"),
+        config=Config(
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard", "total_max_attempts": 1},
+            read_timeout=5,
+            response_checksum_validation="when_required",
+            request_checksum_calculation="when_required",
+        ),
     )
 
 

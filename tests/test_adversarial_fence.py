@@ -142,7 +142,9 @@ async def test_acknowledged_marker_is_not_silently_outlived_by_a_drop(fresh, s3_
         acknowledged = True
     except TokenCaptureFrozenError:  # TokenCaptureRetiredError included
         acknowledged = False
-    assert not (dropped and acknowledged), "mark_incomplete succeeded, yet the snapshot it should invalidate was dropped"
+    assert not (dropped and acknowledged), (
+        "mark_incomplete succeeded, yet the snapshot it should invalidate was dropped"
+    )
 
 
 class HoldSecond(Hold):
@@ -214,4 +216,6 @@ async def test_marker_landing_between_drops_list_and_its_fence_fails_the_drop(fr
         acknowledged = False
     hold.release.set()
     dropped = await asyncio.wait_for(dropping, 30)
-    assert not (dropped and acknowledged), "mark_incomplete succeeded, yet the snapshot it should invalidate was dropped"
+    assert not (dropped and acknowledged), (
+        "mark_incomplete succeeded, yet the snapshot it should invalidate was dropped"
+    )

@@ -21,8 +21,13 @@ REQ = [system("Be brief."), user("Big?")]
 # (TokenId has no upper bound) although Gym cannot serialize them and compute_digest cannot encode them
 async def test_token_id_beyond_u64_is_refused_by_put(fresh):
     entry = TokenEntry(
-        rollout_id="r-big", model_call_id="c1", prompt_token_ids=[2**64], generation_token_ids=[1],
-        generation_log_probs=[-0.5], output_items=assistant_output("x"), created_at=1.0,
+        rollout_id="r-big",
+        model_call_id="c1",
+        prompt_token_ids=[2**64],
+        generation_token_ids=[1],
+        generation_log_probs=[-0.5],
+        output_items=assistant_output("x"),
+        created_at=1.0,
     )
     with pytest.raises(RecordError):
         await fresh().put(entry)
@@ -43,15 +48,22 @@ async def test_resolve_survives_a_stored_entry_with_a_token_beyond_u64(fresh, s3
     from s3capture.records import encode_entry
 
     entry = TokenEntry(
-        rollout_id="r-big2", model_call_id="c1", prompt_token_ids=[2**64], generation_token_ids=[1],
-        generation_log_probs=[-0.5], output_items=assistant_output("x"), created_at=1.0,
+        rollout_id="r-big2",
+        model_call_id="c1",
+        prompt_token_ids=[2**64],
+        generation_token_ids=[1],
+        generation_log_probs=[-0.5],
+        output_items=assistant_output("x"),
+        created_at=1.0,
         parent_resolution=ParentResolutionStatus.ROOT,
     )
     stamp_continuation(entry, REQ)
     payload = encode_entry(entry)
     store = fresh()
     prefix = store.layout.rollout("r-big2")
-    key = prefix + store.layout.entry_rel(prefix, entry.continuation_fingerprint, "c1", hashlib.sha256(payload).hexdigest())
+    key = prefix + store.layout.entry_rel(
+        prefix, entry.continuation_fingerprint, "c1", hashlib.sha256(payload).hexdigest()
+    )
     body = b'{"chain":[],"entry":' + payload + b',"format":"s3capture.entry/1"}'
     bucket, _ = split_bucket_url(bucket_url)
     put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))

@@ -29,7 +29,17 @@ import pytest
 import zstandard
 
 from gymcompat import require_gym
-from helpers import assistant_output, continuation, get_bytes, list_keys, make_commit, put_bytes, split_bucket_url, system, user
+from helpers import (
+    assistant_output,
+    continuation,
+    get_bytes,
+    list_keys,
+    make_commit,
+    put_bytes,
+    split_bucket_url,
+    system,
+    user,
+)
 from s3capture.conformance import run_conformance
 from s3capture.fingerprint import assistant_fingerprint
 from s3capture.ledger import LedgerConflictError, S3CaptureLedger
@@ -63,7 +73,9 @@ def _chain(rid: str, n: int) -> list[dict]:
     out: list[dict] = []
     request = list(REQ)
     for i in range(n):
-        commit = make_commit(rid, f"call-{i}", request, assistant_output(f"answer {i}"), parent=out[-1] if out else None)
+        commit = make_commit(
+            rid, f"call-{i}", request, assistant_output(f"answer {i}"), parent=out[-1] if out else None
+        )
         out.append(commit)
         request = continuation(commit, f"q{i}")
     return out
@@ -193,7 +205,9 @@ async def test_concurrent_identical_records_are_one_row_and_conflicting_ones_nev
     reader = ledgers()
     manifest = await reader.manifest(rid)
     assert "call-2" not in _cids(manifest)
-    assert {"schema_version": 2, "model_call_id": "call-2", "reason": LEDGER_CONFLICTING_ROWS_REASON} in manifest["failures"]
+    assert {"schema_version": 2, "model_call_id": "call-2", "reason": LEDGER_CONFLICTING_ROWS_REASON} in manifest[
+        "failures"
+    ]
     for v in variants:
         assert (await reader.resolve(rid, continuation(v))).status == UNRESOLVED
     validate_manifest(manifest)
@@ -219,7 +233,9 @@ async def test_conflicting_writers_in_several_processes_never_resolve(ledgers, s
     reader = ledgers()
     manifest = await reader.manifest(rid)
     assert manifest["records"] == []
-    assert manifest["failures"] == [{"schema_version": 2, "model_call_id": "call-1", "reason": LEDGER_CONFLICTING_ROWS_REASON}]
+    assert manifest["failures"] == [
+        {"schema_version": 2, "model_call_id": "call-1", "reason": LEDGER_CONFLICTING_ROWS_REASON}
+    ]
     for v in variants:
         assert (await reader.resolve(rid, continuation(v))).status == UNRESOLVED
 
@@ -244,8 +260,29 @@ async def test_conflict_across_fingerprints_in_a_chain_never_resolves_the_child(
 
 # =========================================================================== odd ids
 ODD_IDS = [
-    "a/b", "a.2Fb", "a.2E2Fb", ".", "..", "~", "~x", "-", "_", "a b", "a\nb", "\x00",
-    "é", "e\u0301", "日本語", "🦜", "a%2Fb", "A", "a", "rollouts", "r1", "r10", "x" * 255,
+    "a/b",
+    "a.2Fb",
+    "a.2E2Fb",
+    ".",
+    "..",
+    "~",
+    "~x",
+    "-",
+    "_",
+    "a b",
+    "a\nb",
+    "\x00",
+    "é",
+    "e\u0301",
+    "日本語",
+    "🦜",
+    "a%2Fb",
+    "A",
+    "a",
+    "rollouts",
+    "r1",
+    "r10",
+    "x" * 255,
 ]
 
 
@@ -262,7 +299,9 @@ async def test_odd_rollout_and_call_ids_are_isolated_and_round_trip(ledgers, s3_
         validate_manifest(manifest)
         assert manifest["rollout_id"] == rid
         assert _cids(manifest) == [cid], (rid, manifest)
-        assert manifest["failures"] == [{"schema_version": 2, "model_call_id": cid + "!", "reason": "worker_capture_failed"}]
+        assert manifest["failures"] == [
+            {"schema_version": 2, "model_call_id": cid + "!", "reason": "worker_capture_failed"}
+        ]
         r = await reader.resolve(rid, [*REQ, *assistant_output(f"text {i}"), user("more")])
         assert r.status == RESOLVED and r.match.model_call_id == cid
     # Case and Unicode normalization are distinct ids; retire of one leaves the others intact.
@@ -319,13 +358,26 @@ async def test_unstorable_ids_and_bad_inputs_fail_before_any_request(ledgers):
     for c in bad_commits:
         with pytest.raises(ValueError):
             await ledger.record(c)
-    for args in [("r", "", "x"), ("r", "c", ""), ("r", "c", "bad\ud800"), ("", "c", "x"), ("r" * 300, "c", "x"),
-                 ("r", 5, "x"), ("r", "c", None)]:
+    for args in [
+        ("r", "", "x"),
+        ("r", "c", ""),
+        ("r", "c", "bad\ud800"),
+        ("", "c", "x"),
+        ("r" * 300, "c", "x"),
+        ("r", 5, "x"),
+        ("r", "c", None),
+    ]:
         with pytest.raises((ValueError, TypeError)):
             await ledger.record_failure(*args)
-    for call in (lambda: ledger.retire("r"), lambda: ledger.delete("r"), lambda: ledger.retire(["ok", ""]),
-                 lambda: ledger.delete(["ok", "x" * 300]), lambda: ledger.manifest(""), lambda: ledger.has_rows("y" * 300),
-                 lambda: ledger.begin_call("r", "")):
+    for call in (
+        lambda: ledger.retire("r"),
+        lambda: ledger.delete("r"),
+        lambda: ledger.retire(["ok", ""]),
+        lambda: ledger.delete(["ok", "x" * 300]),
+        lambda: ledger.manifest(""),
+        lambda: ledger.has_rows("y" * 300),
+        lambda: ledger.begin_call("r", ""),
+    ):
         with pytest.raises((ValueError, TypeError)):
             await call()
     assert await _request_count(ledger) == before, ledger.request_counts
@@ -340,7 +392,8 @@ async def test_failure_row_of_a_call_id_starting_with_tilde_h_keeps_its_reason(l
         await ledger.record_failure("r", cid, "worker_capture_failed")
     manifest = await ledger.manifest("r")
     assert manifest["failures"] == [
-        {"schema_version": 2, "model_call_id": cid, "reason": "worker_capture_failed"} for cid in ("~h" + "0" * 64, "~hello")
+        {"schema_version": 2, "model_call_id": cid, "reason": "worker_capture_failed"}
+        for cid in ("~h" + "0" * 64, "~hello")
     ]
 
 
@@ -404,13 +457,16 @@ async def test_index_entries_pointing_at_other_rows_never_resolve(ledgers, s3_cl
     b_sha = b_key.rsplit("/", 1)[-1][:-5]
     fp = json.loads(get_bytes(s3_client, bucket, b_key))["fingerprint"]
     # 1. rollout rb's row copied into rollout rc with its index: it belongs to another rollout.
-    put_bytes(s3_client, bucket, f"{root}rollouts/rc/ledger/row/call-b/{b_sha}.json", get_bytes(s3_client, bucket, b_key))
+    put_bytes(
+        s3_client, bucket, f"{root}rollouts/rc/ledger/row/call-b/{b_sha}.json", get_bytes(s3_client, bucket, b_key)
+    )
     put_bytes(s3_client, bucket, f"{root}rollouts/rc/ledger-index/{fp}/call-b/{b_sha}", b"")
     reader = ledgers()
     assert (await reader.resolve("rc", continuation(b))).status == UNRESOLVED
     m = await reader.manifest("rc")
     assert m["records"] == [] and m["failures"] == [
-        {"schema_version": 2, "model_call_id": "call-b", "reason": LEDGER_UNREADABLE_ROW_REASON}]
+        {"schema_version": 2, "model_call_id": "call-b", "reason": LEDGER_UNREADABLE_ROW_REASON}
+    ]
     # 2. in ra, an index entry of call-z naming rb's row sha (no such row under call-z).
     put_bytes(s3_client, bucket, f"{root}rollouts/ra/ledger-index/{fp}/call-z/{b_sha}", b"")
     assert (await reader.resolve("ra", continuation(a))).status == UNRESOLVED
@@ -423,8 +479,13 @@ async def test_index_entries_pointing_at_other_rows_never_resolve(ledgers, s3_cl
     r = await ledgers().resolve("rd", continuation(a))  # a continuation of "aa" must not find call-d
     assert r.status == UNRESOLVED
     # 4. Odd keys under the index are ignored, never crash.
-    for junk in (f"ledger-index/{fp}/", f"ledger-index/{fp}/call-a/", f"ledger-index/{fp}/.ZZ/{b_sha}",
-                 f"ledger-index/{fp}/call-a/{b_sha}/extra", f"ledger-index/{fp}//{b_sha}"):
+    for junk in (
+        f"ledger-index/{fp}/",
+        f"ledger-index/{fp}/call-a/",
+        f"ledger-index/{fp}/.ZZ/{b_sha}",
+        f"ledger-index/{fp}/call-a/{b_sha}/extra",
+        f"ledger-index/{fp}//{b_sha}",
+    ):
         put_bytes(s3_client, bucket, f"{root}rollouts/re/{junk}", b"")
     assert (await ledgers().resolve("re", continuation(a))).status == UNRESOLVED
 
@@ -454,7 +515,9 @@ async def test_hostile_row_bodies_fail_closed(ledgers, s3_client, bucket_url, ki
     assert (await reader.resolve(rid, continuation(c))).status == UNRESOLVED
 
 
-async def test_keys_that_unescape_to_invalid_call_ids_still_give_a_valid_poisoned_manifest(ledgers, s3_client, bucket_url):
+async def test_keys_that_unescape_to_invalid_call_ids_still_give_a_valid_poisoned_manifest(
+    ledgers, s3_client, bucket_url
+):
     bucket, root = split_bucket_url(bucket_url)
     await ledgers().record(make_commit("odd", "call-1", REQ, assistant_output("x")))
     for rel in ("ledger/intent/~", "ledger/intent/.ED.A0.80"):
@@ -470,10 +533,10 @@ async def test_foreign_and_odd_keys_under_the_ledger_poison_the_manifest(ledgers
     await ledgers().record(c)
     sha = "0" * 64
     odd = [
-        f"ledger/row/call-1/{sha.upper()}.json",   # upper-case sha: not s3capture's
+        f"ledger/row/call-1/{sha.upper()}.json",  # upper-case sha: not s3capture's
         f"ledger/row/call-2/{sha}.JSON",
-        f"ledger/row/call.2f/{sha}.json",           # non-canonical escape
-        f"ledger/row/~h{sha}/{sha}.json",           # a hashed id never names a committed row
+        f"ledger/row/call.2f/{sha}.json",  # non-canonical escape
+        f"ledger/row/~h{sha}/{sha}.json",  # a hashed id never names a committed row
         f"ledger/fail/call-3/{sha}",
         "ledger/intent/call-4/extra",
         "ledger/",
@@ -499,8 +562,8 @@ async def test_failure_rows_crafted_for_other_calls_or_rollouts_never_unpoison(l
     (key,) = _keys(s3_client, bucket_url, "f1/ledger/fail/")
     body = get_bytes(s3_client, bucket, key)
     sha = key.rsplit("/", 1)[-1][:-5]
-    put_bytes(s3_client, bucket, f"{root}rollouts/f2/ledger/fail/call-1/{sha}.json", body)   # other rollout
-    put_bytes(s3_client, bucket, f"{root}rollouts/f1/ledger/fail/call-9/{sha}.json", body)   # other call
+    put_bytes(s3_client, bucket, f"{root}rollouts/f2/ledger/fail/call-1/{sha}.json", body)  # other rollout
+    put_bytes(s3_client, bucket, f"{root}rollouts/f1/ledger/fail/call-9/{sha}.json", body)  # other call
     for rid, cid in (("f2", "call-1"), ("f1", "call-9")):
         m = await ledgers().manifest(rid)
         assert {"schema_version": 2, "model_call_id": cid, "reason": LEDGER_UNREADABLE_ROW_REASON} in m["failures"]
@@ -576,16 +639,19 @@ async def test_retire_and_delete_that_half_fail_leave_the_rollout_retired(ledger
 async def test_commits_gym_accepts_at_the_edges_are_stored_and_read_back(ledgers):
     require_gym()  # skip without Gym, fail under CI
     import nemo_gym.token_id_capture.staging.records as gym
+
     base = make_commit("edges", "c", REQ, assistant_output("x"))
     variants = []
-    for i, patch in enumerate([
-        {"weight_version": 2**70},
-        {"prev_len": 0, "delta_len": 2**64, "cum_len": 2**64},
-        {"admitted_at": None},
-        {"admitted_at": 1e308},
-        {"response_id": "r" * 100_000},
-        {"staging_key": "🦜/\u0000/" + "k" * 5000},
-    ]):
+    for i, patch in enumerate(
+        [
+            {"weight_version": 2**70},
+            {"prev_len": 0, "delta_len": 2**64, "cum_len": 2**64},
+            {"admitted_at": None},
+            {"admitted_at": 1e308},
+            {"response_id": "r" * 100_000},
+            {"staging_key": "🦜/\u0000/" + "k" * 5000},
+        ]
+    ):
         c = copy.deepcopy(base)
         c["record"]["model_call_id"] = f"c{i}"
         c["response_items"] = assistant_output(f"x{i}")
@@ -619,9 +685,14 @@ def _row_bytes(commit: dict) -> int:
     c = validate_commit(commit)
     request = list(c.request_items)
     row = _Row(
-        format=_ROW_FORMAT, rollout_id=c.rollout_id, record=c.record, staging_chain=list(c.staging_chain),
+        format=_ROW_FORMAT,
+        rollout_id=c.rollout_id,
+        record=c.record,
+        staging_chain=list(c.staging_chain),
         fingerprint=assistant_fingerprint(request + list(c.response_items)) or None,
-        fingerprint_version=FINGERPRINT_VERSION, context_len=len(request), context_digest=conversation_digest(request),
+        fingerprint_version=FINGERPRINT_VERSION,
+        context_len=len(request),
+        context_digest=conversation_digest(request),
     )
     return len(msgspec.json.encode(row, order="sorted"))
 
@@ -709,8 +780,14 @@ async def test_conformance_catches_a_resolve_that_ignores_conflicts_under_other_
     await broken.close()
     report = await run_conformance(
         ledger_factory=lambda: _ResolveIgnoresOtherFingerprints(bucket_url, session=session),
-        only=["ledger_record_visibility", "ledger_idempotent_record", "ledger_conflicting_record",
-              "ledger_failure_rows", "ledger_retire", "ledger_delete_reuse"],
+        only=[
+            "ledger_record_visibility",
+            "ledger_idempotent_record",
+            "ledger_conflicting_record",
+            "ledger_failure_rows",
+            "ledger_retire",
+            "ledger_delete_reuse",
+        ],
     )
     assert report.failed, [(r.name, r.status) for r in report.results]
 
@@ -718,13 +795,18 @@ async def test_conformance_catches_a_resolve_that_ignores_conflicts_under_other_
 def _run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", "import sys; from s3capture.cli import main; sys.exit(main(sys.argv[1:]))", *args],
-        env={**os.environ, **env, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 async def test_conformance_cli_on_a_missing_bucket_is_a_clear_error(s3_server):
-    proc = _run_cli(["conformance", f"s3://no-such-bucket-{uuid.uuid4().hex[:10]}/p", "--endpoint",
-                     s3_server.endpoint_url], s3_server.env())
+    proc = _run_cli(
+        ["conformance", f"s3://no-such-bucket-{uuid.uuid4().hex[:10]}/p", "--endpoint", s3_server.endpoint_url],
+        s3_server.env(),
+    )
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "does not exist" in proc.stderr and "NOT CONFORMANT" not in proc.stdout
     assert "Traceback" not in proc.stderr
@@ -734,7 +816,8 @@ async def test_conformance_cli_with_bad_credentials_never_reports_conformant(s3_
     if s3_server.kind == "moto":
         pytest.skip("moto does not check credentials (the seaweedfs run checks this)")
     env = {**s3_server.env(), "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": "wrong"}
-    proc = _run_cli(["conformance", bucket_url, "--endpoint", s3_server.endpoint_url,
-                     "--check", "ledger_record_visibility"], env)
+    proc = _run_cli(
+        ["conformance", bucket_url, "--endpoint", s3_server.endpoint_url, "--check", "ledger_record_visibility"], env
+    )
     assert proc.returncode != 0, proc.stdout
     assert "refused" in (proc.stdout + proc.stderr) or "InvalidAccessKeyId" in (proc.stdout + proc.stderr)

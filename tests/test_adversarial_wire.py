@@ -28,6 +28,7 @@ async def test_first_response_of_every_request_lost_keeps_every_invariant(s3_ser
 
     proxy.rule = rule
     try:
+
         def make():
             return fresh(endpoint_url=proxy.endpoint, fence_grace=1.0)
 

@@ -61,7 +61,9 @@ async def test_forged_chain_hint_gives_unresolved_not_a_crash(fresh, s3_client, 
 
 @pytest.mark.all_transports
 @pytest.mark.parametrize("forged", ["dotdot", "double-slash"])
-async def test_forged_chain_hint_of_parent_does_not_fail_the_childs_put(fresh, s3_client, bucket_url, forged, transport_kind):
+async def test_forged_chain_hint_of_parent_does_not_fail_the_childs_put(
+    fresh, s3_client, bucket_url, forged, transport_kind
+):
     """A put of a delta child whose parent carries a forged chain hint: checkpoints are derived data
     ("a checkpoint that cannot be computed gets none"), so the put must still land and return."""
     from s3capture.store import CHECKPOINT_EVERY
@@ -71,7 +73,9 @@ async def test_forged_chain_hint_of_parent_does_not_fail_the_childs_put(fresh, s
     turns = build_conversation("r-forge2", depth + 1)
     entries = []
     for index, turn in enumerate(turns[:depth]):
-        entry = turn_entry("r-forge2", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        entry = turn_entry(
+            "r-forge2", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None
+        )
         await writer.put(entry)
         entries.append(entry)
     bucket, prefix = rollout_prefix(bucket_url, "r-forge2")
@@ -123,8 +127,14 @@ def test_prepare_entry_raises_record_error_for_unencodable_extra_like_coerce_ent
     """put documents RecordError for an entry that violates the record contract; the old path
     (coerce_entry + encode_entry) raised RecordError for a lone surrogate in an extra field, the
     fast path leaks a bare UnicodeEncodeError."""
-    raw = {"rollout_id": "r", "model_call_id": "c", "prompt_token_ids": [1], "generation_token_ids": [2],
-           "generation_log_probs": [-0.5], "note": "\ud800"}
+    raw = {
+        "rollout_id": "r",
+        "model_call_id": "c",
+        "prompt_token_ids": [1],
+        "generation_token_ids": [2],
+        "generation_log_probs": [-0.5],
+        "note": "\ud800",
+    }
     with pytest.raises(RecordError):
         prepare_entry(raw)
 

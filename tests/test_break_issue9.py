@@ -73,7 +73,7 @@ async def test_two_exports_into_one_s3_prefix_never_drop_a_rollout_whose_rows_ar
     )
     refused = [r for r in results if isinstance(r, BaseException)]
     assert refused and all(isinstance(r, ValueError) and "another export" in str(r) for r in refused), results
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     exported = set()
     for manifest in await read_manifests(dest):
         body = s3_client.get_object(Bucket=bucket, Key=f"t-exports/run/{manifest.data}")["Body"].read()
@@ -96,7 +96,7 @@ async def test_a_dead_export_s_claim_is_taken_over_after_the_lease(
     import s3capture.export as export_module
 
     await frozen_chains(fresh, ["k1"])
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     dest = bucket_url + "-exports/dead"
     s3_client.put_object(Bucket=bucket, Key="t-exports/dead/.s3capture-export.lock/deadbeef", Body=b"{}")
     with pytest.raises(ValueError, match="another export"):
@@ -104,7 +104,10 @@ async def test_a_dead_export_s_claim_is_taken_over_after_the_lease(
     monkeypatch.setattr(export_module, "CLAIM_LEASE", -1.0)  # every other claim is older than the lease
     summary = await export(bucket_url, dest, workers=0, drop=True)
     assert summary.ok and summary.exported == 1 and summary.dropped == 1, format_summary(summary)
-    assert s3_client.list_objects_v2(Bucket=bucket, Prefix="t-exports/dead/.s3capture-export.lock/").get("KeyCount", 0) == 0
+    assert (
+        s3_client.list_objects_v2(Bucket=bucket, Prefix="t-exports/dead/.s3capture-export.lock/").get("KeyCount", 0)
+        == 0
+    )
 
 
 @MOTO
@@ -116,7 +119,7 @@ async def test_an_export_whose_claim_was_taken_over_stops_dropping(
     import s3capture.export as export_module
 
     await frozen_chains(fresh, ["p1", "p2"])
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.05)
     real_lock = export_module._S3Destination.lock
 
@@ -137,7 +140,9 @@ async def test_an_export_whose_claim_was_taken_over_stops_dropping(
 
 
 @MOTO
-async def test_a_rerun_never_drops_a_rollout_whose_data_file_is_gone(fresh: Any, tmp_path: Path, bucket_url: str) -> None:
+async def test_a_rerun_never_drops_a_rollout_whose_data_file_is_gone(
+    fresh: Any, tmp_path: Path, bucket_url: str
+) -> None:
     """A manifest whose data file was removed still counted as durable: the re-run called its
     rollouts already exported and --drop dropped them, with no row of them anywhere."""
     await frozen_chains(fresh, ["g1", "g2"])
@@ -147,18 +152,22 @@ async def test_a_rerun_never_drops_a_rollout_whose_data_file_is_gone(fresh: Any,
     (manifest,) = await read_manifests(str(dest))
     (dest / manifest.data).unlink()  # an operator removed the data file (or it never finished copying)
     again = await export(bucket_url, str(dest), workers=0, drop=True)
-    assert again.ok and again.already_exported == 0 and again.exported == 2 and again.dropped == 2, format_summary(again)
+    assert again.ok and again.already_exported == 0 and again.exported == 2 and again.dropped == 2, format_summary(
+        again
+    )
     assert sorted(row["rollout_id"] for row in rows_of(dest)) == ["g1", "g2"]
     assert len(await read_manifests(str(dest))) == 1 and not (dest / "_part-00000.manifest.json").exists()
 
 
 @MOTO
-async def test_an_s3_shard_whose_data_object_was_replaced_is_not_durable(fresh: Any, bucket_url: str, s3_client: Any) -> None:
+async def test_an_s3_shard_whose_data_object_was_replaced_is_not_durable(
+    fresh: Any, bucket_url: str, s3_client: Any
+) -> None:
     """The same on an s3:// DEST, with the data object replaced by a shorter one (a partial copy)."""
     import io
 
     await frozen_chains(fresh, ["s1", "s2"])
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     dest = f"s3://{bucket}/exports"
     assert (await export(bucket_url, dest, workers=0)).exported == 2
     (manifest,) = await read_manifests(dest)
@@ -168,6 +177,7 @@ async def test_an_s3_shard_whose_data_object_was_replaced_is_not_durable(fresh: 
     (manifest,) = await read_manifests(dest)
     body = s3_client.get_object(Bucket=bucket, Key=f"exports/{manifest.data}")["Body"].read()
     assert sorted(row["rollout_id"] for row in pq.read_table(io.BytesIO(body)).to_pylist()) == ["s1", "s2"]
+
 
 @MOTO
 async def test_shard_100000_is_newer_than_shard_99999(fresh: Any, tmp_path: Path, bucket_url: str) -> None:
@@ -192,7 +202,9 @@ async def test_shard_100000_is_newer_than_shard_99999(fresh: Any, tmp_path: Path
 
 
 @MOTO
-async def test_pending_drops_hold_the_listing_back(fresh: Any, tmp_path: Path, bucket_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_pending_drops_hold_the_listing_back(
+    fresh: Any, tmp_path: Path, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Memory stays bounded: a re-run with --drop scheduled one task per already-exported frozen
     rollout as fast as the listing streamed (about 1.8 KB each, while drops run 32 at a time and wait
     fence_grace): 1,000,000 rollouts held ~2 GB of pending drops. Found by measuring with tracemalloc."""
@@ -252,10 +264,25 @@ async def test_workers_stop_when_the_export_process_is_killed(fresh: Any, tmp_pa
         await put_chain(writer, rid, 2)
         await builder.freeze(rid)
     dest = tmp_path / "out"
-    command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--shard-rollouts", "2",
-               "--workers", "1", "--concurrency", "1", "--no-progress"]
-    proc = subprocess.Popen(command, env={**os.environ, HOLD_ENV: "1"}, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "s3capture.cli",
+        "export",
+        bucket_url,
+        "--out",
+        str(dest),
+        "--shard-rollouts",
+        "2",
+        "--workers",
+        "1",
+        "--concurrency",
+        "1",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        command, env={**os.environ, HOLD_ENV: "1"}, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         line = ""
         deadline = time.monotonic() + 120
@@ -307,7 +334,7 @@ async def test_a_destination_holding_the_captures_is_refused(fresh: Any, bucket_
     (the capture root itself, or the bucket root) made every run list and hold every captured
     object, O(captures) memory and LIST requests. Found reading ``_S3Destination.scan``."""
     await frozen_chains(fresh, ["h1"])
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     dest = bucket_url if where == "the source root" else f"s3://{bucket}"
     with pytest.raises(ValueError, match="contains the rollouts"):
         await export(bucket_url, dest, workers=0)
@@ -404,7 +431,9 @@ async def test_a_rollout_masked_after_an_unsealed_export_leaves_no_trainable_lat
 
 
 @MOTO
-async def test_a_shard_that_decided_nothing_leaves_no_manifest(fresh: Any, tmp_path: Path, bucket_url: str, s3_client: Any) -> None:
+async def test_a_shard_that_decided_nothing_leaves_no_manifest(
+    fresh: Any, tmp_path: Path, bucket_url: str, s3_client: Any
+) -> None:
     """A shard whose rollouts all failed or were skipped published an empty manifest (no data, no
     record), and every re-run of a persistent failure added one more: the destination filled with
     manifests each later scan must GET. Found by re-running an export of a damaged rollout."""
@@ -426,7 +455,9 @@ async def test_a_shard_that_decided_nothing_leaves_no_manifest(fresh: Any, tmp_p
 
 
 @MOTO
-async def test_a_destination_written_before_the_manifest_rename_keeps_its_rows(fresh: Any, tmp_path: Path, bucket_url: str) -> None:
+async def test_a_destination_written_before_the_manifest_rename_keeps_its_rows(
+    fresh: Any, tmp_path: Path, bucket_url: str
+) -> None:
     """Exports made before 57e594b named their manifests ``part-NNNNN.manifest.json``; the current
     scan did not see them as manifests, called their data files orphans and deleted them. After an
     export with --drop those rows existed nowhere else. Found by pointing a re-run at such a folder."""

@@ -135,8 +135,12 @@ MODES = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), NUMERIC + URLS + MODES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
-def test_bad_option_is_one_line_and_exit_2(guarded: None, capsys: pytest.CaptureFixture[str], argv: list[str], message: str):
+@pytest.mark.parametrize(
+    ("argv", "message"), NUMERIC + URLS + MODES, ids=lambda v: " ".join(v) if isinstance(v, list) else None
+)
+def test_bad_option_is_one_line_and_exit_2(
+    guarded: None, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+):
     line = _one_line_error(argv, capsys)
     assert message in line, line
 
@@ -153,19 +157,25 @@ def test_generated_size_is_what_synthetic_rollouts_makes(rollouts: int, calls: i
 @pytest.mark.parametrize("capture", ["store", "ledger"])
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--workers", "0"], "--workers"), (["--concurrency", "0"], "--concurrency"),
-     (["--parallel-rollouts", "0"], "--parallel-rollouts"), (["--rollouts", "0"], "--rollouts"),
-     (["--url", "s3://"], "--url")],
+    [
+        (["--workers", "0"], "--workers"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--parallel-rollouts", "0"], "--parallel-rollouts"),
+        (["--rollouts", "0"], "--rollouts"),
+        (["--url", "s3://"], "--url"),
+    ],
 )
-def test_each_capture_mode_checks_the_options(guarded: None, capsys: pytest.CaptureFixture[str], capture: str,
-                                              argv: list[str], message: str):
+def test_each_capture_mode_checks_the_options(
+    guarded: None, capsys: pytest.CaptureFixture[str], capture: str, argv: list[str], message: str
+):
     line = _one_line_error(["--capture", capture, *argv], capsys)
     assert f"argument {message}: " in line, line
 
 
 @pytest.mark.parametrize(("name", "value"), [("AWS_ENDPOINT_URL", "minio:9000"), ("AWS_ENDPOINT_URL_S3", "http://")])
-def test_endpoint_from_the_environment_is_checked(guarded: None, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str], name: str, value: str):
+def test_endpoint_from_the_environment_is_checked(
+    guarded: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, value: str
+):
     monkeypatch.setenv(name, value)
     line = _one_line_error(["--url", "s3://bkt/x"], capsys)
     assert line.startswith(f"s3capture demo: error: {name}: expected http://host[:port]"), line
@@ -204,7 +214,10 @@ def _inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "not JSON": ([str(not_json)], "notes.jsonl:1: invalid JSON"),
         "not a rollout": ([str(not_a_rollout)], "list.jsonl:1: a rollout line must be a JSON object"),
         "folder without .jsonl": ([str(folder)], f"input folder {folder} contains no .jsonl file"),
-        "empty file in a folder": ([str(folder_with_empty)], f"input {folder_with_empty / 'b.jsonl'}: no usable rollout"),
+        "empty file in a folder": (
+            [str(folder_with_empty)],
+            f"input {folder_with_empty / 'b.jsonl'}: no usable rollout",
+        ),
         "not a file": ([os.devnull], f"input {os.devnull} is neither a regular file nor a folder"),
         "same file twice": ([str(good), str(good)], "duplicate rollout id 'good-L1'"),
         "--rollouts with files": (["--rollouts", "3", str(good)], "--rollouts sizes the generated workload"),
@@ -212,15 +225,28 @@ def _inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
-INPUT_CASES = ["missing", "empty file", "blank lines only", "no model call", "empty beside a good one", "not JSON",
-               "not a rollout", "folder without .jsonl", "empty file in a folder", "not a file", "same file twice",
-               "--rollouts with files", "--calls with files"]
+INPUT_CASES = [
+    "missing",
+    "empty file",
+    "blank lines only",
+    "no model call",
+    "empty beside a good one",
+    "not JSON",
+    "not a rollout",
+    "folder without .jsonl",
+    "empty file in a folder",
+    "not a file",
+    "same file twice",
+    "--rollouts with files",
+    "--calls with files",
+]
 
 
 @pytest.mark.parametrize("capture", ["store", "ledger"])
 @pytest.mark.parametrize("case", INPUT_CASES)
-def test_bad_input_is_one_line_and_exit_2(guarded: None, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                          capture: str, case: str):
+def test_bad_input_is_one_line_and_exit_2(
+    guarded: None, capsys: pytest.CaptureFixture[str], tmp_path: Path, capture: str, case: str
+):
     argv, message = _inputs(tmp_path)[case]
     line = _one_line_error(["--capture", capture, *argv], capsys)
     assert message in line, line
@@ -260,19 +286,52 @@ def test_valid_options_and_inputs_reach_the_workload(guarded: None, tmp_path: Pa
     single = tmp_path / "b.jsonl"
     single.write_text("\n" + ROLLOUT + "\n")
     with pytest.raises(_Reached) as reached:
-        main(["demo", "--no-progress", "--capture", "ledger", "--url", "s3://bkt/run", "--staging-url",
-              "s3://other_bucket.x/stage", "--endpoint", "https://minio.example:9000/", "--workers", "256",
-              "--concurrency", "1", "--parallel-rollouts", "1", "--seed", "7", str(folder), str(single)])
+        main(
+            [
+                "demo",
+                "--no-progress",
+                "--capture",
+                "ledger",
+                "--url",
+                "s3://bkt/run",
+                "--staging-url",
+                "s3://other_bucket.x/stage",
+                "--endpoint",
+                "https://minio.example:9000/",
+                "--workers",
+                "256",
+                "--concurrency",
+                "1",
+                "--parallel-rollouts",
+                "1",
+                "--seed",
+                "7",
+                str(folder),
+                str(single),
+            ]
+        )
     assert reached.value.where == "run_workload"
     rollouts, url, env = reached.value.args_
     assert [r.rollout_id.split("@")[0] for r in rollouts] == ["a-L1", "a-L2", "a-L3", "b-L2"]
     assert [len(r.calls) for r in rollouts] == [1, 0, 1, 1]
     assert url == "s3://bkt/run"
-    assert env == {"AWS_ENDPOINT_URL": "https://minio.example:9000/", "AWS_ENDPOINT_URL_S3": "https://minio.example:9000/"}
+    assert env == {
+        "AWS_ENDPOINT_URL": "https://minio.example:9000/",
+        "AWS_ENDPOINT_URL_S3": "https://minio.example:9000/",
+    }
     assert isinstance(reached.value.kwargs.pop("wall_started"), float)  # the command's start, for the total wall time
-    assert reached.value.kwargs == dict(workers=256, concurrency=1, parallel_rollouts=1, delta=True, seed=7,
-                                        progress=False, capture="ledger", staging_url="s3://other_bucket.x/stage",
-                                        export_dest=None, keep=False)
+    assert reached.value.kwargs == dict(
+        workers=256,
+        concurrency=1,
+        parallel_rollouts=1,
+        delta=True,
+        seed=7,
+        progress=False,
+        capture="ledger",
+        staging_url="s3://other_bucket.x/stage",
+        export_dest=None,
+        keep=False,
+    )
 
 
 def test_generated_workload_defaults(guarded: None, monkeypatch: pytest.MonkeyPatch):
@@ -299,17 +358,24 @@ def _command(*args: str, timeout: float = 60, **env: str) -> tuple[subprocess.Co
     base["PYTHONPATH"] = str(REPO / "src") + os.pathsep + base.get("PYTHONPATH", "")
     base["AWS_CONFIG_FILE"] = base["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "s3capture.cli", "demo", "--no-progress", *args],
-                          env={**base, **env}, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "s3capture.cli", "demo", "--no-progress", *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - started
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--workers", "0"], "argument --workers: must be from 1 to 256, got 0"),
-     (["--url", "s3://"], "argument --url: no bucket in 's3://'"),
-     (["--capture", "ledger", "--parallel-rollouts", "0"], "argument --parallel-rollouts: must be from 1 to 100000"),
-     ([os.devnull], "is neither a regular file nor a folder")],
+    [
+        (["--workers", "0"], "argument --workers: must be from 1 to 256, got 0"),
+        (["--url", "s3://"], "argument --url: no bucket in 's3://'"),
+        (["--capture", "ledger", "--parallel-rollouts", "0"], "argument --parallel-rollouts: must be from 1 to 100000"),
+        ([os.devnull], "is neither a regular file nor a folder"),
+    ],
 )
 def test_command_prints_one_line_and_exits_2(argv: list[str], message: str):
     proc, seconds = _command(*argv)
@@ -327,9 +393,20 @@ def test_worker_that_cannot_start_ends_the_run_at_once(capture: str):
     with one rollout in flight that took minutes (the timeout below) before 'every model call failed'.
     """
     proc, seconds = _command(
-        "--capture", capture, "--endpoint", "http://127.0.0.1:1", "--url", "s3://s3capture-unreachable/run",
-        "--parallel-rollouts", "1", "--rollouts", "40", timeout=120,
-        AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
+        "--capture",
+        capture,
+        "--endpoint",
+        "http://127.0.0.1:1",
+        "--url",
+        "s3://s3capture-unreachable/run",
+        "--parallel-rollouts",
+        "1",
+        "--rollouts",
+        "40",
+        timeout=120,
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
         AWS_EC2_METADATA_DISABLED="true",
     )
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)

@@ -34,8 +34,6 @@ REQ = [system("Be brief."), user("Count.")]
 PROCESSES = 4
 
 
-
-
 def entry_keys(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:
     bucket, root = split_bucket_url(bucket_url)
     return [k for k in list_keys(s3_client, bucket, Layout(root).rollout(rollout_id)) if "/log/e/" in k]
@@ -94,7 +92,12 @@ async def test_conflicting_retries_racing_from_4_processes_mask_the_rollout(s3_s
     per_process = []
     for w in range(PROCESSES):
         per_process.append(
-            [encode_entry(make_entry("r-conf", f"call-{i}", REQ, assistant_output("x"), [1], [w], created_at=float(w))) for i in range(5)]
+            [
+                encode_entry(
+                    make_entry("r-conf", f"call-{i}", REQ, assistant_output("x"), [1], [w], created_at=float(w))
+                )
+                for i in range(5)
+            ]
         )
     outcomes = await asyncio.to_thread(run_put_processes, bucket_url, s3_server.env(), per_process)
     assert [o for w in outcomes for o in outcomes[w] if o[1] != "ok"] == []
@@ -151,7 +154,9 @@ async def test_late_writes_racing_freeze_never_drop_an_acknowledged_entry(fresh,
 
     dropped = await make().drop(rollout_id, snapshot.snapshot_id, snapshot.version)
     if acked - in_snapshot:
-        assert not dropped, f"drop succeeded although acknowledged entries {sorted(acked - in_snapshot)[:5]} are missing"
+        assert not dropped, (
+            f"drop succeeded although acknowledged entries {sorted(acked - in_snapshot)[:5]} are missing"
+        )
     # Stronger: every entry that landed (acknowledged or reported late) is in a snapshot that drops.
     if (acked | refused) - in_snapshot:
         assert not dropped

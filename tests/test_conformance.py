@@ -43,9 +43,16 @@ LEDGER_CHECKS = [name for name, needs, _ in CHECKS if needs == "l"]
 def test_check_names_are_unique_and_start_with_gyms_ten():
     assert len(NAMES) == len(set(NAMES)) == 25
     assert GYM_SUITE_NAMES == [
-        "put_then_freeze_visibility", "idempotent_reput", "conflicting_reput", "mark_incomplete_durability",
-        "freeze_idempotency", "post_freeze_write_safety", "conditional_retirement", "lineage_visibility",
-        "fresh_client_lineage_visibility", "begin_call_custody",
+        "put_then_freeze_visibility",
+        "idempotent_reput",
+        "conflicting_reput",
+        "mark_incomplete_durability",
+        "freeze_idempotency",
+        "post_freeze_write_safety",
+        "conditional_retirement",
+        "lineage_visibility",
+        "fresh_client_lineage_visibility",
+        "begin_call_custody",
     ]
 
 
@@ -94,8 +101,9 @@ class _Clients:
 
     def factories(self, **overrides: Any) -> dict[str, Any]:
         """The four factories over the real implementation, some replaced by ``overrides``."""
-        base = dict(sink_factory=self.store, source_factory=self.store, resolver_factory=self.store,
-                    ledger_factory=self.ledger)
+        base = dict(
+            sink_factory=self.store, source_factory=self.store, resolver_factory=self.store, ledger_factory=self.ledger
+        )
         base.update(overrides)
         return base
 
@@ -139,36 +147,47 @@ class Expected(NamedTuple):
 GYM_FILE_STORE_FAILURES = {
     "frozen_error_on_late_put": Expected(
         "a put after freeze raises a plain RuntimeError: Gym 0.7.0 has no TokenCaptureFrozenError",
-        "raised RuntimeError: Token capture for rollout"),
+        "raised RuntimeError: Token capture for rollout",
+    ),
     "source_retire_fences_late_put": Expected(
         "TokenCaptureStore has no retire() (only drop(), and a sync single-id delete())",
-        "'TokenCaptureStore' object has no attribute 'retire'"),
+        "'TokenCaptureStore' object has no attribute 'retire'",
+    ),
     "source_retire_idempotent": Expected(
-        "TokenCaptureStore has no retire()", "'TokenCaptureStore' object has no attribute 'retire'"),
+        "TokenCaptureStore has no retire()", "'TokenCaptureStore' object has no attribute 'retire'"
+    ),
     "mark_incomplete_after_retire": Expected(
-        "TokenCaptureStore has no retire()", "'TokenCaptureStore' object has no attribute 'retire'"),
+        "TokenCaptureStore has no retire()", "'TokenCaptureStore' object has no attribute 'retire'"
+    ),
     "source_delete_reuse": Expected(
         "TokenCaptureStore has no retire() and no batch async delete() returning a RolloutRemoval",
-        "'TokenCaptureStore' object has no attribute 'retire'"),
+        "'TokenCaptureStore' object has no attribute 'retire'",
+    ),
     "ledger_retire": Expected(
         "FileLineageStore has no retire() (no fence, no RolloutRetiredError)",
-        "'FileLineageStore' object has no attribute 'retire'"),
+        "'FileLineageStore' object has no attribute 'retire'",
+    ),
     "ledger_delete_reuse": Expected(
-        "FileLineageStore has no retire() or delete()", "'FileLineageStore' object has no attribute 'retire'"),
+        "FileLineageStore has no retire() or delete()", "'FileLineageStore' object has no attribute 'retire'"
+    ),
     "protocol_shapes_and_install": Expected(
         "without retire()/delete() neither store satisfies TokenSource or CaptureLedger (runtime isinstance)",
-        "TokenCaptureStore lacks methods of TokenSource"),
+        "TokenCaptureStore lacks methods of TokenSource",
+    ),
 }
 """Checks Gym 0.7.0's TokenCaptureStore + FileLineageStore fail: they predate retire/delete/the errors."""
 
 GYM_IN_MEMORY_LEDGER_FAILURES = {
     "ledger_retire": Expected(
-        "InMemoryLineageStore has no retire()", "'InMemoryLineageStore' object has no attribute 'retire'"),
+        "InMemoryLineageStore has no retire()", "'InMemoryLineageStore' object has no attribute 'retire'"
+    ),
     "ledger_delete_reuse": Expected(
-        "InMemoryLineageStore has no retire() or delete()", "'InMemoryLineageStore' object has no attribute 'retire'"),
+        "InMemoryLineageStore has no retire() or delete()", "'InMemoryLineageStore' object has no attribute 'retire'"
+    ),
     "protocol_shapes_and_install": Expected(
         "without retire()/delete() it is not a CaptureLedger (runtime isinstance)",
-        "InMemoryLineageStore lacks methods of CaptureLedger"),
+        "InMemoryLineageStore lacks methods of CaptureLedger",
+    ),
 }
 """Ledger checks Gym 0.7.0's InMemoryLineageStore fails (it is the ledger only: the others are skipped)."""
 
@@ -196,8 +215,11 @@ async def test_gym_file_stores(tmp_path):
         return factory
 
     report = await run_conformance(
-        sink_factory=make(TokenCaptureStore), source_factory=make(TokenCaptureStore),
-        resolver_factory=make(FileLineageStore), ledger_factory=make(FileLineageStore), entry_type="gym",
+        sink_factory=make(TokenCaptureStore),
+        source_factory=make(TokenCaptureStore),
+        resolver_factory=make(FileLineageStore),
+        ledger_factory=make(FileLineageStore),
+        entry_type="gym",
     )
     # Gym's ledgers have no begin_call extension (s3capture's S3CaptureLedger does).
     assert report.skipped == list(GYM_LEDGER_SKIPS)
@@ -353,8 +375,12 @@ MUTANTS = {
     ),
     "sink_swallows_frozen": Mutant(
         lambda c: {"sink_factory": lambda: c.make(SwallowsFrozen)},
-        ["post_freeze_write_safety", "frozen_error_on_late_put", "source_retire_fences_late_put",
-         "mark_incomplete_after_retire"],
+        [
+            "post_freeze_write_safety",
+            "frozen_error_on_late_put",
+            "source_retire_fences_late_put",
+            "mark_incomplete_after_retire",
+        ],
         {
             "frozen_error_on_late_put": "a put issued after freeze returned succeeded",
             "source_retire_fences_late_put": "a put after retire succeeded",
@@ -426,7 +452,11 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) ->
     base["AWS_CONFIG_FILE"] = base["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
     return subprocess.run(
         [sys.executable, "-m", "s3capture.cli", "conformance", *args],
-        cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -461,8 +491,13 @@ def test_cli_unknown_check_exits_2_with_one_line():
 def test_cli_explicit_url_and_endpoint(s3_server, bucket_url, s3_client):
     env = {k: v for k, v in s3_server.env().items() if k != "AWS_ENDPOINT_URL"}  # --endpoint must be used
     checks = ["lineage_visibility", "ledger_record_visibility"]
-    done = _cli(f"{bucket_url}/cli", "--endpoint", s3_server.endpoint_url,
-                *[arg for name in checks for arg in ("--check", name)], env=env)
+    done = _cli(
+        f"{bucket_url}/cli",
+        "--endpoint",
+        s3_server.endpoint_url,
+        *[arg for name in checks for arg in ("--check", name)],
+        env=env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[0] == f"s3capture conformance against {bucket_url}/cli on {s3_server.endpoint_url}"
     assert _marks(done.stdout) == {name: "PASS" for name in checks}
@@ -512,7 +547,12 @@ def test_the_suite_imports_without_aioboto3_botocore_or_gym():
         "import s3capture.conformance as c, s3capture.ledger_records, s3capture.staging\n"
         "print(len(c.CHECKS))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(len(NAMES))

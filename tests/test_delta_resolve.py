@@ -76,7 +76,9 @@ def checkpoint_key(prefix: str, entry: Any) -> str:
 # --------------------------------------------------------------------------- the bound
 
 
-async def test_fresh_client_resolves_a_1000_call_delta_rollout_in_three_round_trips(fresh, s3_client, bucket_url, s3_server):
+async def test_fresh_client_resolves_a_1000_call_delta_rollout_in_three_round_trips(
+    fresh, s3_client, bucket_url, s3_server
+):
     # 1,000 calls on moto; the same bound at 160 calls (ten checkpoints) on the other servers keeps
     # CI under its budget: the request pattern does not depend on the depth beyond the first K.
     depth = 1000 if s3_server.kind == "moto" else 160
@@ -88,7 +90,9 @@ async def test_fresh_client_resolves_a_1000_call_delta_rollout_in_three_round_tr
     checkpoints = sorted(k for k in list_keys(s3_client, bucket, prefix) if k.startswith(prefix + "cum/"))
     assert checkpoints == sorted(checkpoint_key(prefix, entries[i]) for i in range(K, depth, K))
     body = s3_client.get_object(Bucket=bucket, Key=checkpoint_key(prefix, entries[5 * K]))["Body"].read()
-    assert zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 24) == encode_token_ids(turns[5 * K].cumulative)
+    assert zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 24) == encode_token_ids(
+        turns[5 * K].cumulative
+    )
 
     for index in (1, 2, K - 1, K, K + 1, 2 * K - 1, depth // 2, depth - 9, depth - 8, depth - 7, depth - 2, depth - 1):
         resolver = fresh()
@@ -109,7 +113,10 @@ async def test_fresh_client_resolves_a_1000_call_delta_rollout_in_three_round_tr
             assert fetched == {entry_key(prefix, entries[index]), checkpoint_key(prefix, entries[index])}
         else:
             base = index - since
-            assert fetched == {checkpoint_key(prefix, entries[base]), *(entry_key(prefix, e) for e in entries[base : index + 1])}
+            assert fetched == {
+                checkpoint_key(prefix, entries[base]),
+                *(entry_key(prefix, e) for e in entries[base : index + 1]),
+            }
         # Warm: the same client again needs only the LIST.
         rec.reset()
         assert_resolved_to(await resolver.resolve("r-long", next_request(turns[index])), turns[index])
@@ -133,7 +140,9 @@ async def test_workers_that_never_saw_the_chain_write_checkpoints_too(fresh, s3_
     resolver = fresh()
     rec = await RequestRecorder.attach(resolver)
     assert_resolved_to(await resolver.resolve("r-gym", next_request(turns[-1])), turns[-1])
-    assert round_trips(rec) <= 3 and rec.counts()[GET] == 2 + (depth - 1) % K  # candidate, deltas since call 2K, checkpoint
+    assert (
+        round_trips(rec) <= 3 and rec.counts()[GET] == 2 + (depth - 1) % K
+    )  # candidate, deltas since call 2K, checkpoint
 
 
 # --------------------------------------------------------------------------- damaged checkpoints
@@ -141,7 +150,10 @@ async def test_workers_that_never_saw_the_chain_write_checkpoints_too(fresh, s3_
 DEPTH = 2 * K + 5  # checkpoints beside calls K and 2K; the deepest call's base is call 2K
 
 
-@pytest.mark.parametrize("damage", ["garbage", "other-tokens", "wrong-length", "truncated", "deleted", "swapped-base", "swapped-self", "foreign-hint"])
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "other-tokens", "wrong-length", "truncated", "deleted", "swapped-base", "swapped-self", "foreign-hint"],
+)
 async def test_damaged_checkpoint_never_gives_a_wrong_resolved(fresh, s3_client, bucket_url, damage):
     writer = fresh()
     turns, entries = await put_chain(writer, "r-cp", DEPTH)
@@ -157,7 +169,12 @@ async def test_damaged_checkpoint_never_gives_a_wrong_resolved(fresh, s3_client,
         put_bytes(s3_client, bucket, victim, zstandard.ZstdCompressor().compress(encode_token_ids(wrong)))
     elif damage == "wrong-length":
         raw = encode_token_ids(turns[2 * K].cumulative)
-        put_bytes(s3_client, bucket, victim, zstandard.ZstdCompressor().compress(raw[:1] + (10**6).to_bytes(8, "big") + raw[9:]))
+        put_bytes(
+            s3_client,
+            bucket,
+            victim,
+            zstandard.ZstdCompressor().compress(raw[:1] + (10**6).to_bytes(8, "big") + raw[9:]),
+        )
     elif damage == "truncated":
         body = s3_client.get_object(Bucket=bucket, Key=victim)["Body"].read()
         put_bytes(s3_client, bucket, victim, body[: len(body) // 2])
@@ -201,7 +218,12 @@ async def test_damaged_checkpoint_and_broken_walk_is_unresolved(fresh, s3_client
     bucket, prefix = rollout_prefix(bucket_url, "r-cp")
     wrong = list(turns[2 * K].cumulative)
     wrong[0] += 1
-    put_bytes(s3_client, bucket, checkpoint_key(prefix, entries[2 * K]), zstandard.ZstdCompressor().compress(encode_token_ids(wrong)))
+    put_bytes(
+        s3_client,
+        bucket,
+        checkpoint_key(prefix, entries[2 * K]),
+        zstandard.ZstdCompressor().compress(encode_token_ids(wrong)),
+    )
     s3_client.delete_object(Bucket=bucket, Key=entry_key(prefix, entries[K + 5]))
     resolution = await fresh().resolve("r-cp", next_request(turns[-1]))
     assert resolution.status == UNRESOLVED and resolution.match is None, resolution
@@ -275,10 +297,11 @@ async def test_retire_drop_and_delete_remove_checkpoints(fresh, s3_client, bucke
 
     for rollout_id, left in (("r-retire", {"fence", "retired"}), ("r-drop", {"fence", "retired"}), ("r-delete", set())):
         bucket, prefix = rollout_prefix(bucket_url, rollout_id)
-        assert {k[len(prefix):] for k in list_keys(s3_client, bucket, prefix)} == left, rollout_id
+        assert {k[len(prefix) :] for k in list_keys(s3_client, bucket, prefix)} == left, rollout_id
 
 
 # --------------------------------------------------------------------------- compatibility
+
 
 class _OldEnvelope(msgspec.Struct, kw_only=True):
     """The envelope as readers before checkpoints decode it."""
@@ -299,11 +322,21 @@ async def test_objects_written_before_checkpoints_still_resolve(fresh, s3_client
     chains: list[list[str]] = []
     rels: list[str] = []
     for index, turn in enumerate(turns[:depth]):
-        entry = turn_entry("r-old", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        entry = turn_entry(
+            "r-old", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None
+        )
         payload = encode_entry(entry)
-        rel = layout.entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, hashlib.sha256(payload).hexdigest())
+        rel = layout.entry_rel(
+            prefix, entry.continuation_fingerprint, entry.model_call_id, hashlib.sha256(payload).hexdigest()
+        )
         chain = [] if not index else ([rels[-1]] if index == 1 else (chains[-1] + [rels[-1]])[-CHAIN_KEYS:])
-        body = b'{"chain":' + json.dumps(chain, separators=(",", ":")).encode() + b',"entry":' + payload + b',"format":"s3capture.entry/1"}'
+        body = (
+            b'{"chain":'
+            + json.dumps(chain, separators=(",", ":")).encode()
+            + b',"entry":'
+            + payload
+            + b',"format":"s3capture.entry/1"}'
+        )
         put_bytes(s3_client, bucket, prefix + rel, zstandard.ZstdCompressor().compress(body))
         chains.append(chain)
         rels.append(rel)
@@ -315,7 +348,9 @@ async def test_objects_written_before_checkpoints_still_resolve(fresh, s3_client
     for index in range(depth, depth + K + 2):
         resolution = await worker.resolve("r-old", turns[index].request_items)
         assert_resolved_to(resolution, turns[index - 1])
-        await worker.put(turn_entry("r-old", turns[index], delta=True, parent_cumulative=list(resolution.match.cumulative_token_ids)))
+        await worker.put(
+            turn_entry("r-old", turns[index], delta=True, parent_cumulative=list(resolution.match.cumulative_token_ids))
+        )
     assert [k for k in list_keys(s3_client, bucket, prefix) if k.startswith(prefix + "cum/")]
     cold = fresh()
     rec = await RequestRecorder.attach(cold)
@@ -331,12 +366,13 @@ async def test_readers_that_predate_checkpoints_read_new_objects(fresh, s3_clien
     bucket, prefix = rollout_prefix(bucket_url, "r-new")
     for index in (1, K, K + 1, 2 * K + 4):
         raw = zstandard.ZstdDecompressor().decompress(
-            s3_client.get_object(Bucket=bucket, Key=entry_key(prefix, entries[index]))["Body"].read(), max_output_size=1 << 24
+            s3_client.get_object(Bucket=bucket, Key=entry_key(prefix, entries[index]))["Body"].read(),
+            max_output_size=1 << 24,
         )
         old = msgspec.json.decode(raw, type=_OldEnvelope)
         assert bytes(old.entry) == encode_entry(entries[index])  # canonical bytes unchanged
-        ancestors = [entry_key(prefix, e)[len(prefix):] for e in entries[:index]]
-        assert old.chain == ancestors[-len(old.chain):] and 1 <= len(old.chain) <= CHAIN_KEYS
+        ancestors = [entry_key(prefix, e)[len(prefix) :] for e in entries[:index]]
+        assert old.chain == ancestors[-len(old.chain) :] and 1 <= len(old.chain) <= CHAIN_KEYS
 
     # An old reader is this one with the hints ignored: it still rebuilds every depth.
     original = S3TokenStore._decode_object

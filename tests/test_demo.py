@@ -62,10 +62,12 @@ def _run_demo(args: list[str], env_extra: dict[str, str] | None = None) -> str:
 def _times(out: str) -> dict[str, float]:
     """The summary's start-up, capture, builder and total wall times (seconds), checked for consistency."""
     times = {}
-    for name, pattern in (("startup", r"^  start-up: ([\d.]+) s \(\d+ worker processes"),
-                          ("capture", r"^  capture: (?:captured|committed) \d+ of \d+ model calls in ([\d.]+) s \([\d,.]+ calls/s"),
-                          ("build", r"^  (?:freeze\+verify[+a-z ()]*|manifest\+verify\+retire): ([\d.]+) s$"),
-                          ("total", r"^  total wall time: ([\d.]+) s")):
+    for name, pattern in (
+        ("startup", r"^  start-up: ([\d.]+) s \(\d+ worker processes"),
+        ("capture", r"^  capture: (?:captured|committed) \d+ of \d+ model calls in ([\d.]+) s \([\d,.]+ calls/s"),
+        ("build", r"^  (?:freeze\+verify[+a-z ()]*|manifest\+verify\+retire): ([\d.]+) s$"),
+        ("total", r"^  total wall time: ([\d.]+) s"),
+    ):
         match = re.search(pattern, out, re.MULTILINE)
         assert match, f"no {name} time in:\n{out}"
         times[name] = float(match.group(1))
@@ -93,8 +95,12 @@ def test_demo_replays_gym_rollouts_on_embedded_server(name: str, faithful: int):
     assert re.search(r"chains checked \d+, broken 0", out), out
     assert "UNRESOLVED 0" in out and "result: OK" in out
     _times(out)
-    assert re.search(r"^  stored: [\d.]+ [kMG]B for [\d,]+ tokens: [\d.]+ bytes per token, [\d.]+x Gym's JSONL of the same calls"
-                     r" \([\d.]+ bytes per token\)$", out, re.MULTILINE), out
+    assert re.search(
+        r"^  stored: [\d.]+ [kMG]B for [\d,]+ tokens: [\d.]+ bytes per token, [\d.]+x Gym's JSONL of the same calls"
+        r" \([\d.]+ bytes per token\)$",
+        out,
+        re.MULTILINE,
+    ), out
 
 
 @pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
@@ -103,7 +109,9 @@ def test_demo_generated_workload_against_configured_endpoint(s3_server, tmp_path
     import pyarrow.parquet as pq
 
     dest = tmp_path / "trajectories"
-    out = _run_demo(["--rollouts", "12", "--calls", "5", "--prompt-storage", "full", "--export", str(dest)], s3_server.env())
+    out = _run_demo(
+        ["--rollouts", "12", "--calls", "5", "--prompt-storage", "full", "--export", str(dest)], s3_server.env()
+    )
     assert "embedded moto" not in out and s3_server.endpoint_url in out
     assert _numbers(out, "faithful continuations RESOLVED to the right parent") == (48, 48)
     assert "trainable 12, masked 0" in out and "result: OK" in out
@@ -111,7 +119,10 @@ def test_demo_generated_workload_against_configured_endpoint(s3_server, tmp_path
     table = pq.read_table(dest)
     assert table.num_rows == 12 and not any(table.column("masked").to_pylist())
     assert all(n == 5 for n in table.column("num_calls").to_pylist())
-    assert all(len(t) == len(m) and sum(m) > 0 for t, m in zip(table.column("token_ids").to_pylist(), table.column("loss_mask").to_pylist()))
+    assert all(
+        len(t) == len(m) and sum(m) > 0
+        for t, m in zip(table.column("token_ids").to_pylist(), table.column("loss_mask").to_pylist())
+    )
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
@@ -119,9 +130,25 @@ def test_demo_against_a_missing_bucket_fails_with_one_clear_line(s3_server):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(s3_server.env())
     proc = subprocess.run(
-        [sys.executable, "-m", "s3capture.cli", "demo", "--no-progress", "--workers", "1", "--rollouts", "2",
-         "--calls", "2", "--url", "s3://no-such-bucket-s3capture/x"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "s3capture.cli",
+            "demo",
+            "--no-progress",
+            "--workers",
+            "1",
+            "--rollouts",
+            "2",
+            "--calls",
+            "2",
+            "--url",
+            "s3://no-such-bucket-s3capture/x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
@@ -129,7 +156,9 @@ def test_demo_against_a_missing_bucket_fails_with_one_clear_line(s3_server):
 
 
 @pytest.mark.parametrize("ci", ["true", ""])
-def test_missing_example_data_skips_locally_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ci: str):
+def test_missing_example_data_skips_locally_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ci: str
+):
     monkeypatch.setenv("CI", ci)
     (tmp_path / "present.jsonl").write_text("{}\n")
     assert example_file("present.jsonl", tmp_path) == tmp_path / "present.jsonl"
@@ -149,15 +178,16 @@ def test_a_worker_killed_mid_run_stops_the_run_at_once(s3_env, bucket_url, s3_cl
 
     def run() -> None:
         try:
-            run_workload(rollouts, bucket_url, s3_env.env(), workers=2, concurrency=4, parallel_rollouts=8,
-                         progress=False)
+            run_workload(
+                rollouts, bucket_url, s3_env.env(), workers=2, concurrency=4, parallel_rollouts=8, progress=False
+            )
             outcome["error"] = None
         except BaseException as error:  # noqa: BLE001 - examined below
             outcome["error"] = error
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    bucket = bucket_url[len("s3://"):].split("/", 1)[0]
+    bucket = bucket_url[len("s3://") :].split("/", 1)[0]
     deadline = time.monotonic() + 120
     while not s3_client.list_objects_v2(Bucket=bucket, MaxKeys=1).get("KeyCount"):  # calls are being served
         assert thread.is_alive() and time.monotonic() < deadline, outcome
@@ -186,8 +216,22 @@ def test_demo_keep_leaves_frozen_rollouts_that_export_reads(s3_server, bucket_ur
     env.update(s3_server.env())
     dest = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--no-progress", "--workers", "0"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "s3capture.cli",
+            "export",
+            bucket_url,
+            "--out",
+            str(dest),
+            "--no-progress",
+            "--workers",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = pq.read_table(dest)
@@ -217,7 +261,9 @@ def test_plain_progress_writes_whole_lines_every_tenth_and_every_few_seconds():
     progress.close()
     progress.update(1)  # after close: nothing more
     assert out.getvalue().splitlines() == [
-        "rollouts: 1/1,000 rollouts (0%), 6.0 s", "rollouts: 2/1,000 rollouts (0%), 12.0 s", "rollouts: 3/1,000 rollouts (0%), 18.0 s",
+        "rollouts: 1/1,000 rollouts (0%), 6.0 s",
+        "rollouts: 2/1,000 rollouts (0%), 12.0 s",
+        "rollouts: 3/1,000 rollouts (0%), 18.0 s",
     ]
 
 
@@ -243,8 +289,16 @@ def test_demo_off_a_terminal_prints_progress_lines_and_separate_times(s3_env, bu
     """stderr captured (not a terminal): whole progress lines, no carriage-return redraws; the summary
     reports worker start-up apart from capture time, and the total wall time."""
     started = time.perf_counter()
-    report = run_workload(synthetic_rollouts(4, 3, seed=7), bucket_url, s3_env.env(), workers=1, concurrency=4,
-                          parallel_rollouts=4, progress=True, wall_started=started)
+    report = run_workload(
+        synthetic_rollouts(4, 3, seed=7),
+        bucket_url,
+        s3_env.env(),
+        workers=1,
+        concurrency=4,
+        parallel_rollouts=4,
+        progress=True,
+        wall_started=started,
+    )
     err = capsys.readouterr().err
     assert "\r" not in err and err.endswith("\n"), err
     assert "model calls: 12/12 calls (100%)" in err and "freeze+verify+drop: 4/4 rollouts (100%)" in err, err

@@ -30,14 +30,21 @@ def _anyterminal(n: int) -> list[Any]:
 
 
 def _bucket(url: str) -> str:
-    return url[len("s3://"):].split("/", 1)[0]
+    return url[len("s3://") :].split("/", 1)[0]
 
 
 def _run(rollouts: list[Any], url: str, server: Any) -> tuple[Any, list[dict]]:
     manifests: list[dict] = []
     report = run_workload(
-        rollouts, url, server.env(), workers=2, concurrency=8, parallel_rollouts=8, progress=False,
-        capture="ledger", manifest_hook=manifests.append,
+        rollouts,
+        url,
+        server.env(),
+        workers=2,
+        concurrency=8,
+        parallel_rollouts=8,
+        progress=False,
+        capture="ledger",
+        manifest_hook=manifests.append,
     )
     return report, manifests
 
@@ -77,9 +84,15 @@ def test_ledger_demo_resolves_every_continuation_and_rebuilds_every_call(s3_env,
             assert row.prev_len == (rows[parent.model_call_id].cum_len if parent else 0)
             assert row.staging_key == f"{rollout.rollout_id}/{call.model_call_id}"
             assert row.response_id == f"resp-{call.model_call_id}" and row.output_fingerprint
-    for label in ("manifests valid: 3/3", "rollouts trainable (no failures): 3/3", "retired: 3/3",
-                  f"faithful continuations RESOLVED to the right parent: {calls - 3}/{calls - 3}",
-                  "ledger bytes:", "staged bytes:", "result: OK"):
+    for label in (
+        "manifests valid: 3/3",
+        "rollouts trainable (no failures): 3/3",
+        "retired: 3/3",
+        f"faithful continuations RESOLVED to the right parent: {calls - 3}/{calls - 3}",
+        "ledger bytes:",
+        "staged bytes:",
+        "result: OK",
+    ):
         assert label in out, out
     # The builder retired and deleted the ledgers and deleted the staged deltas: nothing is left.
     assert s3_client.list_objects_v2(Bucket=_bucket(bucket_url)).get("KeyCount", 0) == 0
@@ -91,7 +104,9 @@ def test_ledger_demo_records_failure_rows_and_masks_those_rollouts(s3_env, bucke
     # Rollout 0: call 1's prompt does not begin with call 0's tokens -> worker_capture_failed, and
     # call 2's parent (call 1) has no row -> unresolved_parent (so does call 3).
     bad = rollouts[0].calls[1]
-    rollouts[0].calls[1] = dataclasses.replace(bad, prompt_token_ids=[bad.prompt_token_ids[0] + 1, *bad.prompt_token_ids[1:]])
+    rollouts[0].calls[1] = dataclasses.replace(
+        bad, prompt_token_ids=[bad.prompt_token_ids[0] + 1, *bad.prompt_token_ids[1:]]
+    )
     # Rollout 1: call 2's request misquotes call 1's answer -> unresolved_parent (call 3 too).
     call = rollouts[1].calls[2]
     request = [dict(item) for item in call.request_items]
@@ -113,8 +128,11 @@ def test_ledger_demo_records_failure_rows_and_masks_those_rollouts(s3_env, bucke
     for manifest in manifests:
         gym.staging.records.RolloutManifest.model_validate(manifest)
     r0, r1, r2 = (r.rollout_id for r in rollouts)
-    assert failures[r0] == {(f"{r0}-c0001", "worker_capture_failed"), (f"{r0}-c0002", "unresolved_parent"),
-                            (f"{r0}-c0003", "unresolved_parent")}
+    assert failures[r0] == {
+        (f"{r0}-c0001", "worker_capture_failed"),
+        (f"{r0}-c0002", "unresolved_parent"),
+        (f"{r0}-c0003", "unresolved_parent"),
+    }
     assert failures[r1] == {(f"{r1}-c0002", "unresolved_parent"), (f"{r1}-c0003", "unresolved_parent")}
     assert failures[r2] == set()
     assert report.retired == 3 and report.staged_deleted == report.staged_objects == 7, out
@@ -127,9 +145,22 @@ def test_ledger_demo_command_on_anyterminal_hermes():
     require_gym()  # the command then also validates every manifest with Gym's RolloutManifest
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "s3capture.cli", "demo", "--capture", "ledger", "--no-progress", "--workers", "3",
-         str(anyterminal)],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "s3capture.cli",
+            "demo",
+            "--capture",
+            "ledger",
+            "--no-progress",
+            "--workers",
+            "3",
+            str(anyterminal),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr[-4000:]}"

@@ -49,12 +49,14 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def _keys(s3_client: Any, url: str) -> list[str]:
-    bucket, _, prefix = url[len("s3://"):].partition("/")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
     pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 
-def test_doctor_json_verdicts_of_each_server(s3_env: Any, bucket_url: str, s3_client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_json_verdicts_of_each_server(
+    s3_env: Any, bucket_url: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = _run(capsys, bucket_url, "--samples", SAMPLES, "--json")  # endpoint from AWS_ENDPOINT_URL
     report = json.loads(out)
     assert code == 0, (out, err)

@@ -79,8 +79,13 @@ def test_prepare_entry_gives_gym_bytes_and_the_reference_record_for_every_input_
 
 
 def test_the_fast_path_serves_ordinary_entries_of_every_kind(gym: Any) -> None:
-    d = _base(output_items=[{"type": "message", "content": [{"text": "hi", "logprobs": [-0.25]}]}], token_item_index=0,
-              routed_experts=[[1, 2], [3, 4]], parent_resolution="root", note={"k": [1, 2.5]})
+    d = _base(
+        output_items=[{"type": "message", "content": [{"text": "hi", "logprobs": [-0.25]}]}],
+        token_item_index=0,
+        routed_experts=[[1, 2], [3, 4]],
+        parent_resolution="root",
+        note={"k": [1, 2.5]},
+    )
     for kind, entry in _inputs(gym, d).items():
         assert _fast_copy(entry) is not None, kind
         assert prepare_entry(entry)[1] == _gym_bytes(gym, d), kind
@@ -156,7 +161,11 @@ def _mutate(entry: Any) -> None:
     get("output_items")[0]["content"][0]["annotations"].append({"x": 1})
     get("output_items").append({"type": "late"})
     get("routed_experts")[0].append(7)
-    extra = entry if isinstance(entry, dict) else (entry.extra_fields if isinstance(entry, TokenEntry) else entry.model_extra)
+    extra = (
+        entry
+        if isinstance(entry, dict)
+        else (entry.extra_fields if isinstance(entry, TokenEntry) else entry.model_extra)
+    )
     extra["harness"]["tags"].append("mutated")
 
 
@@ -197,8 +206,11 @@ def test_real_competitive_coding_entries_take_the_fast_path_and_match_gym(gym: A
     for rollout in load_rollouts([DATA / "competitive_coding.jsonl"]):
         for call in rollout.calls:
             entry = simple_entry(
-                rollout.rollout_id, call.model_call_id, prompt=list(call.prompt_token_ids),
-                generation=list(call.generation_token_ids), log_probs=list(call.generation_log_probs),
+                rollout.rollout_id,
+                call.model_call_id,
+                prompt=list(call.prompt_token_ids),
+                generation=list(call.generation_token_ids),
+                log_probs=list(call.generation_log_probs),
                 request_items=call.request_items,
             )
             d = json.loads(encode_entry(entry))

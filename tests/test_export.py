@@ -248,8 +248,16 @@ async def test_masked_include_builtin_builder_and_gym_jsonl(fresh: Any, bucket_u
 
     # Gym JSONL: each line is the dict Gym's consumer returns for the rollout (plus s3capture's reasons).
     folder = tmp_path / "jsonl"
-    summary = await export(bucket_url, str(folder), workers=0, min_age=0, format="gym-jsonl", masked="include",
-                           build_with="gym", shard_rollouts=5)
+    summary = await export(
+        bucket_url,
+        str(folder),
+        workers=0,
+        min_age=0,
+        format="gym-jsonl",
+        masked="include",
+        build_with="gym",
+        shard_rollouts=5,
+    )
     assert summary.ok and summary.exported == len(ids) and summary.masked_written == len(MASKED)
     lines = [json.loads(line) for part in sorted(folder.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
     assert sorted(line["rollout_id"] for line in lines) == sorted(ids + list(MASKED))
@@ -331,7 +339,11 @@ async def test_a_shard_reads_rollouts_from_the_listing_and_lists_again_only_what
     assert reader.request_counts.get("ListObjectsV2", 0) == lists_before  # no LIST of its own
     fresh_read = await fresh().read_snapshot("keep")
     assert (from_listing.snapshot_id, from_listing.version, from_listing.entries, from_listing.incomplete) == (
-        fresh_read.snapshot_id, fresh_read.version, fresh_read.entries, fresh_read.incomplete)
+        fresh_read.snapshot_id,
+        fresh_read.version,
+        fresh_read.entries,
+        fresh_read.incomplete,
+    )
     with pytest.raises(ValueError, match="outside its prefix"):
         await reader.read_snapshot("keep", listing=listed["gone"].listing)
 
@@ -342,7 +354,9 @@ async def test_a_shard_reads_rollouts_from_the_listing_and_lists_again_only_what
     with concurrent.futures.ThreadPoolExecutor(1) as thread:  # export_shard's clients live in its thread
         result = await asyncio.wrap_future(thread.submit(export_shard, job, 0, [listed["keep"], listed["gone"]]))
         await asyncio.wrap_future(thread.submit(_close_clients))
-    assert [(r.rollout_id, r.snapshot_id, r.written) for r in result.records] == [("keep", fresh_read.snapshot_id, True)]
+    assert [(r.rollout_id, r.snapshot_id, r.written) for r in result.records] == [
+        ("keep", fresh_read.snapshot_id, True)
+    ]
     assert [rid for rid, _ in result.skipped] == ["gone"] and result.skipped[0][1].startswith("retired")
     assert result.requests["source:ListObjectsV2"] == 1 and not result.failed
 
@@ -363,10 +377,24 @@ async def test_sigkill_between_shards_then_rerun_equals_an_uninterrupted_export(
     assert (await export(bucket_url, str(reference), workers=0)).exported == len(ids)
 
     dest = tmp_path / "killed"
-    command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest), "--drop",
-               "--shard-rollouts", "1", "--workers", "1", "--no-progress"]
-    proc = subprocess.Popen(command, env={**os.environ, HOLD_ENV: "3"}, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "s3capture.cli",
+        "export",
+        bucket_url,
+        "--out",
+        str(dest),
+        "--drop",
+        "--shard-rollouts",
+        "1",
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        command, env={**os.environ, HOLD_ENV: "3"}, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""
@@ -392,14 +420,22 @@ async def test_sigkill_between_shards_then_rerun_equals_an_uninterrupted_export(
     rerun = subprocess.run([*command, "--workers", "0", "--json"], capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     summary = json.loads(rerun.stdout)
-    assert summary["orphans_removed"] >= 1 and summary["already_exported"] == len(durable) - len(retired)  # dropped: not listed
+    assert summary["orphans_removed"] >= 1 and summary["already_exported"] == len(durable) - len(
+        retired
+    )  # dropped: not listed
     assert summary["dropped"] == len(ids) - len(retired)
     assert not (dest / "part-00042.parquet").exists()
     written_now = [m for m in await read_manifests(str(dest)) if any(r.rollout_id not in durable for r in m.rollouts)]
     assert written_now and min(m.shard for m in written_now) >= 43  # numbered after every file found
 
     def key(row: dict) -> tuple:
-        return (row["rollout_id"], row["chain_id"], row["snapshot_id"], tuple(row["token_ids"]), tuple(row["loss_mask"]))
+        return (
+            row["rollout_id"],
+            row["chain_id"],
+            row["snapshot_id"],
+            tuple(row["token_ids"]),
+            tuple(row["loss_mask"]),
+        )
 
     resumed, uninterrupted = sorted(map(key, read_rows(str(dest)))), sorted(map(key, read_rows(str(reference))))
     assert resumed == uninterrupted and len(set(resumed)) == len(resumed)
@@ -407,15 +443,20 @@ async def test_sigkill_between_shards_then_rerun_equals_an_uninterrupted_export(
     assert states == {**{rid: "retired" for rid in ids}, "r-masked": "frozen"}
 
 
-async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monkeypatch: pytest.MonkeyPatch,  # noqa: F811 - the fixture
-                                                            tmp_path: Path) -> None:
+async def test_a_read_only_exporter_exports_frozen_rollouts(
+    read_only: Any,  # noqa: F811 - the fixture
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
     """Credentials with GetObject and ListBucket only (SeaweedFS identities, a Ceph bucket policy)."""
     import aioboto3
 
     from s3capture.store import S3TokenStore
 
     endpoint, admin_keys, reader_keys, url = read_only
-    session = aioboto3.Session(aws_access_key_id=admin_keys[0], aws_secret_access_key=admin_keys[1], region_name="us-east-1")
+    session = aioboto3.Session(
+        aws_access_key_id=admin_keys[0], aws_secret_access_key=admin_keys[1], region_name="us-east-1"
+    )
     async with S3TokenStore(url, endpoint_url=endpoint, session=session) as writer:
         for rid in ("ro-1", "ro-2"):
             await put_chain(writer, rid, 3)
@@ -433,7 +474,9 @@ async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monk
     # open rollout and --drop of the frozen ones are refused; the frozen ones are still exported.
     denied = await export(url, str(tmp_path / "denied"), workers=0, min_age=0, freeze=True, drop=True)
     assert denied.exported == 2 and denied.failed == 1 and denied.drop_failed == 2, format_summary(denied)
-    assert "AccessDenied" in denied.failed_examples["store_error"][0] and denied.failed_examples["store_error"][0].startswith("ro-open")
+    assert "AccessDenied" in denied.failed_examples["store_error"][0] and denied.failed_examples["store_error"][
+        0
+    ].startswith("ro-open")
     assert all("AccessDenied" in line for line in denied.drop_failed_examples)
     async with S3TokenStore(url, endpoint_url=endpoint, session=session) as writer:
         assert await writer._list("") == keys_before
@@ -442,14 +485,28 @@ async def test_a_read_only_exporter_exports_frozen_rollouts(read_only: Any, monk
 # --------------------------------------------------------------------------- without a server
 def _built(rid: str, tokens: list[int], *, masked: bool = False) -> _Built:
     trajectory = SimpleNamespace(
-        chain_id="main", call_ids=["c1"], token_ids=tokens, loss_mask=[0] * (len(tokens) - 1) + [1],
+        chain_id="main",
+        call_ids=["c1"],
+        token_ids=tokens,
+        loss_mask=[0] * (len(tokens) - 1) + [1],
         logprobs=[0.0] * (len(tokens) - 1) + [-0.5],
     )
-    build = SimpleNamespace(rollout_id=rid, trajectories=[] if masked else [trajectory], masked=masked,
-                            mask_reasons=["marked_incomplete:c1"] if masked else [], metrics={"chains": 1, "roots": 1},
-                            gym_result=None)
-    return _Built(info=SimpleNamespace(rollout_id=rid, bytes=10), snapshot_id="s" * 32, version=1, build=build,
-                  masked=masked, reasons=list(build.mask_reasons))
+    build = SimpleNamespace(
+        rollout_id=rid,
+        trajectories=[] if masked else [trajectory],
+        masked=masked,
+        mask_reasons=["marked_incomplete:c1"] if masked else [],
+        metrics={"chains": 1, "roots": 1},
+        gym_result=None,
+    )
+    return _Built(
+        info=SimpleNamespace(rollout_id=rid, bytes=10),
+        snapshot_id="s" * 32,
+        version=1,
+        build=build,
+        masked=masked,
+        reasons=list(build.mask_reasons),
+    )
 
 
 async def test_row_groups_are_bounded_and_a_large_token_id_widens_the_shard_to_int64(tmp_path: Path) -> None:

@@ -36,7 +36,9 @@ def _import_ray() -> Any:
         import ray
     except ImportError as error:
         if running_under_ci():
-            pytest.fail(f"Ray is required under CI ({error}): pip install 's3capture[ray]' (in the test extra)", pytrace=False)
+            pytest.fail(
+                f"Ray is required under CI ({error}): pip install 's3capture[ray]' (in the test extra)", pytrace=False
+            )
         pytest.skip(f"Ray is not installed ({error}): pip install 's3capture[ray]'")
     return ray
 
@@ -128,8 +130,15 @@ async def test_the_ray_engine_writes_the_local_engines_files(
     # the credentials through runtime_env (the documented way); the endpoint travels in the job.
     credentials = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     progress = _Progress(False)
-    on_ray = await export(bucket_url, str(tmp_path / "ray"), engine="ray", workers=2, progress=progress,
-                          engine_options={"runtime_env": {"env_vars": credentials}}, **options)
+    on_ray = await export(
+        bucket_url,
+        str(tmp_path / "ray"),
+        engine="ray",
+        workers=2,
+        progress=progress,
+        engine_options={"runtime_env": {"env_vars": credentials}},
+        **options,
+    )
     assert on_ray.ok, format_summary(on_ray)
 
     # The same summary (request counts by kind included), bar the destination and the wall time.
@@ -142,7 +151,11 @@ async def test_the_ray_engine_writes_the_local_engines_files(
     assert comparable(on_ray) == comparable(local)
     # Progress came back from the Ray workers and adds up to what was written.
     assert (progress.rollouts, progress.trajectories, progress.tokens, progress.bytes) == (
-        len(ids) + len(MASKED), on_ray.trajectories, on_ray.tokens, on_ray.bytes_read)
+        len(ids) + len(MASKED),
+        on_ray.trajectories,
+        on_ray.tokens,
+        on_ray.bytes_read,
+    )
 
     # The same files: names, byte-identical data files, manifests equal up to their timestamps.
     a, b = _folder(tmp_path / "local"), _folder(tmp_path / "ray")
@@ -156,8 +169,9 @@ async def test_the_ray_engine_writes_the_local_engines_files(
 
 
 # --------------------------------------------------------------------------- without Ray or a server
-def test_engine_ray_without_ray_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-                                                    tmp_path: Path) -> None:
+def test_engine_ray_without_ray_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     assert main(["export", "s3://bkt/p", "--out", str(tmp_path / "x"), "--engine", "ray"]) == 2
     err = capsys.readouterr().err
@@ -174,8 +188,9 @@ def test_engine_ray_without_ray_is_a_one_line_error(monkeypatch: pytest.MonkeyPa
         (["--engine", "ray", "--ray-env", "S3CAPTURE_SURELY_UNSET_VARIABLE"], "not set"),
     ],
 )
-def test_ray_options_usage_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str],
-                                               message: str) -> None:
+def test_ray_options_usage_errors_are_one_line(
+    capsys: pytest.CaptureFixture, tmp_path: Path, args: list[str], message: str
+) -> None:
     if "--engine" in args:
         _import_ray()
     assert main(["export", "s3://bkt/p", "--out", str(tmp_path / "x"), *args]) == 2

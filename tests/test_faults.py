@@ -124,7 +124,9 @@ def ledger_chain(rollout: str, n: int) -> list[dict]:
     out: list[dict] = []
     request = list(REQ)
     for i in range(n):
-        commit = make_commit(rollout, f"call-{i}", request, assistant_output(f"answer {i}"), parent=out[-1] if out else None)
+        commit = make_commit(
+            rollout, f"call-{i}", request, assistant_output(f"answer {i}"), parent=out[-1] if out else None
+        )
         out.append(commit)
         request = continuation(commit, f"q{i}")
     return out
@@ -144,7 +146,7 @@ async def fence_body(s3_client: Any, bucket_url: str, rollout: str) -> bytes:
 
 # =========================================================================== 1
 async def test_1_put_that_finds_the_rollout_retired_never_deletes_a_shared_key(fresh, proxy, s3_client, bucket_url):
-    """"put(c1) returns; freeze returns {c1}, complete; during drop, after the retired fence is
+    """ "put(c1) returns; freeze returns {c1}, complete; during drop, after the retired fence is
     written and before drop's final LIST, an identical retry of put(c1) reads 'retired' and deletes
     the shared key [...]. The acknowledged entry is gone. begin_call's intent key has the same
     shape." End state: drop returned True having consumed c1, or a later freeze still has c1 (and a
@@ -207,7 +209,7 @@ async def test_1_put_that_finds_the_rollout_retired_never_deletes_a_shared_key(f
 
 # =========================================================================== 2
 async def test_2_drop_on_a_clock_skewed_store_waits_on_one_clock(fresh, proxy):
-    """"On a store whose nodes disagree by 20 s, drop returned True after 0.5 s while a put that
+    """ "On a store whose nodes disagree by 20 s, drop returned True after 0.5 s while a put that
     had read the fence as open before the freeze was acknowledged 2.9 s later, outside the
     snapshot." Here every Date is 20 s ahead and fence_grace is 2 s. The put reads the fence (open)
     before the freeze; its PUT is held until drop has written its retired fence (+0.3 s) or for
@@ -248,7 +250,7 @@ async def test_2_drop_on_a_clock_skewed_store_waits_on_one_clock(fresh, proxy):
 
 # =========================================================================== 3
 async def test_3_sibling_prefix_keys_in_a_listing_are_never_deleted(fresh, ledgers, proxy, s3_client, bucket_url):
-    """"A server that answers Prefix=…/rollouts/r1/ with keys of …/rollouts/r1000/ makes retire,
+    """ "A server that answers Prefix=…/rollouts/r1/ with keys of …/rollouts/r1000/ makes retire,
     delete and drop of r1 delete every object of r1000, in the token store and the ledger.\""""
     direct, ledger = fresh(fence_grace=GRACE), ledgers()
     for rollout in ("r1", "r1000"):
@@ -278,7 +280,7 @@ async def test_3_sibling_prefix_keys_in_a_listing_are_never_deleted(fresh, ledge
 
 
 async def test_3_empty_list_body_is_a_store_error_never_an_empty_snapshot(fresh, proxy):
-    """"A 200 LIST with an empty or unparseable body [...] is a store error (retried, then
+    """ "A 200 LIST with an empty or unparseable body [...] is a store error (retried, then
     StoreError), never 'no objects': today an empty-bodied LIST makes freeze return an empty,
     complete snapshot.\""""
     direct = fresh(fence_grace=GRACE)
@@ -293,7 +295,7 @@ async def test_3_empty_list_body_is_a_store_error_never_an_empty_snapshot(fresh,
 
 
 async def test_3_truncated_page_without_a_token_is_retried_then_a_store_error(fresh, proxy):
-    """"A truncated page without a continuation token [...] is a store error (retried, then
+    """ "A truncated page without a continuation token [...] is a store error (retried, then
     StoreError)."""
     direct = fresh(fence_grace=GRACE)
     via = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
@@ -308,7 +310,7 @@ async def test_3_truncated_page_without_a_token_is_retried_then_a_store_error(fr
 
 
 async def test_3_key_repeated_across_pages_is_retried_then_a_store_error(fresh, proxy):
-    """"A key repeated across pages is a store error (retried, then StoreError), never [counted]."""
+    """ "A key repeated across pages is a store error (retried, then StoreError), never [counted]."""
     direct = fresh(fence_grace=GRACE)
     via = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
     for rollout in ("once", "always"):
@@ -323,7 +325,7 @@ async def test_3_key_repeated_across_pages_is_retried_then_a_store_error(fresh, 
 
 
 async def test_3_listing_without_what_this_client_just_wrote_is_never_built_on(fresh, proxy):
-    """"A freeze's LIST must show the fence that freeze just wrote, and drop's decisive LIST the
+    """ "A freeze's LIST must show the fence that freeze just wrote, and drop's decisive LIST the
     tombstone it just wrote; a listing that lacks them is stale or incomplete: retry with backoff,
     then raise. Never build a snapshot or a drop decision on it." The proxy hides the keys PUT
     through it in the last 60 s."""
@@ -362,7 +364,7 @@ async def test_3_listing_without_what_this_client_just_wrote_is_never_built_on(f
 
 # =========================================================================== 4
 async def test_4_a_hole_a_listing_hides_is_masked(fresh, ledgers, proxy):
-    """"A listing that skips one key at a page boundary gives, for a 5-call chain with no intents, a
+    """ "A listing that skips one key at a page boundary gives, for a 5-call chain with no intents, a
     trainable snapshot of 4 entries: only delta entries are checked for a missing parent.\"
     Required: missing_parent:<cid> for full prompts too; the ledger's manifest reports it."""
     direct = fresh(fence_grace=GRACE)
@@ -381,14 +383,14 @@ async def test_4_a_hole_a_listing_hides_is_masked(fresh, ledgers, proxy):
     proxy.rule = rule_for(lists("q/"), ListSkip(match="/ledger/row/call-2/"))
     manifest = ok(await outcome(ledgers(endpoint_url=proxy.endpoint).manifest("q")), "manifest")
     assert len(manifest["records"]) == 4
-    assert ("call-3", "missing_parent_row") in [(f["model_call_id"], f["reason"]) for f in manifest["failures"]], manifest[
-        "failures"
-    ]
+    assert ("call-3", "missing_parent_row") in [(f["model_call_id"], f["reason"]) for f in manifest["failures"]], (
+        manifest["failures"]
+    )
 
 
 # =========================================================================== 5
 async def test_5_a_cancelled_marker_is_spilled_before_the_cancellation_propagates(fresh, ledgers, proxy, tmp_path):
-    """"A caller's deadline (asyncio.wait_for(..., 3)) against a store that accepts the PUT and never
+    """ "A caller's deadline (asyncio.wait_for(..., 3)) against a store that accepts the PUT and never
     answers cancels the coroutine; nothing is stored or spilled and the rollout later freezes
     trainable." Also for S3CaptureLedger.record_failure."""
     release = asyncio.Event()
@@ -413,7 +415,9 @@ async def test_5_a_cancelled_marker_is_spilled_before_the_cancellation_propagate
         release.set()
         proxy.rule = None
     assert spilled(spill), "the cancelled marker and failure row were not spilled"
-    replayed = ok(await outcome(fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE, spill_dir=spill).replay_spill()), "replay")
+    replayed = ok(
+        await outcome(fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE, spill_dir=spill).replay_spill()), "replay"
+    )
     assert replayed >= 2
     snapshot = await fresh(fence_grace=GRACE).freeze("r")
     assert snapshot.incomplete, "a cancelled mark_incomplete was lost: the rollout froze trainable"
@@ -423,7 +427,7 @@ async def test_5_a_cancelled_marker_is_spilled_before_the_cancellation_propagate
 
 # =========================================================================== 6
 async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered(fresh, s3_server, tmp_path):
-    """"Its file is keyed by bucket name only, so a marker for endpoint B is replayed into endpoint A
+    """ "Its file is keyed by bucket name only, so a marker for endpoint B is replayed into endpoint A
     when both have a bucket bkt; a claim left by a crashed replay is never replayed when the new
     process gets the same PID (containers: PID 1), because liveness is judged by kill(pid, 0).\""""
     from botocore.config import Config
@@ -451,7 +455,9 @@ async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered
         (path,) = spilled(spill)
         os.replace(path, f"{path}.{os.getpid()}-{uuid.uuid4().hex}.replay")
         b.rule = None
-        replayed = ok(await outcome(fresh(endpoint_url=b.endpoint, spill_dir=spill, fence_grace=GRACE).replay_spill()), "replay")
+        replayed = ok(
+            await outcome(fresh(endpoint_url=b.endpoint, spill_dir=spill, fence_grace=GRACE).replay_spill()), "replay"
+        )
         assert replayed == 1, "a crashed replay's claim was not recovered by the next replay"
         assert (await fresh(fence_grace=GRACE).freeze("rc")).incomplete
 
@@ -459,7 +465,7 @@ async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered
 # =========================================================================== 7
 @pytest.mark.parametrize("fault", [CutBody(0.5), ShortBody(0.5)], ids=["cut", "short"])
 async def test_7_get_bodies_cut_or_short_are_retried_then_a_store_error(fresh, proxy, fault):
-    """"A GET body cut mid-stream raises aiohttp's ClientPayloadError out of freeze, resolve, put and
+    """ "A GET body cut mid-stream raises aiohttp's ClientPayloadError out of freeze, resolve, put and
     begin_call (not a StoreError, not retried); a silently short body is reported as corruption."
     A one-off fault is retried; a persistent one is a StoreError naming GET and the key (a body
     that is short every time may also read as unreadable: it is indistinguishable from corruption)."""
@@ -499,7 +505,9 @@ async def test_7_get_bodies_cut_or_short_are_retried_then_a_store_error(fresh, p
     await direct.retire(["rb"])
     proxy.rule = once(get_of("/rollouts/rb/fence"), fault)
     result = await outcome(via().begin_call("rb", "c2"))
-    assert isinstance(result, TokenCaptureRetiredError), f"begin_call on a retired rollout gave {type(result).__name__}: {result}"
+    assert isinstance(result, TokenCaptureRetiredError), (
+        f"begin_call on a retired rollout gave {type(result).__name__}: {result}"
+    )
 
     # a persistent fault
     await direct.put(simple_entry("rx", "c1"))
@@ -513,7 +521,7 @@ async def test_7_get_bodies_cut_or_short_are_retried_then_a_store_error(fresh, p
 
 # =========================================================================== 8
 async def test_8_expired_credentials_are_refreshed_without_a_restart(fresh, proxy, monkeypatch, tmp_path):
-    """"After ExpiredToken every call fails until restart and spilled markers cannot be replayed,
+    """ "After ExpiredToken every call fails until restart and spilled markers cannot be replayed,
     while a new store in the same process works at once." The proxy signs every request again with
     the server's key, so any key id works on every server, and answers ExpiredToken to the old one."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "OLDKEYID")
@@ -538,14 +546,16 @@ async def test_8_expired_credentials_are_refreshed_without_a_restart(fresh, prox
 
 # =========================================================================== 9
 def test_9_one_store_from_two_event_loops_and_a_thread(s3_env, bucket_url):
-    """"One store used from two event loops (a sync wrapper calling asyncio.run per operation) [...]
+    """ "One store used from two event loops (a sync wrapper calling asyncio.run per operation) [...]
     fails after 5–12 s of retries with a StoreError that reads like an outage.\""""
     store = S3TokenStore(bucket_url, fence_grace=GRACE)
     started = time.monotonic()
     ok(_run_quietly(lambda: asyncio.run(store.put(simple_entry("r", "c1")))), "put in a first asyncio.run")
     ok(_run_quietly(lambda: asyncio.run(store.put(simple_entry("r", "c2")))), "put in a second asyncio.run")
     results: list[Any] = []
-    thread = threading.Thread(target=lambda: results.append(_run_quietly(lambda: asyncio.run(store.put(simple_entry("r", "c3"))))))
+    thread = threading.Thread(
+        target=lambda: results.append(_run_quietly(lambda: asyncio.run(store.put(simple_entry("r", "c3")))))
+    )
     thread.start()
     thread.join(60)
     ok(results[0], "put from another thread")
@@ -613,7 +623,7 @@ def _open_sessions() -> set[int]:
 
 
 async def test_9_close_racing_the_first_request_leaves_nothing_open_or_landing(fresh, proxy):
-    """"close() racing the first request leaks an aiohttp session and lets a put land after close
+    """ "close() racing the first request leaks an aiohttp session and lets a put land after close
     returned." After close returns nothing is open and no request reaches the server; tried with
     close called 0, 1 and 3 loop iterations after the first put started, and with the put's PUT in
     flight (held 0.3 s by the proxy)."""
@@ -638,7 +648,9 @@ async def test_9_close_racing_the_first_request_leaves_nothing_open_or_landing(f
         await store.close()
         closed_at = time.monotonic()
         result = await outcome(putting)
-        assert result is None or isinstance(result, StoreError), f"put racing close gave {type(result).__name__}: {result}"
+        assert result is None or isinstance(result, StoreError), (
+            f"put racing close gave {type(result).__name__}: {result}"
+        )
         await asyncio.sleep(0.4)
         late = [r.path for r in proxy.requests if r.forwarded is not None and r.forwarded > closed_at]
         assert not late, f"[{variant}] requests reached the server after close() returned: {late}"
@@ -648,7 +660,7 @@ async def test_9_close_racing_the_first_request_leaves_nothing_open_or_landing(f
 
 # =========================================================================== 10
 async def test_10_non_canonical_entry_bytes_mask_and_never_resolve(fresh, s3_client, bucket_url):
-    """"An entry object whose JSON repeats a key (generation_token_ids twice) decodes last-wins and
+    """ "An entry object whose JSON repeats a key (generation_token_ids twice) decodes last-wins and
     is trainable, though its digest contradicts its tokens." Correctly zstd'd, its key naming the
     SHA-256 of its bytes."""
     store = fresh(fence_grace=GRACE)
@@ -678,7 +690,7 @@ async def test_10_non_canonical_entry_bytes_mask_and_never_resolve(fresh, s3_cli
 # =========================================================================== 11
 @pytest.mark.parametrize("root", ["runs/./42", "runs/x/../42", "./42"])
 async def test_11_roots_a_server_rewrites_are_refused_at_construction(s3_env, bucket_url, root):
-    """"s3://bkt/runs/./42 or …/x/../42 is accepted by the constructor; SeaweedFS then answers every
+    """ "s3://bkt/runs/./42 or …/x/../42 is accepted by the constructor; SeaweedFS then answers every
     request with InvalidRequest." Required: ValueError at construction, like //."""
     from s3capture.ledger import S3CaptureLedger
 

@@ -37,12 +37,15 @@ def gym() -> Any:
     """``nemo_gym.token_id_capture`` via ``require_gym()``, resolved before hypothesis starts drawing."""
     return require_gym()
 
+
 GOLDEN = Path(__file__).parent / "golden" / "fingerprints.json"
 ROOT = Path(__file__).resolve().parent.parent
 # The shared example data sits beside the checkout: <checkout>/../shared/data/gym-example-rollouts.
 EXAMPLE_ROLLOUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
 
-PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 # ---------------------------------------------------------------------------------------------
 # Strategies
@@ -53,7 +56,24 @@ PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 # float (see test_out_of_range_content_after_a_float_is_refused_like_gym). Out-of-range integers
 # are generated only in float-free argument strings, where both implementations refuse them.
 
-SPECIAL_FLOATS = [1e16, 1e17, 1e21, 1e22, 1.5e300, 1e-7, 1e-5, 1e-4, 2.5e-5, 5e-324, -0.0, 0.1, 1e15, 123456789012345678.0, 2.0**63, 2.0**64]
+SPECIAL_FLOATS = [
+    1e16,
+    1e17,
+    1e21,
+    1e22,
+    1.5e300,
+    1e-7,
+    1e-5,
+    1e-4,
+    2.5e-5,
+    5e-324,
+    -0.0,
+    0.1,
+    1e15,
+    123456789012345678.0,
+    2.0**63,
+    2.0**64,
+]
 floats = st.one_of(
     st.sampled_from(SPECIAL_FLOATS).flatmap(lambda x: st.sampled_from([x, -x])),
     st.floats(allow_nan=False, allow_infinity=False),
@@ -84,13 +104,37 @@ def argument_values(draw: Any) -> Any:
         separators = draw(st.sampled_from([None, (",", ":"), (" , ", " : ")]))
         return json.dumps(value, indent=indent, separators=separators, ensure_ascii=draw(st.booleans()))
     if kind == 3:  # numbers spelled the way JSON allows but Python never writes
-        number = draw(st.sampled_from(["1e16", "1E16", "1e+16", "1e-7", "-2.5E-5", "1.0e0", "0e0", "1e400", "-1e400", "12345678901234567890", "-0", "0.0", "1E+2"]))
+        number = draw(
+            st.sampled_from(
+                [
+                    "1e16",
+                    "1E16",
+                    "1e+16",
+                    "1e-7",
+                    "-2.5E-5",
+                    "1.0e0",
+                    "0e0",
+                    "1e400",
+                    "-1e400",
+                    "12345678901234567890",
+                    "-0",
+                    "0.0",
+                    "1E+2",
+                ]
+            )
+        )
         key = draw(keys)
-        return draw(st.sampled_from(["{{{k}: {n}}}", "[{n}, {{{k}: [{n}]}}]", "{n}", "  {{ {k} :\n {n} }}  "])).format(k=json.dumps(key), n=number)
+        return draw(st.sampled_from(["{{{k}: {n}}}", "[{n}, {{{k}: [{n}]}}]", "{n}", "  {{ {k} :\n {n} }}  "])).format(
+            k=json.dumps(key), n=number
+        )
     if kind == 4:  # out-of-range integers, float-free: both implementations refuse
-        return draw(st.sampled_from(['{"n": 18446744073709551616}', "[-9223372036854775809]", "99999999999999999999999"]))
+        return draw(
+            st.sampled_from(['{"n": 18446744073709551616}', "[-9223372036854775809]", "99999999999999999999999"])
+        )
     if kind == 5:  # not JSON at all (kept stripped), or a JSON literal Python accepts
-        return draw(st.one_of(any_text, st.sampled_from(["  ls -la  ", "{", "NaN", '{"a": Infinity}', "[1,]", "", "   "])))
+        return draw(
+            st.one_of(any_text, st.sampled_from(["  ls -la  ", "{", "NaN", '{"a": Infinity}', "[1,]", "", "   "]))
+        )
     if kind == 6:
         return draw(st.dictionaries(keys, json_values, max_size=3))
     if kind == 7:
@@ -138,11 +182,18 @@ def content_blocks(draw: Any, allow_tools: bool) -> Any:
     if kind == 7:
         return {"type": "redacted_thinking", "data": draw(unicode_text)}
     if kind == 8:
-        block = {"type": "tool_use", "name": draw(unicode_text), "input": draw(st.one_of(st.dictionaries(keys, json_values, max_size=3), argument_values()))}
+        block = {
+            "type": "tool_use",
+            "name": draw(unicode_text),
+            "input": draw(st.one_of(st.dictionaries(keys, json_values, max_size=3), argument_values())),
+        }
         if draw(st.booleans()):
             block["id"] = draw(ids)
         return block
-    block = {"type": "tool_result", "content": draw(st.one_of(any_text, st.lists(content_blocks(False), max_size=2), json_values))}
+    block = {
+        "type": "tool_result",
+        "content": draw(st.one_of(any_text, st.lists(content_blocks(False), max_size=2), json_values)),
+    }
     block[draw(st.sampled_from(["tool_use_id", "id", "other"]))] = draw(ids)
     return block
 
@@ -155,7 +206,10 @@ def contents(allow_tools: bool = True) -> st.SearchStrategy[Any]:
 def chat_tool_calls(draw: Any) -> list:
     calls = []
     for _ in range(draw(st.integers(0, 3))):
-        call: dict[str, Any] = {"type": "function", "function": {"name": draw(unicode_text), "arguments": draw(argument_values())}}
+        call: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": draw(unicode_text), "arguments": draw(argument_values())},
+        }
         if draw(st.booleans()):
             call["id"] = draw(ids)
         if draw(st.integers(0, 9)) == 0:
@@ -177,7 +231,10 @@ def items(draw: Any) -> Any:
             item["type"] = "message"
         return item
     if kind == 3:
-        item = {"role": "tool", "content": draw(st.one_of(any_text, st.lists(content_blocks(False), max_size=2), json_values))}
+        item = {
+            "role": "tool",
+            "content": draw(st.one_of(any_text, st.lists(content_blocks(False), max_size=2), json_values)),
+        }
         if draw(st.booleans()):
             item["tool_call_id"] = draw(ids)
         return item
@@ -191,7 +248,10 @@ def items(draw: Any) -> Any:
                 item[key] = draw(ids if key != "namespace" else st.one_of(st.none(), st.just(""), unicode_text))
         return item
     if kind == 7:
-        item = {"type": "function_call_output", "output": draw(st.one_of(any_text, json_values, st.lists(content_blocks(False), max_size=2)))}
+        item = {
+            "type": "function_call_output",
+            "output": draw(st.one_of(any_text, json_values, st.lists(content_blocks(False), max_size=2))),
+        }
         item[draw(st.sampled_from(["call_id", "id"]))] = draw(ids)
         return item
     if kind == 8:
@@ -202,7 +262,10 @@ def items(draw: Any) -> Any:
             item["content"] = draw(contents(False))
         return item
     if kind == 9:  # Anthropic-style turns (tool_use in assistant content, tool_result in user content)
-        return {"role": draw(st.sampled_from(["assistant", "user"])), "content": draw(st.lists(content_blocks(True), min_size=1, max_size=4))}
+        return {
+            "role": draw(st.sampled_from(["assistant", "user"])),
+            "content": draw(st.lists(content_blocks(True), min_size=1, max_size=4)),
+        }
     return {"type": draw(st.sampled_from(["message", "item_reference", "custom"])), "content": draw(contents())}
 
 
@@ -292,7 +355,12 @@ def test_canonical_json_is_sorted_orjson(value: Any) -> None:
     [
         [{"type": "function_call", "call_id": "a", "name": "f", "arguments": '{"n": 18446744073709551616, "x": 1.5}'}],
         [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "[[-9223372036854775809], 0.5]"}],
-        [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"n": 2**70, "x": 0.5}}]}],
+        [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"n": 2**70, "x": 0.5}}],
+            }
+        ],
         [{"role": "assistant", "content": [{"type": "image", "meta": {1: "x"}, "w": 1.5}]}],
         [{"role": "assistant", "content": [{"type": "image", "data": b"raw", "w": 1.5}]}],
     ],
@@ -354,16 +422,31 @@ def _env() -> dict:
 def test_stamp_continuation_matches_gym(gym: Any, request_items: list, output_items: list) -> None:
     output_items = [item for item in output_items if isinstance(item, dict)]
     ours = TokenEntry(
-        rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[], output_items=output_items
+        rollout_id="r",
+        model_call_id="c",
+        prompt_token_ids=[],
+        generation_token_ids=[],
+        generation_log_probs=[],
+        output_items=output_items,
     )
     theirs = gym.TokenEntry(
-        rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[], output_items=output_items
+        rollout_id="r",
+        model_call_id="c",
+        prompt_token_ids=[],
+        generation_token_ids=[],
+        generation_log_probs=[],
+        output_items=output_items,
     )
     ours_outcome = _outcome(fp.stamp_continuation, ours, request_items)
     theirs_outcome = _outcome(gym.stamp_continuation, theirs, request_items)
     assert ours_outcome[0] == theirs_outcome[0]
     if ours_outcome[0] == "ok":
-        for name in ("continuation_fingerprint", "continuation_context_len", "continuation_context_digest", "fingerprint_version"):
+        for name in (
+            "continuation_fingerprint",
+            "continuation_context_len",
+            "continuation_context_digest",
+            "fingerprint_version",
+        ):
             assert getattr(ours, name) == getattr(theirs, name), name
 
 
@@ -417,7 +500,11 @@ GOLDEN_BUGS: dict[str, str] = {}
 def _golden_params() -> list:
     params = []
     for case in _golden()["fingerprints"]:
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=GOLDEN_BUGS[case["name"]])] if case["name"] in GOLDEN_BUGS else []
+        marks = (
+            [pytest.mark.xfail(strict=True, raises=AssertionError, reason=GOLDEN_BUGS[case["name"]])]
+            if case["name"] in GOLDEN_BUGS
+            else []
+        )
         params.append(pytest.param(case, id=case["name"], marks=marks))
     return params
 
@@ -463,8 +550,12 @@ def test_golden_vectors_still_match_gym() -> None:
 
     golden = _golden()
     for case in golden["fingerprints"]:
-        assert _outcome(gym_fp.assistant_fingerprint, case["messages"]) == _expected(case["assistant_fingerprint"]), case["name"]
-        assert _outcome(gym_fp.conversation_digest, case["messages"]) == _expected(case["conversation_digest"]), case["name"]
+        assert _outcome(gym_fp.assistant_fingerprint, case["messages"]) == _expected(case["assistant_fingerprint"]), (
+            case["name"]
+        )
+        assert _outcome(gym_fp.conversation_digest, case["messages"]) == _expected(case["conversation_digest"]), case[
+            "name"
+        ]
     for vector in golden["token_digests"]:
         assert gym.compute_digest(vector["tokens"]) == vector["digest"]
 
@@ -473,13 +564,22 @@ def test_golden_tool_regenerates_the_same_file(tmp_path: Path) -> None:
     require_gym()
     rollouts = EXAMPLE_ROLLOUTS / "anyterminal_hermes.jsonl"
     if not rollouts.exists():
-        message = f"{rollouts} (the source of the rollout-prefix vectors; ../shared beside the checkout) is not available"
+        message = (
+            f"{rollouts} (the source of the rollout-prefix vectors; ../shared beside the checkout) is not available"
+        )
         if running_under_ci():
             pytest.fail(f"{message}; CI must provide it", pytrace=False)
         pytest.skip(message)
     out = tmp_path / "fingerprints.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "make_golden_fingerprints.py"), "--rollouts", str(rollouts), "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "tools" / "make_golden_fingerprints.py"),
+            "--rollouts",
+            str(rollouts),
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         env=_env(),

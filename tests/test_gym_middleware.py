@@ -73,7 +73,6 @@ def stub_server(global_config: dict) -> tuple[Any, list[str]]:
     served: list[str] = []
 
     class StubModel(SimpleResponsesAPIModel):
-
         async def chat_completions(self, body=None):  # not used: the rollouts speak /v1/responses
             raise NotImplementedError
 
@@ -91,8 +90,14 @@ def stub_server(global_config: dict) -> tuple[Any, list[str]]:
                 generation_log_probs=[-0.125] * len(generation),
             )
             return NeMoGymResponse(
-                id=response_id, created_at=time.time(), model="stub", object="response", output=[message],
-                parallel_tool_calls=False, tool_choice="auto", tools=[],
+                id=response_id,
+                created_at=time.time(),
+                model="stub",
+                object="response",
+                output=[message],
+                parallel_tool_calls=False,
+                tool_choice="auto",
+                tools=[],
             )
 
     server = StubModel(

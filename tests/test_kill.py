@@ -47,13 +47,29 @@ from s3capture.protocols import TokenCaptureFrozenError
 
 GRACE = 0.2
 WRITERS = 3
-CONFIG = {"writers": WRITERS, "rollouts": 9, "calls": 5, "fence_grace": GRACE, "race_probability": 0.25, "retry_pause": 0.02}
+CONFIG = {
+    "writers": WRITERS,
+    "rollouts": 9,
+    "calls": 5,
+    "fence_grace": GRACE,
+    "race_probability": 0.25,
+    "retry_pause": 0.02,
+}
 KILLS = {"writer": 3, "freeze": 3, "drop": 3}
 """SIGKILLs per writer, and of the builder during freezes and during drops."""
 KILL_ODDS = {
-    "put": 0.25, "begin_call": 0.15, "mark": 0.5, "retry": 0.01,
-    "freeze": 0.15, "freeze/": 0.06, "freeze/PutObject:fence": 0.2,
-    "drop": 0.15, "drop/": 0.06, "drop/PutObject:drop": 0.25, "drop/PutObject:fence": 0.35, "drop/DeleteObjects": 0.3,
+    "put": 0.25,
+    "begin_call": 0.15,
+    "mark": 0.5,
+    "retry": 0.01,
+    "freeze": 0.15,
+    "freeze/": 0.06,
+    "freeze/PutObject:fence": 0.2,
+    "drop": 0.15,
+    "drop/": 0.06,
+    "drop/PutObject:drop": 0.25,
+    "drop/PutObject:fence": 0.35,
+    "drop/DeleteObjects": 0.3,
 }
 """Chance that an operation's start (or a request inside freeze and drop) triggers a kill."""
 KILL_DELAY = {"drop": 0.45, "freeze": 0.05, "drop/PutObject:fence": 0.06}
@@ -100,7 +116,9 @@ class Fleet:
         self.procs: dict[str, Any] = {}
         self.conns: dict[str, Any] = {}
         self.kills_left = {f"writer-{i}": KILLS["writer"] for i in range(WRITERS)} | {
-            "builder/freeze": KILLS["freeze"], "builder/drop": KILLS["drop"]}
+            "builder/freeze": KILLS["freeze"],
+            "builder/drop": KILLS["drop"],
+        }
         self.kills: list[tuple[float, str, Any, str]] = []  # (when, name, process, operation)
         self.killed: list[tuple[str, str]] = []
         self.finished: set[str] = set()
@@ -176,8 +194,10 @@ def run_fleet(config: dict, seed: int) -> Fleet:
                 time.sleep(1.0)
                 stacks = "".join(p.read_text()[-3000:] for p in workdir.glob("stacks-*.txt"))
                 raise AssertionError(
-                    f"no end after {RUN_TIMEOUT} s; done={sorted(done)}; last events:\n" + "\n".join(fleet.log[-60:])
-                    + "\nstacks:\n" + stacks
+                    f"no end after {RUN_TIMEOUT} s; done={sorted(done)}; last events:\n"
+                    + "\n".join(fleet.log[-60:])
+                    + "\nstacks:\n"
+                    + stacks
                 )
             for name, when in list(restarts.items()):
                 if when <= time.monotonic():
@@ -206,7 +226,9 @@ def run_fleet(config: dict, seed: int) -> Fleet:
                 if code in (-signal.SIGKILL, EXIT_STORE_ERROR):
                     # Writers come back at once; the builder's host takes a while (its killed
                     # drop may have left the retired fence up meanwhile).
-                    restarts[name] = time.monotonic() + (fleet.rng.uniform(0, BUILDER_RESTART) if name == "builder" else 0)
+                    restarts[name] = time.monotonic() + (
+                        fleet.rng.uniform(0, BUILDER_RESTART) if name == "builder" else 0
+                    )
                 elif code == 0:
                     done.add(name)
                     fleet.note(name, "done")
@@ -225,7 +247,9 @@ def run_fleet(config: dict, seed: int) -> Fleet:
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-async def test_sigkilled_writers_and_builder_lose_no_acknowledged_entry(s3_server, fresh, bucket_url, s3_client, tmp_path, seed):
+async def test_sigkilled_writers_and_builder_lose_no_acknowledged_entry(
+    s3_server, fresh, bucket_url, s3_client, tmp_path, seed
+):
     workdir = tmp_path / "run"
     workdir.mkdir()
     config = dict(CONFIG, url=bucket_url, workdir=str(workdir), seed=seed, env=dict(os.environ))
@@ -245,7 +269,9 @@ async def test_sigkilled_writers_and_builder_lose_no_acknowledged_entry(s3_serve
     assert {"put", "freeze", "drop"} <= killed_in, f"a run must kill mid-put, mid-freeze and mid-drop: {dict(kills)}"
 
 
-async def check_invariants(config: dict, writers: list[list[dict]], builder: list[dict], fresh: Any, s3_client: Any, bucket_url: str) -> dict:
+async def check_invariants(
+    config: dict, writers: list[list[dict]], builder: list[dict], fresh: Any, s3_client: Any, bucket_url: str
+) -> dict:
     # What the writers know: acknowledged puts (with their bytes), intents and markers.
     payloads: dict[tuple[str, str], bytes] = {}
     acked: dict[str, dict[str, str]] = collections.defaultdict(dict)  # rid -> cid -> sha
@@ -307,7 +333,9 @@ async def check_invariants(config: dict, writers: list[list[dict]], builder: lis
             assert any(
                 not snaps[(rid, i, v)]["inc"] and set(acked[rid].items()) <= set(snaps[(rid, i, v)]["entries"].items())
                 for i, v in candidates
-            ), f"{rid}: acknowledged entries {sorted(acked[rid])} are not all in a dropped snapshot {[snaps[(rid, i, v)]['entries'] for i, v in candidates]}"
+            ), (
+                f"{rid}: acknowledged entries {sorted(acked[rid])} are not all in a dropped snapshot {[snaps[(rid, i, v)]['entries'] for i, v in candidates]}"
+            )
             assert rid not in marks_ok, f"{rid} had an acknowledged marker but was dropped as trainable"
             outcome["dropped_ok" if ok_drops else "dropped_by_killed_drop"] += 1
             continue

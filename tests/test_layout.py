@@ -24,8 +24,12 @@ SHA = "0123456789abcdef" * 4
 FINGERPRINTS = st.sampled_from(["", SHA, "f" * 64])
 
 # Any code point, lone surrogates included (escape_id encodes with surrogatepass).
-all_code_points = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=40)
-surrogate_heavy = st.text(alphabet=st.one_of(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), st.sampled_from("a/.~%")), max_size=12)
+all_code_points = st.text(
+    alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=40
+)
+surrogate_heavy = st.text(
+    alphabet=st.one_of(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), st.sampled_from("a/.~%")), max_size=12
+)
 ids_any = st.one_of(all_code_points, surrogate_heavy, st.text(alphabet=string.printable, max_size=20))
 
 
@@ -147,7 +151,9 @@ DOTTY_KNOWN = [
 ]
 
 
-@pytest.mark.parametrize("value, expected", DOTTY_KNOWN, ids=[v.encode("unicode_escape").decode() for v, _ in DOTTY_KNOWN])
+@pytest.mark.parametrize(
+    "value, expected", DOTTY_KNOWN, ids=[v.encode("unicode_escape").decode() for v, _ in DOTTY_KNOWN]
+)
 def test_escape_known_cases_of_dots_percents_and_hex(value: str, expected: str) -> None:
     assert escape_id(value) == expected
     assert unescape_id(expected) == value
@@ -164,8 +170,27 @@ def test_known_dotty_ids_have_distinct_segments() -> None:
 # collide under a wrong escape. Pairs are built as near-collisions: the second id is the first with
 # some pieces rewritten to what a sloppy escape could confuse them with ('.' <-> '%2E', '%' <-> '.25',
 # upper <-> lower hex, '~' <-> '.7E', ...).
-DOTTY_ALPHABET = ".%0123456789ABCDEFabcdef~-_" + "\u2024\uff0e\uff05\u00e9\u00b7\U0001F600\x00"
-DOTTY_PIECES = [".", "%", "%2E", "%2e", ".2E", ".2e", "2E", ".25", "%25", "~", ".7E", "%7E", "-", "_", "..", "\uff0e", "\u2024", "\u00e9"]
+DOTTY_ALPHABET = ".%0123456789ABCDEFabcdef~-_" + "\u2024\uff0e\uff05\u00e9\u00b7\U0001f600\x00"
+DOTTY_PIECES = [
+    ".",
+    "%",
+    "%2E",
+    "%2e",
+    ".2E",
+    ".2e",
+    "2E",
+    ".25",
+    "%25",
+    "~",
+    ".7E",
+    "%7E",
+    "-",
+    "_",
+    "..",
+    "\uff0e",
+    "\u2024",
+    "\u00e9",
+]
 REWRITES = {
     ".": ["%2E", "%2e", ".2E", "\uff0e", "\u2024"],
     "%": [".25", "%25", "\uff05"],
@@ -194,7 +219,9 @@ dotty_ids = st.one_of(
 
 @st.composite
 def near_collisions(draw: st.DrawFn) -> tuple[str, str]:
-    pieces = draw(st.lists(st.sampled_from(DOTTY_PIECES) | st.text(alphabet=DOTTY_ALPHABET, max_size=2), min_size=1, max_size=6))
+    pieces = draw(
+        st.lists(st.sampled_from(DOTTY_PIECES) | st.text(alphabet=DOTTY_ALPHABET, max_size=2), min_size=1, max_size=6)
+    )
     rewritten = list(pieces)
     for index in draw(st.sets(st.integers(0, len(pieces) - 1), min_size=1)):
         choices = REWRITES.get(pieces[index])
@@ -244,7 +271,9 @@ def test_r1_never_sees_r10() -> None:
     assert not (r1 + "log/e/").startswith(r10) and not (r10 + "fence").startswith(r1)
 
 
-@pytest.mark.parametrize("segment", ["", "a/b", ".", "..", ".2", ".2e", ".ZZ", "a.", "~~", "a~", "%41", " ", "é", ".G0"])
+@pytest.mark.parametrize(
+    "segment", ["", "a/b", ".", "..", ".2", ".2e", ".ZZ", "a.", "~~", "a~", "%41", " ", "é", ".G0"]
+)
 def test_unescape_refuses_segments_escape_could_not_produce(segment: str) -> None:
     with pytest.raises(ValueError):
         unescape_id(segment)
@@ -262,7 +291,10 @@ def test_unescape_refuses_invalid_utf8() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("root, expected", [("", "rollouts/x/"), ("a", "a/rollouts/x/"), ("a/b", "a/b/rollouts/x/"), ("/a/b/", "a/b/rollouts/x/")])
+@pytest.mark.parametrize(
+    "root, expected",
+    [("", "rollouts/x/"), ("a", "a/rollouts/x/"), ("a/b", "a/b/rollouts/x/"), ("/a/b/", "a/b/rollouts/x/")],
+)
 def test_rollout_prefix_under_root(root: str, expected: str) -> None:
     assert Layout(root).rollout("x") == expected
 
@@ -362,7 +394,9 @@ long_ids = st.builds(
 
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(["", "a", "capture/run-1", "/".join(["x" * 200] * 4)]), long_ids, long_ids, FINGERPRINTS)
-def test_every_accepted_id_yields_keys_within_the_s3_limit(root: str, rollout_id: str, call_id: str, fingerprint: str) -> None:
+def test_every_accepted_id_yields_keys_within_the_s3_limit(
+    root: str, rollout_id: str, call_id: str, fingerprint: str
+) -> None:
     layout = Layout(root)
     try:
         prefix = layout.rollout(rollout_id)
@@ -431,7 +465,12 @@ def test_parse_log_key_classifies_every_key_the_layout_writes(call_id: str, fing
     assert parse_log_key(f"log/i/{cid}") == ("i", call_id, "", "")
     unique = "00000000001700000000-0123456789abcdef0123456789abcdef"
     assert parse_log_key(f"log/x/{cid}/{unique}") == ("x", call_id, "", unique)
-    assert parse_log_key(f"log/x/{layout.check_call_id(prefix, '', allow_empty=True)}/{unique}") == ("x", "", "", unique)
+    assert parse_log_key(f"log/x/{layout.check_call_id(prefix, '', allow_empty=True)}/{unique}") == (
+        "x",
+        "",
+        "",
+        unique,
+    )
 
 
 @pytest.mark.parametrize(

@@ -85,18 +85,33 @@ def outcome(fn, *args):
 
 # ------------------------------------------------------------------ strategies
 any_text = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=40)
-surrogates = st.text(alphabet=st.one_of(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), st.sampled_from("a/.~%\n")), max_size=12)
-ids = st.one_of(any_text, surrogates, st.text(alphabet=string.printable, max_size=20), st.text(alphabet="Aa0_-", max_size=20))
+surrogates = st.text(
+    alphabet=st.one_of(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), st.sampled_from("a/.~%\n")),
+    max_size=12,
+)
+ids = st.one_of(
+    any_text, surrogates, st.text(alphabet=string.printable, max_size=20), st.text(alphabet="Aa0_-", max_size=20)
+)
 # Segments near escape_id's output: safe characters, dots, hex digits of both cases, '~', newline.
-segment_chars = st.sampled_from(list("AaZz09_-.~/\n%") + list("0123456789ABCDEFabcdef") + [".41", ".C3", ".A9", ".FF", ".ED", ".A0", ".80", ".2F"])
+segment_chars = st.sampled_from(
+    list("AaZz09_-.~/\n%") + list("0123456789ABCDEFabcdef") + [".41", ".C3", ".A9", ".FF", ".ED", ".A0", ".80", ".2F"]
+)
 segments = st.one_of(st.lists(segment_chars, max_size=16).map("".join), ids.map(ref_escape_id), any_text)
 SHA = "0123456789abcdef" * 4
 shas = st.one_of(st.just(SHA), st.text(alphabet="0123456789abcdefA", min_size=63, max_size=65))
 rels = st.one_of(
-    st.builds(lambda fp, cid, sha, ext: f"log/e/{fp}/{cid}/{sha}{ext}", segments | st.just("~"), segments, shas, st.sampled_from([".zst", ".json", "", ".zst\n"])),
+    st.builds(
+        lambda fp, cid, sha, ext: f"log/e/{fp}/{cid}/{sha}{ext}",
+        segments | st.just("~"),
+        segments,
+        shas,
+        st.sampled_from([".zst", ".json", "", ".zst\n"]),
+    ),
     st.builds(lambda cid: f"log/i/{cid}", segments),
     st.builds(lambda cid, u: f"log/x/{cid}/{u}", segments | st.just("~h" + SHA) | st.just("~h" + SHA + "\n"), segments),
-    st.lists(st.sampled_from(["log", "e", "i", "x", "~", SHA + ".zst", "c", "", ".41", "ledger", "row"]), max_size=6).map("/".join),
+    st.lists(
+        st.sampled_from(["log", "e", "i", "x", "~", SHA + ".zst", "c", "", ".41", "ledger", "row"]), max_size=6
+    ).map("/".join),
     any_text,
 )
 
@@ -127,11 +142,34 @@ def test_parse_log_key_equals_the_reference(rel: str) -> None:
 
 
 def test_known_edge_cases_agree() -> None:
-    cases = ["", "~", ".", "..", ".41", "A", "a\n", "\n", ".C3.A9", ".c3.a9", ".C3", ".ED.A0.80", "é", "\ud800", "a.2Fb"]
+    cases = [
+        "",
+        "~",
+        ".",
+        "..",
+        ".41",
+        "A",
+        "a\n",
+        "\n",
+        ".C3.A9",
+        ".c3.a9",
+        ".C3",
+        ".ED.A0.80",
+        "é",
+        "\ud800",
+        "a.2Fb",
+    ]
     for value in cases:
         assert escape_id(value) == ref_escape_id(value)
         assert outcome(unescape_id, value) == outcome(ref_unescape_id, value)
-    for rel in ["log/i/~", "log/i/", "log/e/~/c/" + SHA + ".zst", "log/e//c/" + SHA + ".zst", "log/x/~h" + SHA + "\n/u", "log/i/a\n"]:
+    for rel in [
+        "log/i/~",
+        "log/i/",
+        "log/e/~/c/" + SHA + ".zst",
+        "log/e//c/" + SHA + ".zst",
+        "log/x/~h" + SHA + "\n/u",
+        "log/i/a\n",
+    ]:
         assert parse_log_key(rel) == ref_parse_log_key(rel)
 
 

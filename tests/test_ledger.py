@@ -16,7 +16,17 @@ from typing import Any
 
 import pytest
 
-from helpers import assistant_output, continuation, get_bytes, list_keys, make_commit, put_bytes, split_bucket_url, system, user
+from helpers import (
+    assistant_output,
+    continuation,
+    get_bytes,
+    list_keys,
+    make_commit,
+    put_bytes,
+    split_bucket_url,
+    system,
+    user,
+)
 from s3capture.ledger import LedgerConflictError, S3CaptureLedger
 from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
@@ -263,7 +273,9 @@ async def test_corrupt_rows_poison_the_manifest_and_never_resolve(ledgers, s3_cl
     put_bytes(s3_client, bucket, row_key, new)
     manifest = await ledgers().manifest("r")
     assert manifest["records"] == []
-    assert manifest["failures"] == [{"schema_version": 2, "model_call_id": "call-1", "reason": LEDGER_UNREADABLE_ROW_REASON}]
+    assert manifest["failures"] == [
+        {"schema_version": 2, "model_call_id": "call-1", "reason": LEDGER_UNREADABLE_ROW_REASON}
+    ]
     assert (await ledgers().resolve("r", continuation(root))).status == UNRESOLVED
     validate_manifest(manifest)
 
@@ -387,14 +399,20 @@ async def test_rows_from_several_processes_are_all_in_the_manifest(ledgers, s3_e
     root = make_commit("r", "call-0", REQ, assistant_output("start"))
     await ledgers().record(root)
     per_process = [
-        [make_commit("r", f"call-{p}-{i}", continuation(root, f"q{p}-{i}"), assistant_output(f"a{p}-{i}"), parent=root)
-         for i in range(15)]
+        [
+            make_commit(
+                "r", f"call-{p}-{i}", continuation(root, f"q{p}-{i}"), assistant_output(f"a{p}-{i}"), parent=root
+            )
+            for i in range(15)
+        ]
         for p in range(3)
     ]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     env = s3_env.env()
-    processes = [context.Process(target=_record_worker, args=(bucket_url, env, commits, results)) for commits in per_process]
+    processes = [
+        context.Process(target=_record_worker, args=(bucket_url, env, commits, results)) for commits in per_process
+    ]
     for process in processes:
         process.start()
     outcomes = [results.get(timeout=120) for _ in processes]
@@ -406,7 +424,9 @@ async def test_rows_from_several_processes_are_all_in_the_manifest(ledgers, s3_e
     reader = ledgers()
     for commits in per_process:
         resolution = await reader.resolve("r", continuation(commits[-1]))
-        assert resolution.status == RESOLVED and resolution.match.model_call_id == commits[-1]["record"]["model_call_id"]
+        assert (
+            resolution.status == RESOLVED and resolution.match.model_call_id == commits[-1]["record"]["model_call_id"]
+        )
 
 
 async def test_the_ledger_is_a_capture_ledger_and_shares_fences_with_the_token_store(ledgers, fresh):
@@ -472,7 +492,9 @@ async def test_deep_rows_are_stored_compressed_and_read_back(ledgers, s3_client,
     bomb = zstandard.ZstdCompressor().compress(b" " * (8 * 1024 * 1024))
     put_bytes(s3_client, bucket, deepest, bomb)
     manifest = await ledgers().manifest("r")
-    assert ("call-59", LEDGER_UNREADABLE_ROW_REASON) in [(f["model_call_id"], f["reason"]) for f in manifest["failures"]]
+    assert ("call-59", LEDGER_UNREADABLE_ROW_REASON) in [
+        (f["model_call_id"], f["reason"]) for f in manifest["failures"]
+    ]
 
 
 async def test_a_failure_row_spills_when_the_store_is_down_and_is_replayed(ledgers, s3_server, bucket_url, tmp_path):

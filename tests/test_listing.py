@@ -38,11 +38,13 @@ async def collect(lister: Any, *args: Any, **kwargs: Any) -> list[RolloutInfo]:
     return [info async for info in lister.rollouts(*args, **kwargs)]
 
 
-def check_counts(info: RolloutInfo, s3_client: Any, bucket_url: str, *, fences: tuple[str, ...] = ("fence", "retired")) -> None:
+def check_counts(
+    info: RolloutInfo, s3_client: Any, bucket_url: str, *, fences: tuple[str, ...] = ("fence", "retired")
+) -> None:
     """``objects``, ``bytes`` and ``last_write`` of a token-store ``info`` match a boto3 listing."""
     bucket, root = split_bucket_url(bucket_url)
     prefix = Layout(root.rstrip("/")).rollout(info.rollout_id)
-    objects = [o for o in listed(s3_client, bucket, prefix) if o["Key"][len(prefix):] not in fences]
+    objects = [o for o in listed(s3_client, bucket, prefix) if o["Key"][len(prefix) :] not in fences]
     assert info.objects == len(objects), (info, [o["Key"] for o in objects])
     assert info.bytes == sum(o["Size"] for o in objects)
     if objects:

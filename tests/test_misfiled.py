@@ -66,7 +66,7 @@ class _Bucket:
         return prefix + self.layout.entry_rel(prefix, fingerprint, call_id, sha)
 
     def rel(self, rollout_id: str, key: str) -> str:
-        return key[len(self.layout.rollout(rollout_id)):]
+        return key[len(self.layout.rollout(rollout_id)) :]
 
     def entry_keys(self, rollout_id: str) -> list[str]:
         return [k for k in list_keys(self.client, self.bucket, self.layout.rollout(rollout_id)) if "/log/e/" in k]
@@ -101,7 +101,9 @@ async def _put_and_misfile(fresh: Any, s3_client: Any, bucket_url: str, rid: str
 
 
 @pytest.mark.parametrize("sorts_before", [True, False], ids=["fp-sorts-before", "fp-sorts-after"])
-async def test_entry_moved_under_another_fingerprint_is_misfiled_and_never_resolves(fresh, s3_client, bucket_url, sorts_before):
+async def test_entry_moved_under_another_fingerprint_is_misfiled_and_never_resolves(
+    fresh, s3_client, bucket_url, sorts_before
+):
     rid = f"r-moved-{sorts_before}"
     other = _other_answer(_fingerprint_of("a"), sorts_before=sorts_before)
     bucket, _, misfiled = await _put_and_misfile(fresh, s3_client, bucket_url, rid, other, move=True)
@@ -127,7 +129,9 @@ async def test_entry_moved_under_another_fingerprint_is_misfiled_and_never_resol
     "sorts_before",
     [pytest.param(True, id="fp-sorts-before"), pytest.param(False, id="fp-sorts-after")],
 )
-async def test_entry_copied_under_another_fingerprint_is_misfiled_and_never_resolves(fresh, s3_client, bucket_url, sorts_before):
+async def test_entry_copied_under_another_fingerprint_is_misfiled_and_never_resolves(
+    fresh, s3_client, bucket_url, sorts_before
+):
     """The genuine object stays: the copy has the same call id and SHA-256 as it, in either LIST order."""
     rid = f"r-copied-{sorts_before}"
     other = _other_answer(_fingerprint_of("a"), sorts_before=sorts_before)
@@ -197,9 +201,15 @@ async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(fre
     bucket = _Bucket(s3_client, bucket_url, writer)
     prefix = writer.layout.rollout(rid)
     linked = parent if link == "parent" else other
-    chain = [bucket.rel(rid, bucket.entry_key(rid, linked.continuation_fingerprint, linked.model_call_id, entry_sha(linked)))]
-    put_bytes(s3_client, bucket.bucket, bucket.entry_key(rid, child.continuation_fingerprint, child.model_call_id, entry_sha(child)),
-              _envelope(payload, chain))
+    chain = [
+        bucket.rel(rid, bucket.entry_key(rid, linked.continuation_fingerprint, linked.model_call_id, entry_sha(linked)))
+    ]
+    put_bytes(
+        s3_client,
+        bucket.bucket,
+        bucket.entry_key(rid, child.continuation_fingerprint, child.model_call_id, entry_sha(child)),
+        _envelope(payload, chain),
+    )
     assert all(key.startswith(prefix) for key in bucket.entry_keys(rid))
 
     resolution = await fresh().resolve(rid, next_request(child_turn))

@@ -28,7 +28,9 @@ def test_ledger_model(s3_env):
 
 
 # --------------------------------------------------------------------------- regressions found by the model
-async def test_writes_to_a_retired_rollout_say_retired_while_a_freeze_rewrites_its_fence(s3_env, fresh, bucket_url, s3_client):
+async def test_writes_to_a_retired_rollout_say_retired_while_a_freeze_rewrites_its_fence(
+    s3_env, fresh, bucket_url, s3_client
+):
     """Found by the token-store machine (race put+freeze on a retired rollout): ``freeze`` PUTs the
     frozen fence before its LIST shows it the retire tombstone, then restores the retired fence. A
     ``mark_incomplete`` whose fence reads fell in that window *succeeded* on a rollout whose

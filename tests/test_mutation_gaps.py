@@ -27,7 +27,13 @@ def always(predicate: Any, action: Any) -> Any:
     return rule
 
 
-async def test_empty_200_list_is_a_store_error_for_readers_that_require_no_key(fresh, ledgers, proxy, s3_client, bucket_url):  # noqa: F811 - proxy: the fixture
+async def test_empty_200_list_is_a_store_error_for_readers_that_require_no_key(
+    fresh,
+    ledgers,
+    proxy,  # noqa: F811 - the fixture
+    s3_client,
+    bucket_url,
+):
     """Kills ``list-empty-200-is-no-objects``. freeze and drop's decisive LIST require a key they
     have just written, so an empty listing fails them even without the empty-body check; the
     ledger's manifest, retire and delete require nothing, so only ``_verify_page`` stands between an

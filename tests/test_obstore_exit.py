@@ -15,7 +15,6 @@ from helpers import split_bucket_url
 pytest.importorskip("obstore")
 
 
-
 def test_obstore_exit_waits_for_a_thread_still_handing_back_a_result():
     """obstore's tokio threads complete each future with ``loop.call_soon_threadsafe``, whose
     self-pipe write releases the GIL; if the program finishes meanwhile and the thread takes the
@@ -88,7 +87,9 @@ def test_an_obstore_program_exits_0_after_its_last_request(s3_env, bucket_url, e
     env = {**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1] / "src")}
 
     def run(_: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(script), bucket, ending], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, str(script), bucket, ending], env=env, capture_output=True, text=True, timeout=120
+        )
 
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(run, range(12)))

@@ -33,7 +33,7 @@ FAR = 10.0  # seconds added to "now" so that everything already written counts a
 def keys_under(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:
     bucket, root = split_bucket_url(bucket_url)
     prefix = f"{root}rollouts/{rollout_id}/"
-    return [key[len(prefix):] for key in list_keys(s3_client, bucket, prefix)]
+    return [key[len(prefix) :] for key in list_keys(s3_client, bucket, prefix)]
 
 
 def newest_modified(s3_client: Any, bucket_url: str, rollout_ids: list[str]) -> tuple[float, float]:
@@ -132,18 +132,43 @@ async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_t
         await writer.put(simple_entry("dropped-1", "c9"))
     before = list_keys(s3_client, bucket, root)
     done = await gc(ops, threshold, now=now, dry_run=False)
-    assert (done.deleted_rollouts, done.retired_again, done.deleted_objects, done.skipped, done.too_young) == (2, 1, 4, 0, 2)
+    assert (done.deleted_rollouts, done.retired_again, done.deleted_objects, done.skipped, done.too_young) == (
+        2,
+        1,
+        4,
+        0,
+        2,
+    )
     after = list_keys(s3_client, bucket, root)
     prefix = f"{root}rollouts/"
     assert sorted(set(before) - set(after)) == sorted(
-        [prefix + "dropped-2/fence", prefix + "dropped-2/retired", prefix + "bare/fence", prefix + "straggled/log/i/late"]
+        [
+            prefix + "dropped-2/fence",
+            prefix + "dropped-2/retired",
+            prefix + "bare/fence",
+            prefix + "straggled/log/i/late",
+        ]
     )
     assert set(after) <= set(before)  # nothing else removed; the re-retire only rewrote fence and tombstone
     # Every key of open and frozen rollouts, and of the young retired ones, is still there.
-    for rid in ("open-1", "open-2", "frozen-ok", "frozen-intent", "frozen-marked", "frozen-late", "dropped-young", "dropped-1"):
-        assert keys_under(s3_client, bucket_url, rid) == [k[len(prefix + rid) + 1:] for k in before if k.startswith(prefix + rid + "/")]
+    for rid in (
+        "open-1",
+        "open-2",
+        "frozen-ok",
+        "frozen-intent",
+        "frozen-marked",
+        "frozen-late",
+        "dropped-young",
+        "dropped-1",
+    ):
+        assert keys_under(s3_client, bucket_url, rid) == [
+            k[len(prefix + rid) + 1 :] for k in before if k.startswith(prefix + rid + "/")
+        ]
     assert keys_under(s3_client, bucket_url, "straggled") == ["fence", "retired"]  # fence kept, rewritten
-    assert json.loads(s3_client.get_object(Bucket=bucket, Key=prefix + "straggled/fence")["Body"].read())["state"] == "retired"
+    assert (
+        json.loads(s3_client.get_object(Bucket=bucket, Key=prefix + "straggled/fence")["Body"].read())["state"]
+        == "retired"
+    )
 
     # The straggled rollout was retired again just now: its fence goes only once it is old again.
     again = await gc(ops, threshold, now=now, dry_run=False)
@@ -151,7 +176,10 @@ async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_t
     # With everything old: dropped-1's straggler entry is removed (fence kept), the rest loses its fence.
     later = await gc(ops, 0.0, now=time.time() + FAR, dry_run=False)
     assert (later.deleted_rollouts, later.retired_again) == (2, 1)
-    assert keys_under(s3_client, bucket_url, "straggled") == [] and keys_under(s3_client, bucket_url, "dropped-young") == []
+    assert (
+        keys_under(s3_client, bucket_url, "straggled") == []
+        and keys_under(s3_client, bucket_url, "dropped-young") == []
+    )
     assert keys_under(s3_client, bucket_url, "dropped-1") == ["fence", "retired"]
     with pytest.raises(TokenCaptureRetiredError):  # still fenced
         await writer.put(simple_entry("dropped-1", "c8"))
@@ -168,7 +196,9 @@ async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_t
     assert [e.model_call_id for e in snapshot.entries] == ["c9"] and not snapshot.incomplete
 
 
-async def test_gc_skips_a_rollout_written_between_listing_and_recheck(fresh: Any, s3_client: Any, bucket_url: str) -> None:
+async def test_gc_skips_a_rollout_written_between_listing_and_recheck(
+    fresh: Any, s3_client: Any, bucket_url: str
+) -> None:
     writer, builder = fresh(fence_grace=0.0), fresh(fence_grace=0.0)
     await writer.put(simple_entry("r1", "c1"))
     snap = await builder.freeze("r1")
@@ -193,8 +223,9 @@ def test_gc_rejects_a_negative_age() -> None:
         asyncio.run(gc(S3TokenStore("s3://bucket/x"), -1.0))
 
 
-def test_cli_ls_status_gc(s3_env: Any, s3_client: Any, bucket_url: str, capsys: pytest.CaptureFixture[str],
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_ls_status_gc(
+    s3_env: Any, s3_client: Any, bucket_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def setup() -> None:
         writer, builder = S3TokenStore(bucket_url, fence_grace=0.0), S3TokenStore(bucket_url, fence_grace=0.0)
         try:
@@ -215,7 +246,9 @@ def test_cli_ls_status_gc(s3_env: Any, s3_client: Any, bucket_url: str, capsys: 
     assert main(["ls", bucket_url, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(row["rollout_id"], row["state"], row["objects"]) for row in rows] == [
-        ("dropped", "retired", 0), ("masked", "frozen", 3), ("open-1", "open", 1)
+        ("dropped", "retired", 0),
+        ("masked", "frozen", 3),
+        ("open-1", "open", 1),
     ]
     assert all({"bytes", "last_write", "version", "snapshot_id", "sealed"} <= set(row) for row in rows)
     with monkeypatch.context() as patch:  # a terminal: the table
@@ -244,7 +277,11 @@ def test_cli_ls_status_gc(s3_env: Any, s3_client: Any, bucket_url: str, capsys: 
     assert main(["gc", bucket_url, "--retired-older-than", "0s", "--yes", "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[-1]["type"] == "summary" and lines[-1]["deleted_rollouts"] == 1 and lines[-1]["abandoned"] == 1
-    assert {(line["rollout_id"], line["action"]) for line in lines[:-1]} == {("dropped", "delete"), ("open-1", "abandoned")}
+    assert {(line["rollout_id"], line["action"]) for line in lines[:-1]} == {
+        ("dropped", "delete"),
+        ("open-1", "abandoned"),
+    }
     assert sorted(set(before) - set(list_keys(s3_client, bucket, root))) == [
-        f"{root}rollouts/dropped/fence", f"{root}rollouts/dropped/retired"
+        f"{root}rollouts/dropped/fence",
+        f"{root}rollouts/dropped/retired",
     ]

@@ -229,7 +229,17 @@ def test_s3capture_install_accepts_the_store() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["http://x", "https://bucket/prefix", "s3://", "s3:///prefix", "bucket/prefix", "", "s3://bucket/p?x=1", "s3://bucket/p#frag", "s3://bucket/a//b"],
+    [
+        "http://x",
+        "https://bucket/prefix",
+        "s3://",
+        "s3:///prefix",
+        "bucket/prefix",
+        "",
+        "s3://bucket/p?x=1",
+        "s3://bucket/p#frag",
+        "s3://bucket/a//b",
+    ],
 )
 def test_s3_token_store_refuses_bad_urls(url: str) -> None:
     with pytest.raises(ValueError):

@@ -231,7 +231,12 @@ def read_only(s3_server: Any, s3_client: Any, bucket_url: str, s3_env: Any) -> A
         client = make_boto3_client(server)
         try:
             client.create_bucket(Bucket=bucket)
-            yield server.endpoint_url, (server.access_key, server.secret_key), (READER_KEY, READER_SECRET), f"s3://{bucket}/t"
+            yield (
+                server.endpoint_url,
+                (server.access_key, server.secret_key),
+                (READER_KEY, READER_SECRET),
+                f"s3://{bucket}/t",
+            )
         finally:
             delete_bucket_quietly(client, bucket)
             client.close()
@@ -239,7 +244,11 @@ def read_only(s3_server: Any, s3_client: Any, bucket_url: str, s3_env: Any) -> A
     elif s3_server.kind == "ceph":
         uid = f"reader-{uuid.uuid4().hex[:12]}"
         access = f"{READER_KEY}-{uid}"
-        env = {k: v for k, v in os.environ.items() if k not in ("CEPH_ARGS", "CEPH_CONF", "CEPH_KEYRING", "PYTHONHOME", "PYTHONPATH")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("CEPH_ARGS", "CEPH_CONF", "CEPH_KEYRING", "PYTHONHOME", "PYTHONPATH")
+        }
         subprocess.run(
             ["radosgw-admin", "-c", os.path.join(s3_server.data_dir, "ceph.conf"), "user", "create", f"--uid={uid}",
              "--display-name=read-only exporter", f"--access-key={access}", f"--secret-key={READER_SECRET}"],
@@ -296,7 +305,7 @@ async def test_a_read_only_exporter_lists_and_reads_frozen_rollouts(read_only: A
         with pytest.raises(SnapshotNotSealedError):
             await reader.read_snapshot("open")
 
-        bucket = url[len("s3://"):].split("/", 1)[0]
+        bucket = url[len("s3://") :].split("/", 1)[0]
         keys_before = await writer._list("")
         refused = {
             "put": lambda: reader.put(simple_entry("open", "c2")),

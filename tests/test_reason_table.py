@@ -62,7 +62,11 @@ class _Extractor:
 
     def _loop_values(self, name: str, node: ast.AST) -> list[str] | None:
         for loop in self._enclosing(node, (ast.For, ast.AsyncFor)):
-            if isinstance(loop.target, ast.Name) and loop.target.id == name and isinstance(loop.iter, (ast.Tuple, ast.List)):
+            if (
+                isinstance(loop.target, ast.Name)
+                and loop.target.id == name
+                and isinstance(loop.iter, (ast.Tuple, ast.List))
+            ):
                 values = [e.value for e in loop.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
                 if len(values) == len(loop.iter.elts):
                     return values
@@ -164,8 +168,13 @@ def produced_codes() -> dict[tuple[str, str], list[str]]:
     return out
 
 
-_SECTIONS = [("Snapshot reasons", "snapshot"), ("Ledger manifest failures", "manifest"), ("Mask reasons", "mask"),
-             ("Unresolved lineage reasons", "lineage"), ("Gym's own manifest failure codes", "gym")]
+_SECTIONS = [
+    ("Snapshot reasons", "snapshot"),
+    ("Ledger manifest failures", "manifest"),
+    ("Mask reasons", "mask"),
+    ("Unresolved lineage reasons", "lineage"),
+    ("Gym's own manifest failure codes", "gym"),
+]
 
 
 def doc_codes() -> dict[tuple[str, str], str]:
@@ -195,16 +204,32 @@ def test_extractor_sees_known_forms():
     codes = source_codes()
     store, ledger, trajectory, export = (codes[m] for m in ("store.py", "ledger.py", "trajectory.py", "export.py"))
     # f-strings appended to ``reasons``, and problems returned by the loader
-    assert {"broken_chain", "dangling_intent", "missing_parent", "marked_incomplete", "conflicting_payloads"} <= store.keys()
+    assert {
+        "broken_chain",
+        "dangling_intent",
+        "missing_parent",
+        "marked_incomplete",
+        "conflicting_payloads",
+    } <= store.keys()
     assert {"unreadable", "vanished"} <= store.keys()
     assert store["unreadable"] == {"return None, reason"}
     # lineage answers, a conditional included
     assert {"no_match", "ambiguous", "malformed_request", "digest_mismatch"} <= store.keys()
     assert {"retired", "no_match", "ambiguous"} <= ledger.keys()
     # the ledger's constants
-    assert {"conflicting_ledger_rows", "missing_parent_row", "request_finished_without_staged_coordinates"} <= ledger.keys()
+    assert {
+        "conflicting_ledger_rows",
+        "missing_parent_row",
+        "request_finished_without_staged_coordinates",
+    } <= ledger.keys()
     # the trajectory builder: fail(kind, cid[, reason]) and a loop over ("roots", "chains")
-    assert {"duplicate_call_id_conflict", "not_contiguous", "missing_resolution", "roots", "chains"} <= trajectory.keys()
+    assert {
+        "duplicate_call_id_conflict",
+        "not_contiguous",
+        "missing_resolution",
+        "roots",
+        "chains",
+    } <= trajectory.keys()
     assert "parent_digest_mismatch" not in trajectory  # a metrics kind, reported as not_contiguous
     assert {"capture_incomplete", "gym_output_unmatched", "no_generated_tokens"} <= trajectory.keys()
     assert {"no_trajectory", "misaligned_trajectory", "masked"} <= export.keys()
@@ -216,7 +241,9 @@ def test_extractor_sees_known_forms():
 def test_table_lists_every_reason_code():
     listed = {key for key in doc_codes() if key[0] != "gym"}
     produced = produced_codes()
-    missing = sorted(f"{section}: {code} (from {', '.join(produced[section, code])})" for section, code in produced.keys() - listed)
+    missing = sorted(
+        f"{section}: {code} (from {', '.join(produced[section, code])})" for section, code in produced.keys() - listed
+    )
     assert not missing, f"docs/reasons.md lacks reason codes the code produces: {missing}"
     stale = sorted(f"{section}: {code}" for section, code in listed - produced.keys())
     assert not stale, f"docs/reasons.md lists codes nothing produces any more: {stale}"

@@ -41,6 +41,7 @@ def gym() -> Any:
     """``nemo_gym.token_id_capture`` via ``require_gym()``, resolved before hypothesis starts drawing."""
     return require_gym()
 
+
 MEDIUM = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 KNOWN_FIELDS = frozenset(TokenEntry.__struct_fields__)
@@ -95,9 +96,7 @@ def valid_entry_dicts(draw: Any, floats: st.SearchStrategy[float] = plain_floats
         "model_call_id": draw(ids),
         "prompt_token_ids": draw(st.lists(token_ids, max_size=8)),
         "generation_token_ids": draw(st.lists(token_ids, min_size=gen_len, max_size=gen_len)),
-        "generation_log_probs": draw(
-            st.lists(st.one_of(logprobs, floats), min_size=gen_len, max_size=gen_len)
-        ),
+        "generation_log_probs": draw(st.lists(st.one_of(logprobs, floats), min_size=gen_len, max_size=gen_len)),
     }
     optional: dict[str, Any] = {
         "schema_version": TOKEN_ENTRY_RECORD_SCHEMA_VERSION,
@@ -147,7 +146,9 @@ def _set_status(d: dict, status: ParentResolutionStatus | None, parent: Any) -> 
 # Each mutation targets one rule of Gym's validator; the resulting dict is usually invalid, and the
 # differential test only requires that Gym and s3capture agree on every one of them.
 MUTATIONS = {
-    "length_mismatch": lambda d, n: d.update(generation_log_probs=list(d.get("generation_log_probs", [])) + [-0.5] * (n % 3 + 1)),
+    "length_mismatch": lambda d, n: d.update(
+        generation_log_probs=list(d.get("generation_log_probs", [])) + [-0.5] * (n % 3 + 1)
+    ),
     "length_mismatch_shorter": lambda d, n: d.update(
         generation_token_ids=list(d["generation_token_ids"]) + [7], generation_log_probs=list(d["generation_log_probs"])
     ),
@@ -167,8 +168,12 @@ MUTATIONS = {
         ["rollout_id", "model_call_id", "prompt_token_ids", "generation_token_ids", "generation_log_probs"][n % 5]
     ),
     "bad_status": lambda d, n: d.update(parent_resolution=["ROOT", "parent", "", "Resolved"][n % 4]),
-    "null_string_field": lambda d, n: d.update({["rollout_id", "model_call_id", "model", "continuation_fingerprint"][n % 4]: None}),
-    "string_for_list": lambda d, n: d.update({["prompt_token_ids", "generation_token_ids", "output_items"][n % 3]: "12"}),
+    "null_string_field": lambda d, n: d.update(
+        {["rollout_id", "model_call_id", "model", "continuation_fingerprint"][n % 4]: None}
+    ),
+    "string_for_list": lambda d, n: d.update(
+        {["prompt_token_ids", "generation_token_ids", "output_items"][n % 3]: "12"}
+    ),
     "non_object_output_item": lambda d, n: d.update(output_items=[1, "x", None, []][n % 4 : n % 4 + 1]),
     "fractional_int": lambda d, n: d.update({["cum_len", "token_item_index", "continuation_context_len"][n % 3]: 1.5}),
     "null_bool": lambda d, n: d.update({["prompt_is_delta", "prefix_requested", "prefix_supplied"][n % 3]: None}),
@@ -256,7 +261,10 @@ def test_non_canonical_input_decodes_to_the_same_canonical_bytes(d: dict, rnd: A
 
 
 @MEDIUM
-@given(valid_entry_dicts(floats=finite_floats, extras=False), st.dictionaries(extra_keys, json_values(finite_floats), min_size=1, max_size=5))
+@given(
+    valid_entry_dicts(floats=finite_floats, extras=False),
+    st.dictionaries(extra_keys, json_values(finite_floats), min_size=1, max_size=5),
+)
 def test_unknown_extra_fields_round_trip_unchanged(d: dict, extras: dict) -> None:
     original = {**d, **copy.deepcopy(extras)}
     entry = decode_entry(json.dumps(original))
@@ -293,7 +301,11 @@ def test_non_finite_log_probs_are_refused_not_nulled(index: int, bad: float) -> 
         encode_entry(entry)
     # The same entry built directly is refused as well (no silent ``null``).
     direct = TokenEntry(
-        rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[1, 2, 3], generation_log_probs=probs
+        rollout_id="r",
+        model_call_id="c",
+        prompt_token_ids=[],
+        generation_token_ids=[1, 2, 3],
+        generation_log_probs=probs,
     )
     with pytest.raises(RecordError, match=re.escape(f"generation_log_probs[{index}]")):
         encode_entry(direct)
@@ -308,12 +320,16 @@ def test_non_finite_created_at_is_refused(bad: float) -> None:
 
 def test_json_non_finite_literals_are_not_valid_entries() -> None:
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
-        data = b'{"rollout_id":"r","model_call_id":"c","prompt_token_ids":[],"generation_token_ids":[1],"generation_log_probs":[' + literal + b"]}"
+        data = (
+            b'{"rollout_id":"r","model_call_id":"c","prompt_token_ids":[],"generation_token_ids":[1],"generation_log_probs":['
+            + literal
+            + b"]}"
+        )
         with pytest.raises(RecordError):
             decode_entry(data)
 
 
-@pytest.mark.parametrize("data", [b"", b"{", b"[]", b'"x"', b"null", b"1", "{\"rollout_id\": }"])
+@pytest.mark.parametrize("data", [b"", b"{", b"[]", b'"x"', b"null", b"1", '{"rollout_id": }'])
 def test_decode_entry_refuses_non_entries_with_record_error(data: Any) -> None:
     with pytest.raises(RecordError):
         decode_entry(data)
@@ -326,7 +342,10 @@ def test_decode_entry_refuses_non_entries_with_record_error(data: Any) -> None:
 
 @pytest.mark.parametrize("version", [2, 3, 100, 2**40])
 def test_newer_schema_version_is_refused_naming_the_supported_version(version: int) -> None:
-    for attempt in (lambda: coerce_entry(_base(schema_version=version)), lambda: decode_entry(json.dumps(_base(schema_version=version)))):
+    for attempt in (
+        lambda: coerce_entry(_base(schema_version=version)),
+        lambda: decode_entry(json.dumps(_base(schema_version=version))),
+    ):
         with pytest.raises(UnsupportedSchemaError) as info:
             attempt()
         message = str(info.value)
@@ -390,7 +409,9 @@ def test_coerce_entry_refuses_other_objects() -> None:
 
 
 def test_coerce_entry_validates_a_directly_built_entry() -> None:
-    bad = TokenEntry(rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[1], generation_log_probs=[])
+    bad = TokenEntry(
+        rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[1], generation_log_probs=[]
+    )
     with pytest.raises(RecordError, match="same length"):
         coerce_entry(bad)
 
@@ -399,21 +420,38 @@ def test_coerce_entry_validates_a_directly_built_entry() -> None:
 # contract allows: coerce_entry must accept each, and what put() stores from it, freeze() must read
 # back as the same entry.
 ACCEPTED_DIRECT = {
-    "largest-token-id": dict(prompt_token_ids=[0, 2**64 - 1], generation_token_ids=[2**64 - 1], generation_log_probs=[-0.0]),
+    "largest-token-id": dict(
+        prompt_token_ids=[0, 2**64 - 1], generation_token_ids=[2**64 - 1], generation_log_probs=[-0.0]
+    ),
     "no-tokens": dict(prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[]),
-    "big-floats": dict(generation_log_probs=[-1e300, -1e16], created_at=1e17, routed_experts=[[1e16, -2.5e-300], {"w": 1e22}]),
+    "big-floats": dict(
+        generation_log_probs=[-1e300, -1e16], created_at=1e17, routed_experts=[[1e16, -2.5e-300], {"w": 1e22}]
+    ),
     "tiny-floats": dict(generation_log_probs=[-5e-324, -1e-7], created_at=0.0),
     "unicode-and-output-items": dict(
-        rollout_id="r\u00e9/\u65e5\U0001F600", model_call_id=".%2E~", model="m\u00fc",
+        rollout_id="r\u00e9/\u65e5\U0001f600",
+        model_call_id=".%2E~",
+        model="m\u00fc",
         output_items=[{"type": "message", "content": "\u0000\u2028\ud7ff", "n": [1, 2.5, None, True]}],
-        token_item_index=0, response_id="",
+        token_item_index=0,
+        response_id="",
     ),
     "resolved-delta": dict(
-        parent_call_id="p", parent_resolution="resolved", prompt_is_delta=True, cum_len=2**40,
-        digest="f" * 64, continuation_fingerprint="a" * 64, continuation_context_len=3,
-        continuation_context_digest="b" * 64, fingerprint_version=2, prefix_requested=True, prefix_supplied=True,
+        parent_call_id="p",
+        parent_resolution="resolved",
+        prompt_is_delta=True,
+        cum_len=2**40,
+        digest="f" * 64,
+        continuation_fingerprint="a" * 64,
+        continuation_context_len=3,
+        continuation_context_digest="b" * 64,
+        fingerprint_version=2,
+        prefix_requested=True,
+        prefix_supplied=True,
     ),
-    "unresolved-with-reason": dict(parent_resolution="unresolved", parent_resolution_reason="ambiguous", created_at=1700000000),
+    "unresolved-with-reason": dict(
+        parent_resolution="unresolved", parent_resolution_reason="ambiguous", created_at=1700000000
+    ),
 }
 # Directly built entries with a wrong type or a contract violation: coerce_entry refuses each, so
 # put() never stores bytes that decode_entry would refuse.
@@ -615,7 +653,9 @@ def test_parent_resolution_status_values_match_gym() -> None:
     for name, info in gym.TokenEntry.model_fields.items():
         if not info.is_required():
             default = info.get_default(call_default_factory=True)
-            ours = TokenEntry(rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[])
+            ours = TokenEntry(
+                rollout_id="r", model_call_id="c", prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[]
+            )
             assert getattr(ours, name) == default, name
 
 
@@ -625,8 +665,15 @@ def test_stamp_lineage_matches_gym_and_delta_keeps_the_full_sequence_digest() ->
     from s3capture.records import stamp_lineage, store_prompt_as_delta, to_gym
 
     gym = require_gym()
-    entry = coerce_entry({"rollout_id": "r", "model_call_id": "c2", "prompt_token_ids": [1, 2, 3, 4],
-                          "generation_token_ids": [5], "generation_log_probs": [-0.5]})
+    entry = coerce_entry(
+        {
+            "rollout_id": "r",
+            "model_call_id": "c2",
+            "prompt_token_ids": [1, 2, 3, 4],
+            "generation_token_ids": [5],
+            "generation_log_probs": [-0.5],
+        }
+    )
     gym_entry = to_gym(entry)
     stamp_lineage(entry, "c1", parent_resolution=ParentResolutionStatus.RESOLVED)
     gym.records.stamp_lineage(gym_entry, "c1", parent_resolution=gym.records.ParentResolutionStatus.RESOLVED)
@@ -636,8 +683,15 @@ def test_stamp_lineage_matches_gym_and_delta_keeps_the_full_sequence_digest() ->
     store_prompt_as_delta(entry, [1, 2])
     assert entry.prompt_token_ids == [3, 4] and entry.prompt_is_delta
     assert entry.cum_len == 5 and entry.digest == gym_entry.digest
-    root = coerce_entry({"rollout_id": "r", "model_call_id": "c0", "prompt_token_ids": [1],
-                         "generation_token_ids": [], "generation_log_probs": []})
+    root = coerce_entry(
+        {
+            "rollout_id": "r",
+            "model_call_id": "c0",
+            "prompt_token_ids": [1],
+            "generation_token_ids": [],
+            "generation_log_probs": [],
+        }
+    )
     with pytest.raises(RecordError):
         stamp_lineage(root, "c9", parent_resolution=ParentResolutionStatus.ROOT)
     with pytest.raises(RecordError):

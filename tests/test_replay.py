@@ -29,7 +29,9 @@ def _require_data(path: Path) -> Path:
     """``path`` (shared example data); skip when it is missing, but fail under ``CI`` like ``require_gym``."""
     if path.exists():
         return path
-    message = f"example rollouts not found at {path} (expected ../shared/data/gym-example-rollouts next to the checkout)"
+    message = (
+        f"example rollouts not found at {path} (expected ../shared/data/gym-example-rollouts next to the checkout)"
+    )
     if running_under_ci():
         pytest.fail(f"{message}; CI must provide them", pytrace=False)
     pytest.skip(message)
@@ -211,8 +213,11 @@ def test_loading_is_deterministic_and_streaming_matches() -> None:
     first = load_rollouts([DATA_DIR])
     second = load_rollouts([DATA_DIR])
     assert first == second
-    streamed = [r for name in ("anyterminal_hermes", "competitive_coding", "hermes_math")
-                for r in iter_rollouts(DATA_DIR / f"{name}.jsonl")]
+    streamed = [
+        r
+        for name in ("anyterminal_hermes", "competitive_coding", "hermes_math")
+        for r in iter_rollouts(DATA_DIR / f"{name}.jsonl")
+    ]
     assert streamed == first
 
 
@@ -254,7 +259,12 @@ def _vllm_rollout(tmp_path: Path) -> ReplayRollout:
 def test_real_non_contiguous_arrays_are_kept(tmp_path: Path) -> None:
     rollout = _vllm_rollout(tmp_path)
     first, second = rollout.calls
-    assert [item["type"] for item in first.output_items] == ["reasoning", "function_call", "function_call", "function_call"]
+    assert [item["type"] for item in first.output_items] == [
+        "reasoning",
+        "function_call",
+        "function_call",
+        "function_call",
+    ]
     assert [item["type"] for item in second.output_items] == ["reasoning"]
     assert not first.synthetic_tokens and not second.synthetic_tokens
     assert (len(first.prompt_token_ids), len(first.generation_token_ids)) == (3088, 495)
@@ -300,18 +310,34 @@ def _write(tmp_path: Path, name: str, lines: list) -> Path:
 
 
 def test_plain_string_input_and_mixed_real_then_synthetic(tmp_path: Path) -> None:
-    real = {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [7, 8], "generation_log_probs": [-0.5, 0.0],
-            "routed_experts": "opaque"}
+    real = {
+        "prompt_token_ids": [1, 2, 3],
+        "generation_token_ids": [7, 8],
+        "generation_log_probs": [-0.5, 0.0],
+        "routed_experts": "opaque",
+    }
     line = {
         "responses_create_params": {"input": "What is 2+2?"},
         "response": {
             "output": [
                 {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
-                {"id": "fc_1", "type": "function_call", "call_id": "c1", "name": "calc", "arguments": "{\"x\": 1}",
-                 **real},
+                {
+                    "id": "fc_1",
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "calc",
+                    "arguments": '{"x": 1}',
+                    **real,
+                },
                 {"type": "function_call_output", "call_id": "c1", "output": "4"},
-                _message("assistant", "It is 4.", id="m2", prompt_token_ids=[], generation_token_ids=[],
-                         generation_log_probs=[]),
+                _message(
+                    "assistant",
+                    "It is 4.",
+                    id="m2",
+                    prompt_token_ids=[],
+                    generation_token_ids=[],
+                    generation_log_probs=[],
+                ),
                 _message("user", "thanks"),  # trailing environment item: belongs to no call
             ]
         },
@@ -324,13 +350,20 @@ def test_plain_string_input_and_mixed_real_then_synthetic(tmp_path: Path) -> Non
     assert rollout.source == "my rollouts.jsonl:1"
     first, second = rollout.calls
     assert first.request_items == [{"role": "user", "content": "What is 2+2?", "type": "message"}]
-    assert (first.prompt_token_ids, first.generation_token_ids, first.generation_log_probs) == ([1, 2, 3], [7, 8],
-                                                                                               [-0.5, 0.0])
+    assert (first.prompt_token_ids, first.generation_token_ids, first.generation_log_probs) == (
+        [1, 2, 3],
+        [7, 8],
+        [-0.5, 0.0],
+    )
     assert not first.synthetic_tokens and second.synthetic_tokens
     assert "routed_experts" not in first.output_items[1]
     assert second.prompt_token_ids[:5] == [1, 2, 3, 7, 8]  # synthetic call extends the real one
-    assert [item["type"] for item in second.request_items] == ["message", "reasoning", "function_call",
-                                                               "function_call_output"]
+    assert [item["type"] for item in second.request_items] == [
+        "message",
+        "reasoning",
+        "function_call",
+        "function_call_output",
+    ]
     _assert_well_formed(rollout)
     _assert_request_chain(rollout)
     _assert_contiguous(rollout)
@@ -342,8 +375,13 @@ def test_typeless_assistant_message_is_model_authored(tmp_path: Path) -> None:
     assert not is_model_authored({"type": "function_call_output", "call_id": "c", "output": ""})
     line = {
         "responses_create_params": {"input": [{"role": "user", "content": "hi"}]},
-        "response": {"output": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"},
-                                {"role": "assistant", "content": "hello again"}]},
+        "response": {
+            "output": [
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "hello again"},
+            ]
+        },
     }
     (rollout,) = load_rollouts([_write(tmp_path, "typeless.jsonl", [line])])
     assert len(rollout.calls) == 2
@@ -368,8 +406,7 @@ def test_no_model_items_blank_lines_and_errors(tmp_path: Path) -> None:
 
 def test_synthetic_ids_depend_on_content(tmp_path: Path) -> None:
     def line(answer: str) -> dict:
-        return {"responses_create_params": {"input": "q"},
-                "response": {"output": [_message("assistant", answer)]}}
+        return {"responses_create_params": {"input": "q"}, "response": {"output": [_message("assistant", answer)]}}
 
     a, b, c = load_rollouts([_write(tmp_path, "content.jsonl", [line("x" * 40), line("x" * 40), line("y" * 400)])])
     assert a.calls[0].generation_token_ids == b.calls[0].generation_token_ids

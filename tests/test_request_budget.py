@@ -39,8 +39,6 @@ PUT, GET, LIST = "PutObject", "GetObject", "ListObjectsV2"
 REQ = [system("Be brief."), user("Name a colour.")]
 
 
-
-
 def entry_key(store: S3TokenStore, entry: Any) -> str:
     import hashlib
 
@@ -173,7 +171,9 @@ async def test_root_and_no_match_resolves_are_cheap(fresh):
     rec = await RequestRecorder.attach(resolver)
     assert (await resolver.resolve("r", REQ)).status == ParentResolutionStatus.ROOT
     assert rec.counts() == {}
-    assert (await resolver.resolve("r", [{"role": "assistant", "content": 7}])).status == ParentResolutionStatus.UNRESOLVED
+    assert (
+        await resolver.resolve("r", [{"role": "assistant", "content": 7}])
+    ).status == ParentResolutionStatus.UNRESOLVED
     assert rec.counts() == {}
     resolution = await resolver.resolve("r", [*REQ, *assistant_output("never said"), user("?")])
     assert (resolution.status, resolution.reason) == (ParentResolutionStatus.UNRESOLVED, "no_match")
@@ -185,7 +185,9 @@ async def test_delta_resolve_gets_only_uncached_ancestors(fresh):
     writer = fresh()
     entries = []
     for index, turn in enumerate(turns):
-        entry = turn_entry("r", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        entry = turn_entry(
+            "r", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None
+        )
         await writer.put(entry)
         entries.append(entry)
     keys = [entry_key(writer, e) for e in entries]
@@ -217,7 +219,9 @@ async def test_deep_delta_resolve_fetches_one_checkpoint_and_the_deltas_after_it
     writer = fresh()
     entries = []
     for index, turn in enumerate(turns):
-        entries.append(turn_entry("r", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None))
+        entries.append(
+            turn_entry("r", turn, delta=bool(index), parent_cumulative=turns[index - 1].cumulative if index else None)
+        )
         await writer.put(entries[-1])
     resolver = fresh()
     rec = await RequestRecorder.attach(resolver)

@@ -69,7 +69,9 @@ async def test_a_stale_freeze_record_never_shortens_a_later_drop(fresh, s3_serve
             put_result = error
         dropped = await drop
         assert [e.model_call_id for e in snapshot.entries] == ["c0"]
-        assert not (put_result == "ok" and dropped), "an acknowledged put is missing from a snapshot whose drop succeeded"
+        assert not (put_result == "ok" and dropped), (
+            "an acknowledged put is missing from a snapshot whose drop succeeded"
+        )
     finally:
         await proxy.stop()
 
@@ -92,7 +94,9 @@ async def test_a_marker_whose_fence_re_read_fails_is_never_acknowledged(fresh, s
         proxy.rule = rule
         from s3capture.store import default_botocore_config
 
-        config = default_botocore_config(16, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"})
+        config = default_botocore_config(
+            16, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+        )
         marker = fresh(endpoint_url=proxy.endpoint, botocore_config=config, fence_grace=GRACE)
         try:
             await marker.mark_incomplete("r", "c1")
@@ -100,7 +104,9 @@ async def test_a_marker_whose_fence_re_read_fails_is_never_acknowledged(fresh, s
         except StoreError:
             acknowledged = False
         dropped = await fresh(fence_grace=GRACE).drop("r", snapshot.snapshot_id, snapshot.version)
-        assert not acknowledged, "mark_incomplete returned although it could not tell whether a drop consumed the rollout"
+        assert not acknowledged, (
+            "mark_incomplete returned although it could not tell whether a drop consumed the rollout"
+        )
         assert not dropped  # the marker landed after the freeze: the drop sees it
     finally:
         await proxy.stop()
@@ -176,7 +182,9 @@ async def test_a_refresh_never_touches_a_callers_session(fresh, s3_server, monke
             except StoreError as error:
                 assert "ExpiredToken" in str(error)
         assert time.monotonic() - started < 30
-        assert not any(r.client_key == "OTHERIDENTITY" for r in proxy.requests), "requests went out under another identity"
+        assert not any(r.client_key == "OTHERIDENTITY" for r in proxy.requests), (
+            "requests went out under another identity"
+        )
         frozen = await session._session.get_credentials()
         assert frozen is not None and frozen.access_key == "CALLERKEY"
     finally:

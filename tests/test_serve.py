@@ -97,7 +97,7 @@ def _parse(lines: list[str]) -> tuple[dict[str, str], list[str], str]:
         elif words[0] == "unset":
             unset += words[1:]
         elif line.startswith("# URL: "):
-            url = line[len("# URL: "):]
+            url = line[len("# URL: ") :]
         else:
             raise AssertionError(f"serve printed a line that is not shell: {line!r}")
     return exported, unset, url

@@ -13,8 +13,12 @@ from s3capture.store import S3TokenStore, StoreError, parse_s3_url
 
 
 def _dead_store(url: str, tmp_path) -> S3TokenStore:
-    config = Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=0.5, read_timeout=0.5,
-                    s3={"addressing_style": "path"})
+    config = Config(
+        retries={"mode": "standard", "max_attempts": 1},
+        connect_timeout=0.5,
+        read_timeout=0.5,
+        s3={"addressing_style": "path"},
+    )
     return S3TokenStore(url, endpoint_url="http://127.0.0.1:9", botocore_config=config, spill_dir=tmp_path)
 
 

@@ -55,12 +55,23 @@ GYM_GOLDEN = {
     "extras": {"routed_experts": [[[1, 2]], [[3, 4]]]},
     "extras_digest": "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
     "staged_call": {
-        "schema_version": 2, "digest_version": 2, "extras_digest_version": 1,
-        "rollout_id": "rollout-1", "model_call_id": "call-1", "parent_call_id": "parent-1",
-        "mode": "token_in", "prev_len": 3, "delta_len": 2, "cum_len": 5, "weight_version": 7,
-        "token_ids_delta": [10, 11], "token_mask_delta": [0.0, 1.0], "generation_log_probs_delta": [0.0, -0.25],
+        "schema_version": 2,
+        "digest_version": 2,
+        "extras_digest_version": 1,
+        "rollout_id": "rollout-1",
+        "model_call_id": "call-1",
+        "parent_call_id": "parent-1",
+        "mode": "token_in",
+        "prev_len": 3,
+        "delta_len": 2,
+        "cum_len": 5,
+        "weight_version": 7,
+        "token_ids_delta": [10, 11],
+        "token_mask_delta": [0.0, 1.0],
+        "generation_log_probs_delta": [0.0, -0.25],
         "extras_digest": "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
-        "chain_hash": "1" * 64, "cumulative_hash": "2" * 64,
+        "chain_hash": "1" * 64,
+        "cumulative_hash": "2" * 64,
     },
     "staged_call_digest": "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27",
 }
@@ -75,7 +86,9 @@ def test_values_computed_by_gym() -> None:
     # Computed with nemo-gym 0.7.0's staging.digest functions.
     assert ours.hash_token_ids([]) == "17088fc6f8fd317bf02bd83e106f7ca2dfb7b9cfc63927c2387d4c87f29578ef"
     assert ours.hash_token_ids([0, 1, U64_MAX]) == "cc04ed6ae369fa90e74616ba6a6bf81277ff788804acc6f152272e5a69267755"
-    assert ours.compute_chain_hash(None, [5, 6, 7]) == "ebccb4279798822b793da7a290af5d7b17b559fd8c900c1c0b8ff8152c99161a"
+    assert (
+        ours.compute_chain_hash(None, [5, 6, 7]) == "ebccb4279798822b793da7a290af5d7b17b559fd8c900c1c0b8ff8152c99161a"
+    )
     assert ours.compute_chain_hash("ab" * 32, [8]) == "4c3f1a387404de81e12ce0d43f1419c6e94e0158e33cd38cc4462706292d0f6d"
     assert ours.EMPTY_EXTRAS_DIGEST == "a1edc33c107616cf344faf0103daa025cfb125f8e1c784ae5f6a49faf2b768b6"
     assert ours.compute_extras_digest({"b": [1, 2.5, None, True, "x"], "a": {}}) == (
@@ -100,10 +113,26 @@ digests = st.text("0123456789abcdef", min_size=64, max_size=64)
 bad_digests = st.sampled_from(["", "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 63 + "\n", None, 5, b"a" * 64])
 # Valid log probs (float32-representable; Gym refuses the rest, which ``weird_floats`` covers).
 logprobs = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False) | st.floats(min_value=-1e30, max_value=1e30)
-weird_floats = st.sampled_from(
-    [math.nan, math.inf, -math.inf, 1e39, -3.5e38, 3.4028235677973366e38, 3.4028234663852886e38, 1e-46, 0, 1, True,
-     None, "0.0"]
-) | st.floats()
+weird_floats = (
+    st.sampled_from(
+        [
+            math.nan,
+            math.inf,
+            -math.inf,
+            1e39,
+            -3.5e38,
+            3.4028235677973366e38,
+            3.4028234663852886e38,
+            1e-46,
+            0,
+            1,
+            True,
+            None,
+            "0.0",
+        ]
+    )
+    | st.floats()
+)
 
 json_scalars = (
     st.none()
@@ -227,10 +256,14 @@ def test_staging_digest_refusals_equal_gym(gym: Any, fields: dict, data: Any) ->
     st.lists(logprobs | weird_floats, max_size=6),
     st.integers(-2, 12),
 )
-def test_build_staging_delta_equals_gym(gym: Any, prompt: list, generated: list, log_probs: list, prev_len: int) -> None:
+def test_build_staging_delta_equals_gym(
+    gym: Any, prompt: list, generated: list, log_probs: list, prev_len: int
+) -> None:
     if len(log_probs) > len(generated) and log_probs[0] == log_probs[0]:
         log_probs = log_probs[: len(generated)]  # mostly equal lengths; NaN first keeps a mismatch
-    kwargs = dict(prompt_token_ids=prompt, generated_token_ids=generated, generated_log_probs=log_probs, prev_len=prev_len)
+    kwargs = dict(
+        prompt_token_ids=prompt, generated_token_ids=generated, generated_log_probs=log_probs, prev_len=prev_len
+    )
     ours_out, gym_out = outcome(ours.build_staging_delta, **kwargs), outcome(gym.build_staging_delta, **kwargs)
     assert repr(ours_out) == repr(gym_out)  # repr: NaN != NaN in a plain comparison
 
@@ -278,8 +311,14 @@ def test_stage_call_chain_validates_and_linearizes_with_gym(
     parent, chain = None, ()
     for index, (prompt, generation, log_probs) in enumerate(calls):
         staged = ours.stage_call(
-            rollout_id="r-1", model_call_id=f"c{index}", prompt_token_ids=prompt, generation_token_ids=generation,
-            generation_log_probs=log_probs, parent=parent, weight_version=weight_version, extras=extras,
+            rollout_id="r-1",
+            model_call_id=f"c{index}",
+            prompt_token_ids=prompt,
+            generation_token_ids=generation,
+            generation_log_probs=log_probs,
+            parent=parent,
+            weight_version=weight_version,
+            extras=extras,
         )
         staged.verify()
         assert ours.StagedCall.decode(staged.encode()) == staged
@@ -299,36 +338,68 @@ def test_stage_call_chain_validates_and_linearizes_with_gym(
     row = verify_and_linearize(receipt, staged_calls)
     prompt, generation, log_probs = calls[-1]
     assert row.token_ids == prompt + generation
-    assert row.logprobs[len(prompt):] == log_probs
+    assert row.logprobs[len(prompt) :] == log_probs
 
 
 def test_stage_call_refuses_a_prompt_that_does_not_extend_the_parent() -> None:
-    root = ours.stage_call(rollout_id="r", model_call_id="c0", prompt_token_ids=[1, 2], generation_token_ids=[3],
-                           generation_log_probs=[-0.1])
+    root = ours.stage_call(
+        rollout_id="r",
+        model_call_id="c0",
+        prompt_token_ids=[1, 2],
+        generation_token_ids=[3],
+        generation_log_probs=[-0.1],
+    )
     parent = _match(root, (root.staging_key,))
     for prompt in ([1, 9, 3, 4], [1, 2], []):
         with pytest.raises(ValueError, match="does not begin with the 3 tokens of parent 'c0'"):
-            ours.stage_call(rollout_id="r", model_call_id="c1", prompt_token_ids=prompt, generation_token_ids=[5],
-                            generation_log_probs=[-0.2], parent=parent)
-    child = ours.stage_call(rollout_id="r", model_call_id="c1", prompt_token_ids=[1, 2, 3], generation_token_ids=[5],
-                            generation_log_probs=[-1], parent=parent)  # an int log prob is taken as a float
-    assert child.token_ids_delta == [5] and child.token_mask_delta == [1.0] and child.generation_log_probs_delta == [-1.0]
+            ours.stage_call(
+                rollout_id="r",
+                model_call_id="c1",
+                prompt_token_ids=prompt,
+                generation_token_ids=[5],
+                generation_log_probs=[-0.2],
+                parent=parent,
+            )
+    child = ours.stage_call(
+        rollout_id="r",
+        model_call_id="c1",
+        prompt_token_ids=[1, 2, 3],
+        generation_token_ids=[5],
+        generation_log_probs=[-1],
+        parent=parent,
+    )  # an int log prob is taken as a float
+    assert (
+        child.token_ids_delta == [5] and child.token_mask_delta == [1.0] and child.generation_log_probs_delta == [-1.0]
+    )
     assert child.prev_len == 3 and child.cum_len == 4 and child.mode == "token_in" and child.parent_call_id == "c0"
     assert child.chain_hash == ours.compute_chain_hash(root.chain_hash, [5])
     with pytest.raises(ValueError, match="at least one token"):
-        ours.stage_call(rollout_id="r", model_call_id="c0", prompt_token_ids=[], generation_token_ids=[],
-                        generation_log_probs=[])
+        ours.stage_call(
+            rollout_id="r", model_call_id="c0", prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[]
+        )
     with pytest.raises(ValueError, match="lengths differ"):
-        ours.stage_call(rollout_id="r", model_call_id="c0", prompt_token_ids=[1], generation_token_ids=[2],
-                        generation_log_probs=[])
+        ours.stage_call(
+            rollout_id="r", model_call_id="c0", prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[]
+        )
 
 
 def test_staged_call_decode_refuses_tampering() -> None:
-    staged = ours.stage_call(rollout_id="r", model_call_id="c0", prompt_token_ids=[1, 2], generation_token_ids=[3, 4],
-                             generation_log_probs=[-0.5, -0.25], extras={"k": [1]})
+    staged = ours.stage_call(
+        rollout_id="r",
+        model_call_id="c0",
+        prompt_token_ids=[1, 2],
+        generation_token_ids=[3, 4],
+        generation_log_probs=[-0.5, -0.25],
+        extras={"k": [1]},
+    )
     body = staged.encode()
     assert ours.StagedCall.decode(body) == staged
-    for old, new in ((b"[1,2,3,4]", b"[1,2,3,5]"), (b"-0.25", b"-0.5"), (b'"k":[1]', b'"k":[2]'), (b'"mode":"text"', b'"mode":"tok"')):
+    for old, new in (
+        (b"[1,2,3,4]", b"[1,2,3,5]"),
+        (b"-0.25", b"-0.5"),
+        (b'"k":[1]', b'"k":[2]'),
+        (b'"mode":"text"', b'"mode":"tok"'),
+    ):
         assert old in body
         with pytest.raises(ValueError):
             ours.StagedCall.decode(body.replace(old, new))
@@ -339,12 +410,19 @@ def test_staged_call_decode_refuses_tampering() -> None:
 def test_call_record_fingerprints_as_gym_external_capture(gym: Any) -> None:
     from nemo_gym.token_id_capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint
 
-    staged = ours.stage_call(rollout_id="r", model_call_id="c0", prompt_token_ids=[1], generation_token_ids=[2],
-                             generation_log_probs=[-0.5])
+    staged = ours.stage_call(
+        rollout_id="r", model_call_id="c0", prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[-0.5]
+    )
     request = [{"role": "user", "content": "hi", "type": "message"}]
     response = [{"role": "assistant", "content": [{"type": "output_text", "text": "hello"}], "type": "message"}]
-    record = ours.call_record(staged, response_id="resp-1", admitted_at=12.5, request_items=request,
-                              response_items=response, staging_key="elsewhere/c0")
+    record = ours.call_record(
+        staged,
+        response_id="resp-1",
+        admitted_at=12.5,
+        request_items=request,
+        response_items=response,
+        staging_key="elsewhere/c0",
+    )
     assert record.output_fingerprint == assistant_fingerprint(response)
     assert record.continuation_fingerprint == assistant_fingerprint(request + response)
     assert record.fingerprint_version == FINGERPRINT_VERSION

@@ -37,8 +37,6 @@ RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
 
 
-
-
 async def put_fresh(fresh: Any, entry: Any) -> None:
     """Put through a client that is used for nothing else."""
     await fresh().put(entry)
@@ -104,7 +102,11 @@ async def test_no_model_history_is_root(fresh):
     for rollout in ("r-empty", "r-full"):
         if rollout == "r-full":
             await put_fresh(fresh, make_entry(rollout, "call-1", REQ, OUT, [1], [2]))
-        for request in ([], [user("hi")], [system("s"), user("hi"), {"type": "function_call_output", "call_id": "x", "output": "y"}]):
+        for request in (
+            [],
+            [user("hi")],
+            [system("s"), user("hi"), {"type": "function_call_output", "call_id": "x", "output": "y"}],
+        ):
             resolution = await fresh().resolve(rollout, request)
             assert resolution.status == ROOT, (rollout, request, resolution)
             assert resolution.match is None
@@ -153,7 +155,9 @@ async def test_identical_output_different_tokens_is_ambiguous(fresh):
 async def test_identical_cumulative_tokens_resolve_to_smallest_call_id(fresh):
     # Put the larger id first: the winner must not depend on write or LIST order.
     for call_id in ("call-c", "call-a", "call-b"):
-        await put_fresh(fresh, make_entry("r", call_id, REQ, OUT, [1, 2, 3], [4, 5], created_at=float(ord(call_id[-1]))))
+        await put_fresh(
+            fresh, make_entry("r", call_id, REQ, OUT, [1, 2, 3], [4, 5], created_at=float(ord(call_id[-1])))
+        )
     request = [*REQ, *OUT, user("next")]
     for _ in range(3):
         assert_resolved(await fresh().resolve("r", request), "call-a", [1, 2, 3, 4, 5])
@@ -264,7 +268,7 @@ async def build_delta_chain(fresh: Any, rollout_id: str, depth: int, *, fresh_ea
         assert entry.prompt_is_delta == bool(index)
         if index:
             # The stored prompt is only the suffix after the parent's cumulative tokens.
-            assert entry.prompt_token_ids == turn.prompt[len(turns[index - 1].cumulative):]
+            assert entry.prompt_token_ids == turn.prompt[len(turns[index - 1].cumulative) :]
             assert entry.cum_len == len(turn.cumulative) and entry.digest == compute_digest(turn.cumulative)
         await (fresh() if fresh_each_step else one).put(entry)
     return turns
@@ -326,11 +330,13 @@ async def test_corrupted_ancestor_makes_delta_resolve_unresolved(fresh, s3_clien
         # The envelope's ancestor list is not covered by the key's SHA-256: drop one ancestor from
         # the middle of the deepest call's own chain.
         key = entry_key_of(bucket_url, s3_client, "r-delta", turns[-1].call_id)
-        raw = zstandard.ZstdDecompressor().stream_reader(
-            io.BytesIO(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
-        ).read()
+        raw = (
+            zstandard.ZstdDecompressor()
+            .stream_reader(io.BytesIO(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()))
+            .read()
+        )
         cut = raw.index(b',"cum_base":')
-        chain = json.loads(raw[len(b'{"chain":'):cut])
+        chain = json.loads(raw[len(b'{"chain":') : cut])
         assert len(chain) == (DEPTH - 1) % CHAIN_KEYS
         del chain[3]
         tampered = b'{"chain":' + json.dumps(chain, separators=(",", ":")).encode() + raw[cut:]

@@ -70,7 +70,7 @@ class Raw:
 
     def rollout_rel_keys(self, rollout_id: str) -> list[str]:
         prefix = self.rollout(rollout_id)
-        return sorted(k[len(prefix):] for k in self.keys(prefix))
+        return sorted(k[len(prefix) :] for k in self.keys(prefix))
 
     def entry_keys(self, rollout_id: str) -> list[str]:
         return [k for k in self.rollout_rel_keys(rollout_id) if k.startswith("log/e/")]
@@ -90,7 +90,11 @@ class Raw:
 def envelope(payload: bytes, chain: list[str] | None = None) -> bytes:
     """The uncompressed stored envelope, exactly as ``S3TokenStore._encode_object`` builds it."""
     return (
-        b'{"chain":' + msgspec.json.encode(list(chain or [])) + b',"entry":' + payload + b',"format":"s3capture.entry/1"}'
+        b'{"chain":'
+        + msgspec.json.encode(list(chain or []))
+        + b',"entry":'
+        + payload
+        + b',"format":"s3capture.entry/1"}'
     )
 
 
@@ -124,7 +128,7 @@ async def test_put_then_freeze_from_fresh_client(new_store, raw):
     assert snapshot.reasons == ()
     assert isinstance(snapshot.snapshot_id, str) and snapshot.snapshot_id
     assert snapshot.version == 1
-    assert raw.entry_keys("r-basic") == [raw.entry_key(entry)[len(raw.rollout("r-basic")):]]
+    assert raw.entry_keys("r-basic") == [raw.entry_key(entry)[len(raw.rollout("r-basic")) :]]
     # The stored object is zstd(envelope(canonical bytes)): what the hand-built objects below mimic.
     stored = raw.get(raw.entry_key(entry))
     assert zstandard.ZstdDecompressor().decompress(stored) == envelope(encode_entry(entry))
@@ -235,7 +239,7 @@ async def test_freeze_idempotent_across_clients_and_manifest_sealed(new_store, r
     assert manifest["reasons"] == []
     listed = sorted(obj["key"] for obj in manifest["objects"])
     assert listed == sorted(k for k in rels if k.startswith("log/"))
-    assert listed == sorted(raw.entry_key(e)[len(raw.rollout("r-idem")):] for e in entries)
+    assert listed == sorted(raw.entry_key(e)[len(raw.rollout("r-idem")) :] for e in entries)
     assert all(obj["etag"] and obj["size"] > 0 for obj in manifest["objects"])
 
 
@@ -857,7 +861,10 @@ async def test_corrupt_and_foreign_objects_mark_incomplete(new_store, raw):
     # A valid envelope whose bytes do not hash to the SHA-256 in its key.
     mismatched = simple_entry(rid, "call-mismatch")
     wrong = simple_entry(rid, "call-mismatch", generation=[99])
-    raw.put(raw.entry_key(mismatched, entry_sha(wrong)), zstandard.ZstdCompressor().compress(envelope(encode_entry(mismatched))))
+    raw.put(
+        raw.entry_key(mismatched, entry_sha(wrong)),
+        zstandard.ZstdCompressor().compress(envelope(encode_entry(mismatched))),
+    )
     # A valid entry of one call id filed under another call id's key.
     misfiled_src = simple_entry(rid, "call-src", text="m")
     payload = encode_entry(misfiled_src)
@@ -1060,7 +1067,11 @@ async def test_wrong_credentials_raise_store_error(s3_env, bucket_url, monkeypat
     store = S3TokenStore(bucket_url)
     bucket, _ = split_bucket_url(bucket_url)
     try:
-        for operation in (lambda: store.freeze("r"), lambda: store.retire(["r"]), lambda: store.put(simple_entry("r", "c"))):
+        for operation in (
+            lambda: store.freeze("r"),
+            lambda: store.retire(["r"]),
+            lambda: store.put(simple_entry("r", "c")),
+        ):
             with pytest.raises(StoreError) as caught:
                 await operation()
             assert "refused" in str(caught.value) and bucket in str(caught.value), str(caught.value)

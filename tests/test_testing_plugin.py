@@ -62,7 +62,7 @@ def test_pyproject_registers_the_plugin_for_pytest():
     assert any(req.startswith("moto") for req in project["optional-dependencies"]["local"])
 
 
-FIXTURE_TESTS = '''
+FIXTURE_TESTS = """
 import os
 
 import boto3
@@ -107,7 +107,7 @@ async def test_ledger(s3capture_ledger, s3capture_url):
     assert seen["store"].transport.closed  # the previous test's store was closed after it
     await s3capture_ledger.begin_call("r", "c")
     assert [info.rollout_id async for info in s3capture_ledger.rollouts("open")] == ["r"]
-'''
+"""
 
 
 def _readme_example() -> str:

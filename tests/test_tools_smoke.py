@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
 # The shared example data sits beside the checkout (<checkout>/../shared/...) unless
 # S3CAPTURE_BENCH_DATA names another directory; the tools are always told which one to use.
-DATA = Path(os.environ.get("S3CAPTURE_BENCH_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts")
+DATA = Path(
+    os.environ.get("S3CAPTURE_BENCH_DATA")
+    or Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+)
 
 
 def _skip_or_fail(message: str) -> None:
@@ -32,7 +35,9 @@ def _skip_or_fail(message: str) -> None:
 def example_data() -> Path:
     missing = [name for name in ("competitive_coding.jsonl", "anyterminal_hermes.jsonl") if not (DATA / name).exists()]
     if missing:
-        _skip_or_fail(f"Gym example rollouts {missing} not found in {DATA} (../shared beside the checkout, or set S3CAPTURE_BENCH_DATA)")
+        _skip_or_fail(
+            f"Gym example rollouts {missing} not found in {DATA} (../shared beside the checkout, or set S3CAPTURE_BENCH_DATA)"
+        )
     return DATA
 
 
@@ -61,14 +66,21 @@ def run_tool(*args: str, timeout: float = 240.0) -> str:
         timeout=timeout,
         check=False,
     )
-    assert result.returncode == 0, f"{args[0]} exited {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"{args[0]} exited {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
+    )
     return result.stdout
 
 
 def test_bench_put_quick_prints_its_tables() -> None:
     require_moto()
     out = run_tool("bench_put.py", "--quick", "--servers", "moto")
-    for heading in ("### put latency on moto", "### the request a put adds, on moto", "### resolve on moto", "### freeze on moto"):
+    for heading in (
+        "### put latency on moto",
+        "### the request a put adds, on moto",
+        "### resolve on moto",
+        "### freeze on moto",
+    ):
         assert heading in out, out
     assert "| S3TokenStore.put " in out and "| bare put_object (peer) " in out
     assert "peer: bare LIST then GET" in out
@@ -78,7 +90,12 @@ def test_bench_cpu_quick_prints_its_tables() -> None:
     require_moto()
     require_gym()  # Gym's records, and orjson, which Gym needs
     out = run_tool("bench_cpu.py", "--quick")
-    for heading in ("### client CPU per entry", "### where the CPU goes", "### stored bytes per token", "### memory of a freeze"):
+    for heading in (
+        "### client CPU per entry",
+        "### where the CPU goes",
+        "### stored bytes per token",
+        "### memory of a freeze",
+    ):
         assert heading in out, out
     assert "s3capture freeze, cache_bytes=8 MiB" in out and "Gym TokenCaptureStore.freeze_now" in out
 
@@ -86,7 +103,10 @@ def test_bench_cpu_quick_prints_its_tables() -> None:
 def test_bench_encode_quick_prints_its_tables() -> None:
     require_gym()  # Gym's records and orjson are the peer
     out = run_tool("bench_encode.py", "--quick")
-    for heading in ("### put-side encode CPU per entry", "### stored bytes per token and compression CPU per zstd level"):
+    for heading in (
+        "### put-side encode CPU per entry",
+        "### stored bytes per token and compression CPU per zstd level",
+    ):
         assert heading in out, out
     assert "(peer)" in out and "zstd 1 + trained dictionary" in out and "÷ Gym's canonical path:" in out
 
@@ -113,7 +133,12 @@ def test_bench_freeze_quick_prints_its_table() -> None:
     require_moto()
     out = run_tool("bench_freeze.py", "--quick")
     assert "### freeze vs its floor on moto" in out, out
-    for row in ("bare LIST + parallel GETs (floor, cold)", "bare LIST (floor, warm)", "freeze, cold (empty cache)", "freeze, warm (entries cached)"):
+    for row in (
+        "bare LIST + parallel GETs (floor, cold)",
+        "bare LIST (floor, warm)",
+        "freeze, cold (empty cache)",
+        "freeze, warm (entries cached)",
+    ):
         assert f"| {row} " in out, out
 
 
@@ -147,7 +172,7 @@ def test_bench_transport_quick_prints_both_transports() -> None:
     result = next(line for line in out.splitlines() if line.startswith("RESULT-JSON "))
     import json
 
-    data = json.loads(result[len("RESULT-JSON "):])
+    data = json.loads(result[len("RESULT-JSON ") :])
     assert {row["transport"] for row in data["capture"]} == {"aioboto3", "obstore"}
     for row in data["capture"]:
         # Like for like: the bare mix sends exactly the requests the capture calls sent.
@@ -171,5 +196,5 @@ def test_bench_export_quick_prints_its_tables() -> None:
     result = next(line for line in out.splitlines() if line.startswith("RESULT-JSON "))
     import json
 
-    data = json.loads(result[len("RESULT-JSON "):])
+    data = json.loads(result[len("RESULT-JSON ") :])
     assert data["moto/aioboto3/60"]["requests_per_rollout"]["source:GetObject"] == 3.0

@@ -41,7 +41,9 @@ ENGINES = ("builtin", "gym")
 
 
 # --------------------------------------------------------------------------- snapshots
-def snapshot(entries, *, rollout_id: str = "r", incomplete: bool = False, reasons: tuple[str, ...] = ()) -> FrozenSnapshot:
+def snapshot(
+    entries, *, rollout_id: str = "r", incomplete: bool = False, reasons: tuple[str, ...] = ()
+) -> FrozenSnapshot:
     return FrozenSnapshot(rollout_id, tuple(entries), incomplete, "snap-1", 7, tuple(reasons))
 
 
@@ -82,7 +84,9 @@ class _MemoryCapture:
         if found.match is None:
             return LineageResolution(status, reason=found.reason)
         m = found.match
-        return LineageResolution(status, LineageMatch(m.model_call_id, tuple(m.cumulative_token_ids), m.digest, prev_len=m.prev_len))
+        return LineageResolution(
+            status, LineageMatch(m.model_call_id, tuple(m.cumulative_token_ids), m.digest, prev_len=m.prev_len)
+        )
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         pass
@@ -148,11 +152,19 @@ def test_builtin_builder_equals_gym_on_the_example_rollouts(example_snapshots, s
         assert row.call_ids[-1] == row.chain_id and len(row.call_ids) == len(snap.entries)
         assert row.token_ids == cumulative_prompt(last, by_id) + list(last.generation_token_ids)
         assert len(row.loss_mask) == len(row.logprobs) == len(row.token_ids)
-        assert sum(row.loss_mask) == sum(len(e.generation_token_ids) for e in snap.entries) == gym.metrics["generated_tokens_delivered"]
+        assert (
+            sum(row.loss_mask)
+            == sum(len(e.generation_token_ids) for e in snap.entries)
+            == gym.metrics["generated_tokens_delivered"]
+        )
         assert all(p == 0.0 for p, m in zip(row.logprobs, row.loss_mask) if m == 0)
-        assert [p for p, m in zip(row.logprobs, row.loss_mask) if m] == [p for c in row.call_ids for p in by_id[c].generation_log_probs]
+        assert [p for p, m in zip(row.logprobs, row.loss_mask) if m] == [
+            p for c in row.call_ids for p in by_id[c].generation_log_probs
+        ]
         # And it is exactly what Gym projected.
-        generated = [i for i in gym.gym_result["rebuilt_response"]["output"] if i.get("generation_token_ids") is not None]
+        generated = [
+            i for i in gym.gym_result["rebuilt_response"]["output"] if i.get("generation_token_ids") is not None
+        ]
         assert row.token_ids == generated[-1]["prompt_token_ids"] + generated[-1]["generation_token_ids"]
         assert check_chain(snap.entries) == []
 
@@ -176,7 +188,9 @@ def test_cumulative_prompt_rebuilds_full_and_delta_chains(delta):
     for turn, entry in zip(turns, entries):
         assert cumulative_prompt(entry, by_id) == turn.prompt
         assert cumulative_prompt(entry, by_id, memo=memo) == turn.prompt
-    assert memo.keys() >= {t.call_id for t in turns[:-1]} and all(memo[t.call_id] == t.cumulative for t in turns if t.call_id in memo)
+    assert memo.keys() >= {t.call_id for t in turns[:-1]} and all(
+        memo[t.call_id] == t.cumulative for t in turns if t.call_id in memo
+    )
     # NeMo Gym entries work the same way.
     if delta:
         require_gym()
@@ -219,10 +233,19 @@ def test_check_chain_reports_a_non_contiguous_child_a_bad_digest_and_a_duplicate
     turns = build_conversation("r", 3)
     entries = conversation(3)
     # A child whose full prompt does not extend its parent's tokens (stamped honestly otherwise).
-    bad = make_entry("r", turns[2].call_id, turns[2].request_items, turns[2].output_items, [9, 9] + turns[2].prompt[2:],
-                     turns[2].generation, parent_call_id=turns[1].call_id)
+    bad = make_entry(
+        "r",
+        turns[2].call_id,
+        turns[2].request_items,
+        turns[2].output_items,
+        [9, 9] + turns[2].prompt[2:],
+        turns[2].generation,
+        parent_call_id=turns[1].call_id,
+    )
     problems = check_chain(entries[:2] + [bad])
-    assert problems == [f"{bad.model_call_id}: prompt does not start with parent {turns[1].call_id}'s tokens (its prompt plus generation)"]
+    assert problems == [
+        f"{bad.model_call_id}: prompt does not start with parent {turns[1].call_id}'s tokens (its prompt plus generation)"
+    ]
     corrupt = copy.deepcopy(entries[1])
     corrupt.generation_token_ids[-1] += 1
     problems = check_chain([entries[0], corrupt, entries[2]])
@@ -230,12 +253,16 @@ def test_check_chain_reports_a_non_contiguous_child_a_bad_digest_and_a_duplicate
     assert any(p.startswith(entries[2].model_call_id) and "does not start" in p for p in problems)
     tampered = [copy.deepcopy(e) for e in conversation(3, delta=True)]
     tampered[1].prompt_token_ids[0] += 1  # a delta suffix: contiguous by construction, caught by its digest
-    assert check_chain(tampered) == [f"{tampered[1].model_call_id}: the cumulative tokens rebuilt from its delta prompt fail its digest"]
+    assert check_chain(tampered) == [
+        f"{tampered[1].model_call_id}: the cumulative tokens rebuilt from its delta prompt fail its digest"
+    ]
     builtin = build_rollout(snapshot(tampered), engine="builtin")
     assert builtin.masked and f"delta_chain_unreconstructable:{tampered[1].model_call_id}" in builtin.mask_reasons
     wrong_len = copy.deepcopy(entries[2])
     wrong_len.cum_len += 1
-    assert check_chain(entries[:2] + [wrong_len]) == [f"{wrong_len.model_call_id}: cum_len {wrong_len.cum_len} but its cumulative tokens are {wrong_len.cum_len - 1} long"]
+    assert check_chain(entries[:2] + [wrong_len]) == [
+        f"{wrong_len.model_call_id}: cum_len {wrong_len.cum_len} but its cumulative tokens are {wrong_len.cum_len - 1} long"
+    ]
     builtin = build_rollout(snapshot(entries[:2] + [wrong_len]), engine="builtin")
     assert builtin.masked and builtin.mask_reasons == [f"cum_len_mismatch:{wrong_len.model_call_id}"]
     other = copy.deepcopy(entries[2])
@@ -256,7 +283,9 @@ def test_to_gym_entries_converts_snapshots_entries_and_dicts():
     assert converted[1].prompt_is_delta and converted[1].parent_call_id == entries[0].model_call_id
     again = to_gym_entries(converted)
     assert all(a is b for a, b in zip(again, converted))
-    assert [e.model_call_id for e in to_gym_entries([e.model_dump() for e in entries])] == [e.model_call_id for e in entries]
+    assert [e.model_call_id for e in to_gym_entries([e.model_dump() for e in entries])] == [
+        e.model_call_id for e in entries
+    ]
     with pytest.raises(TypeError):
         to_gym_entries("not entries")
     with pytest.raises(TypeError):
@@ -278,7 +307,11 @@ def test_a_clean_rollout_is_trainable_on_both_engines(delta):
     assert result["builtin"].metrics == result["gym"].metrics
     # Gym entries in the snapshot (S3TokenStore(entry_type="gym")) build the same.
     gym_snap = snapshot(to_gym_entries(entries))
-    assert rows(build_rollout(gym_snap, engine="builtin")) == rows(build_rollout(gym_snap, engine="gym")) == rows(result["gym"])
+    assert (
+        rows(build_rollout(gym_snap, engine="builtin"))
+        == rows(build_rollout(gym_snap, engine="gym"))
+        == rows(result["gym"])
+    )
 
 
 @pytest.mark.parametrize("delta", [False, True])
@@ -302,8 +335,12 @@ def test_an_empty_snapshot_is_masked_without_trajectories():
     assert "gym_error:capture contains no token records" in result["gym"].mask_reasons
 
 
-def _sibling(turn, call_id: str, prompt: list[int], generation: list[int], created_at: float = 1700000000.0, **kw) -> TokenEntry:
-    return make_entry("r", call_id, turn.request_items, turn.output_items, prompt, generation, created_at=created_at, **kw)
+def _sibling(
+    turn, call_id: str, prompt: list[int], generation: list[int], created_at: float = 1700000000.0, **kw
+) -> TokenEntry:
+    return make_entry(
+        "r", call_id, turn.request_items, turn.output_items, prompt, generation, created_at=created_at, **kw
+    )
 
 
 def test_two_roots_and_a_fork_are_masked_and_build_the_same_main_chain():
@@ -371,11 +408,17 @@ def test_unresolved_and_non_contiguous_calls_are_masked():
     assert f"parent_unresolved:{unresolved.model_call_id}" in result["builtin"].mask_reasons
     assert f"unresolved_parent:{unresolved.model_call_id}" in result["gym"].mask_reasons
     assert all(b.masked for b in result.values())
-    bad = _sibling(turns[2], turns[2].call_id, [9, 9] + turns[2].prompt[2:], turns[2].generation, parent_call_id=turns[1].call_id)
+    bad = _sibling(
+        turns[2], turns[2].call_id, [9, 9] + turns[2].prompt[2:], turns[2].generation, parent_call_id=turns[1].call_id
+    )
     result = builds(snapshot(entries[:2] + [bad]))
     assert f"not_contiguous:{bad.model_call_id}" in result["builtin"].mask_reasons
     assert all(b.masked for b in result.values())
-    assert result["builtin"].metrics["parent_link_failures"] == result["gym"].metrics["parent_link_failures"] == {"parent_digest_mismatch": 1}
+    assert (
+        result["builtin"].metrics["parent_link_failures"]
+        == result["gym"].metrics["parent_link_failures"]
+        == {"parent_digest_mismatch": 1}
+    )
 
 
 @pytest.mark.parametrize("delta", [False, True])
@@ -517,7 +560,11 @@ def test_without_nemo_gym_auto_uses_the_builtin_engine(monkeypatch):
     monkeypatch.setattr(trajectory, "_gym_found", None)
     snap = snapshot(conversation(3, delta=True))
     auto = build_rollout(snap)
-    assert auto.gym_result is None and not auto.masked and auto.trajectories[0].call_ids == [e.model_call_id for e in snap.entries]
+    assert (
+        auto.gym_result is None
+        and not auto.masked
+        and auto.trajectories[0].call_ids == [e.model_call_id for e in snap.entries]
+    )
     with pytest.raises(ImportError, match="nemo-gym"):
         build_rollout(snap, engine="gym")
     with pytest.raises(ImportError, match="nemo-gym"):
@@ -537,7 +584,7 @@ def test_per_request_gives_each_call_its_full_sequence():
         prompt = cumulative_prompt(entry, by_id)
         assert row.token_ids == prompt + list(entry.generation_token_ids)
         assert row.loss_mask == [0] * len(prompt) + [1] * len(entry.generation_token_ids)
-        assert row.logprobs[len(prompt):] == [float(p) for p in entry.generation_log_probs]
+        assert row.logprobs[len(prompt) :] == [float(p) for p in entry.generation_log_probs]
     # The same evidence masks it as prefix_merging: an incomplete snapshot is never trainable.
     masked = build_rollout(snapshot(entries, incomplete=True, reasons=("dangling_intent:x",)), builder="per_request")
     assert masked.masked and "dangling_intent:x" in masked.mask_reasons

@@ -28,7 +28,9 @@ def _server_keys(s3_client, bucket: str) -> set[str]:
 
 
 @pytest.mark.parametrize("root", ROOTS, ids=[f"root{i}" for i in range(len(ROOTS))])
-async def test_every_key_the_layout_builds_reaches_the_server_byte_for_byte(s3_env, s3_client, bucket_url, root, transport_kind):
+async def test_every_key_the_layout_builds_reaches_the_server_byte_for_byte(
+    s3_env, s3_client, bucket_url, root, transport_kind
+):
     bucket, _ = split_bucket_url(bucket_url)
     url = f"s3://{bucket}/{root}" if root else f"s3://{bucket}"
     store = S3TokenStore(url, fence_grace=0.05)
@@ -40,7 +42,16 @@ async def test_every_key_the_layout_builds_reaches_the_server_byte_for_byte(s3_e
     try:
         for rid in IDS:
             await store.begin_call(rid, "c/1")
-            await store.put(make_entry(rid, "c/1", [{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "yo"}], [1, 2], [3]))
+            await store.put(
+                make_entry(
+                    rid,
+                    "c/1",
+                    [{"role": "user", "content": "hi"}],
+                    [{"role": "assistant", "content": "yo"}],
+                    [1, 2],
+                    [3],
+                )
+            )
             await store.mark_incomplete(rid, "c:2 \u00e9")
             snapshot = await store.freeze(rid)
             # What the store lists back is what it wrote, and so is what another client sees.
@@ -128,7 +139,9 @@ async def test_an_explicit_session_s_keys_are_used_on_every_transport(s3_env, bu
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     session = aioboto3.Session(
-        aws_access_key_id=keys["AWS_ACCESS_KEY_ID"], aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1"
+        aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
     )
     store = S3TokenStore(bucket_url, session=session, endpoint_url=keys["AWS_ENDPOINT_URL"])
     assert store.transport.name == transport_kind
@@ -138,4 +151,3 @@ async def test_an_explicit_session_s_keys_are_used_on_every_transport(s3_env, bu
     finally:
         await store.close()
     assert snapshot.reasons == ("dangling_intent:c1",)
-

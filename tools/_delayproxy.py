@@ -85,7 +85,10 @@ async def main(target_port: int, one_way: float) -> None:
     print(server.sockets[0].getsockname()[1], flush=True)
     loop = asyncio.get_running_loop()
     stdin_closed = loop.create_future()
-    loop.add_reader(sys.stdin.fileno(), lambda: stdin_closed.done() or (not sys.stdin.buffer.read1(1) and stdin_closed.set_result(None)))
+    loop.add_reader(
+        sys.stdin.fileno(),
+        lambda: stdin_closed.done() or (not sys.stdin.buffer.read1(1) and stdin_closed.set_result(None)),
+    )
     async with server:
         await stdin_closed
     sys.stdout.flush()

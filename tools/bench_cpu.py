@@ -162,7 +162,7 @@ def bench_cpu(workloads: dict[str, list[Any]], repeats: int, target: float) -> l
         iterations: dict[str, int] = {p: 0 for p in paths}
         order = list(paths)
         for r in range(repeats):
-            rotated = order[r % len(order):] + order[: r % len(order)]
+            rotated = order[r % len(order) :] + order[: r % len(order)]
             for path in rotated:
                 per_call, calls = time_path(paths[path][1], target)
                 samples[path].append(per_call / len(entries))
@@ -173,7 +173,11 @@ def bench_cpu(workloads: dict[str, list[Any]], repeats: int, target: float) -> l
             peer = medians[PEERS[group]]
             rows.append(
                 [
-                    name, path, iterations[path], medians[path] * 1e6, medians[path] * 1e9 / tokens,
+                    name,
+                    path,
+                    iterations[path],
+                    medians[path] * 1e6,
+                    medians[path] * 1e9 / tokens,
                     f"{peer / medians[path]:.1f}x" if path != PEERS[group] else "(peer)",
                 ]
             )
@@ -212,12 +216,28 @@ def bench_breakdown(workloads: dict[str, list[Any]], target: float) -> list[list
             ("s3capture:   _has_big_float (min/max + item scan)", lambda e: _has_big_float(e, None), records),
             ("s3capture:   msgspec sorted JSON encode", _json_encoder.encode, records),
             ("s3capture: SHA-256 of canonical bytes", lambda b: hashlib.sha256(b).hexdigest(), canon),
-            (f"s3capture: _encode_object (new ZstdCompressor, level 3; {size3:,} B)", lambda b: STORE._encode_object(b, ()), canon),
-            ("s3capture: zstd decompress (reused ZstdDecompressor, one shot)", decompressor.decompress, [o for o, _ in objects]),
+            (
+                f"s3capture: _encode_object (new ZstdCompressor, level 3; {size3:,} B)",
+                lambda b: STORE._encode_object(b, ()),
+                canon,
+            ),
+            (
+                "s3capture: zstd decompress (reused ZstdDecompressor, one shot)",
+                decompressor.decompress,
+                [o for o, _ in objects],
+            ),
             ("s3capture:   _decompress (new decompressor, stream reader)", STORE._decompress, [o for o, _ in objects]),
-            ("s3capture:   envelope decode (msgspec scans the entry as Raw)", lambda r: bytes(msgspec.json.decode(r, type=_Envelope).entry), raws),
+            (
+                "s3capture:   envelope decode (msgspec scans the entry as Raw)",
+                lambda r: bytes(msgspec.json.decode(r, type=_Envelope).entry),
+                raws,
+            ),
             ("s3capture: decode_entry  [msgspec JSON decode + convert]", decode_entry, canon),
-            ("s3capture: _decode_object  [zstd + envelope + SHA-256 + decode_entry]", lambda o: STORE._decode_object(*o), objects),
+            (
+                "s3capture: _decode_object  [zstd + envelope + SHA-256 + decode_entry]",
+                lambda o: STORE._decode_object(*o),
+                objects,
+            ),
             ("s3capture: to_gym  [encode + decode + model_validate]", to_gym, records),
             ("Gym: model_validate(dict)", GymTokenEntry.model_validate, dicts),
             ("Gym: model_dump(mode=json)", lambda g: g.model_dump(mode="json"), gyms),
@@ -227,11 +247,20 @@ def bench_breakdown(workloads: dict[str, list[Any]], target: float) -> list[list
             (f"candidate: reused ZstdCompressor, level 1 ({size1:,} B)", c1.compress, canon),
             ("candidate: math.isfinite(sum(probs))  [finite iff the sum is]", lambda p: math.isfinite(sum(p)), probs),
             ("candidate: min(probs), max(probs)  [the 1e16 bound alone]", lambda p: (min(p), max(p)), probs),
-            ("candidate: msgspec.json.decode(type=TokenEntry)", lambda b: msgspec.json.decode(b, type=TokenEntry), canon),
-            ("candidate: Gym model_validate(msgspec.to_builtins(entry))", lambda e: GymTokenEntry.model_validate(msgspec.to_builtins(e)), records),
+            (
+                "candidate: msgspec.json.decode(type=TokenEntry)",
+                lambda b: msgspec.json.decode(b, type=TokenEntry),
+                canon,
+            ),
+            (
+                "candidate: Gym model_validate(msgspec.to_builtins(entry))",
+                lambda e: GymTokenEntry.model_validate(msgspec.to_builtins(e)),
+                records,
+            ),
             ("candidate: Gym model_validate_json(canonical bytes)", GymTokenEntry.model_validate_json, canon),
         ]
         for label, fn, items in parts:
+
             def run(fn: Any = fn, items: list[Any] = items) -> None:
                 for item in items:
                     fn(item)
@@ -269,7 +298,7 @@ def delta_entries(entries: list[Any], anchor_every: int = 0) -> list[tuple[Any, 
             if list(entry.prompt_token_ids[: len(parent_cumulative)]) == parent_cumulative:
                 depth[entry.model_call_id] = depth[entry.parent_call_id] + 1
                 stored = msgspec.structs.replace(
-                    entry, prompt_token_ids=list(entry.prompt_token_ids[len(parent_cumulative):]), prompt_is_delta=True
+                    entry, prompt_token_ids=list(entry.prompt_token_ids[len(parent_cumulative) :]), prompt_is_delta=True
                 )
                 chain = (*parent_chain, parent_rel)[-CHAIN_KEYS:] if parent_stored.prompt_is_delta else (parent_rel,)
         prefix = STORE.layout.rollout(entry.rollout_id)
@@ -286,12 +315,31 @@ def bench_bytes(workloads: dict[str, list[tuple[Any, tuple[str, ...]]]]) -> list
         stored = sum(len(STORE._encode_object(encode_entry(e), chain)) for e, chain in items)
         jsonl = sum(len(gym_line(GymTokenEntry.model_validate(orjson.loads(encode_entry(e))))) + 1 for e, _ in items)
         tokens = sum(n_tokens(e) for e, _ in items)
-        rows.append([name, len(items), tokens, stored, jsonl, stored / len(items), stored / tokens, jsonl / tokens, f"{jsonl / stored:.1f}x"])
+        rows.append(
+            [
+                name,
+                len(items),
+                tokens,
+                stored,
+                jsonl,
+                stored / len(items),
+                stored / tokens,
+                jsonl / tokens,
+                f"{jsonl / stored:.1f}x",
+            ]
+        )
     return rows
 
 
 BYTES_HEADERS = [
-    "entries", "n", "tokens stored", "s3capture bytes", "Gym JSONL bytes", "s3capture B/entry", "s3capture B/token", "Gym B/token",
+    "entries",
+    "n",
+    "tokens stored",
+    "s3capture bytes",
+    "Gym JSONL bytes",
+    "s3capture B/entry",
+    "s3capture B/token",
+    "Gym B/token",
     "Gym / s3capture",
 ]
 
@@ -314,7 +362,9 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
         store = S3TokenStore(spec["url"], endpoint_url=spec["endpoint_url"], cache_bytes=spec["cache_bytes"])
         loop = asyncio.new_event_loop()
         # Bring the HTTP client up first (botocore's service model is ~10 MiB): measure the freeze only.
-        loop.run_until_complete(store.resolve("warm-up", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]))
+        loop.run_until_complete(
+            store.resolve("warm-up", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+        )
     else:
         from nemo_gym.token_id_capture.store import TokenCaptureStore
 
@@ -360,7 +410,11 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
 def run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     result = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--memory-child", json.dumps(spec)],
-        capture_output=True, text=True, env={**os.environ, **env}, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+        check=False,
     )
     if result.returncode != 0:
         raise SystemExit(f"memory child failed ({result.returncode}):\n{result.stderr[-3000:]}")
@@ -376,7 +430,10 @@ def bench_memory(n_entries: int, caches: list[int]) -> tuple[list[list[Any]], st
         bucket = f"s3capture-bench-{uuid.uuid4().hex[:8]}"
         url = f"s3://{bucket}/mem"
         rollout_id = f"mem-{n_entries}"
-        entries = [msgspec.structs.replace(template, rollout_id=rollout_id, model_call_id=f"call-{i:05d}") for i in range(n_entries)]
+        entries = [
+            msgspec.structs.replace(template, rollout_id=rollout_id, model_call_id=f"call-{i:05d}")
+            for i in range(n_entries)
+        ]
         canonical = 0
         writer = S3TokenStore(url, endpoint_url=server.endpoint_url)
         prefix = writer.layout.rollout(rollout_id)
@@ -393,7 +450,9 @@ def bench_memory(n_entries: int, caches: list[int]) -> tuple[list[list[Any]], st
                     payload = encode_entry(entry)
                     canonical += len(payload)
                     sha = hashlib.sha256(payload).hexdigest()
-                    key = prefix + writer.layout.entry_rel(prefix, entry.continuation_fingerprint, entry.model_call_id, sha)
+                    key = prefix + writer.layout.entry_rel(
+                        prefix, entry.continuation_fingerprint, entry.model_call_id, sha
+                    )
                     async with limit:
                         await client.put_object(Bucket=bucket, Key=key, Body=writer._encode_object(payload, ()))
 
@@ -411,21 +470,48 @@ def bench_memory(n_entries: int, caches: list[int]) -> tuple[list[list[Any]], st
                 digests[entry.model_call_id] = hashlib.sha256(line).hexdigest()
                 handle.write(line + b"\n")
             size = handle.tell()
-        gym_store._write_state(rollout_id, {"frozen": False, "retired": False, "incomplete": False, "snapshot_id": "",
-                                            "version": n_entries, "entry_digests": digests, "indexed_size": size})
+        gym_store._write_state(
+            rollout_id,
+            {
+                "frozen": False,
+                "retired": False,
+                "incomplete": False,
+                "snapshot_id": "",
+                "version": n_entries,
+                "entry_digests": digests,
+                "indexed_size": size,
+            },
+        )
         del entries
         rows = []
         configs = [("s3capture", c) for c in caches] + [("gym", None)]
         for kind, cache in configs:
-            spec = {"kind": kind, "url": url, "endpoint_url": server.endpoint_url, "cache_bytes": cache, "rollout_id": rollout_id, "root": tmp}
+            spec = {
+                "kind": kind,
+                "url": url,
+                "endpoint_url": server.endpoint_url,
+                "cache_bytes": cache,
+                "rollout_id": rollout_id,
+                "root": tmp,
+            }
             plain = run_child({**spec, "tracemalloc": False}, env)
             traced = run_child({**spec, "tracemalloc": True}, env)
-            label = f"s3capture freeze, cache_bytes={cache // 2**20} MiB" if kind == "s3capture" else "Gym TokenCaptureStore.freeze_now (local file)"
+            label = (
+                f"s3capture freeze, cache_bytes={cache // 2**20} MiB"
+                if kind == "s3capture"
+                else "Gym TokenCaptureStore.freeze_now (local file)"
+            )
             mib = 2**20
             rows.append(
                 [
-                    label, plain["entries"], plain["seconds"], plain["peak_rss"] / mib, (plain["peak_rss"] - plain["rss_before"]) / mib,
-                    traced["trace_peak"] / mib, traced["trace_with_snapshot"] / mib, traced["trace_retained"] / mib,
+                    label,
+                    plain["entries"],
+                    plain["seconds"],
+                    plain["peak_rss"] / mib,
+                    (plain["peak_rss"] - plain["rss_before"]) / mib,
+                    traced["trace_peak"] / mib,
+                    traced["trace_with_snapshot"] / mib,
+                    traced["trace_retained"] / mib,
                     (traced["cache_accounted"] or 0) / mib if kind == "s3capture" else "",
                 ]
             )
@@ -443,14 +529,23 @@ def bench_memory(n_entries: int, caches: list[int]) -> tuple[list[list[Any]], st
 
 
 MEMORY_HEADERS = [
-    "freeze of one rollout", "entries", "s", "peak RSS MiB", "RSS growth MiB", "heap peak MiB",
-    "heap with snapshot MiB", "heap retained after release MiB", "cache accounting MiB",
+    "freeze of one rollout",
+    "entries",
+    "s",
+    "peak RSS MiB",
+    "RSS growth MiB",
+    "heap peak MiB",
+    "heap with snapshot MiB",
+    "heap retained after release MiB",
+    "cache accounting MiB",
 ]
 
 
 # --------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="short timings and a small rollout (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per CPU cell (default 5)")
     parser.add_argument("--target", type=float, default=None, help="seconds of CPU per repeat (default 0.15)")
@@ -476,14 +571,21 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {
         f"competitive_coding (real, {len(real)} entries, ~{sum(map(n_tokens, real)) // len(real):,} tok)": real,
         "synthetic 8k tok (4 entries)": [synthetic_entry(8192, seed=s, call_id=f"s8k-{s}") for s in range(4)],
-        "synthetic 32k tok (2 entries)": [synthetic_entry(32768, generation_tokens=2048, seed=s, call_id=f"s32k-{s}") for s in range(2)],
+        "synthetic 32k tok (2 entries)": [
+            synthetic_entry(32768, generation_tokens=2048, seed=s, call_id=f"s32k-{s}") for s in range(2)
+        ],
     }
     rows = bench_cpu(workloads, args.repeats, args.target)
     print("### client CPU per entry (process_time, no S3)\n\n" + table(CPU_HEADERS, rows, digits=1) + "\n", flush=True)
 
     breakdown = {k: v for k, v in workloads.items() if not k.startswith("synthetic 32k")}
     rows = bench_breakdown(breakdown, args.target / 3)
-    print("### where the CPU goes (steps of the paths above; candidates are not s3capture code)\n\n" + table(BREAKDOWN_HEADERS, rows, digits=1) + "\n", flush=True)
+    print(
+        "### where the CPU goes (steps of the paths above; candidates are not s3capture code)\n\n"
+        + table(BREAKDOWN_HEADERS, rows, digits=1)
+        + "\n",
+        flush=True,
+    )
 
     hermes = replay_entries("anyterminal_hermes")
     size_workloads = {
@@ -495,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         "synthetic 32k tok": [(e, ()) for e in workloads["synthetic 32k tok (2 entries)"]],
     }
     rows = bench_bytes(size_workloads)
-    print("### stored bytes per token (S3 object vs Gym JSONL line)\n\n" + table(BYTES_HEADERS, rows) + "\n", flush=True)
+    print(
+        "### stored bytes per token (S3 object vs Gym JSONL line)\n\n" + table(BYTES_HEADERS, rows) + "\n", flush=True
+    )
 
     if not args.no_memory:
         rows, note = bench_memory(args.memory_entries, [8 * 2**20, 256 * 2**20])

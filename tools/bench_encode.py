@@ -37,7 +37,17 @@ from typing import Any
 
 import orjson
 import zstandard
-from _benchcommon import load_average, machine_summary, n_tokens, replay_entries, result_line, synthetic_entry, table, time_path, total_line
+from _benchcommon import (
+    load_average,
+    machine_summary,
+    n_tokens,
+    replay_entries,
+    result_line,
+    synthetic_entry,
+    table,
+    time_path,
+    total_line,
+)
 from nemo_gym.token_id_capture.records import TokenEntry as GymTokenEntry
 
 from s3capture.records import _coerce_general, encode_entry, prepare_entry
@@ -50,7 +60,9 @@ def gym_canonical(entry: Any) -> str:
     return hashlib.sha256(orjson.dumps(entry.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
-def make_paths(entries: list[Any], stores: dict[str, S3TokenStore], dictionary: zstandard.ZstdCompressionDict) -> dict[str, Callable[[], None]]:
+def make_paths(
+    entries: list[Any], stores: dict[str, S3TokenStore], dictionary: zstandard.ZstdCompressionDict
+) -> dict[str, Callable[[], None]]:
     """Path name -> a function running that path once over every entry."""
     canon = [encode_entry(e) for e in entries]
     dicts = [orjson.loads(b) for b in canon]
@@ -98,7 +110,9 @@ def make_paths(entries: list[Any], stores: dict[str, S3TokenStore], dictionary: 
     }
 
 
-def bench_cpu(workloads: dict[str, list[Any]], stores: dict[str, S3TokenStore], dictionary: Any, repeats: int, target: float) -> tuple[list[list[Any]], dict[str, float]]:
+def bench_cpu(
+    workloads: dict[str, list[Any]], stores: dict[str, S3TokenStore], dictionary: Any, repeats: int, target: float
+) -> tuple[list[list[Any]], dict[str, float]]:
     rows: list[list[Any]] = []
     headline: dict[str, float] = {}
     for name, entries in workloads.items():
@@ -109,7 +123,7 @@ def bench_cpu(workloads: dict[str, list[Any]], stores: dict[str, S3TokenStore], 
         timed: dict[str, int] = {p: 0 for p in paths}
         order = list(paths)
         for r in range(repeats):
-            for path in order[r % len(order):] + order[: r % len(order)]:
+            for path in order[r % len(order) :] + order[: r % len(order)]:
                 per_call, calls = time_path(paths[path], target)
                 samples[path].append(per_call / len(entries))
                 timed[path] += calls * len(entries)
@@ -126,7 +140,9 @@ def bench_cpu(workloads: dict[str, list[Any]], stores: dict[str, S3TokenStore], 
 CPU_HEADERS = ["entries", "path", "entries timed", "µs/entry", "ns/token", "÷ Gym canonical"]
 
 
-def bench_bytes(workloads: dict[str, list[Any]], dictionary: Any, target: float, summary: dict[str, Any] | None = None) -> list[list[Any]]:
+def bench_bytes(
+    workloads: dict[str, list[Any]], dictionary: Any, target: float, summary: dict[str, Any] | None = None
+) -> list[list[Any]]:
     rows = []
     for name, entries in workloads.items():
         canon = [encode_entry(e) for e in entries]
@@ -142,9 +158,13 @@ def bench_bytes(workloads: dict[str, list[Any]], dictionary: Any, target: float,
         sizes = {label: sum(len(c.compress(r)) for r in raw) for label, c in compressors.items()}
         base = sizes["zstd 3 (before)"]
         if summary is not None:
-            summary[name] = {"default_bytes_per_token": sizes["zstd 1 (default)"] / tokens, "before_bytes_per_token": base / tokens,
-                             "ratio": sizes["zstd 1 (default)"] / base}
+            summary[name] = {
+                "default_bytes_per_token": sizes["zstd 1 (default)"] / tokens,
+                "before_bytes_per_token": base / tokens,
+                "ratio": sizes["zstd 1 (default)"] / base,
+            }
         for label, compressor in compressors.items():
+
             def run(c: Any = compressor) -> None:
                 for r in raw:
                     c.compress(r)
@@ -152,7 +172,9 @@ def bench_bytes(workloads: dict[str, list[Any]], dictionary: Any, target: float,
             run()
             cpu = statistics.median(time_path(run, target)[0] for _ in range(3)) / len(raw)
             rows.append([name, label, sizes[label] / tokens, f"{sizes[label] / base:.3f}x", cpu * 1e6])
-        rows.append([name, "uncompressed envelope", sum(map(len, raw)) / tokens, f"{sum(map(len, raw)) / base:.3f}x", 0.0])
+        rows.append(
+            [name, "uncompressed envelope", sum(map(len, raw)) / tokens, f"{sum(map(len, raw)) / base:.3f}x", 0.0]
+        )
     return rows
 
 
@@ -161,8 +183,16 @@ BYTES_HEADERS = ["entries", "compression", "stored B/token", "÷ zstd 3 (before)
 
 def train_dictionary(quick: bool) -> zstandard.ZstdCompressionDict:
     """A 64 KiB dictionary from entries that are not measured (other example files, other seeds)."""
-    samples = [encode_entry(e) for name in ("anyterminal_hermes", "hermes_math") for e in replay_entries(name, limit=40 if quick else None)]
-    samples += [encode_entry(synthetic_entry(n, seed=100 + s, call_id=f"train-{s}")) for s in range(4 if quick else 16) for n in (2048, 8192)]
+    samples = [
+        encode_entry(e)
+        for name in ("anyterminal_hermes", "hermes_math")
+        for e in replay_entries(name, limit=40 if quick else None)
+    ]
+    samples += [
+        encode_entry(synthetic_entry(n, seed=100 + s, call_id=f"train-{s}"))
+        for s in range(4 if quick else 16)
+        for n in (2048, 8192)
+    ]
     return zstandard.train_dictionary(64 * 1024, samples)
 
 
@@ -174,7 +204,9 @@ def dict_compressor(dictionary: zstandard.ZstdCompressionDict, level: int) -> zs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="short timings (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per CPU cell (default 7)")
     parser.add_argument("--target", type=float, default=None, help="CPU seconds per repeat of a cell (default 0.2)")
@@ -193,16 +225,32 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {
         f"competitive_coding (real, {len(real)} entries, ~{sum(map(n_tokens, real)) // len(real):,} tok)": real,
         "synthetic 8k tok (4 entries)": [synthetic_entry(8192, seed=s, call_id=f"s8k-{s}") for s in range(4)],
-        "synthetic 32k tok (2 entries)": [synthetic_entry(32768, generation_tokens=2048, seed=s, call_id=f"s32k-{s}") for s in range(2)],
+        "synthetic 32k tok (2 entries)": [
+            synthetic_entry(32768, generation_tokens=2048, seed=s, call_id=f"s32k-{s}") for s in range(2)
+        ],
     }
-    stores = {"default": S3TokenStore("s3://bench/encode"), "level 3": S3TokenStore("s3://bench/encode", compression_level=3)}
+    stores = {
+        "default": S3TokenStore("s3://bench/encode"),
+        "level 3": S3TokenStore("s3://bench/encode", compression_level=3),
+    }
     dictionary = train_dictionary(args.quick)
     rows, headline = bench_cpu(workloads, stores, dictionary, args.repeats, args.target)
-    print("### put-side encode CPU per entry (process_time, no S3)\n\n" + table(CPU_HEADERS, rows, digits=1) + "\n", flush=True)
+    print(
+        "### put-side encode CPU per entry (process_time, no S3)\n\n" + table(CPU_HEADERS, rows, digits=1) + "\n",
+        flush=True,
+    )
     bytes_summary: dict[str, Any] = {}
     rows = bench_bytes(workloads, dictionary, args.target / 4, bytes_summary)
-    print("### stored bytes per token and compression CPU per zstd level\n\n" + table(BYTES_HEADERS, rows, digits=2) + "\n", flush=True)
-    print("put encode of an s3capture TokenEntry ÷ Gym's canonical path: " + ", ".join(f"{k.split(' (')[0]} {v:.2f}x" for k, v in headline.items()))
+    print(
+        "### stored bytes per token and compression CPU per zstd level\n\n"
+        + table(BYTES_HEADERS, rows, digits=2)
+        + "\n",
+        flush=True,
+    )
+    print(
+        "put encode of an s3capture TokenEntry ÷ Gym's canonical path: "
+        + ", ".join(f"{k.split(' (')[0]} {v:.2f}x" for k, v in headline.items())
+    )
     print(result_line("bench_encode", {"encode_ratio": headline, "bytes": bytes_summary}))
     print(total_line(started, load_at_start))
     return 0

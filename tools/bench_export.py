@@ -92,7 +92,9 @@ def example_calls() -> list[tuple[list[int], list[int], list[float]]]:
     return out
 
 
-def rollout_entries(index: int, calls: int, storage: str, examples: list[tuple[list[int], list[int], list[float]]]) -> list[Any]:
+def rollout_entries(
+    index: int, calls: int, storage: str, examples: list[tuple[list[int], list[int], list[float]]]
+) -> list[Any]:
     """The entries of rollout ``index``: a contiguous chain of ``calls`` calls with real token ids."""
     from s3capture.replay import synthetic_rollouts
 
@@ -108,8 +110,15 @@ def rollout_entries(index: int, calls: int, storage: str, examples: list[tuple[l
             prompt = cumulative + list(examples[(index + k + 1) % len(examples)][0][:ENV_TOKENS])
         entries.append(
             build_entry(
-                shape.rollout_id, call.model_call_id, call.request_items, call.output_items, prompt, generation, log_probs,
-                parent_call_id=previous, parent_len=len(cumulative) if (storage == "delta" and previous) else None,
+                shape.rollout_id,
+                call.model_call_id,
+                call.request_items,
+                call.output_items,
+                prompt,
+                generation,
+                log_probs,
+                parent_call_id=previous,
+                parent_len=len(cumulative) if (storage == "delta" and previous) else None,
             )
         )
         cumulative = prompt + list(generation)
@@ -117,13 +126,17 @@ def rollout_entries(index: int, calls: int, storage: str, examples: list[tuple[l
     return entries
 
 
-async def capture(url: str, endpoint: str, transport: str, n: int, calls: int, storage: str, examples: list) -> dict[str, Any]:
+async def capture(
+    url: str, endpoint: str, transport: str, n: int, calls: int, storage: str, examples: list
+) -> dict[str, Any]:
     """Capture and freeze ``n`` rollouts under ``url``; what it took."""
     from s3capture.store import S3TokenStore
 
     started = time.perf_counter()
     limit = asyncio.Semaphore(64)
-    async with S3TokenStore(url, endpoint_url=endpoint, transport=transport, max_concurrency=64, cache_bytes=8 * 2**20) as store:
+    async with S3TokenStore(
+        url, endpoint_url=endpoint, transport=transport, max_concurrency=64, cache_bytes=8 * 2**20
+    ) as store:
 
         async def one(index: int) -> None:
             async with limit:
@@ -221,7 +234,9 @@ async def bare_read(bucket: str, root: str, endpoint: str, transport: str, worke
     lister = make_transport(transport, bucket, endpoint_url=endpoint, max_concurrency=bound)
     ops = await BareOps.of(lister)
     ctx = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_bare_init, initargs=(bucket, endpoint, transport, bound))
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_bare_init, initargs=(bucket, endpoint, transport, bound)
+    )
     futures = []
     try:
         async for keys in list_pages(ops, f"{root}/rollouts/"):
@@ -238,8 +253,13 @@ async def bare_read(bucket: str, root: str, endpoint: str, transport: str, worke
     requests = collections.Counter(ops.counts)
     for _, _, counts in results:
         requests.update(counts)
-    return {"seconds": seconds, "objects": sum(r[0] for r in results), "bytes": sum(r[1] for r in results),
-            "requests": dict(requests), "client_cpu": client_cpu}
+    return {
+        "seconds": seconds,
+        "objects": sum(r[0] for r in results),
+        "bytes": sum(r[1] for r in results),
+        "requests": dict(requests),
+        "client_cpu": client_cpu,
+    }
 
 
 def server_cpu(server: Any) -> float:
@@ -286,12 +306,29 @@ def _hwm_kib(pid: int) -> int:
     return 0
 
 
-def run_export(url: str, endpoint: str, transport: str, workers: int, concurrency: int, out: str, extra: list[str]) -> dict[str, Any]:
+def run_export(
+    url: str, endpoint: str, transport: str, workers: int, concurrency: int, out: str, extra: list[str]
+) -> dict[str, Any]:
     env = dict(os.environ)
     env["S3CAPTURE_TRANSPORT"] = transport
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "s3capture.cli", "export", url, "--out", out, "--endpoint", endpoint, "--json",
-               "--workers", str(workers), "--concurrency", str(concurrency), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "s3capture.cli",
+        "export",
+        url,
+        "--out",
+        out,
+        "--endpoint",
+        endpoint,
+        "--json",
+        "--workers",
+        str(workers),
+        "--concurrency",
+        str(concurrency),
+        *extra,
+    ]
     started, children = time.perf_counter(), _children_cpu()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peaks: dict[int, int] = {}
@@ -383,7 +420,9 @@ def per_rollout(requests: dict[str, int], n: int) -> str:
     return ", ".join(f"{kind} {count / n:.2f}" for kind, count in sorted(requests.items()))
 
 
-async def measure(server: Any, bucket: str, root: str, n: int, transport: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+async def measure(
+    server: Any, bucket: str, root: str, n: int, transport: str, args: argparse.Namespace, scratch: str
+) -> dict[str, Any]:
     """The bare reader and the export of one captured root on one transport, ``args.repeats`` times."""
     endpoint = server.endpoint_url
     bound = max(8, min(64, 4 * args.concurrency))
@@ -399,15 +438,23 @@ async def measure(server: Any, bucket: str, root: str, n: int, transport: str, a
                 bares[-1]["server_cpu"] = server_cpu(server) - server_before
             else:
                 out = os.path.join(scratch, f"out-{n}-{transport}-{repeat}")
-                exports.append(await asyncio.to_thread(run_export, url, endpoint, transport, args.workers, args.concurrency, out, args.export_args))
+                exports.append(
+                    await asyncio.to_thread(
+                        run_export, url, endpoint, transport, args.workers, args.concurrency, out, args.export_args
+                    )
+                )
                 exports[-1]["server_cpu"] = server_cpu(server) - server_before
                 shutil.rmtree(out, ignore_errors=True)
         bare, done = bares[-1], exports[-1]  # a line per repeat, so a run cut short still leaves its numbers
-        print(f"  {n:,} rollouts, {transport}, repeat {repeat + 1}: bare reader {bare['seconds']:.1f} s "
-              f"(client CPU {bare['client_cpu'] * 1000 / n:.1f} ms/rollout, server {bare['server_cpu'] * 1000 / n:.1f}), "
-              f"export {done['seconds']:.1f} s (client CPU {done['client_cpu'] * 1000 / n:.1f} ms/rollout, server "
-              f"{done['server_cpu'] * 1000 / n:.1f}; peak RSS parent {done['parent_mib']:.0f} MiB, worker {done['worker_mib']:.0f} MiB), "
-              f"ratio {bare['seconds'] / done['seconds']:.2f}", file=sys.stderr, flush=True)
+        print(
+            f"  {n:,} rollouts, {transport}, repeat {repeat + 1}: bare reader {bare['seconds']:.1f} s "
+            f"(client CPU {bare['client_cpu'] * 1000 / n:.1f} ms/rollout, server {bare['server_cpu'] * 1000 / n:.1f}), "
+            f"export {done['seconds']:.1f} s (client CPU {done['client_cpu'] * 1000 / n:.1f} ms/rollout, server "
+            f"{done['server_cpu'] * 1000 / n:.1f}; peak RSS parent {done['parent_mib']:.0f} MiB, worker {done['worker_mib']:.0f} MiB), "
+            f"ratio {bare['seconds'] / done['seconds']:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"bares": bares, "exports": exports}
 
 
@@ -428,22 +475,36 @@ async def run_server(kind: str, transports: list[str], args: argparse.Namespace)
             boto3.client("s3", **server.client_kwargs()).create_bucket(Bucket=bucket)
             root = f"n{n}"
             capture_with = "obstore" if "obstore" in transports else transports[0]  # the quicker writer; not measured
-            made = captured[n] = await capture(f"s3://{bucket}/{root}", server.endpoint_url, capture_with, n, args.calls, args.storage, examples)
-            print(f"captured and froze {n:,} rollouts on {kind} ({made['objects']:,} objects, {made['bytes'] / 1e6:.1f} MB "
-                  f"stored) in {made['seconds']:.0f} s", file=sys.stderr, flush=True)
+            made = captured[n] = await capture(
+                f"s3://{bucket}/{root}", server.endpoint_url, capture_with, n, args.calls, args.storage, examples
+            )
+            print(
+                f"captured and froze {n:,} rollouts on {kind} ({made['objects']:,} objects, {made['bytes'] / 1e6:.1f} MB "
+                f"stored) in {made['seconds']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             for transport in transports:
                 measured[(transport, n)] = await measure(server, bucket, root, n, transport, args, scratch)
         if args.profile:
-            profiled = await asyncio.to_thread(profile_shard, f"s3://{bucket}/{root}", server.endpoint_url, transports[0],
-                                               args.concurrency, min(256, args.sizes[-1]))
+            profiled = await asyncio.to_thread(
+                profile_shard,
+                f"s3://{bucket}/{root}",
+                server.endpoint_url,
+                transports[0],
+                args.concurrency,
+                min(256, args.sizes[-1]),
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         server.stop()
 
     text = []
     for transport in transports:
-        lines = [f"### export vs a bare reader on {kind} ({transport} transport, {args.calls} calls per rollout, "
-                 f"{args.storage} prompts, --workers {args.workers} --concurrency {args.concurrency}, {args.repeats} repeats)\n"]
+        lines = [
+            f"### export vs a bare reader on {kind} ({transport} transport, {args.calls} calls per rollout, "
+            f"{args.storage} prompts, --workers {args.workers} --concurrency {args.concurrency}, {args.repeats} repeats)\n"
+        ]
         rows, request_rows, memory_rows = [], [], []
         for n in args.sizes:
             bares, exports = measured[(transport, n)]["bares"], measured[(transport, n)]["exports"]
@@ -455,40 +516,100 @@ async def run_server(kind: str, transports: list[str], args: argparse.Namespace)
             assert summary["exported"] == n, summary
             got = bares[-1]["requests"].get("GetObject", 0)
             if got != summary["requests"].get("source:GetObject", 0):
-                print(f"note: the bare reader sent {got} GETs, the export {summary['requests'].get('source:GetObject')}", file=sys.stderr)
+                print(
+                    f"note: the bare reader sent {got} GETs, the export {summary['requests'].get('source:GetObject')}",
+                    file=sys.stderr,
+                )
             mb = captured[n]["bytes"] / 1e6
             cpu = lambda runs, key: statistics.median(r[key] for r in runs) * 1000 / n  # noqa: E731 - ms per rollout
-            rows.append([f"{n:,}", "bare reader: LIST root + GET entries and sealed manifests", bare_s, n / bare_s, mb / bare_s,
-                         cpu(bares, "client_cpu"), cpu(bares, "server_cpu"), "1.00x"])
-            rows.append([f"{n:,}", "s3capture export (local engine, Parquet)", export_s, n / export_s, mb / export_s,
-                         cpu(exports, "client_cpu"), cpu(exports, "server_cpu"),
-                         f"{ratio:.2f}x" + ("" if ratio >= 0.9 else " (MISS: target 0.9)")])
+            rows.append(
+                [
+                    f"{n:,}",
+                    "bare reader: LIST root + GET entries and sealed manifests",
+                    bare_s,
+                    n / bare_s,
+                    mb / bare_s,
+                    cpu(bares, "client_cpu"),
+                    cpu(bares, "server_cpu"),
+                    "1.00x",
+                ]
+            )
+            rows.append(
+                [
+                    f"{n:,}",
+                    "s3capture export (local engine, Parquet)",
+                    export_s,
+                    n / export_s,
+                    mb / export_s,
+                    cpu(exports, "client_cpu"),
+                    cpu(exports, "server_cpu"),
+                    f"{ratio:.2f}x" + ("" if ratio >= 0.9 else " (MISS: target 0.9)"),
+                ]
+            )
             source = {k.split(":", 1)[1]: v for k, v in summary["requests"].items() if k.startswith("source:")}
             dest = {k: v for k, v in summary["requests"].items() if k.startswith("dest:")}
             request_rows.append([f"{n:,}", "bare reader", per_rollout(bares[-1]["requests"], n)])
-            request_rows.append([f"{n:,}", "export (source)", per_rollout(source, n) + (f"; {per_rollout(dest, n)}" if dest else "")])
+            request_rows.append(
+                [f"{n:,}", "export (source)", per_rollout(source, n) + (f"; {per_rollout(dest, n)}" if dest else "")]
+            )
             parent = max(e["parent_mib"] for e in exports)
             worker = max(e["worker_mib"] for e in exports)
-            memory_rows.append([f"{n:,}", parent, worker, exports[-1]["workers_seen"], f"{summary['trajectories']:,}",
-                                f"{summary['tokens']:,}", f"{summary['bytes_written'] / 1e6:.1f}"])
+            memory_rows.append(
+                [
+                    f"{n:,}",
+                    parent,
+                    worker,
+                    exports[-1]["workers_seen"],
+                    f"{summary['trajectories']:,}",
+                    f"{summary['tokens']:,}",
+                    f"{summary['bytes_written'] / 1e6:.1f}",
+                ]
+            )
             results[f"{kind}/{transport}/{n}"] = {
-                "ratio": round(ratio, 3), "ratios": [round(r, 3) for r in ratios], "bare_s": round(bare_s, 2),
-                "export_s": round(export_s, 2), "parent_mib": round(parent, 1), "worker_mib": round(worker, 1),
-                "export_client_cpu_ms": round(cpu(exports, "client_cpu"), 2), "bare_client_cpu_ms": round(cpu(bares, "client_cpu"), 2),
+                "ratio": round(ratio, 3),
+                "ratios": [round(r, 3) for r in ratios],
+                "bare_s": round(bare_s, 2),
+                "export_s": round(export_s, 2),
+                "parent_mib": round(parent, 1),
+                "worker_mib": round(worker, 1),
+                "export_client_cpu_ms": round(cpu(exports, "client_cpu"), 2),
+                "bare_client_cpu_ms": round(cpu(bares, "client_cpu"), 2),
                 "requests_per_rollout": {k: round(v / n, 3) for k, v in summary["requests"].items()},
             }
-        lines.append(table(["rollouts", "reader", "wall s (median)", "rollouts/s", "MB/s (stored)", "client CPU ms/rollout",
-                            "server CPU ms/rollout", "÷ bare reader"], rows))
-        lines.append("\nrequests per rollout, by kind (export: the summary's counts, from the transports' request hooks):\n")
+        lines.append(
+            table(
+                [
+                    "rollouts",
+                    "reader",
+                    "wall s (median)",
+                    "rollouts/s",
+                    "MB/s (stored)",
+                    "client CPU ms/rollout",
+                    "server CPU ms/rollout",
+                    "÷ bare reader",
+                ],
+                rows,
+            )
+        )
+        lines.append(
+            "\nrequests per rollout, by kind (export: the summary's counts, from the transports' request hooks):\n"
+        )
         lines.append(table(["rollouts", "reader", "requests per rollout"], request_rows))
         lines.append("\npeak RSS of the export (VmHWM, highest over the repeats):\n")
-        lines.append(table(["rollouts", "parent MiB", "largest worker MiB", "workers", "trajectories", "tokens", "Parquet MB"], memory_rows))
+        lines.append(
+            table(
+                ["rollouts", "parent MiB", "largest worker MiB", "workers", "trajectories", "tokens", "Parquet MB"],
+                memory_rows,
+            )
+        )
         if len(memory_rows) > 1:
             low, high = memory_rows[0], memory_rows[-1]
             growth = max(high[1] / low[1], high[2] / low[2]) if low[1] and low[2] else float("nan")
             verdict = "flat" if growth <= 1.15 else "GROWS"
-            lines.append(f"\nRSS at {high[0]} ÷ at {low[0]} rollouts: parent {high[1] / low[1]:.2f}x, worker {high[2] / low[2]:.2f}x "
-                         f"({verdict}; target: flat, <= 1.15x)")
+            lines.append(
+                f"\nRSS at {high[0]} ÷ at {low[0]} rollouts: parent {high[1] / low[1]:.2f}x, worker {high[2] / low[2]:.2f}x "
+                f"({verdict}; target: flat, <= 1.15x)"
+            )
             results[f"{kind}/{transport}/rss_growth"] = round(growth, 3)
         text.append("\n".join(lines))
     if args.profile:
@@ -498,15 +619,29 @@ async def run_server(kind: str, transports: list[str], args: argparse.Namespace)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--servers", default="moto", help="comma-separated: moto, seaweedfs, ceph, or all (default moto)")
-    parser.add_argument("--transport", default="aioboto3", help="comma-separated transports of both readers: aioboto3 (default), obstore")
+    parser.add_argument(
+        "--servers", default="moto", help="comma-separated: moto, seaweedfs, ceph, or all (default moto)"
+    )
+    parser.add_argument(
+        "--transport",
+        default="aioboto3",
+        help="comma-separated transports of both readers: aioboto3 (default), obstore",
+    )
     parser.add_argument("--sizes", default="1000,10000", help="rollouts per run (default 1000,10000)")
     parser.add_argument("--calls", type=int, default=4, help="model calls per rollout (default 4)")
-    parser.add_argument("--storage", choices=("delta", "full"), default="delta", help="how prompts are stored (default delta)")
-    parser.add_argument("--workers", type=int, default=2, help="export worker processes, and the bare reader's (default 2)")
+    parser.add_argument(
+        "--storage", choices=("delta", "full"), default="delta", help="how prompts are stored (default delta)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="export worker processes, and the bare reader's (default 2)"
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="export --concurrency (default 8)")
-    parser.add_argument("--repeats", type=int, default=2, help="measured repeats per size, after one warm-up read (default 2)")
-    parser.add_argument("--export-args", default="", help="more 's3capture export' options, e.g. '--build-with builtin'")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="measured repeats per size, after one warm-up read (default 2)"
+    )
+    parser.add_argument(
+        "--export-args", default="", help="more 's3capture export' options, e.g. '--build-with builtin'"
+    )
     parser.add_argument("--profile", action="store_true", help="also cProfile one shard of export_shard")
     parser.add_argument("--quick", action="store_true", help="20 and 60 rollouts of 2 calls, one repeat (smoke test)")
     args = parser.parse_args(argv)

@@ -88,7 +88,9 @@ async def bare_gets(client: Any, bucket: str, keys: list[str]) -> int:
     return sum(await asyncio.gather(*(one(k) for k in keys)))
 
 
-async def write_rollout(client: Any, bucket: str, store: S3TokenStore, rollout_id: str, n: int, tokens: int) -> dict[str, tuple[bytes, str]]:
+async def write_rollout(
+    client: Any, bucket: str, store: S3TokenStore, rollout_id: str, n: int, tokens: int
+) -> dict[str, tuple[bytes, str]]:
     """Entries written with bare PUTs (the objects ``put`` would write); returns key -> (object, sha)."""
     template = synthetic_entry(tokens, generation_tokens=tokens // 2, call_id="frz")
     prefix = store.layout.rollout(rollout_id)
@@ -133,11 +135,23 @@ async def drop_manifests(store: S3TokenStore, client: Any, bucket: str, prefix: 
         await client.delete_object(Bucket=bucket, Key=key)
 
 
-async def run_size(server: Any, session: Any, config: Any, bare: Any, bucket: str, n: int, repeats: int, tokens: int, transport: str = "aioboto3") -> list[list[Any]]:
+async def run_size(
+    server: Any,
+    session: Any,
+    config: Any,
+    bare: Any,
+    bucket: str,
+    n: int,
+    repeats: int,
+    tokens: int,
+    transport: str = "aioboto3",
+) -> list[list[Any]]:
     url = f"s3://{bucket}/bench"
     # obstore takes a session's profile, not its keys: the server's credentials are in this
     # process's environment (``_benchcommon.start_server``).
-    store_kwargs: dict[str, Any] = {"transport": transport} if transport == "obstore" else {"session": session, "transport": transport}
+    store_kwargs: dict[str, Any] = (
+        {"transport": transport} if transport == "obstore" else {"session": session, "transport": transport}
+    )
     writer = S3TokenStore(url, endpoint_url=server.endpoint_url, **store_kwargs)
     rollout_id = f"frz-{n}-{uuid.uuid4().hex[:6]}"
     objects = await write_rollout(bare, bucket, writer, rollout_id, n, tokens)
@@ -181,7 +195,7 @@ async def run_size(server: Any, session: Any, config: Any, bare: Any, bucket: st
 
         # Rotate the order of the three groups (floor, cold freeze, warm freeze) each repeat.
         groups = [("floor", None), ("cold", None), ("warm", None)]
-        order = groups[r % 3:] + groups[: r % 3]
+        order = groups[r % 3 :] + groups[: r % 3]
         for group, _ in order:
             if group == "floor":
                 for kind, fn in (("floor cold", floor_cold), ("floor warm", floor_warm), ("fence PUT", fence_put)):
@@ -219,15 +233,40 @@ async def run_size(server: Any, session: Any, config: Any, bare: Any, bucket: st
         return statistics.median(wall[a][i] / sum(wall[f][i] for f in floor) for i in range(repeats))
 
     rows = [
-        [f"{n:,}", "bare LIST + parallel GETs (floor, cold)", med["floor cold"] * 1000, medcpu["floor cold"] * 1000, "1.00x", ""],
+        [
+            f"{n:,}",
+            "bare LIST + parallel GETs (floor, cold)",
+            med["floor cold"] * 1000,
+            medcpu["floor cold"] * 1000,
+            "1.00x",
+            "",
+        ],
         [f"{n:,}", "bare LIST (floor, warm)", med["floor warm"] * 1000, medcpu["floor warm"] * 1000, "1.00x", ""],
         [f"{n:,}", "bare PUT of the fence", med["fence PUT"] * 1000, medcpu["fence PUT"] * 1000, "", ""],
-        [f"{n:,}", "freeze, cold (empty cache)", med["freeze cold"] * 1000, medcpu["freeze cold"] * 1000,
-         f"{ratio('freeze cold', 'floor cold'):.2f}x", f"{ratio('freeze cold', 'floor cold', 'fence PUT'):.2f}x"],
-        [f"{n:,}", "freeze, warm (entries cached)", med["freeze warm"] * 1000, medcpu["freeze warm"] * 1000,
-         f"{ratio('freeze warm', 'floor warm'):.2f}x", f"{ratio('freeze warm', 'floor warm', 'fence PUT'):.2f}x"],
-        [f"{n:,}", "freeze, same client again (entries handed out before)", med["freeze repeat"] * 1000, medcpu["freeze repeat"] * 1000,
-         f"{ratio('freeze repeat', 'floor warm'):.2f}x", f"{ratio('freeze repeat', 'floor warm', 'fence PUT'):.2f}x"],
+        [
+            f"{n:,}",
+            "freeze, cold (empty cache)",
+            med["freeze cold"] * 1000,
+            medcpu["freeze cold"] * 1000,
+            f"{ratio('freeze cold', 'floor cold'):.2f}x",
+            f"{ratio('freeze cold', 'floor cold', 'fence PUT'):.2f}x",
+        ],
+        [
+            f"{n:,}",
+            "freeze, warm (entries cached)",
+            med["freeze warm"] * 1000,
+            medcpu["freeze warm"] * 1000,
+            f"{ratio('freeze warm', 'floor warm'):.2f}x",
+            f"{ratio('freeze warm', 'floor warm', 'fence PUT'):.2f}x",
+        ],
+        [
+            f"{n:,}",
+            "freeze, same client again (entries handed out before)",
+            med["freeze repeat"] * 1000,
+            medcpu["freeze repeat"] * 1000,
+            f"{ratio('freeze repeat', 'floor warm'):.2f}x",
+            f"{ratio('freeze repeat', 'floor warm', 'fence PUT'):.2f}x",
+        ],
     ]
     return rows
 
@@ -244,8 +283,13 @@ async def run_server(kind: str, args: argparse.Namespace) -> str:
             await bare.create_bucket(Bucket=bucket)
             rows: list[list[Any]] = []
             for n in args.sizes:
-                rows.extend(await run_size(server, session, config, bare, bucket, n, args.repeats, args.tokens, args.transport))
-        return f"### freeze vs its floor on {kind} ({args.transport} transport, {args.repeats} repeats, entries of {args.tokens} tokens)\n\n" + table(HEADERS, rows)
+                rows.extend(
+                    await run_size(server, session, config, bare, bucket, n, args.repeats, args.tokens, args.transport)
+                )
+        return (
+            f"### freeze vs its floor on {kind} ({args.transport} transport, {args.repeats} repeats, entries of {args.tokens} tokens)\n\n"
+            + table(HEADERS, rows)
+        )
     finally:
         server.stop()
 
@@ -255,9 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", default="moto", help="comma-separated: moto, seaweedfs (default moto)")
     parser.add_argument("--sizes", default="100,1000", help="entries per rollout (default 100,1000)")
     parser.add_argument("--repeats", type=int, default=7, help="measured repeats per size (default 7)")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per entry (default 64: small objects, so the requests dominate)")
+    parser.add_argument(
+        "--tokens", type=int, default=64, help="tokens per entry (default 64: small objects, so the requests dominate)"
+    )
     parser.add_argument("--quick", action="store_true", help="one repeat of 50 entries")
-    parser.add_argument("--transport", default="aioboto3", help="the store's transport, and the client of the floor: aioboto3 (default) or obstore")
+    parser.add_argument(
+        "--transport",
+        default="aioboto3",
+        help="the store's transport, and the client of the floor: aioboto3 (default) or obstore",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = "50", 1

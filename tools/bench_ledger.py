@@ -132,21 +132,31 @@ def load_commits() -> Commits:
                 staged = _stage(rollout.rollout_id, call, None)
             output = list(call.output_items)
             record = call_record(
-                staged, response_id=f"resp-{call.model_call_id}", admitted_at=ADMITTED_AT + len(wires),
-                request_items=call.request_items, response_items=output,
+                staged,
+                response_id=f"resp-{call.model_call_id}",
+                admitted_at=ADMITTED_AT + len(wires),
+                request_items=call.request_items,
+                response_items=output,
             )
             chain = (*(match.staging_chain if match is not None else ()), staged.staging_key)
             commit = CaptureLedgerCommit(
-                rollout_id=rollout.rollout_id, record=record, staging_chain=chain,
-                request_items=list(call.request_items), response_items=output,
+                rollout_id=rollout.rollout_id,
+                record=record,
+                staging_chain=chain,
+                request_items=list(call.request_items),
+                response_items=output,
             )
             if indices:
                 next_request[indices[-1]] = list(call.request_items)
             indices.append(len(wires))
             wires.append(to_wire(commit))
             match = LineageMatch(
-                model_call_id=staged.model_call_id, cumulative_token_ids=(), digest=staged.cumulative_hash,
-                staging_chain=chain, prev_len=staged.cum_len, chain_hash=staged.chain_hash,
+                model_call_id=staged.model_call_id,
+                cumulative_token_ids=(),
+                digest=staged.cumulative_hash,
+                staging_chain=chain,
+                prev_len=staged.cum_len,
+                chain_hash=staged.chain_hash,
             )
         rollouts.append(indices)
     return Commits(wires, rollouts, next_request)
@@ -154,8 +164,12 @@ def load_commits() -> Commits:
 
 def _stage(rollout_id: str, call: Any, parent: LineageMatch | None) -> Any:
     return stage_call(
-        rollout_id=rollout_id, model_call_id=call.model_call_id, prompt_token_ids=call.prompt_token_ids,
-        generation_token_ids=call.generation_token_ids, generation_log_probs=call.generation_log_probs, parent=parent,
+        rollout_id=rollout_id,
+        model_call_id=call.model_call_id,
+        prompt_token_ids=call.prompt_token_ids,
+        generation_token_ids=call.generation_token_ids,
+        generation_log_probs=call.generation_log_probs,
+        parent=parent,
     )
 
 
@@ -192,15 +206,22 @@ def prepare_row(ledger: S3CaptureLedger, commit: Any) -> Prepared:
     fingerprint = _fp.assistant_fingerprint(request_items + list(c.response_items)) or None
     context_digest = _fp.conversation_digest(request_items)
     row = _Row(
-        format=_ROW_FORMAT, rollout_id=c.rollout_id, record=c.record, staging_chain=list(c.staging_chain),
-        fingerprint=fingerprint, fingerprint_version=_fp.FINGERPRINT_VERSION, context_len=len(request_items),
+        format=_ROW_FORMAT,
+        rollout_id=c.rollout_id,
+        record=c.record,
+        staging_chain=list(c.staging_chain),
+        fingerprint=fingerprint,
+        fingerprint_version=_fp.FINGERPRINT_VERSION,
+        context_len=len(request_items),
         context_digest=context_digest,
     )
     body = msgspec.json.encode(row, order="sorted")
     sha = hashlib.sha256(body).hexdigest()
     stored = ledger._compressor().compress(body) if len(body) > _COMPRESS_ABOVE else body
     index = f"{prefix}ledger-index/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else None
-    return Prepared(f"{prefix}ledger/row/{segment}/{sha}.json", stored, len(body), index, f"{prefix}ledger/row/{segment}/")
+    return Prepared(
+        f"{prefix}ledger/row/{segment}/{sha}.json", stored, len(body), index, f"{prefix}ledger/row/{segment}/"
+    )
 
 
 def stubbed_ledger(url: str = "s3://s3capture-bench/ledger") -> tuple[S3CaptureLedger, dict[str, bytes]]:
@@ -271,7 +292,9 @@ def gym_pieces() -> tuple[Any, Callable[[Any], dict], Callable[[dict], bytes]]:
 PEER_CPU = "Gym: model_validate(wire) + _record's row dict + json.dumps(sort_keys)"
 
 
-def cpu_paths(wires: list[dict]) -> tuple[dict[str, Callable[[], None]], list[tuple[str, Callable[[Any], Any], list[Any]]], Any]:
+def cpu_paths(
+    wires: list[dict],
+) -> tuple[dict[str, Callable[[], None]], list[tuple[str, Callable[[Any], Any], list[Any]]], Any]:
     GymCommit, gym_row, gym_line = gym_pieces()
     probe = S3CaptureLedger("s3://s3capture-bench/ledger")  # never connects: prepare_row's layout and compressor
     gyms = [GymCommit.model_validate(w) for w in wires]
@@ -296,8 +319,16 @@ def cpu_paths(wires: list[dict]) -> tuple[dict[str, Callable[[], None]], list[tu
 
     def encode_row(c: Any) -> bytes:  # the row struct, its sorted JSON and SHA-256 (fingerprints precomputed)
         body = msgspec.json.encode(
-            _Row(format=_ROW_FORMAT, rollout_id=c.rollout_id, record=c.record, staging_chain=list(c.staging_chain),
-                 fingerprint="0" * 64, fingerprint_version=2, context_len=len(c.request_items), context_digest="0" * 64),
+            _Row(
+                format=_ROW_FORMAT,
+                rollout_id=c.rollout_id,
+                record=c.record,
+                staging_chain=list(c.staging_chain),
+                fingerprint="0" * 64,
+                fingerprint_version=2,
+                context_len=len(c.request_items),
+                context_digest="0" * 64,
+            ),
             order="sorted",
         )
         hashlib.sha256(body).hexdigest()
@@ -311,18 +342,31 @@ def cpu_paths(wires: list[dict]) -> tuple[dict[str, Callable[[], None]], list[tu
         "s3capture: record before I/O, commit = s3capture struct": over(lambda s: prepare_row(probe, s), structs),
         "s3capture: whole record(wire dict), requests stubbed": lambda: loop.run_until_complete(record_all(wires)),
         PEER_CPU: over(gym_path, wires),
-        "Gym: _record's row dict + json.dumps on a built model (no validation)": over(lambda g: gym_line(gym_row(g)), gyms),
+        "Gym: _record's row dict + json.dumps on a built model (no validation)": over(
+            lambda g: gym_line(gym_row(g)), gyms
+        ),
     }
     steps: list[tuple[str, Callable[[Any], Any], list[Any]]] = [
         ("s3capture: validate_commit(wire dict)  [msgspec.convert]", validate_commit, wires),
         ("s3capture: validate_commit(Gym model)  [model_dump(json) + convert]", validate_commit, gyms),
         ("s3capture: validate_commit(s3capture struct)  [to_builtins + convert]", validate_commit, structs),
         ("Gym: CaptureLedgerCommit.model_validate(wire dict)", GymCommit.model_validate, wires),
-        ("both: assistant_fingerprint(request + response)  [Gym's function]",
-         lambda s: _fp.assistant_fingerprint(list(s.request_items) + list(s.response_items)), structs),
-        ("both: conversation_digest(request)  [Gym's function]", lambda s: _fp.conversation_digest(list(s.request_items)), structs),
+        (
+            "both: assistant_fingerprint(request + response)  [Gym's function]",
+            lambda s: _fp.assistant_fingerprint(list(s.request_items) + list(s.response_items)),
+            structs,
+        ),
+        (
+            "both: conversation_digest(request)  [Gym's function]",
+            lambda s: _fp.conversation_digest(list(s.request_items)),
+            structs,
+        ),
         ("s3capture: _Row + msgspec sorted encode + SHA-256", encode_row, structs),
-        (f"s3capture: zstd level 3 of rows over {_COMPRESS_ABOVE} B", lambda b: probe._compressor().compress(b) if len(b) > _COMPRESS_ABOVE else b, bodies),
+        (
+            f"s3capture: zstd level 3 of rows over {_COMPRESS_ABOVE} B",
+            lambda b: probe._compressor().compress(b) if len(b) > _COMPRESS_ABOVE else b,
+            bodies,
+        ),
         ("Gym: json.dumps(row, sort_keys=True)", gym_line, rows),
     ]
     return paths, steps, loop
@@ -343,14 +387,17 @@ def bench_cpu(commits: Commits, repeats: int, target: float) -> tuple[list[list[
         samples: dict[str, list[float]] = {p: [] for p in paths}
         order = list(paths)
         for r in range(repeats):
-            for path in order[r % len(order):] + order[: r % len(order)]:
+            for path in order[r % len(order) :] + order[: r % len(order)]:
                 per_call, _ = time_path(paths[path], target)
                 samples[path].append(per_call / len(items))
         medians = {p: statistics.median(v) for p, v in samples.items()}
         peer = medians[PEER_CPU]
         for path in paths:
-            cpu_rows.append([name, path, medians[path] * 1e6, f"{medians[path] / peer:.2f}x" if path != PEER_CPU else "(peer)"])
+            cpu_rows.append(
+                [name, path, medians[path] * 1e6, f"{medians[path] / peer:.2f}x" if path != PEER_CPU else "(peer)"]
+            )
         for label, fn, args in steps:
+
             def run(fn: Any = fn, args: list[Any] = args) -> None:
                 for a in args:
                     fn(a)
@@ -369,7 +416,9 @@ STEP_HEADERS = ["commits", "step", "µs/commit"]
 # --------------------------------------------------------------------------- stored bytes
 def bench_bytes(commits: Commits) -> list[list[Any]]:
     GymCommit, gym_row, gym_line = gym_pieces()
-    ledger = S3CaptureLedger("s3://s3capture-bench/capture/run-42")  # never connects; a plausible prefix, for key lengths
+    ledger = S3CaptureLedger(
+        "s3://s3capture-bench/capture/run-42"
+    )  # never connects; a plausible prefix, for key lengths
     groups = {"all calls": commits.wires, "first call of each rollout": [commits.wires[r[0]] for r in commits.rollouts]}
     longest = max(commits.rollouts, key=len)
     groups[f"longest rollout ({len(longest)} calls)"] = [commits.wires[i] for i in longest]
@@ -382,17 +431,36 @@ def bench_bytes(commits: Commits) -> list[list[Any]]:
         lines = [len(gym_line(gym_row(GymCommit.model_validate(w)))) for w in wires]
         rows.append(
             [
-                f"{DATA_FILE}, {name}", len(wires), mean(ours), max(ours), mean(plain), max(plain), 0, 2, mean(keys),
-                mean(lines), max(lines), f"{mean(ours) / mean(lines):.2f}x",
+                f"{DATA_FILE}, {name}",
+                len(wires),
+                mean(ours),
+                max(ours),
+                mean(plain),
+                max(plain),
+                0,
+                2,
+                mean(keys),
+                mean(lines),
+                max(lines),
+                f"{mean(ours) / mean(lines):.2f}x",
             ]
         )
     return rows
 
 
 BYTES_HEADERS = [
-    "commits", "n", "s3capture row object B (mean)", "row object B (max)", "row JSON B (mean)", "row JSON B (max)",
-    "index object B", "objects/row", "key B/row (mean)",
-    "Gym JSONL line B (mean)", "Gym line B (max)", "s3capture / Gym",
+    "commits",
+    "n",
+    "s3capture row object B (mean)",
+    "row object B (max)",
+    "row JSON B (mean)",
+    "row JSON B (max)",
+    "index object B",
+    "objects/row",
+    "key B/row (mean)",
+    "Gym JSONL line B (mean)",
+    "Gym line B (max)",
+    "s3capture / Gym",
 ]
 
 
@@ -407,7 +475,9 @@ class Env(ServerCpu):
     proxy_pid: int | None = None
 
     def ledger(self, bucket: str) -> S3CaptureLedger:
-        return S3CaptureLedger(f"s3://{bucket}/bench", endpoint_url=self.endpoint_url or self.server.endpoint_url, session=self.session)
+        return S3CaptureLedger(
+            f"s3://{bucket}/bench", endpoint_url=self.endpoint_url or self.server.endpoint_url, session=self.session
+        )
 
     async def bucket(self, tag: str) -> str:
         name = f"s3capture-bl-{tag}-{uuid.uuid4().hex[:6]}"
@@ -452,7 +522,9 @@ LABELS = {
 WIRE = {"B": (1, 1), "C": (2, 2), "D": (3, 3)}  # bare kinds: requests per op, in flight
 
 
-async def record_latency(env: Env, wires: list[dict], concurrency: int, rounds: int, warmup: int) -> dict[str, KindStats]:
+async def record_latency(
+    env: Env, wires: list[dict], concurrency: int, rounds: int, warmup: int
+) -> dict[str, KindStats]:
     bucket = await env.bucket(f"rec{concurrency}")
     ledger = env.ledger(bucket)
     rollout_id = f"rec-c{concurrency}"
@@ -462,14 +534,18 @@ async def record_latency(env: Env, wires: list[dict], concurrency: int, rounds: 
         base = wires[j % len(wires)]
         wire = renamed(base, f"{base['record']['model_call_id']}-op{j}", rollout_id)
         p = prepare_row(ledger, wire)
-        sibling = {k: prepare_row(ledger, renamed(wire, f"{wire['record']['model_call_id']}-{k.lower()}")) for k in "BCD"}
+        sibling = {
+            k: prepare_row(ledger, renamed(wire, f"{wire['record']['model_call_id']}-{k.lower()}")) for k in "BCD"
+        }
         ops.append((wire, p.body, sibling))
     timeline = Timeline().hook(ledger.transport)
     stats = {kind: KindStats() for kind in KINDS}
 
     def op_c(j: int) -> Any:
         s = ops[j][2]["C"]
-        return asyncio.gather(env.bare.put_object(Bucket=bucket, Key=s.row_key, Body=ops[j][1]), bare_list(env, bucket, s.list_prefix))
+        return asyncio.gather(
+            env.bare.put_object(Bucket=bucket, Key=s.row_key, Body=ops[j][1]), bare_list(env, bucket, s.list_prefix)
+        )
 
     def op_d(j: int) -> Any:
         s = ops[j][2]["D"]
@@ -487,10 +563,13 @@ async def record_latency(env: Env, wires: list[dict], concurrency: int, rounds: 
     }
     for r in range(rounds + warmup):
         indices = range(r * concurrency, (r + 1) * concurrency)
-        for kind in KINDS[r % len(KINDS):] + KINDS[: r % len(KINDS)]:
+        for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
             timeline.reset()
             await measured_round(
-                run[kind], indices, stats[kind] if r >= warmup else None, env.server_cpu,
+                run[kind],
+                indices,
+                stats[kind] if r >= warmup else None,
+                env.server_cpu,
                 requests=(lambda: sum(ledger.request_counts.values())) if kind == "A" else None,
                 timeline=timeline if kind == "A" and concurrency == 1 else None,
             )
@@ -507,18 +586,42 @@ def record_rows(concurrency: int, stats: dict[str, KindStats]) -> list[list[Any]
         p50, p90, p99, avg = pct(s.latencies, 0.5), pct(s.latencies, 0.9), pct(s.latencies, 0.99), mean(s.latencies)
         rows.append(
             [
-                concurrency, LABELS[kind], s.ops, p50 * 1000, p90 * 1000, p99 * 1000, avg * 1000,
-                f"{p50 / p50_peer:.2f}x", f"{avg / mean_peer:.2f}x", s.ops / s.wall if s.wall else float("nan"),
-                s.client_cpu / s.ops * 1000, s.server_cpu / s.ops * 1000, s.requests / s.ops,
-                max(s.round_trips) if s.round_trips else "", s.max_in_flight if concurrency == 1 else "",
+                concurrency,
+                LABELS[kind],
+                s.ops,
+                p50 * 1000,
+                p90 * 1000,
+                p99 * 1000,
+                avg * 1000,
+                f"{p50 / p50_peer:.2f}x",
+                f"{avg / mean_peer:.2f}x",
+                s.ops / s.wall if s.wall else float("nan"),
+                s.client_cpu / s.ops * 1000,
+                s.server_cpu / s.ops * 1000,
+                s.requests / s.ops,
+                max(s.round_trips) if s.round_trips else "",
+                s.max_in_flight if concurrency == 1 else "",
             ]
         )
     return rows
 
 
 RECORD_HEADERS = [
-    "conc", "operation", "n", "p50 ms", "p90 ms", "p99 ms", "mean ms", "p50 vs peer", "mean vs peer", "ops/s",
-    "client CPU ms/op", "server CPU ms/op", "requests/op", "round trips (max)", "max in flight",
+    "conc",
+    "operation",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "p99 ms",
+    "mean ms",
+    "p50 vs peer",
+    "mean vs peer",
+    "ops/s",
+    "client CPU ms/op",
+    "server CPU ms/op",
+    "requests/op",
+    "round trips (max)",
+    "max in flight",
 ]
 
 
@@ -568,7 +671,9 @@ def check_resolved(resolution: Any, n: int, target_id: str) -> None:
         raise SystemExit(f"resolve in a ledger of {n} rows did not find {target_id}: {resolution}")
 
 
-async def bench_resolve(env: Env, ledgers: dict[int, Ledger], sizes: list[int], samples: int, warm_samples: int, new_samples: int) -> list[list[Any]]:
+async def bench_resolve(
+    env: Env, ledgers: dict[int, Ledger], sizes: list[int], samples: int, warm_samples: int, new_samples: int
+) -> list[list[Any]]:
     rows = []
     for n in sizes:
         spec = ledgers[n]
@@ -597,11 +702,15 @@ async def bench_resolve(env: Env, ledgers: dict[int, Ledger], sizes: list[int], 
             await ledger.close()
             # the same requests sent bare, in the same two rounds
             started = time.perf_counter()
-            await asyncio.gather(bare_list(env, spec.bucket, fp_prefix), bare_get(env.bare, spec.bucket, prefix + "retired"))
+            await asyncio.gather(
+                bare_list(env, spec.bucket, fp_prefix), bare_get(env.bare, spec.bucket, prefix + "retired")
+            )
             await asyncio.gather(bare_get(env.bare, spec.bucket, row_keys[0]), bare_list(env, spec.bucket, row_prefix))
             peer_cold.append((time.perf_counter() - started) * 1000)
             started = time.perf_counter()
-            await asyncio.gather(bare_list(env, spec.bucket, fp_prefix), bare_get(env.bare, spec.bucket, prefix + "retired"))
+            await asyncio.gather(
+                bare_list(env, spec.bucket, fp_prefix), bare_get(env.bare, spec.bucket, prefix + "retired")
+            )
             await bare_list(env, spec.bucket, row_prefix)
             peer_warm.append((time.perf_counter() - started) * 1000)
         for _ in range(new_samples):
@@ -611,27 +720,96 @@ async def bench_resolve(env: Env, ledgers: dict[int, Ledger], sizes: list[int], 
             new.add(time.perf_counter() - started, time.process_time() - cpu, None)
             await ledger.close()
         label = f"{n:,} rows"
-        for client, sink, peer in (("cold client (cache empty)", cold, peer_cold), ("warm client (row cached)", warm, peer_warm)):
+        for client, sink, peer in (
+            ("cold client (cache empty)", cold, peer_cold),
+            ("warm client (row cached)", warm, peer_warm),
+        ):
             rows.append(
                 [
-                    label, client, len(sink.ms), pct(sink.ms, 0.5), pct(sink.ms, 0.9), pct(sink.ms, 0.99),
-                    f"{pct(sink.ms, 0.5) / pct(peer, 0.5):.2f}x", pct(sink.cpu, 0.5),
-                    sink.count("ListObjectsV2"), sink.count("GetObject"), sink.other(), max(sink.rt), max(sink.inflight),
+                    label,
+                    client,
+                    len(sink.ms),
+                    pct(sink.ms, 0.5),
+                    pct(sink.ms, 0.9),
+                    pct(sink.ms, 0.99),
+                    f"{pct(sink.ms, 0.5) / pct(peer, 0.5):.2f}x",
+                    pct(sink.cpu, 0.5),
+                    sink.count("ListObjectsV2"),
+                    sink.count("GetObject"),
+                    sink.other(),
+                    max(sink.rt),
+                    max(sink.inflight),
                 ]
             )
-        rows.append([label, "peer: bare cold pattern (LIST ∥ GET, then GET ∥ LIST)", len(peer_cold), pct(peer_cold, 0.5),
-                     pct(peer_cold, 0.9), pct(peer_cold, 0.99), "1.00x", "", 2, 2, 0, 2, 2])
-        rows.append([label, "peer: bare warm pattern (LIST ∥ GET, then LIST)", len(peer_warm), pct(peer_warm, 0.5),
-                     pct(peer_warm, 0.9), pct(peer_warm, 0.99), "1.00x", "", 2, 1, 0, 2, 2])
+        rows.append(
+            [
+                label,
+                "peer: bare cold pattern (LIST ∥ GET, then GET ∥ LIST)",
+                len(peer_cold),
+                pct(peer_cold, 0.5),
+                pct(peer_cold, 0.9),
+                pct(peer_cold, 0.99),
+                "1.00x",
+                "",
+                2,
+                2,
+                0,
+                2,
+                2,
+            ]
+        )
+        rows.append(
+            [
+                label,
+                "peer: bare warm pattern (LIST ∥ GET, then LIST)",
+                len(peer_warm),
+                pct(peer_warm, 0.5),
+                pct(peer_warm, 0.9),
+                pct(peer_warm, 0.99),
+                "1.00x",
+                "",
+                2,
+                1,
+                0,
+                2,
+                2,
+            ]
+        )
         if new.ms:
-            rows.append([label, "new client (client creation + connect)", len(new.ms), pct(new.ms, 0.5), pct(new.ms, 0.9),
-                         "", "", pct(new.cpu, 0.5), "", "", "", "", ""])
+            rows.append(
+                [
+                    label,
+                    "new client (client creation + connect)",
+                    len(new.ms),
+                    pct(new.ms, 0.5),
+                    pct(new.ms, 0.9),
+                    "",
+                    "",
+                    pct(new.cpu, 0.5),
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
     return rows
 
 
 RESOLVE_HEADERS = [
-    "ledger", "client", "n", "p50 ms", "p90 ms", "p99 ms", "p50 vs peer", "client CPU ms (p50)", "LIST", "GET", "other",
-    "round trips", "max in flight",
+    "ledger",
+    "client",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "p99 ms",
+    "p50 vs peer",
+    "client CPU ms (p50)",
+    "LIST",
+    "GET",
+    "other",
+    "round trips",
+    "max in flight",
 ]
 
 
@@ -639,7 +817,10 @@ RESOLVE_HEADERS = [
 async def bare_manifest(env: Env, spec: Ledger, prefixes: list[str], get_rows: bool = True) -> int:
     """The manifest's wire pattern without s3capture: LISTs ∥ tombstone GET, then every row GET, 32 in flight."""
     prefix = spec.layout.rollout(spec.rollout_id)
-    *listings, _ = await asyncio.gather(*(bare_list(env, spec.bucket, prefix + p) for p in prefixes), bare_get(env.bare, spec.bucket, prefix + "retired"))
+    *listings, _ = await asyncio.gather(
+        *(bare_list(env, spec.bucket, prefix + p) for p in prefixes),
+        bare_get(env.bare, spec.bucket, prefix + "retired"),
+    )
     keys = [k for listing in listings for k in listing if "/ledger/row/" in k or "/ledger/fail/" in k]
     if not get_rows:
         return len(keys)
@@ -676,7 +857,9 @@ async def bench_manifest(env: Env, ledgers: dict[int, Ledger], sizes: list[int],
                 # not in it: missing_parent_row is expected for continuations, nothing else is.
                 unexpected = [f for f in manifest["failures"] if f["reason"] != "missing_parent_row"]
                 if len(manifest["records"]) != n or unexpected:
-                    raise SystemExit(f"manifest of a ledger of {n} rows: {len(manifest['records'])} records, failures {unexpected[:3]}")
+                    raise SystemExit(
+                        f"manifest of a ledger of {n} rows: {len(manifest['records'])} records, failures {unexpected[:3]}"
+                    )
             timeline.reset()
             cpu, started = time.process_time(), time.perf_counter()
             if not await ledger.has_rows(spec.rollout_id):
@@ -698,28 +881,122 @@ async def bench_manifest(env: Env, ledgers: dict[int, Ledger], sizes: list[int],
             candidate_warm.append((time.perf_counter() - started) * 1000)
         label = f"{n:,} rows ({2 * n:,} keys)"
         pages, row_pages = -(-2 * n // 1000), -(-n // 1000)
-        for what, sink, peer_of in (("manifest, cold client", cold, peer), ("manifest, warm client (rows cached)", warm, peer_warm)):
+        for what, sink, peer_of in (
+            ("manifest, cold client", cold, peer),
+            ("manifest, warm client (rows cached)", warm, peer_warm),
+        ):
             rows.append(
-                [label, what, len(sink.ms), pct(sink.ms, 0.5), pct(sink.ms, 0.9), f"{pct(sink.ms, 0.5) / pct(peer_of, 0.5):.2f}x",
-                 pct(sink.cpu, 0.5), sink.count("ListObjectsV2"), sink.count("GetObject"), sink.other(), max(sink.rt), max(sink.inflight)]
+                [
+                    label,
+                    what,
+                    len(sink.ms),
+                    pct(sink.ms, 0.5),
+                    pct(sink.ms, 0.9),
+                    f"{pct(sink.ms, 0.5) / pct(peer_of, 0.5):.2f}x",
+                    pct(sink.cpu, 0.5),
+                    sink.count("ListObjectsV2"),
+                    sink.count("GetObject"),
+                    sink.other(),
+                    max(sink.rt),
+                    max(sink.inflight),
+                ]
             )
-        rows.append([label, "peer (cold): bare LIST ledger/ ∥ GET tombstone, then GET rows", len(peer), pct(peer, 0.5), pct(peer, 0.9),
-                     "1.00x", "", pages, n + 1, 0, "", min(32, n)])
-        rows.append([label, "candidate (cold): bare LIST row/ ∥ LIST fail/ ∥ GET tombstone, then GET rows", len(candidate),
-                     pct(candidate, 0.5), pct(candidate, 0.9), f"{pct(candidate, 0.5) / pct(peer, 0.5):.2f}x", "", row_pages + 1, n + 1, 0, "", ""])
-        rows.append([label, "peer (warm): bare LIST ledger/ ∥ GET tombstone", len(peer_warm), pct(peer_warm, 0.5), pct(peer_warm, 0.9),
-                     "1.00x", "", pages, 1, 0, pages, 2])
-        rows.append([label, "candidate (warm): bare LIST row/ ∥ LIST fail/ ∥ GET tombstone", len(candidate_warm),
-                     pct(candidate_warm, 0.5), pct(candidate_warm, 0.9), f"{pct(candidate_warm, 0.5) / pct(peer_warm, 0.5):.2f}x",
-                     "", row_pages + 1, 1, 0, row_pages, 3])
-        rows.append([label, "has_rows", len(has.ms), pct(has.ms, 0.5), pct(has.ms, 0.9), "", pct(has.cpu, 0.5),
-                     has.count("ListObjectsV2"), has.count("GetObject"), has.other(), max(has.rt), max(has.inflight)])
+        rows.append(
+            [
+                label,
+                "peer (cold): bare LIST ledger/ ∥ GET tombstone, then GET rows",
+                len(peer),
+                pct(peer, 0.5),
+                pct(peer, 0.9),
+                "1.00x",
+                "",
+                pages,
+                n + 1,
+                0,
+                "",
+                min(32, n),
+            ]
+        )
+        rows.append(
+            [
+                label,
+                "candidate (cold): bare LIST row/ ∥ LIST fail/ ∥ GET tombstone, then GET rows",
+                len(candidate),
+                pct(candidate, 0.5),
+                pct(candidate, 0.9),
+                f"{pct(candidate, 0.5) / pct(peer, 0.5):.2f}x",
+                "",
+                row_pages + 1,
+                n + 1,
+                0,
+                "",
+                "",
+            ]
+        )
+        rows.append(
+            [
+                label,
+                "peer (warm): bare LIST ledger/ ∥ GET tombstone",
+                len(peer_warm),
+                pct(peer_warm, 0.5),
+                pct(peer_warm, 0.9),
+                "1.00x",
+                "",
+                pages,
+                1,
+                0,
+                pages,
+                2,
+            ]
+        )
+        rows.append(
+            [
+                label,
+                "candidate (warm): bare LIST row/ ∥ LIST fail/ ∥ GET tombstone",
+                len(candidate_warm),
+                pct(candidate_warm, 0.5),
+                pct(candidate_warm, 0.9),
+                f"{pct(candidate_warm, 0.5) / pct(peer_warm, 0.5):.2f}x",
+                "",
+                row_pages + 1,
+                1,
+                0,
+                row_pages,
+                3,
+            ]
+        )
+        rows.append(
+            [
+                label,
+                "has_rows",
+                len(has.ms),
+                pct(has.ms, 0.5),
+                pct(has.ms, 0.9),
+                "",
+                pct(has.cpu, 0.5),
+                has.count("ListObjectsV2"),
+                has.count("GetObject"),
+                has.other(),
+                max(has.rt),
+                max(has.inflight),
+            ]
+        )
     return rows
 
 
 MANIFEST_HEADERS = [
-    "ledger", "operation", "n", "p50 ms", "p90 ms", "p50 vs peer", "client CPU ms (p50)", "LIST", "GET", "other",
-    "round trips", "max in flight",
+    "ledger",
+    "operation",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "p50 vs peer",
+    "client CPU ms (p50)",
+    "LIST",
+    "GET",
+    "other",
+    "round trips",
+    "max in flight",
 ]
 
 
@@ -738,7 +1015,9 @@ async def run_server(kind: str, args: argparse.Namespace, commits: Commits) -> s
             started = time.perf_counter()
             rows = []
             for concurrency, rounds in ((1, args.rounds), (8, args.rounds8)):
-                rows.extend(record_rows(concurrency, await record_latency(env, commits.wires, concurrency, rounds, warmup=3)))
+                rows.extend(
+                    record_rows(concurrency, await record_latency(env, commits.wires, concurrency, rounds, warmup=3))
+                )
             out.append(
                 f"### record latency on {kind} ({len(commits.wires)} real commits of {DATA_FILE} cycled, new call id each; "
                 "kinds interleaved per round)\n\n" + table(RECORD_HEADERS, rows)
@@ -753,7 +1032,12 @@ async def run_server(kind: str, args: argparse.Namespace, commits: Commits) -> s
                         slow_env = Env(server, session, slow, proxy.endpoint_url, proxy.process.pid)
                         rows = []
                         for concurrency, rounds in ((1, max(2, args.rounds // 2)), (8, max(1, args.rounds8 // 2))):
-                            rows.extend(record_rows(concurrency, await record_latency(slow_env, commits.wires, concurrency, rounds, warmup=3)))
+                            rows.extend(
+                                record_rows(
+                                    concurrency,
+                                    await record_latency(slow_env, commits.wires, concurrency, rounds, warmup=3),
+                                )
+                            )
                 finally:
                     proxy.stop()
                 out.append(
@@ -766,7 +1050,9 @@ async def run_server(kind: str, args: argparse.Namespace, commits: Commits) -> s
             ledgers = await build_ledgers(env, commits, sizes)
             timings.append(f"setup of ledgers {sizes} {time.perf_counter() - started:.0f} s")
             started = time.perf_counter()
-            rows = await bench_resolve(env, ledgers, args.resolve_sizes, args.samples, args.warm_samples, args.new_samples)
+            rows = await bench_resolve(
+                env, ledgers, args.resolve_sizes, args.samples, args.warm_samples, args.new_samples
+            )
             target = ledgers[args.resolve_sizes[0]]
             out.append(
                 f"### resolve on {kind} (request: the next call after {target.target['record']['model_call_id']}, "
@@ -778,26 +1064,46 @@ async def run_server(kind: str, args: argparse.Namespace, commits: Commits) -> s
             rows = await bench_manifest(env, ledgers, args.manifest_sizes, args.manifest_samples)
             out.append(f"### manifest and has_rows on {kind}\n\n" + table(MANIFEST_HEADERS, rows))
             timings.append(f"manifest {time.perf_counter() - started:.0f} s")
-            out.append(f"({kind}: {', '.join(timings)}; server started in {server.startup_seconds:.1f} s; load average {load_average()})")
+            out.append(
+                f"({kind}: {', '.join(timings)}; server started in {server.startup_seconds:.1f} s; load average {load_average()})"
+            )
     finally:
         server.stop()
     return "\n\n".join(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: seconds (smoke test)")
     parser.add_argument("--servers", default="moto,seaweedfs", help="comma-separated: moto, seaweedfs (default both)")
     parser.add_argument("--no-s3", action="store_true", help="only the CPU and bytes tables (no server)")
-    parser.add_argument("--rounds", type=int, default=None, help="measured record rounds at concurrency 1 per kind (default 200)")
-    parser.add_argument("--rounds8", type=int, default=None, help="measured record rounds at concurrency 8 per kind (default 40)")
-    parser.add_argument("--rtt-ms", type=float, default=None, help="also measure record behind a delay proxy adding this round-trip time (default 10; 0 skips)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="measured record rounds at concurrency 1 per kind (default 200)"
+    )
+    parser.add_argument(
+        "--rounds8", type=int, default=None, help="measured record rounds at concurrency 8 per kind (default 40)"
+    )
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=None,
+        help="also measure record behind a delay proxy adding this round-trip time (default 10; 0 skips)",
+    )
     parser.add_argument("--resolve-sizes", default=None, help="rows per ledger for resolve (default 1,100,1000)")
     parser.add_argument("--manifest-sizes", default=None, help="rows per ledger for manifest (default 10,100,1000)")
     parser.add_argument("--samples", type=int, default=None, help="cold-client resolves per ledger (default 20)")
     parser.add_argument("--warm-samples", type=int, default=None, help="warm resolves after each cold one (default 5)")
-    parser.add_argument("--new-samples", type=int, default=None, help="resolves from a brand-new client per ledger (default 5)")
-    parser.add_argument("--manifest-samples", type=int, default=None, help="cold+warm manifests per ledger (default 6; half for 1,000+ rows)")
+    parser.add_argument(
+        "--new-samples", type=int, default=None, help="resolves from a brand-new client per ledger (default 5)"
+    )
+    parser.add_argument(
+        "--manifest-samples",
+        type=int,
+        default=None,
+        help="cold+warm manifests per ledger (default 6; half for 1,000+ rows)",
+    )
     parser.add_argument("--cpu-repeats", type=int, default=None, help="interleaved repeats per CPU path (default 5)")
     parser.add_argument("--cpu-target", type=float, default=None, help="process seconds per CPU sample (default 0.2)")
     args = parser.parse_args(argv)
@@ -825,13 +1131,25 @@ def main(argv: list[str] | None = None) -> int:
     commits = load_commits()
     check_prepare(commits.wires)
     print(f"# bench_ledger\n\nmachine: {machine_summary()}\n", flush=True)
-    print(f"commits: {len(commits.wires)} calls of {DATA_FILE} in {len(commits.rollouts)} rollouts "
-          f"(fingerprinting: {'Gym' if _fp.USING_GYM else 'native'}); load average at the start {load_at_start}\n", flush=True)
+    print(
+        f"commits: {len(commits.wires)} calls of {DATA_FILE} in {len(commits.rollouts)} rollouts "
+        f"(fingerprinting: {'Gym' if _fp.USING_GYM else 'native'}); load average at the start {load_at_start}\n",
+        flush=True,
+    )
     cpu_rows, step_rows = bench_cpu(commits, args.cpu_repeats, args.cpu_target)
-    print("### client CPU per record (no S3; median of interleaved repeats)\n\n" + table(CPU_HEADERS, cpu_rows, digits=1) + "\n", flush=True)
+    print(
+        "### client CPU per record (no S3; median of interleaved repeats)\n\n"
+        + table(CPU_HEADERS, cpu_rows, digits=1)
+        + "\n",
+        flush=True,
+    )
     print("#### where the CPU goes\n\n" + table(STEP_HEADERS, step_rows, digits=1) + "\n", flush=True)
-    print("### stored bytes per row (row object + empty index object vs Gym's FileLineageStore JSONL line)\n\n"
-          + table(BYTES_HEADERS, bench_bytes(commits), digits=0) + "\n", flush=True)
+    print(
+        "### stored bytes per row (row object + empty index object vs Gym's FileLineageStore JSONL line)\n\n"
+        + table(BYTES_HEADERS, bench_bytes(commits), digits=0)
+        + "\n",
+        flush=True,
+    )
     for kind in args.servers:
         print(asyncio.run(run_server(kind, args, commits)), flush=True)
         print()

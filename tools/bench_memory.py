@@ -53,7 +53,13 @@ async def run(args: argparse.Namespace) -> tuple[list[list[Any]], str]:
             await bare.create_bucket(Bucket=bucket)
         # obstore takes a session's profile, not its keys: it reads the server's credentials from the environment.
         auth: dict[str, Any] = {} if args.transport == "obstore" else {"session": session}
-        store = S3TokenStore(f"s3://{bucket}/mem", endpoint_url=server.endpoint_url, cache_bytes=args.cache_mib * 2**20, transport=args.transport, **auth)
+        store = S3TokenStore(
+            f"s3://{bucket}/mem",
+            endpoint_url=server.endpoint_url,
+            cache_bytes=args.cache_mib * 2**20,
+            transport=args.transport,
+            **auth,
+        )
         template = synthetic_entry(args.tokens, generation_tokens=args.tokens // 2, call_id="mem")
         samples: list[list[Any]] = []
         done = 0
@@ -63,8 +69,16 @@ async def run(args: argparse.Namespace) -> tuple[list[list[Any]], str]:
         def sample() -> None:
             gc.collect()
             samples.append(
-                [done, rss_mib(), store._cache.nbytes / 2**20, len(store._cache), len(store._call_keys),
-                 getattr(store._call_keys, "nbytes", float("nan")) / 2**10, len(store._fence_seen), time.perf_counter() - started]
+                [
+                    done,
+                    rss_mib(),
+                    store._cache.nbytes / 2**20,
+                    len(store._cache),
+                    len(store._call_keys),
+                    getattr(store._call_keys, "nbytes", float("nan")) / 2**10,
+                    len(store._fence_seen),
+                    time.perf_counter() - started,
+                ]
             )
 
         async def rollout(r: int) -> None:
@@ -117,7 +131,16 @@ async def run(args: argparse.Namespace) -> tuple[list[list[Any]], str]:
         server.stop()
 
 
-HEADERS = ["calls", "RSS MiB", "cache MiB (own count)", "cached objects", "call-key rows", "call-key KiB (own count)", "fence times", "s"]
+HEADERS = [
+    "calls",
+    "RSS MiB",
+    "cache MiB (own count)",
+    "cached objects",
+    "call-key rows",
+    "call-key KiB (own count)",
+    "fence times",
+    "s",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--parallel", type=int, default=8, help="rollouts in flight at once (default 8)")
     parser.add_argument("--cache-mib", type=float, default=8.0, help="cache_bytes in MiB (default 8)")
-    parser.add_argument("--tokens", type=int, default=1100, help="tokens per entry (default 1100, like competitive_coding)")
+    parser.add_argument(
+        "--tokens", type=int, default=1100, help="tokens per entry (default 1100, like competitive_coding)"
+    )
     parser.add_argument("--transport", default="aioboto3", help="the store's transport: aioboto3 (default) or obstore")
     args = parser.parse_args(argv)
     started, load_at_start = time.perf_counter(), load_average()

@@ -123,7 +123,9 @@ def object_body(store: S3TokenStore, entry: Any, chain: tuple[str, ...] = ()) ->
 
 
 # --------------------------------------------------------------------------- put latency
-async def put_latency(env: Env, workload: str, bases: list[Any], concurrency: int, rounds: int, warmup: int) -> dict[str, KindStats]:
+async def put_latency(
+    env: Env, workload: str, bases: list[Any], concurrency: int, rounds: int, warmup: int
+) -> dict[str, KindStats]:
     store = env.store()
     rollout_id = f"put-{workload}-c{concurrency}-{uuid.uuid4().hex[:6]}"
     prefix = store.layout.rollout(rollout_id)
@@ -135,7 +137,14 @@ async def put_latency(env: Env, workload: str, bases: list[Any], concurrency: in
         entry = msgspec.structs.replace(base, rollout_id=rollout_id, model_call_id=f"{base.model_call_id}-op{j}")
         rel, body = object_body(store, entry)
         cid = escape_id(entry.model_call_id)
-        ops.append((entry, body, prefix + rel.replace(f"/{cid}/", f"/{cid}-bare/"), prefix + rel.replace(f"/{cid}/", f"/{cid}-wire/")))
+        ops.append(
+            (
+                entry,
+                body,
+                prefix + rel.replace(f"/{cid}/", f"/{cid}-bare/"),
+                prefix + rel.replace(f"/{cid}/", f"/{cid}-wire/"),
+            )
+        )
     timeline = timeline_of(store)
     kinds = KINDS + (("D",) if env.bare_no_expect is not None else ())
     stats = {kind: KindStats() for kind in kinds}
@@ -144,19 +153,23 @@ async def put_latency(env: Env, workload: str, bases: list[Any], concurrency: in
         "A": lambda j: store.put(ops[j][0]),
         "B": lambda j: env.bare.put_object(Bucket=env.bucket, Key=ops[j][2], Body=ops[j][1]),
         "C": lambda j: asyncio.gather(
-            env.bare.put_object(Bucket=env.bucket, Key=ops[j][3], Body=ops[j][1]), bare_get(env.bare, env.bucket, fence_key)
+            env.bare.put_object(Bucket=env.bucket, Key=ops[j][3], Body=ops[j][1]),
+            bare_get(env.bare, env.bucket, fence_key),
         ),
         "D": lambda j: env.bare_no_expect.put_object(Bucket=env.bucket, Key=ops[j][3] + ".d", Body=ops[j][1]),
     }
     for r in range(rounds + warmup):
-        order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         indices = range(r * concurrency, (r + 1) * concurrency)
         for kind in order:
             traced = kind == "A" and concurrency == 1
             if traced:
                 timeline.reset()
             await measured_round(
-                run[kind], indices, stats[kind] if r >= warmup else None, env.server_cpu,
+                run[kind],
+                indices,
+                stats[kind] if r >= warmup else None,
+                env.server_cpu,
                 requests=(lambda: sum(store.request_counts.values())) if kind == "A" else None,
                 timeline=timeline if traced else None,
             )
@@ -195,8 +208,22 @@ def put_rows(workload: str, concurrency: int, stats: dict[str, KindStats]) -> li
 
 
 PUT_HEADERS = [
-    "workload", "conc", "operation", "n", "p50 ms", "p90 ms", "mean ms", "p50 vs peer", "mean vs peer",
-    "ops/s", "client CPU ms/op", "server CPU ms/op", "CPU cores busy", "requests/op", "round trips (max)", "max in flight",
+    "workload",
+    "conc",
+    "operation",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "mean ms",
+    "p50 vs peer",
+    "mean vs peer",
+    "ops/s",
+    "client CPU ms/op",
+    "server CPU ms/op",
+    "CPU cores busy",
+    "requests/op",
+    "round trips (max)",
+    "max in flight",
 ]
 
 
@@ -217,7 +244,9 @@ async def fence_reads(env: Env, rounds: int, body: bytes) -> list[list[Any]]:
                 raise
 
     kinds = {
-        "bare put_object (entry bytes)": lambda j: env.bare.put_object(Bucket=env.bucket, Key=f"{base}put/{j}", Body=body),
+        "bare put_object (entry bytes)": lambda j: env.bare.put_object(
+            Bucket=env.bucket, Key=f"{base}put/{j}", Body=body
+        ),
         "GET missing fence (404)": lambda j: bare_get(env.bare, env.bucket, base + "missing"),
         "HEAD missing fence (404)": lambda j: head(base + "missing"),
         "GET existing fence (200, 47 B)": lambda j: bare_get(env.bare, env.bucket, base + "fence"),
@@ -226,7 +255,7 @@ async def fence_reads(env: Env, rounds: int, body: bytes) -> list[list[Any]]:
     names = list(kinds)
     stats = {name: KindStats() for name in names}
     for r in range(rounds + 2):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             cpu0, srv0 = time.process_time(), env.server_cpu()
             started = time.perf_counter()
@@ -243,12 +272,29 @@ async def fence_reads(env: Env, rounds: int, body: bytes) -> list[list[Any]]:
     rows = []
     for name in names:
         s = stats[name]
-        rows.append([name, s.ops, pct(s.latencies, 0.5) * 1000, pct(s.latencies, 0.9) * 1000, mean(s.latencies) * 1000,
-                     s.client_cpu / s.ops * 1000, s.server_cpu / s.ops * 1000])
+        rows.append(
+            [
+                name,
+                s.ops,
+                pct(s.latencies, 0.5) * 1000,
+                pct(s.latencies, 0.9) * 1000,
+                mean(s.latencies) * 1000,
+                s.client_cpu / s.ops * 1000,
+                s.server_cpu / s.ops * 1000,
+            ]
+        )
     return rows
 
 
-FENCE_HEADERS = ["request (sequential, interleaved)", "n", "p50 ms", "p90 ms", "mean ms", "client CPU ms/op", "server CPU ms/op"]
+FENCE_HEADERS = [
+    "request (sequential, interleaved)",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "mean ms",
+    "client CPU ms/op",
+    "server CPU ms/op",
+]
 
 
 # --------------------------------------------------------------------------- resolve
@@ -272,8 +318,13 @@ def build_resolve_rollouts(sizes: list[int]) -> list[ResolveRollout]:
         previous = None
         for call in rollout.calls[:n]:
             entry = build_entry(
-                rollout.rollout_id, call.model_call_id, call.request_items, call.output_items,
-                call.prompt_token_ids, call.generation_token_ids, call.generation_log_probs,
+                rollout.rollout_id,
+                call.model_call_id,
+                call.request_items,
+                call.output_items,
+                call.prompt_token_ids,
+                call.generation_token_ids,
+                call.generation_log_probs,
                 parent_call_id=previous.model_call_id if previous else None,
             )
             full.append(entry)
@@ -281,7 +332,11 @@ def build_resolve_rollouts(sizes: list[int]) -> list[ResolveRollout]:
                 delta.append(entry)
             else:
                 parent_len = len(previous.prompt_token_ids) + len(previous.generation_token_ids)
-                delta.append(msgspec.structs.replace(entry, prompt_token_ids=list(call.prompt_token_ids[parent_len:]), prompt_is_delta=True))
+                delta.append(
+                    msgspec.structs.replace(
+                        entry, prompt_token_ids=list(call.prompt_token_ids[parent_len:]), prompt_is_delta=True
+                    )
+                )
             previous = call
         request = rollout.calls[n].request_items
         parent = rollout.calls[n - 1].model_call_id
@@ -315,7 +370,10 @@ async def bench_resolve(env: Env, rollouts: list[ResolveRollout], samples: int, 
         await writer.close()
         prefix = writer.layout.rollout(rollout_id)
         fp_prefix = f"{prefix}log/e/{escape_id(spec.fingerprint)}/"
-        parent_keys = [item["Key"] for item in (await env.bare.list_objects_v2(Bucket=env.bucket, Prefix=fp_prefix)).get("Contents", [])]
+        parent_keys = [
+            item["Key"]
+            for item in (await env.bare.list_objects_v2(Bucket=env.bucket, Prefix=fp_prefix)).get("Contents", [])
+        ]
         assert len(parent_keys) == 1, parent_keys
         parent_size = 0
         fresh, warm = Sink(), Sink()
@@ -345,17 +403,43 @@ async def bench_resolve(env: Env, rollouts: list[ResolveRollout], samples: int, 
         for client, sink in (("fresh client", fresh), ("warm client", warm)):
             rows.append(
                 [
-                    label, client, len(sink.ms), pct(sink.ms, 0.5), pct(sink.ms, 0.9),
-                    f"{pct(sink.ms, 0.5) / pct(peer, 0.5):.2f}x", pct(sink.cpu, 0.5),
-                    sink.count("ListObjectsV2"), sink.count("GetObject"), sink.other(), max(sink.rt), max(sink.inflight),
+                    label,
+                    client,
+                    len(sink.ms),
+                    pct(sink.ms, 0.5),
+                    pct(sink.ms, 0.9),
+                    f"{pct(sink.ms, 0.5) / pct(peer, 0.5):.2f}x",
+                    pct(sink.cpu, 0.5),
+                    sink.count("ListObjectsV2"),
+                    sink.count("GetObject"),
+                    sink.other(),
+                    max(sink.rt),
+                    max(sink.inflight),
                 ]
             )
-        rows.append([label, "peer: bare LIST then GET", len(peer), pct(peer, 0.5), pct(peer, 0.9), "1.00x", "", 1, 1, 0, 2, 1])
-        rows.append([label, f"(parent object {parent_size:,} B, {n_tokens(spec.entries[-1]):,} tokens stored)", *[""] * 10])
+        rows.append(
+            [label, "peer: bare LIST then GET", len(peer), pct(peer, 0.5), pct(peer, 0.9), "1.00x", "", 1, 1, 0, 2, 1]
+        )
+        rows.append(
+            [label, f"(parent object {parent_size:,} B, {n_tokens(spec.entries[-1]):,} tokens stored)", *[""] * 10]
+        )
     return rows
 
 
-RESOLVE_HEADERS = ["rollout", "client", "n", "p50 ms", "p90 ms", "p50 vs peer", "client CPU ms (p50)", "LIST", "GET", "other", "round trips", "max in flight"]
+RESOLVE_HEADERS = [
+    "rollout",
+    "client",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "p50 vs peer",
+    "client CPU ms (p50)",
+    "LIST",
+    "GET",
+    "other",
+    "round trips",
+    "max in flight",
+]
 
 
 # --------------------------------------------------------------------------- freeze
@@ -376,10 +460,14 @@ async def bench_freeze(env: Env, sizes: list[int]) -> list[list[Any]]:
     for n in sizes:
         rollout_id = f"frz-{n}-{uuid.uuid4().hex[:6]}"
         writer = env.store()
-        entries = [msgspec.structs.replace(template, rollout_id=rollout_id, model_call_id=f"call-{i:05d}") for i in range(n)]
+        entries = [
+            msgspec.structs.replace(template, rollout_id=rollout_id, model_call_id=f"call-{i:05d}") for i in range(n)
+        ]
         await put_bare(env, writer, entries)  # setup with bare PUTs: the objects put() would write, half the requests
         store = env.store()
-        await store.resolve(f"warmup-{uuid.uuid4().hex[:6]}", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+        await store.resolve(
+            f"warmup-{uuid.uuid4().hex[:6]}", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        )
         timeline = timeline_of(store)
         for client in ("fresh client", "same client again (cached)"):
             timeline.reset()
@@ -387,15 +475,28 @@ async def bench_freeze(env: Env, sizes: list[int]) -> list[list[Any]]:
             snapshot = await store.freeze(rollout_id)
             elapsed = time.perf_counter() - started
             if len(snapshot.entries) != n or snapshot.incomplete:
-                raise SystemExit(f"freeze of {rollout_id} returned {len(snapshot.entries)} entries, incomplete={snapshot.incomplete}")
+                raise SystemExit(
+                    f"freeze of {rollout_id} returned {len(snapshot.entries)} entries, incomplete={snapshot.incomplete}"
+                )
             counts = timeline.counts()
             pages = -(-(n + 1) // 1000)  # entries + fence
-            expected = f"LIST {pages}, GET {n}, PUT 2" if client == "fresh client" else f"LIST {pages}, GET 0, PUT 1 (manifest exists)"
+            expected = (
+                f"LIST {pages}, GET {n}, PUT 2"
+                if client == "fresh client"
+                else f"LIST {pages}, GET 0, PUT 1 (manifest exists)"
+            )
             rows.append(
                 [
-                    f"{n:,} entries", client, elapsed * 1000, counts.get("ListObjectsV2", 0), counts.get("GetObject", 0),
-                    counts.get("PutObject", 0), sum(v for k, v in counts.items() if k not in ("ListObjectsV2", "GetObject", "PutObject")),
-                    timeline.round_trips(), timeline.max_in_flight(), expected,
+                    f"{n:,} entries",
+                    client,
+                    elapsed * 1000,
+                    counts.get("ListObjectsV2", 0),
+                    counts.get("GetObject", 0),
+                    counts.get("PutObject", 0),
+                    sum(v for k, v in counts.items() if k not in ("ListObjectsV2", "GetObject", "PutObject")),
+                    timeline.round_trips(),
+                    timeline.max_in_flight(),
+                    expected,
                 ]
             )
         await store.close()
@@ -407,7 +508,9 @@ FREEZE_HEADERS = ["rollout", "client", "ms", "LIST", "GET", "PUT", "other", "rou
 
 
 # --------------------------------------------------------------------------- main
-async def run_server(kind: str, args: argparse.Namespace, resolve_rollouts: list[ResolveRollout], workloads: dict[str, list[Any]]) -> str:
+async def run_server(
+    kind: str, args: argparse.Namespace, resolve_rollouts: list[ResolveRollout], workloads: dict[str, list[Any]]
+) -> str:
     server = start_server(kind)
     out: list[str] = []
     proxy: DelayProxy | None = None
@@ -432,13 +535,16 @@ async def run_server(kind: str, args: argparse.Namespace, resolve_rollouts: list
             if args.rtt_ms > 0:
                 started = time.perf_counter()
                 proxy = DelayProxy(server.port, args.rtt_ms)
-                async with session.client("s3", endpoint_url=proxy.endpoint_url, config=config) as slow, session.client(
-                    "s3", endpoint_url=proxy.endpoint_url, config=config
-                ) as no_expect:
+                async with (
+                    session.client("s3", endpoint_url=proxy.endpoint_url, config=config) as slow,
+                    session.client("s3", endpoint_url=proxy.endpoint_url, config=config) as no_expect,
+                ):
                     from botocore.handlers import add_expect_header
 
                     no_expect.meta.events.unregister("before-call.s3", add_expect_header)
-                    slow_env = Env(server, session, slow, bucket, env.url, proxy.endpoint_url, proxy.process.pid, no_expect)
+                    slow_env = Env(
+                        server, session, slow, bucket, env.url, proxy.endpoint_url, proxy.process.pid, no_expect
+                    )
                     rows = []
                     for workload, bases in list(workloads.items())[:1]:
                         for concurrency, rounds in ((1, max(2, args.rounds * 3 // 5)), (8, args.rounds8)):
@@ -468,15 +574,31 @@ async def run_server(kind: str, args: argparse.Namespace, resolve_rollouts: list
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a few seconds per server (smoke test)")
     parser.add_argument("--servers", default="moto,seaweedfs", help="comma-separated: moto, seaweedfs (default both)")
-    parser.add_argument("--rounds", type=int, default=None, help="measured rounds at concurrency 1 per kind (default 100)")
-    parser.add_argument("--rounds8", type=int, default=None, help="measured rounds at concurrency 8 per kind (default 25)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="measured rounds at concurrency 1 per kind (default 100)"
+    )
+    parser.add_argument(
+        "--rounds8", type=int, default=None, help="measured rounds at concurrency 8 per kind (default 25)"
+    )
     parser.add_argument("--resolve-sizes", default=None, help="calls per rollout for resolve (default 10,100,1000)")
-    parser.add_argument("--samples", type=int, default=None, help="fresh-client resolves per rollout (default 5; 2 for delta rollouts of 1,000+ calls)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="fresh-client resolves per rollout (default 5; 2 for delta rollouts of 1,000+ calls)",
+    )
     parser.add_argument("--warm-samples", type=int, default=None, help="warm resolves after each fresh one (default 5)")
-    parser.add_argument("--rtt-ms", type=float, default=None, help="also measure put behind a delay proxy adding this round-trip time (default 10; 0 skips)")
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=None,
+        help="also measure put behind a delay proxy adding this round-trip time (default 10; 0 skips)",
+    )
     parser.add_argument("--freeze-sizes", default=None, help="entries per frozen rollout (default 1000,2500)")
     args = parser.parse_args(argv)
     quick = args.quick

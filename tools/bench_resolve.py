@@ -42,10 +42,26 @@ from _benchcommon import (
 )
 from bench_put import Env, ResolveRollout, build_resolve_rollouts, put_rollout, timeline_of
 
-HEADERS = ["rollout", "path", "client", "n", "p50 ms", "p90 ms", "vs full", "client CPU ms (p50)", "LIST", "GET", "other", "round trips", "checkpoints (objects / KiB)"]
+HEADERS = [
+    "rollout",
+    "path",
+    "client",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "vs full",
+    "client CPU ms (p50)",
+    "LIST",
+    "GET",
+    "other",
+    "round trips",
+    "checkpoints (objects / KiB)",
+]
 
 
-async def measure(env: Env, spec: ResolveRollout, rollout_id: str, samples: int, warm_samples: int) -> tuple[Sink, Sink]:
+async def measure(
+    env: Env, spec: ResolveRollout, rollout_id: str, samples: int, warm_samples: int
+) -> tuple[Sink, Sink]:
     prefix = env.store().layout.rollout(rollout_id)
     cold, warm = Sink(), Sink()
     for _ in range(samples):
@@ -66,7 +82,9 @@ async def measure(env: Env, spec: ResolveRollout, rollout_id: str, samples: int,
     return cold, warm
 
 
-async def run_server(kind: str, args: argparse.Namespace, rollouts: list[ResolveRollout], summary: list[dict[str, Any]]) -> str:
+async def run_server(
+    kind: str, args: argparse.Namespace, rollouts: list[ResolveRollout], summary: list[dict[str, Any]]
+) -> str:
     server = start_server(kind)
     proxy: DelayProxy | None = None
     try:
@@ -74,7 +92,9 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
         async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as bare:
             bucket = f"s3capture-bench-{uuid.uuid4().hex[:8]}"
             await bare.create_bucket(Bucket=bucket)
-            env = Env(server, session, bare, bucket, f"s3://{bucket}/bench", server.endpoint_url, transport=args.transport)
+            env = Env(
+                server, session, bare, bucket, f"s3://{bucket}/bench", server.endpoint_url, transport=args.transport
+            )
             started = time.perf_counter()
             stored: list[tuple[ResolveRollout, str, str]] = []
             for spec in rollouts:
@@ -89,7 +109,21 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
             paths = [("loopback", env)]
             if args.rtt_ms > 0:
                 proxy = DelayProxy(server.port, args.rtt_ms)
-                paths.append((f"{args.rtt_ms:g} ms RTT", Env(server, session, bare, bucket, env.url, proxy.endpoint_url, proxy.process.pid, transport=args.transport)))
+                paths.append(
+                    (
+                        f"{args.rtt_ms:g} ms RTT",
+                        Env(
+                            server,
+                            session,
+                            bare,
+                            bucket,
+                            env.url,
+                            proxy.endpoint_url,
+                            proxy.process.pid,
+                            transport=args.transport,
+                        ),
+                    )
+                )
             rows = []
             for path, path_env in paths:
                 results: dict[tuple[str, int, str], Sink] = {}
@@ -101,20 +135,42 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
                     for client in ("cold", "warm"):
                         sink = results[(spec.mode, spec.n, client)]
                         full = results[("full", spec.n, client)]
-                        rows.append([
-                            f"{spec.mode}, {spec.n:,} calls", path, client, len(sink.ms), pct(sink.ms, 0.5), pct(sink.ms, 0.9),
-                            f"{pct(sink.ms, 0.5) / pct(full.ms, 0.5):.2f}x", pct(sink.cpu, 0.5),
-                            sink.count("ListObjectsV2"), sink.count("GetObject"), sink.other(), max(sink.rt),
-                            checkpoints if client == "cold" else "",
-                        ])
-                        summary.append({
-                            "server": kind, "transport": args.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3"), "path": path, "mode": spec.mode, "calls": spec.n,
-                            "client": client, "p50_ms": pct(sink.ms, 0.5), "vs_full": pct(sink.ms, 0.5) / pct(full.ms, 0.5),
-                            "round_trips": max(sink.rt), "gets": sink.count("GetObject"), "lists": sink.count("ListObjectsV2"),
-                            "client_cpu_ms": pct(sink.cpu, 0.5),
-                        })
+                        rows.append(
+                            [
+                                f"{spec.mode}, {spec.n:,} calls",
+                                path,
+                                client,
+                                len(sink.ms),
+                                pct(sink.ms, 0.5),
+                                pct(sink.ms, 0.9),
+                                f"{pct(sink.ms, 0.5) / pct(full.ms, 0.5):.2f}x",
+                                pct(sink.cpu, 0.5),
+                                sink.count("ListObjectsV2"),
+                                sink.count("GetObject"),
+                                sink.other(),
+                                max(sink.rt),
+                                checkpoints if client == "cold" else "",
+                            ]
+                        )
+                        summary.append(
+                            {
+                                "server": kind,
+                                "transport": args.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3"),
+                                "path": path,
+                                "mode": spec.mode,
+                                "calls": spec.n,
+                                "client": client,
+                                "p50_ms": pct(sink.ms, 0.5),
+                                "vs_full": pct(sink.ms, 0.5) / pct(full.ms, 0.5),
+                                "round_trips": max(sink.rt),
+                                "gets": sink.count("GetObject"),
+                                "lists": sink.count("ListObjectsV2"),
+                                "client_cpu_ms": pct(sink.cpu, 0.5),
+                            }
+                        )
             return (
-                f"### resolve on {kind}\n\n" + table(HEADERS, rows)
+                f"### resolve on {kind}\n\n"
+                + table(HEADERS, rows)
                 + f"\n\n({kind}: rollouts written in {write_seconds:.0f} s; server started in {server.startup_seconds:.1f} s)"
             )
     finally:
@@ -124,14 +180,25 @@ async def run_server(kind: str, args: argparse.Namespace, rollouts: list[Resolve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes and few samples (smoke test)")
     parser.add_argument("--servers", default="moto,seaweedfs", help="comma-separated: moto, seaweedfs (default both)")
     parser.add_argument("--sizes", default=None, help="calls per rollout (default 1,100,1000)")
-    parser.add_argument("--samples", type=int, default=None, help="cold resolves per rollout, each from a new client (default 5)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="cold resolves per rollout, each from a new client (default 5)"
+    )
     parser.add_argument("--warm-samples", type=int, default=None, help="warm resolves after each cold one (default 3)")
-    parser.add_argument("--transport", default=None, help="aioboto3 or obstore (default: S3CAPTURE_TRANSPORT, else aioboto3)")
-    parser.add_argument("--rtt-ms", type=float, default=None, help="also measure behind a delay proxy adding this round-trip time (default 10; 0 skips)")
+    parser.add_argument(
+        "--transport", default=None, help="aioboto3 or obstore (default: S3CAPTURE_TRANSPORT, else aioboto3)"
+    )
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=None,
+        help="also measure behind a delay proxy adding this round-trip time (default 10; 0 skips)",
+    )
     args = parser.parse_args(argv)
     args.sizes = [int(x) for x in (args.sizes or ("1,40" if args.quick else "1,100,1000")).split(",")]
     args.samples = args.samples or (1 if args.quick else 5)

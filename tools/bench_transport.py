@@ -97,7 +97,13 @@ def rotated(items: list[Any], r: int) -> list[Any]:
 
 # --------------------------------------------------------------------------- 1. put ÷ bare PUT
 async def put_ratio(
-    srv: Server, endpoint_url: str, transports: list[str], bases: list[Any], concurrency: int, rounds: int, warmup: int = 2
+    srv: Server,
+    endpoint_url: str,
+    transports: list[str],
+    bases: list[Any],
+    concurrency: int,
+    rounds: int,
+    warmup: int = 2,
 ) -> dict[tuple[str, str], KindStats]:
     kinds = [(t, k) for t in transports for k in ("put", "bare", "wire")]
     stores = {t: new_store(srv, endpoint_url, t) for t in transports}
@@ -133,10 +139,25 @@ async def put_ratio(
     return stats
 
 
-PUT_HEADERS = ["path", "conc", "transport", "operation", "n", "p50 ms", "p90 ms", "mean ms", "p50 ÷ bare", "mean ÷ bare", "client CPU ms/op", "server CPU ms/op"]
+PUT_HEADERS = [
+    "path",
+    "conc",
+    "transport",
+    "operation",
+    "n",
+    "p50 ms",
+    "p90 ms",
+    "mean ms",
+    "p50 ÷ bare",
+    "mean ÷ bare",
+    "client CPU ms/op",
+    "server CPU ms/op",
+]
 
 
-def put_rows(path: str, concurrency: int, stats: dict[tuple[str, str], KindStats], results: dict[str, Any], kind: str) -> list[list[Any]]:
+def put_rows(
+    path: str, concurrency: int, stats: dict[tuple[str, str], KindStats], results: dict[str, Any], kind: str
+) -> list[list[Any]]:
     rows = []
     for (t, k), s in stats.items():
         peer = stats[(t, "bare")]
@@ -147,15 +168,38 @@ def put_rows(path: str, concurrency: int, stats: dict[tuple[str, str], KindStats
             "bare": "bare put_object (peer)" if t == "aioboto3" else "bare obstore.put_async (peer)",
             "wire": "bare PUT + GET fence (a put's requests)",
         }[k]
-        rows.append([path, concurrency, t, label, s.ops, p50 * 1000, pct(s.latencies, 0.9) * 1000, avg * 1000,
-                     f"{r50:.2f}x", f"{ravg:.2f}x", s.client_cpu / s.ops * 1000, s.server_cpu / s.ops * 1000])
+        rows.append(
+            [
+                path,
+                concurrency,
+                t,
+                label,
+                s.ops,
+                p50 * 1000,
+                pct(s.latencies, 0.9) * 1000,
+                avg * 1000,
+                f"{r50:.2f}x",
+                f"{ravg:.2f}x",
+                s.client_cpu / s.ops * 1000,
+                s.server_cpu / s.ops * 1000,
+            ]
+        )
         if k == "put":
-            results.setdefault("put", []).append({
-                "server": kind, "path": path, "concurrency": concurrency, "transport": t,
-                "p50_ratio": r50, "mean_ratio": ravg,
-                "wire_p50_ratio": p50 / pct(stats[(t, "wire")].latencies, 0.5), "p50_ms": p50 * 1000, "bare_p50_ms": pct(peer.latencies, 0.5) * 1000,
-                "client_cpu_ms": s.client_cpu / s.ops * 1000, "bare_client_cpu_ms": peer.client_cpu / peer.ops * 1000,
-            })
+            results.setdefault("put", []).append(
+                {
+                    "server": kind,
+                    "path": path,
+                    "concurrency": concurrency,
+                    "transport": t,
+                    "p50_ratio": r50,
+                    "mean_ratio": ravg,
+                    "wire_p50_ratio": p50 / pct(stats[(t, "wire")].latencies, 0.5),
+                    "p50_ms": p50 * 1000,
+                    "bare_p50_ms": pct(peer.latencies, 0.5) * 1000,
+                    "client_cpu_ms": s.client_cpu / s.ops * 1000,
+                    "bare_client_cpu_ms": peer.client_cpu / peer.ops * 1000,
+                }
+            )
     return rows
 
 
@@ -188,8 +232,14 @@ def template_calls(store: S3TokenStore, calls: int, prompt_len: int, gen_len: in
     previous = None
     for call in rollout.calls:
         entry = build_entry(
-            "template", call.model_call_id, call.request_items, call.output_items,
-            call.prompt_token_ids, call.generation_token_ids, call.generation_log_probs, parent_call_id=previous,
+            "template",
+            call.model_call_id,
+            call.request_items,
+            call.output_items,
+            call.prompt_token_ids,
+            call.generation_token_ids,
+            call.generation_log_probs,
+            parent_call_id=previous,
         )
         rel, body = object_body(store, entry)
         out.append(CallSpec(entry, call.request_items, assistant_fingerprint(call.request_items), rel, body))
@@ -222,7 +272,15 @@ async def bare_rollout(bare: BareOps, store: S3TokenStore, rollout_id: str, spec
 
 
 async def capture_ratio(
-    srv: Server, endpoint_url: str, transports: list[str], workers: int, calls: int, rounds: int, prompt_len: int, gen_len: int, warmup: int = 1
+    srv: Server,
+    endpoint_url: str,
+    transports: list[str],
+    workers: int,
+    calls: int,
+    rounds: int,
+    prompt_len: int,
+    gen_len: int,
+    warmup: int = 1,
 ) -> dict[tuple[str, str], CaptureStats]:
     kinds = [(t, k) for t in transports for k in ("capture", "bare")]
     stores = {t: new_store(srv, endpoint_url, t) for t in transports}
@@ -241,7 +299,9 @@ async def capture_ratio(
             items = []
             for w in range(workers):
                 rollout_id = f"cap-{t}-{k}-{tag}-r{r}-w{w}"
-                entries = [msgspec.structs.replace(s.entry, rollout_id=rollout_id) for s in specs] if k == "capture" else []
+                entries = (
+                    [msgspec.structs.replace(s.entry, rollout_id=rollout_id) for s in specs] if k == "capture" else []
+                )
                 items.append((rollout_id, entries))
             plan[(t, k, r)] = items
     stats = {kind: CaptureStats() for kind in kinds}
@@ -274,8 +334,16 @@ async def capture_ratio(
 
 
 CAPTURE_HEADERS = [
-    "transport", "workload", "calls", "calls/s", "÷ bare mix", "client CPU ms/call (p50 of rounds)", "client CPU ms/call (all)",
-    "server CPU ms/call", "requests/call (LIST/PUT/GET)", "capture calls/s per client core",
+    "transport",
+    "workload",
+    "calls",
+    "calls/s",
+    "÷ bare mix",
+    "client CPU ms/call (p50 of rounds)",
+    "client CPU ms/call (all)",
+    "server CPU ms/call",
+    "requests/call (LIST/PUT/GET)",
+    "capture calls/s per client core",
 ]
 
 
@@ -287,16 +355,35 @@ def capture_rows(stats: dict[tuple[str, str], CaptureStats], results: dict[str, 
         cpu = s.client_cpu / s.calls
         req = "/".join(f"{s.requests[op] / s.calls:.2f}" for op in ("ListObjectsV2", "PutObject", "GetObject"))
         label = "capture call (resolve + begin_call + put)" if k == "capture" else "same request mix, bare (peer)"
-        rows.append([t, label, s.calls, rate, f"{rate / peer_rate:.2f}x", pct(s.cpus, 0.5) * 1000, cpu * 1000,
-                     s.server_cpu / s.calls * 1000, req, 1.0 / cpu if cpu else float("nan")])
+        rows.append(
+            [
+                t,
+                label,
+                s.calls,
+                rate,
+                f"{rate / peer_rate:.2f}x",
+                pct(s.cpus, 0.5) * 1000,
+                cpu * 1000,
+                s.server_cpu / s.calls * 1000,
+                req,
+                1.0 / cpu if cpu else float("nan"),
+            ]
+        )
         if k == "capture":
-            results.setdefault("capture", []).append({
-                "server": kind, "transport": t, "throughput_ratio": rate / peer_rate, "calls_per_s": rate,
-                "client_cpu_ms": cpu * 1000, "client_cpu_ms_p50": pct(s.cpus, 0.5) * 1000,
-                "bare_client_cpu_ms": peer.client_cpu / peer.calls * 1000, "server_cpu_ms": s.server_cpu / s.calls * 1000,
-                "requests_per_call": {op: v / s.calls for op, v in s.requests.items()},
-                "bare_requests_per_call": {op: v / peer.calls for op, v in peer.requests.items()},
-            })
+            results.setdefault("capture", []).append(
+                {
+                    "server": kind,
+                    "transport": t,
+                    "throughput_ratio": rate / peer_rate,
+                    "calls_per_s": rate,
+                    "client_cpu_ms": cpu * 1000,
+                    "client_cpu_ms_p50": pct(s.cpus, 0.5) * 1000,
+                    "bare_client_cpu_ms": peer.client_cpu / peer.calls * 1000,
+                    "server_cpu_ms": s.server_cpu / s.calls * 1000,
+                    "requests_per_call": {op: v / s.calls for op, v in s.requests.items()},
+                    "bare_requests_per_call": {op: v / peer.calls for op, v in peer.requests.items()},
+                }
+            )
     return rows
 
 
@@ -327,14 +414,27 @@ async def run_server(kind: str, args: argparse.Namespace, bases: list[Any], resu
                 stats = await put_ratio(srv, endpoint, args.transports, bases, concurrency, rounds)
                 rows.extend(put_rows(path, concurrency, stats, results, kind))
         srv.proxy_pid = None
-        out.append(f"### put ÷ bare PUT of the same transport on {kind} (kinds interleaved per round; server CPU includes the proxy's behind it)\n\n" + table(PUT_HEADERS, rows))
+        out.append(
+            f"### put ÷ bare PUT of the same transport on {kind} (kinds interleaved per round; server CPU includes the proxy's behind it)\n\n"
+            + table(PUT_HEADERS, rows)
+        )
         timings.append(f"put {time.perf_counter() - started:.0f} s")
         started = time.perf_counter()
-        stats = await capture_ratio(srv, server.endpoint_url, args.transports, args.workers, args.calls, args.capture_rounds, args.prompt_len, args.gen_len)
+        stats = await capture_ratio(
+            srv,
+            server.endpoint_url,
+            args.transports,
+            args.workers,
+            args.calls,
+            args.capture_rounds,
+            args.prompt_len,
+            args.gen_len,
+        )
         rows = capture_rows(stats, results, kind)
         out.append(
             f"### capture calls on {kind}, loopback: {args.workers} rollouts at once x {args.calls} calls per round, "
-            f"{args.capture_rounds} rounds per kind (prompts {args.prompt_len}+, generations {args.gen_len} tokens)\n\n" + table(CAPTURE_HEADERS, rows)
+            f"{args.capture_rounds} rounds per kind (prompts {args.prompt_len}+, generations {args.gen_len} tokens)\n\n"
+            + table(CAPTURE_HEADERS, rows)
         )
         by_t = {c["transport"]: c for c in results.get("capture", []) if c["server"] == kind}
         if "aioboto3" in by_t and "obstore" in by_t:
@@ -351,17 +451,35 @@ async def run_server(kind: str, args: argparse.Namespace, bases: list[Any], resu
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: seconds per server (smoke test)")
-    parser.add_argument("--servers", default="all", help="comma-separated: moto, seaweedfs, ceph; 'all' (default) = moto, seaweedfs and ceph when installed")
+    parser.add_argument(
+        "--servers",
+        default="all",
+        help="comma-separated: moto, seaweedfs, ceph; 'all' (default) = moto, seaweedfs and ceph when installed",
+    )
     parser.add_argument("--transports", default="aioboto3,obstore", help="comma-separated (default aioboto3,obstore)")
-    parser.add_argument("--rounds", type=int, default=None, help="put rounds per kind at concurrency 1 (default 40; 2/3 of it behind the proxy)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="put rounds per kind at concurrency 1 (default 40; 2/3 of it behind the proxy)",
+    )
     parser.add_argument("--rounds8", type=int, default=None, help="put rounds per kind at concurrency 8 (default 12)")
-    parser.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of the delay proxy (default 10; 0 skips)")
+    parser.add_argument(
+        "--rtt-ms", type=float, default=None, help="round-trip time of the delay proxy (default 10; 0 skips)"
+    )
     parser.add_argument("--workers", type=int, default=None, help="rollouts captured at once (default 8)")
     parser.add_argument("--calls", type=int, default=None, help="calls per rollout per round (default 6)")
     parser.add_argument("--capture-rounds", type=int, default=None, help="measured capture rounds per kind (default 6)")
-    parser.add_argument("--prompt-len", type=int, default=768, help="first call's prompt tokens (default 768; each call adds 1.5x --gen-len)")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=768,
+        help="first call's prompt tokens (default 768; each call adds 1.5x --gen-len)",
+    )
     parser.add_argument("--gen-len", type=int, default=128, help="generation tokens per call (default 128)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -382,8 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load_at_start = load_average()
     bases = replay_entries("competitive_coding", limit=40)
-    print(f"# bench_transport\n\nmachine: {machine_summary()}\nload average at start: {load_at_start}\n"
-          f"put entries: competitive_coding (real, ~{sum(map(n_tokens, bases)) // len(bases):,} tokens)\n", flush=True)
+    print(
+        f"# bench_transport\n\nmachine: {machine_summary()}\nload average at start: {load_at_start}\n"
+        f"put entries: competitive_coding (real, ~{sum(map(n_tokens, bases)) // len(bases):,} tokens)\n",
+        flush=True,
+    )
     results: dict[str, Any] = {"servers": args.servers, "transports": args.transports, "quick": args.quick}
     for kind in args.servers:
         print(asyncio.run(run_server(kind, args, bases, results)), flush=True)

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             machine = machines[name](server, stats)
             config = ci_settings(max_examples=args.examples, stateful_step_count=args.steps, derandomize=False)
             test = hypothesis_seed(args.seed)(lambda: run_state_machine_as_test(machine, settings=config))
-            print(f"== {name} machine on {args.server}: {args.examples} runs of up to {args.steps} steps, seed {args.seed}")
+            print(
+                f"== {name} machine on {args.server}: {args.examples} runs of up to {args.steps} steps, seed {args.seed}"
+            )
             t0 = time.monotonic()
             failure = ""
             try:
@@ -85,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(name: str, stats, elapsed: float, violations: int) -> None:
     ops = sum(v for k, v in stats.ops.items() if not k.startswith("fault"))
-    print(f"{name}: {stats.runs} runs, {stats.steps} steps, {ops} operations, "
-          f"{sum(stats.faults.values())} faults injected, {sum(stats.checks.values())} invariant checks, "
-          f"{violations} violation(s), {elapsed:.0f} s")
+    print(
+        f"{name}: {stats.runs} runs, {stats.steps} steps, {ops} operations, "
+        f"{sum(stats.faults.values())} faults injected, {sum(stats.checks.values())} invariant checks, "
+        f"{violations} violation(s), {elapsed:.0f} s"
+    )
     print("  operations by outcome:")
     for key, count in sorted(stats.ops.items()):
         print(f"    {key:45s} {count}")

@@ -66,7 +66,10 @@ def handwritten_cases() -> list[tuple[str, Any]]:
         ("chat_simple", [_user("hi"), _assistant("hello there")]),
         ("chat_empty_string_content", [_user(""), _assistant(""), _user("x")]),
         ("chat_none_content", [_user("q"), _assistant(None, tool_calls=[_chat_call("c1", "f", "{}")])]),
-        ("system_and_developer", [{"role": "system", "content": "be nice"}, {"role": "developer", "content": "rules"}, _user("q")]),
+        (
+            "system_and_developer",
+            [{"role": "system", "content": "be nice"}, {"role": "developer", "content": "rules"}, _user("q")],
+        ),
         ("unicode_text", [_user("héllo wörld ✓ 漢字 😀"), _assistant("réponse — ok \u2028 \u0000 end")]),
         (
             "chat_tool_calls_and_tool_result",
@@ -86,7 +89,11 @@ def handwritten_cases() -> list[tuple[str, Any]]:
         ),
         (
             "chat_tool_args_reordered_whitespace",
-            [_assistant(None, tool_calls=[_chat_call("c", "f", '{ "b" : 2,\n "a": [1, 2.5, {"z": null, "y": true}] }')])],
+            [
+                _assistant(
+                    None, tool_calls=[_chat_call("c", "f", '{ "b" : 2,\n "a": [1, 2.5, {"z": null, "y": true}] }')]
+                )
+            ],
         ),
         (
             "tool_args_float_exponents",
@@ -94,18 +101,31 @@ def handwritten_cases() -> list[tuple[str, Any]]:
                 _assistant(
                     None,
                     tool_calls=[
-                        _chat_call("c", "f", '{"big": 1e16, "bigger": 1.5e300, "small": 1e-7, "neg": -2.5E-5, "x": 1e15, "y": 123456789012345678901234.0}')
+                        _chat_call(
+                            "c",
+                            "f",
+                            '{"big": 1e16, "bigger": 1.5e300, "small": 1e-7, "neg": -2.5E-5, "x": 1e15, "y": 123456789012345678901234.0}',
+                        )
                     ],
                 )
             ],
         ),
         (
             "tool_args_unicode_keys_nested",
-            [_fc("fc1", "edit", '{"ключ": {"日本": [1, {"é": 0.1, "a": "😀"}], "Z": -0.0}, "A": {"b": {"c": {"d": []}}}}')],
+            [
+                _fc(
+                    "fc1",
+                    "edit",
+                    '{"ключ": {"日本": [1, {"é": 0.1, "a": "😀"}], "Z": -0.0}, "A": {"b": {"c": {"d": []}}}}',
+                )
+            ],
         ),
         ("tool_args_non_json_string", [_fc("fc1", "shell", "  ls -la /tmp  \n")]),
         ("tool_args_empty_string", [_fc("fc1", "noop", "")]),
-        ("tool_args_json_scalar", [_fc("a", "f", "42"), _fc("b", "g", '"text"'), _fc("c", "h", "null"), _fc("d", "k", "true")]),
+        (
+            "tool_args_json_scalar",
+            [_fc("a", "f", "42"), _fc("b", "g", '"text"'), _fc("c", "h", "null"), _fc("d", "k", "true")],
+        ),
         ("tool_args_nan_literal", [_fc("a", "f", '{"v": NaN, "w": Infinity, "u": -Infinity}')]),
         ("tool_args_dict_not_string", [_fc("a", "f", {"b": 1, "a": [2.0, 1e16]})]),
         ("tool_args_none", [_fc("a", "f", None)]),
@@ -119,7 +139,11 @@ def handwritten_cases() -> list[tuple[str, Any]]:
             "responses_turn",
             [
                 _resp_msg("user", "list files", "input_text"),
-                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "I should call ls"}], "encrypted_content": "abc"},
+                {
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": "I should call ls"}],
+                    "encrypted_content": "abc",
+                },
                 _fc("call_a", "ls", '{"path": "/"}', id="fc_1", status="completed"),
                 _fco("call_a", "bin\netc\n"),
                 _resp_msg("assistant", "Done."),
@@ -127,7 +151,10 @@ def handwritten_cases() -> list[tuple[str, Any]]:
         ),
         ("function_call_namespace", [_fc("c", "read", "{}", namespace="fs"), _fc("d", "read", "{}")]),
         ("function_call_id_fallback", [{"type": "function_call", "id": "fc_9", "name": "x", "arguments": "{}"}]),
-        ("function_call_output_structured", [_fco("c", [{"type": "input_text", "text": "out"}, {"k": 1.25}]), _fco("d", None)]),
+        (
+            "function_call_output_structured",
+            [_fco("c", [{"type": "input_text", "text": "out"}, {"k": 1.25}]), _fco("d", None)],
+        ),
         ("reasoning_only", [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]}]),
         (
             "content_blocks_mixed",
@@ -152,14 +179,28 @@ def handwritten_cases() -> list[tuple[str, Any]]:
             "anthropic_tool_use_and_result",
             [
                 _user([{"type": "text", "text": "what's 2+2"}]),
-                _assistant([{"type": "text", "text": "Let me compute."}, {"type": "tool_use", "id": "tu_1", "name": "calc", "input": {"expr": "2+2", "prec": 0.5}}]),
-                _user([{"type": "tool_result", "tool_use_id": "tu_1", "content": "4"}, {"type": "tool_result", "id": "tu_2", "content": [{"type": "text", "text": "x"}]}]),
+                _assistant(
+                    [
+                        {"type": "text", "text": "Let me compute."},
+                        {"type": "tool_use", "id": "tu_1", "name": "calc", "input": {"expr": "2+2", "prec": 0.5}},
+                    ]
+                ),
+                _user(
+                    [
+                        {"type": "tool_result", "tool_use_id": "tu_1", "content": "4"},
+                        {"type": "tool_result", "id": "tu_2", "content": [{"type": "text", "text": "x"}]},
+                    ]
+                ),
                 _assistant([{"type": "text", "text": "4"}]),
             ],
         ),
         (
             "anthropic_thinking_block",
-            [_assistant([{"type": "thinking", "thinking": "hmm", "signature": "sig"}, {"type": "text", "text": "answer"}])],
+            [
+                _assistant(
+                    [{"type": "thinking", "thinking": "hmm", "signature": "sig"}, {"type": "text", "text": "answer"}]
+                )
+            ],
         ),
         (
             "chat_and_responses_tool_call_same_call",
@@ -167,7 +208,13 @@ def handwritten_cases() -> list[tuple[str, Any]]:
         ),
         ("tool_call_missing_fields", [_assistant("x", tool_calls=[{}, {"function": {}}, {"id": "only-id"}])]),
         ("role_missing_type_message", [{"type": "message", "content": "no role"}, {"content": "nothing"}]),
-        ("numeric_ids", [{"type": "function_call", "call_id": 17, "name": 3, "arguments": "{}"}, {"type": "function_call_output", "call_id": 17, "output": 5}]),
+        (
+            "numeric_ids",
+            [
+                {"type": "function_call", "call_id": 17, "name": 3, "arguments": "{}"},
+                {"type": "function_call_output", "call_id": 17, "output": 5},
+            ],
+        ),
         ("lone_surrogate_in_args_refused", [_fc("a", "f", '{"s": "\\ud800"}')]),
         ("malformed_item_string", [_user("ok"), "not a dict"]),
         ("malformed_item_null", [None]),
@@ -198,7 +245,9 @@ def rollout_prefix_cases(path: Path) -> list[tuple[str, Any]]:
             record = json.loads(line)
             request = record["responses_create_params"]["input"]
             output = record["response"]["output"]
-            starts = [i for i, item in enumerate(output) if item.get("type") == "message" and item.get("role") == "assistant"]
+            starts = [
+                i for i, item in enumerate(output) if item.get("type") == "message" and item.get("role") == "assistant"
+            ]
             for turn, cut in enumerate(starts[:PREFIXES_PER_ROLLOUT]):
                 items = _truncate(list(request) + list(output[:cut]))
                 cases.append((f"{path.stem}[{line_no}].call{turn}", items))
@@ -212,7 +261,18 @@ def _outcome(fn: Any, value: Any) -> dict:
         return {"error": "ValueError" if isinstance(error, ValueError) else type(error).__name__}
 
 
-TOKEN_VECTORS = [[], [0], [1], [1, 2, 3], [3, 2, 1], [2**32], [2**63], [2**64 - 1], list(range(50)), [151643, 872, 198, 9707, 0, 2**31 - 1]]
+TOKEN_VECTORS = [
+    [],
+    [0],
+    [1],
+    [1, 2, 3],
+    [3, 2, 1],
+    [2**32],
+    [2**63],
+    [2**64 - 1],
+    list(range(50)),
+    [151643, 872, 198, 9707, 0, 2**31 - 1],
+]
 ARGUMENT_VECTORS = [
     None,
     "",
@@ -254,7 +314,10 @@ def build(rollouts: Path) -> dict:
         "nemo_gym_version": version("nemo-gym"),
         "fingerprint_version": gym_fp.FINGERPRINT_VERSION,
         "fingerprints": fingerprints,
-        "tool_arguments": [{"input": value, "canonical": _outcome(gym_fp.canonicalize_tool_arguments, value)} for value in ARGUMENT_VECTORS],
+        "tool_arguments": [
+            {"input": value, "canonical": _outcome(gym_fp.canonicalize_tool_arguments, value)}
+            for value in ARGUMENT_VECTORS
+        ],
         "token_digests": [{"tokens": tokens, "digest": gym_records.compute_digest(tokens)} for tokens in TOKEN_VECTORS],
     }
 

@@ -61,7 +61,9 @@ class Mutant:
     """pytest arguments selecting the tests that must kill the mutant."""
 
 
-def _m(name: str, file: str, old: str, new: str, contract: str, *tests: str, more: tuple[tuple[str, str], ...] = ()) -> Mutant:
+def _m(
+    name: str, file: str, old: str, new: str, contract: str, *tests: str, more: tuple[tuple[str, str], ...] = ()
+) -> Mutant:
     return Mutant(name, file, ((old, new), *more), contract, tests)
 
 
@@ -76,312 +78,435 @@ RECORDS = "src/s3capture/records.py"
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ layout
     _m(
-        "escape-percent-2E-collides", LAYOUT,
+        "escape-percent-2E-collides",
+        LAYOUT,
         'for byte in value.encode("utf-8", errors="surrogatepass"):',
         'for byte in value.replace("%2E", ".").encode("utf-8", errors="surrogatepass"):',
         "escape_id is injective: the ids '%2E' and '.' get different segments",
         "tests/test_layout.py",
     ),
     _m(
-        "escape-dot-is-safe", LAYOUT,
+        "escape-dot-is-safe",
+        LAYOUT,
         '_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")',
         '_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")',
         "escape_id escapes '.' (its escape character): '%' and '.25' must not share a segment, no '..'",
         "tests/test_layout.py",
     ),
     _m(
-        "escape-tilde-is-empty", LAYOUT,
+        "escape-tilde-is-empty",
+        LAYOUT,
         'if value == "":\n        return "~"',
         'if value in ("", "~"):\n        return "~"',
         "escape_id is injective: the empty id and '~' get different segments",
         "tests/test_layout.py",
     ),
     _m(
-        "root-may-nest-in-rollouts", LAYOUT,
+        "root-may-nest-in-rollouts",
+        LAYOUT,
         'if "rollouts" in root.split("/"):',
         "if False:",
         "a root with a 'rollouts' segment is refused (it could nest inside another root's rollout)",
-        "tests/test_adversarial_input.py", "-k", "root",
+        "tests/test_adversarial_input.py",
+        "-k",
+        "root",
     ),
     _m(
-        "scan-list-prefix-without-slash", ROLLOUTS,
+        "scan-list-prefix-without-slash",
+        ROLLOUTS,
         "listing = await self._list(prefix, require=",
         'listing = await self._list(prefix.rstrip("/"), require=',
         "every LIST prefix ends in '/': rollout r1 never sees (or retires) the objects of r10",
-        "tests/test_adversarial_input.py", "tests/test_store_source.py", "-k", "root or prefixes_do_not_collide",
+        "tests/test_adversarial_input.py",
+        "tests/test_store_source.py",
+        "-k",
+        "root or prefixes_do_not_collide",
     ),
     _m(
-        "ledger-row-list-prefix-without-slash", LEDGER,
+        "ledger-row-list-prefix-without-slash",
+        LEDGER,
         'requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]',
         'requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}")]',
         "every LIST prefix ends in '/': record of call c1 never sees the row of call c10 as a conflict",
-        "tests/test_adversarial_ledger.py", "-k", "odd_rollout_and_call_ids or extend_each_other",
+        "tests/test_adversarial_ledger.py",
+        "-k",
+        "odd_rollout_and_call_ids or extend_each_other",
     ),
     # ------------------------------------------------------------------ freeze
     _m(
-        "freeze-misfiled-call-id", STORE,
+        "freeze-misfiled-call-id",
+        STORE,
         "if stored.entry.rollout_id != rollout_id or stored.entry.model_call_id != cid or (",
         "if stored.entry.rollout_id != rollout_id or (",
         "freeze flags an entry stored under another call id's key as misfiled",
-        "tests/test_store_source.py", "-k", "corrupt_and_foreign",
+        "tests/test_store_source.py",
+        "-k",
+        "corrupt_and_foreign",
     ),
     _m(
-        "freeze-misfiled-fingerprint", STORE,
+        "freeze-misfiled-fingerprint",
+        STORE,
         "                stored.entry.continuation_fingerprint != fp\n            ):",
         "                False\n            ):",
         "freeze flags an entry stored under another fingerprint's key as misfiled",
         "tests/test_misfiled.py",
     ),
     _m(
-        "freeze-reads-one-copy-per-sha", STORE,
+        "freeze-reads-one-copy-per-sha",
+        STORE,
         "by_call[cid].setdefault(sha, []).append(item)",
         "by_call[cid][sha] = [item]",
         "freeze reads and judges every listed key of an entry's bytes: a copy under another fingerprint's key is "
         "misfiled in either LIST order",
-        "tests/test_misfiled.py", "-k", "copied_under_another_fingerprint",
+        "tests/test_misfiled.py",
+        "-k",
+        "copied_under_another_fingerprint",
     ),
     _m(
-        "freeze-conflict-needs-three", STORE,
+        "freeze-conflict-needs-three",
+        STORE,
         "if len(by_call[cid]) > 1:",
         "if len(by_call[cid]) > 2:",
         "freeze reports conflicting_payloads for a call id with two payloads",
-        "tests/test_store_source.py", "-k", "conflicting_payload_masks or rebuilt_entry",
+        "tests/test_store_source.py",
+        "-k",
+        "conflicting_payload_masks or rebuilt_entry",
     ),
     _m(
-        "freeze-ignores-dangling-intent", STORE,
+        "freeze-ignores-dangling-intent",
+        STORE,
         'reasons.append(f"dangling_intent:{cid}")',
         "pass",
         "a begin_call intent without an entry masks the rollout (dangling_intent)",
-        "tests/test_store_source.py", "-k", "dangling_intent or begin_call_then_put",
+        "tests/test_store_source.py",
+        "-k",
+        "dangling_intent or begin_call_then_put",
     ),
     _m(
-        "freeze-ignores-markers", STORE,
+        "freeze-ignores-markers",
+        STORE,
         'reasons.append(f"marked_incomplete:{cid}")',
         "pass",
         "a mark_incomplete marker masks the rollout (marked_incomplete)",
-        "tests/test_store_source.py", "-k", "mark_incomplete",
+        "tests/test_store_source.py",
+        "-k",
+        "mark_incomplete",
     ),
     _m(
-        "freeze-ignores-broken-chain", STORE,
+        "freeze-ignores-broken-chain",
+        STORE,
         "if entry.parent_call_id is not None and entry.parent_call_id not in present:",
         "if False:",
         "a delta entry whose parent is not in the snapshot masks it (broken_chain)",
-        "tests/test_adversarial_chains.py", "-k", "without_its_parent",
+        "tests/test_adversarial_chains.py",
+        "-k",
+        "without_its_parent",
     ),
     # ------------------------------------------------------------------ snapshot identity and drop
     _m(
-        "snapshot-id-ignores-log-keys", ROLLOUTS,
+        "snapshot-id-ignores-log-keys",
+        ROLLOUTS,
         'hasher.update(f"{item.key[len(self.prefix):]}\\n".encode())',
         "pass",
         "snapshot_id is a digest of the sorted log keys: another state with as many objects has another id",
-        "tests/test_store_source.py", "-k", "snapshot or drop or freeze or foreign or conflict",
+        "tests/test_store_source.py",
+        "-k",
+        "snapshot or drop or freeze or foreign or conflict",
     ),
     _m(
-        "version-ignores-foreign", ROLLOUTS,
+        "version-ignores-foreign",
+        ROLLOUTS,
         "return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]",
         "return len(self.log), hasher.hexdigest()[:32]",
         "version counts every object under the rollout's log, foreign ones included",
-        "tests/test_store_source.py", "-k", "foreign",
+        "tests/test_store_source.py",
+        "-k",
+        "foreign",
     ),
     _m(
-        "drop-ignores-version", STORE,
+        "drop-ignores-version",
+        STORE,
         "or scan.version_and_id() != (version, snapshot_id):",
         "or scan.version_and_id()[1] != snapshot_id:",
         "drop retires only when both version and snapshot_id equal the consumed snapshot's",
-        "tests/test_store_source.py", "-k", "drop_with_wrong",
-        more=(("or after.version_and_id() != (version, snapshot_id):", "or after.version_and_id()[1] != snapshot_id:"),),
+        "tests/test_store_source.py",
+        "-k",
+        "drop_with_wrong",
+        more=(
+            ("or after.version_and_id() != (version, snapshot_id):", "or after.version_and_id()[1] != snapshot_id:"),
+        ),
     ),
     _m(
-        "drop-ignores-changes", STORE,
+        "drop-ignores-changes",
+        STORE,
         " or scan.version_and_id() != (version, snapshot_id):",
         ":",
         "drop returns False and keeps everything when anything changed since the snapshot",
-        "tests/test_store_source.py", "-k", "drop or after_freeze",
+        "tests/test_store_source.py",
+        "-k",
+        "drop or after_freeze",
         more=((" or after.version_and_id() != (version, snapshot_id):", ":"),),
     ),
     # ------------------------------------------------------------------ resolve
     _m(
-        "resolve-uses-a-conflicted-call", STORE,
+        "resolve-uses-a-conflicted-call",
+        STORE,
         "        if conflicted:\n",
         "        if False:\n",
         "a call id with conflicting payloads makes resolve UNRESOLVED, never a guess",
-        "tests/test_store_lineage.py", "-k", "conflict",
+        "tests/test_store_lineage.py",
+        "-k",
+        "conflict",
         more=(
-            ("singles = [keys[0] for cid, keys in by_call.items() if len(keys) == 1]",
-             "singles = [keys[0] for cid, keys in by_call.items()]"),
+            (
+                "singles = [keys[0] for cid, keys in by_call.items() if len(keys) == 1]",
+                "singles = [keys[0] for cid, keys in by_call.items()]",
+            ),
         ),
     ),
     _m(
-        "resolve-ignores-fingerprint", STORE,
+        "resolve-ignores-fingerprint",
+        STORE,
         "if entry.rollout_id != rollout_id or entry.continuation_fingerprint != fingerprint:",
         "if entry.rollout_id != rollout_id:",
         "resolve returns only an entry whose own fingerprint is the request's (never a misfiled one)",
         "tests/test_misfiled.py",
     ),
     _m(
-        "resolve-ignores-context", STORE,
+        "resolve-ignores-context",
+        STORE,
         "if context != entry.continuation_context_digest:\n                continue",
         "if False:\n                continue",
         "resolve requires the request's leading items to match the entry's recorded context digest",
-        "tests/test_store_lineage.py", "-k", "rewritten_context",
+        "tests/test_store_lineage.py",
+        "-k",
+        "rewritten_context",
     ),
     _m(
-        "read-skips-sha-check", STORE,
+        "read-skips-sha-check",
+        STORE,
         "if sha is not None and hashlib.sha256(payload).hexdigest() != sha:",
         "if False:",
         "a reader verifies the SHA-256 in an entry's key against its bytes",
-        "tests/test_store_source.py", "-k", "corrupt_and_foreign",
+        "tests/test_store_source.py",
+        "-k",
+        "corrupt_and_foreign",
     ),
     _m(
-        "delta-chain-skips-parent-check", STORE,
+        "delta-chain-skips-parent-check",
+        STORE,
         "if nearer.entry.parent_call_id != farther.entry.model_call_id:",
         "if False:",
         "rebuilding a delta prompt checks every parent link of the ancestor chain",
-        "tests/test_misfiled.py", "tests/test_adversarial_chains.py", "tests/test_store_lineage.py",
-        "-k", "chain_link or cyclic or corrupted_ancestor",
+        "tests/test_misfiled.py",
+        "tests/test_adversarial_chains.py",
+        "tests/test_store_lineage.py",
+        "-k",
+        "chain_link or cyclic or corrupted_ancestor",
     ),
     # ------------------------------------------------------------------ put and the fence
     _m(
-        "put-ignores-retired-fence", STORE,
+        "put-ignores-retired-fence",
+        STORE,
         '        if state == "retired":\n            # Never delete the key: it is content-addressed',
-        '        if False:\n            # Never delete the key: it is content-addressed',
+        "        if False:\n            # Never delete the key: it is content-addressed",
         "put into a retired rollout raises TokenCaptureRetiredError",
-        "tests/test_store_source.py", "-k", "drop_exact or retire_removes",
+        "tests/test_store_source.py",
+        "-k",
+        "drop_exact or retire_removes",
     ),
     _m(
-        "put-ignores-frozen-fence", STORE,
+        "put-ignores-frozen-fence",
+        STORE,
         '        if state == "frozen":\n            raise TokenCaptureFrozenError(\n'
         '                f"rollout {record.rollout_id!r} is frozen; the late entry',
-        '        if False:\n            raise TokenCaptureFrozenError(\n'
+        "        if False:\n            raise TokenCaptureFrozenError(\n"
         '                f"rollout {record.rollout_id!r} is frozen; the late entry',
         "put into a frozen rollout raises TokenCaptureFrozenError (the entry landed, the version moved)",
-        "tests/test_store_source.py", "-k", "after_freeze",
+        "tests/test_store_source.py",
+        "-k",
+        "after_freeze",
     ),
     # ------------------------------------------------------------------ issue 7: verified listings
     _m(
-        "list-keeps-keys-outside-prefix", TRANSPORT,
+        "list-keeps-keys-outside-prefix",
+        TRANSPORT,
         'outside the requested prefix; ignored", prefix, key)\n            continue\n',
         'outside the requested prefix; ignored", prefix, key)\n',
         "a verified listing ignores keys outside the requested prefix: retire, delete and drop of r1 never "
         "delete (or count) objects of r1000",
-        "tests/test_faults.py", "-k", "test_3_sibling_prefix",
+        "tests/test_faults.py",
+        "-k",
+        "test_3_sibling_prefix",
     ),
     _m(
-        "list-empty-200-is-no-objects", TRANSPORT,
+        "list-empty-200-is-no-objects",
+        TRANSPORT,
         'if "IsTruncated" not in page:',
         "if False:",
         "a 200 LIST with an empty or unparseable body is a store error (retried, then StoreError), never 'no objects'",
-        "tests/test_faults.py", "tests/test_mutation_gaps.py", "-k", "test_3_empty_list_body or empty_200_list",
+        "tests/test_faults.py",
+        "tests/test_mutation_gaps.py",
+        "-k",
+        "test_3_empty_list_body or empty_200_list",
     ),
     _m(
-        "freeze-list-need-not-show-fence", STORE,
+        "freeze-list-need-not-show-fence",
+        STORE,
         'scan = await self._scan(rollout_id, require=["fence"])',
         "scan = await self._scan(rollout_id)",
         "freeze's listing must show the fence that freeze just wrote (a stale listing is retried, then ListingError)",
-        "tests/test_faults.py", "-k", "test_3_listing_without_what",
+        "tests/test_faults.py",
+        "-k",
+        "test_3_listing_without_what",
     ),
     # ------------------------------------------------------------------ issue 7: fences and drop
     _m(
-        "put-retired-deletes-shared-key", STORE,
+        "put-retired-deletes-shared-key",
+        STORE,
         '        if state == "retired":\n            # Never delete the key: it is content-addressed',
         '        if state == "retired":\n            await self._delete_one(key)\n            # Never delete the key: it is content-addressed',
         "a put that reads the rollout retired never deletes its key (an acknowledged identical put may own it)",
-        "tests/test_faults.py", "tests/test_store_source.py", "-k", "test_1_put_that_finds or drop_exact or retire_removes",
+        "tests/test_faults.py",
+        "tests/test_store_source.py",
+        "-k",
+        "test_1_put_that_finds or drop_exact or retire_removes",
     ),
     _m(
-        "drop-skips-fence-grace", STORE,
+        "drop-skips-fence-grace",
+        STORE,
         "wait = self._fence_seen[rollout_id] + self._fence_grace + _CLOCK_SLACK - time.monotonic()",
         "wait = 0.0",
         "drop waits fence_grace on this client's monotonic clock since it knew the fence existed",
-        "tests/test_faults.py", "tests/test_adversarial_fence.py", "-k", "test_2_drop or outlived",
+        "tests/test_faults.py",
+        "tests/test_adversarial_fence.py",
+        "-k",
+        "test_2_drop or outlived",
     ),
     # ------------------------------------------------------------------ issue 7: holes and bytes
     _m(
-        "missing-parent-only-for-deltas", STORE,
+        "missing-parent-only-for-deltas",
+        STORE,
         "if entry.parent_call_id is not None and entry.parent_call_id not in present:",
         "if entry.prompt_is_delta and entry.parent_call_id not in present:",
         "any entry (full prompt or delta) whose parent_call_id is not in the snapshot masks it (missing_parent)",
-        "tests/test_faults.py", "-k", "test_4_a_hole",
+        "tests/test_faults.py",
+        "-k",
+        "test_4_a_hole",
     ),
     _m(
-        "decode-accepts-non-canonical-bytes", STORE,
+        "decode-accepts-non-canonical-bytes",
+        STORE,
         "if encode_entry(entry) != payload:",
         "if False:",
         "a reader accepts only entry bytes equal to the canonical re-encoding of what it decoded",
-        "tests/test_faults.py", "-k", "test_10_non_canonical",
+        "tests/test_faults.py",
+        "-k",
+        "test_10_non_canonical",
     ),
     # ------------------------------------------------------------------ issue 7: spill
     _m(
-        "cancelled-marker-not-spilled", STORE,
+        "cancelled-marker-not-spilled",
+        STORE,
         '            self._spill_on_cancel(key, b"", f"mark_incomplete({rollout_id!r}, {model_call_id!r})")\n',
         "            pass\n",
         "a mark_incomplete cancelled by the caller is spilled (fsynced) before the cancellation propagates",
-        "tests/test_faults.py", "-k", "test_5_a_cancelled",
+        "tests/test_faults.py",
+        "-k",
+        "test_5_a_cancelled",
     ),
     _m(
-        "spill-skips-crashed-claims", SPILL,
+        "spill-skips-crashed-claims",
+        SPILL,
         "            if any(claim.path == leftover for claim in claims):\n                continue\n",
         "            continue\n",
         "a spill claim left by a crashed replayer is recovered by whoever takes its lock (never judged by PID)",
-        "tests/test_faults.py", "tests/test_adversarial_spill.py", "-k", "test_6_the_spill or spilled_during_a_replay",
+        "tests/test_faults.py",
+        "tests/test_adversarial_spill.py",
+        "-k",
+        "test_6_the_spill or spilled_during_a_replay",
     ),
     # ------------------------------------------------------------------ capture ledger
     _m(
-        "ledger-record-hides-conflict", LEDGER,
+        "ledger-record-hides-conflict",
+        LEDGER,
         "        if others:\n",
         "        if False:\n",
         "record raises LedgerConflictError when another payload for the call id is stored",
-        "tests/test_ledger.py", "-k", "conflicting_record_fails",
+        "tests/test_ledger.py",
+        "-k",
+        "conflicting_record_fails",
     ),
     _m(
-        "ledger-resolve-ignores-conflict", LEDGER,
+        "ledger-resolve-ignores-conflict",
+        LEDGER,
         '            if len(variants) > 1:\n                return "conflict", None',
         '            if False:\n                return "conflict", None',
         "ledger resolve is UNRESOLVED for a call id with conflicting rows under any fingerprint",
-        "tests/test_ledger.py", "-k", "conflict",
+        "tests/test_ledger.py",
+        "-k",
+        "conflict",
     ),
     _m(
-        "ledger-ignores-retire", LEDGER,
+        "ledger-ignores-retire",
+        LEDGER,
         'return await self._get(prefix + "retired") is not None',
         "return False",
         "a retired rollout's manifest and has_rows raise RolloutRetiredError, its resolve is UNRESOLVED",
-        "tests/test_ledger.py", "-k", "retire",
+        "tests/test_ledger.py",
+        "-k",
+        "retire",
     ),
     _m(
-        "ledger-ignores-intent", LEDGER,
+        "ledger-ignores-intent",
+        LEDGER,
         "failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)",
         "failures.update(())",
         "a begin_call intent without a committed or failure row is a manifest failure",
-        "tests/test_ledger.py", "-k", "dangling_begin_call",
+        "tests/test_ledger.py",
+        "-k",
+        "dangling_begin_call",
     ),
     _m(
-        "ledger-reader-limit-halved", LEDGER,
+        "ledger-reader-limit-halved",
+        LEDGER,
         "if out.tell() > _MAX_ROW_BYTES:",
         "if out.tell() > _MAX_ROW_BYTES // 2:",
         "every row record accepts is readable by every client (reader limit = writer limit)",
-        "tests/test_adversarial_ledger.py", "-k", "row_record_accepts or over_the_limit",
+        "tests/test_adversarial_ledger.py",
+        "-k",
+        "row_record_accepts or over_the_limit",
     ),
     _m(
-        "ledger-writer-limit-doubled", LEDGER,
+        "ledger-writer-limit-doubled",
+        LEDGER,
         "if len(body) > _MAX_ROW_BYTES:",
         "if len(body) > 2 * _MAX_ROW_BYTES:",
         "record refuses, before any request, a row larger than readers accept",
-        "tests/test_adversarial_ledger.py", "-k", "row_record_accepts or over_the_limit",
+        "tests/test_adversarial_ledger.py",
+        "-k",
+        "row_record_accepts or over_the_limit",
     ),
     # ------------------------------------------------------------------ records
     _m(
-        "encode-drops-extra-fields", RECORDS,
+        "encode-drops-extra-fields",
+        RECORDS,
         "    if extra:\n        out.update(extra)\n",
         "    if extra:\n        pass\n",
         "unknown extra fields are written back unchanged (what coerce_entry accepts decodes to the same entry)",
-        "tests/test_records.py", "-k", "coerce_entry_accepts",
+        "tests/test_records.py",
+        "-k",
+        "coerce_entry_accepts",
     ),
     _m(
-        "token-id-max-refused", RECORDS,
+        "token-id-max-refused",
+        RECORDS,
         "if ids and max(ids) > _MAX_TOKEN_ID:",
         "if ids and max(ids) >= _MAX_TOKEN_ID:",
         "token ids up to 2**64 - 1 are valid (Gym's digest encodes them)",
-        "tests/test_records.py", "-k", "coerce_entry_accepts",
+        "tests/test_records.py",
+        "-k",
+        "coerce_entry_accepts",
     ),
 ]
 
@@ -447,10 +572,14 @@ def pytest_env(root: Path, servers: str) -> dict[str, str]:
 
 
 def check_import_location(python: str, root: Path, servers: str) -> str:
-    """"" when the copy's s3capture is what the tests import, else the reason it is not."""
+    """ "" when the copy's s3capture is what the tests import, else the reason it is not."""
     probe = subprocess.run(
         [python, "-c", "import s3capture, sys; sys.stdout.write(s3capture.__file__)"],
-        cwd=root, env=pytest_env(root, servers), capture_output=True, text=True, timeout=120,
+        cwd=root,
+        env=pytest_env(root, servers),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     if probe.returncode != 0:
         return f"cannot import s3capture from the copy: {probe.stderr.strip()[-500:]}"
@@ -546,7 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
-    parser.add_argument("--python", default=sys.executable, help="Python with the test dependencies (default: this one)")
+    parser.add_argument(
+        "--python", default=sys.executable, help="Python with the test dependencies (default: this one)"
+    )
     parser.add_argument("--servers", default="moto", help="S3CAPTURE_TEST_SERVERS for the runs (default: moto)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run (default: 300)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default: 1)")
@@ -555,9 +686,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the results table (Markdown) to this file")
     parser.add_argument("--verbose", action="store_true", help="print the pytest output of survivors and errors")
     parser.add_argument(
-        "--select", metavar="ARGS",
+        "--select",
+        metavar="ARGS",
         help="pytest arguments replacing every selected mutant's own selection, e.g. "
-        "\"tests/test_layout.py -k near_collisions\" (to see which tests alone kill a mutant)",
+        '"tests/test_layout.py -k near_collisions" (to see which tests alone kill a mutant)',
     )
     args = parser.parse_args(argv)
 
@@ -592,7 +724,10 @@ def main(argv: list[str] | None = None) -> int:
     def report(result: Result) -> None:
         results.append(result)
         extra = f" [{result.summary}]" if result.summary else ""
-        print(f"{result.status.upper():>9}  {result.mutant.name:<{width}}  {result.seconds:5.0f}s  {result.detail}{extra}", flush=True)
+        print(
+            f"{result.status.upper():>9}  {result.mutant.name:<{width}}  {result.seconds:5.0f}s  {result.detail}{extra}",
+            flush=True,
+        )
         if args.verbose and result.status in ("survived", "error", "timeout") and result.output:
             print("\n".join("    " + line for line in result.output.strip().splitlines()[-30:]), flush=True)
 
@@ -603,7 +738,10 @@ def main(argv: list[str] | None = None) -> int:
 
     order = {m.name: i for i, m in enumerate(selected)}
     results.sort(key=lambda r: order[r.mutant.name])
-    counts = {status: sum(r.status == status for r in results) for status in ("killed", "survived", "not found", "ambiguous", "error", "timeout")}
+    counts = {
+        status: sum(r.status == status for r in results)
+        for status in ("killed", "survived", "not found", "ambiguous", "error", "timeout")
+    }
     print()
     print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(results)} mutants)")
     for r in results:

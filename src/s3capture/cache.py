@@ -126,7 +126,9 @@ class CallKeys:
         self.max_bytes = max_bytes
         self.rows = 0
         self.nbytes = 0
-        self._data: collections.OrderedDict[str, tuple[dict[str, tuple[str, ...]], list[int]]] = collections.OrderedDict()
+        self._data: collections.OrderedDict[str, tuple[dict[str, tuple[str, ...]], list[int]]] = (
+            collections.OrderedDict()
+        )
 
     def get(self, key: tuple[str, str]) -> tuple[str, ...] | None:
         rollout_id, model_call_id = key

@@ -101,7 +101,9 @@ def check_endpoint(url: str) -> str:
     if port == 0:
         raise ValueError(f"bad port in {url!r}")
     if parsed.username is not None or parsed.password is not None:
-        raise ValueError(f"an endpoint URL takes no user name or password (credentials come from the AWS chain): {url!r}")
+        raise ValueError(
+            f"an endpoint URL takes no user name or password (credentials come from the AWS chain): {url!r}"
+        )
     if parsed.query or parsed.fragment:
         raise ValueError(f"an endpoint URL takes no query or fragment: {url!r}")
     return url
@@ -478,40 +480,85 @@ def build_parser() -> argparse.ArgumentParser:
         "deltas, retires the ledger and deletes the staged objects.",
     )
     r = DEMO_RANGES
-    demo.add_argument("files", nargs="*",
-                      help="NeMo Gym rollout .jsonl files or folders of them (default: a generated workload)")
-    demo.add_argument("--url", type=_argument(check_s3_url),
-                      help="s3://bucket/prefix to use (default: a fresh prefix in bucket s3capture-demo)")
-    demo.add_argument("--endpoint", type=_argument(check_endpoint),
-                      help="S3 endpoint URL, http(s)://host[:port] (default: AWS_ENDPOINT_URL, else embedded moto)")
-    demo.add_argument("--workers", type=_int_in(*r["workers"]), default=4,
-                      help="model-server worker processes, %d to %d (default 4)" % r["workers"])
-    demo.add_argument("--concurrency", type=_int_in(*r["concurrency"]), default=16,
-                      help="calls in flight per worker, %d to %d (default 16)" % r["concurrency"])
-    demo.add_argument("--parallel-rollouts", type=_int_in(*r["parallel_rollouts"]), default=32,
-                      help="rollouts in flight, %d to %d (default 32)" % r["parallel_rollouts"])
-    demo.add_argument("--rollouts", type=_int_in(*r["rollouts"]),
-                      help="generated rollouts, %d to %d (default 40; not with files)" % r["rollouts"])
-    demo.add_argument("--calls", type=_int_in(*r["calls"]),
-                      help="calls per generated rollout, %d to %d (default 6; not with files)" % r["calls"])
-    demo.add_argument("--export", metavar="DEST", default=None,
-                      help="with --capture store: export the frozen rollouts as training trajectories to DEST "
-                           "(a local folder or s3:// prefix; Parquet, as 's3capture export' writes) before they "
-                           "are dropped")
-    demo.add_argument("--keep", action="store_true",
-                      help="with --capture store: freeze and verify every rollout but do not drop it, so "
-                           "'s3capture export' can read it later (needs --url/--endpoint: the embedded "
-                           "server stops with the demo)")
-    demo.add_argument("--prompt-storage", choices=("delta", "full"),
-                      help="with --capture store: store a RESOLVED call's prompt as a delta after its parent "
-                      "(default) or in full")
-    demo.add_argument("--capture", choices=("store", "ledger"), default="store",
-                      help="store: whole token entries in S3TokenStore (default); ledger: token deltas staged "
-                      "outside, token-free rows in S3CaptureLedger")
-    demo.add_argument("--staging-url", type=_argument(check_s3_url),
-                      help="with --capture ledger: s3://bucket/prefix of the staged deltas (default: <url>-staging)")
-    demo.add_argument("--seed", type=_int_in(*r["seed"]), default=0,
-                      help="seed of the generated workload and of worker choice, >= 0 (default 0)")
+    demo.add_argument(
+        "files", nargs="*", help="NeMo Gym rollout .jsonl files or folders of them (default: a generated workload)"
+    )
+    demo.add_argument(
+        "--url",
+        type=_argument(check_s3_url),
+        help="s3://bucket/prefix to use (default: a fresh prefix in bucket s3capture-demo)",
+    )
+    demo.add_argument(
+        "--endpoint",
+        type=_argument(check_endpoint),
+        help="S3 endpoint URL, http(s)://host[:port] (default: AWS_ENDPOINT_URL, else embedded moto)",
+    )
+    demo.add_argument(
+        "--workers",
+        type=_int_in(*r["workers"]),
+        default=4,
+        help="model-server worker processes, %d to %d (default 4)" % r["workers"],
+    )
+    demo.add_argument(
+        "--concurrency",
+        type=_int_in(*r["concurrency"]),
+        default=16,
+        help="calls in flight per worker, %d to %d (default 16)" % r["concurrency"],
+    )
+    demo.add_argument(
+        "--parallel-rollouts",
+        type=_int_in(*r["parallel_rollouts"]),
+        default=32,
+        help="rollouts in flight, %d to %d (default 32)" % r["parallel_rollouts"],
+    )
+    demo.add_argument(
+        "--rollouts",
+        type=_int_in(*r["rollouts"]),
+        help="generated rollouts, %d to %d (default 40; not with files)" % r["rollouts"],
+    )
+    demo.add_argument(
+        "--calls",
+        type=_int_in(*r["calls"]),
+        help="calls per generated rollout, %d to %d (default 6; not with files)" % r["calls"],
+    )
+    demo.add_argument(
+        "--export",
+        metavar="DEST",
+        default=None,
+        help="with --capture store: export the frozen rollouts as training trajectories to DEST "
+        "(a local folder or s3:// prefix; Parquet, as 's3capture export' writes) before they "
+        "are dropped",
+    )
+    demo.add_argument(
+        "--keep",
+        action="store_true",
+        help="with --capture store: freeze and verify every rollout but do not drop it, so "
+        "'s3capture export' can read it later (needs --url/--endpoint: the embedded "
+        "server stops with the demo)",
+    )
+    demo.add_argument(
+        "--prompt-storage",
+        choices=("delta", "full"),
+        help="with --capture store: store a RESOLVED call's prompt as a delta after its parent (default) or in full",
+    )
+    demo.add_argument(
+        "--capture",
+        choices=("store", "ledger"),
+        default="store",
+        help="store: whole token entries in S3TokenStore (default); ledger: token deltas staged "
+        "outside, token-free rows in S3CaptureLedger",
+    )
+    demo.add_argument(
+        "--staging-url",
+        type=_argument(check_s3_url),
+        help="with --capture ledger: s3://bucket/prefix of the staged deltas (default: <url>-staging)",
+    )
+    demo.add_argument(
+        "--seed",
+        type=_int_in(*r["seed"]),
+        default=0,
+        help="seed of the generated workload and of worker choice, >= 0 (default 0)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
     demo.set_defaults(func=_demo)
     check = sub.add_parser(
@@ -527,8 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)")
     check.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable)")
     check.add_argument("--list", action="store_true", help="print the names of the checks and exit")
-    check.add_argument("--fence-grace", type=float, default=1.0,
-                       help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)")
+    check.add_argument(
+        "--fence-grace",
+        type=float,
+        default=1.0,
+        help="S3TokenStore fence_grace in seconds, as the training job uses (default 1.0)",
+    )
     check.set_defaults(func=_conformance)
     export = sub.add_parser(
         "export",
@@ -542,61 +593,140 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e = EXPORT_RANGES
     export.add_argument("url", type=_argument(check_s3_url), help="s3://bucket/prefix the rollouts were captured under")
-    export.add_argument("--out", required=True, metavar="DEST", help="a local folder or an s3://bucket/prefix for the shards")
-    export.add_argument("--state", type=_states, metavar="STATES",
-                        help="comma-separated states to export among open, frozen, retired (default: frozen, and open "
-                        "ones quiescent for --min-age)")
-    export.add_argument("--min-age", type=_duration, default=600.0, metavar="AGE",
-                        help="an open rollout is exported only when its newest object is this old, e.g. 90s, 10m, 2h "
-                        "(default 10m; server clock vs this machine's)")
-    export.add_argument("--freeze", action="store_true",
-                        help="freeze open rollouts (and re-seal changed frozen ones) before reading them; needs PutObject")
+    export.add_argument(
+        "--out", required=True, metavar="DEST", help="a local folder or an s3://bucket/prefix for the shards"
+    )
+    export.add_argument(
+        "--state",
+        type=_states,
+        metavar="STATES",
+        help="comma-separated states to export among open, frozen, retired (default: frozen, and open "
+        "ones quiescent for --min-age)",
+    )
+    export.add_argument(
+        "--min-age",
+        type=_duration,
+        default=600.0,
+        metavar="AGE",
+        help="an open rollout is exported only when its newest object is this old, e.g. 90s, 10m, 2h "
+        "(default 10m; server clock vs this machine's)",
+    )
+    export.add_argument(
+        "--freeze",
+        action="store_true",
+        help="freeze open rollouts (and re-seal changed frozen ones) before reading them; needs PutObject",
+    )
     export.add_argument("--ids", metavar="FILE", help="export only the rollout ids in FILE (one per line)")
     export.add_argument("--prefix", default="", help="export only rollout ids starting with this text")
-    export.add_argument("--builder", choices=("prefix_merging", "per_request"), default="prefix_merging",
-                        help="trajectory builder, as NeMo Gym names them (default prefix_merging)")
-    export.add_argument("--build-with", choices=("auto", "gym", "builtin"), default="auto",
-                        help="whose builder runs: gym (nemo_gym's own consumer), builtin (s3capture's, follows the "
-                        "recorded parent links) or auto (gym when nemo_gym is importable; default)")
-    export.add_argument("--format", choices=("parquet", "gym-jsonl"), default="parquet",
-                        help="parquet: one row per trajectory (default); gym-jsonl: the dicts NeMo Gym's consumer returns")
-    export.add_argument("--masked", choices=("skip", "include"), default="skip",
-                        help="a masked or incomplete rollout is left out (skip, default) or written with masked=true")
-    export.add_argument("--drop", action="store_true",
-                        help="drop each rollout exported as trainable once its shard is durable (conditional: a rollout "
-                        "changed since its snapshot is kept); needs PutObject and DeleteObject")
-    export.add_argument("--fence-grace", type=_duration, default=1.0, metavar="SECONDS",
-                        help="the fence_grace every S3TokenStore of the bucket uses (default 1s); --drop waits it, so "
-                        "it must be the capture fleet's value")
+    export.add_argument(
+        "--builder",
+        choices=("prefix_merging", "per_request"),
+        default="prefix_merging",
+        help="trajectory builder, as NeMo Gym names them (default prefix_merging)",
+    )
+    export.add_argument(
+        "--build-with",
+        choices=("auto", "gym", "builtin"),
+        default="auto",
+        help="whose builder runs: gym (nemo_gym's own consumer), builtin (s3capture's, follows the "
+        "recorded parent links) or auto (gym when nemo_gym is importable; default)",
+    )
+    export.add_argument(
+        "--format",
+        choices=("parquet", "gym-jsonl"),
+        default="parquet",
+        help="parquet: one row per trajectory (default); gym-jsonl: the dicts NeMo Gym's consumer returns",
+    )
+    export.add_argument(
+        "--masked",
+        choices=("skip", "include"),
+        default="skip",
+        help="a masked or incomplete rollout is left out (skip, default) or written with masked=true",
+    )
+    export.add_argument(
+        "--drop",
+        action="store_true",
+        help="drop each rollout exported as trainable once its shard is durable (conditional: a rollout "
+        "changed since its snapshot is kept); needs PutObject and DeleteObject",
+    )
+    export.add_argument(
+        "--fence-grace",
+        type=_duration,
+        default=1.0,
+        metavar="SECONDS",
+        help="the fence_grace every S3TokenStore of the bucket uses (default 1s); --drop waits it, so "
+        "it must be the capture fleet's value",
+    )
     from s3capture.export import ENGINES
 
-    export.add_argument("--engine", choices=tuple(ENGINES), default="local",
-                        help="where shards run: local (a process pool on this machine; default) or ray (Ray tasks on "
-                        "a Ray cluster; pip install 's3capture[ray]')")
-    export.add_argument("--address", metavar="ADDRESS",
-                        help="--engine ray: the cluster, ray://HOST:10001 (Ray Client) or auto (the cluster 'ray start' "
-                        "runs on this machine); default: RAY_ADDRESS, else a local Ray runtime for this export")
-    export.add_argument("--ray-env", metavar="NAMES",
-                        help="--engine ray: comma-separated environment variables of this process to set on the Ray "
-                        "workers (runtime_env env_vars), e.g. AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY; workers "
-                        "otherwise read credentials from their own environment")
-    export.add_argument("--workers", type=_int_in(*e["workers"]), default=2,
-                        help="worker processes of the local engine, or Ray tasks at once with --engine ray, %d to %d; "
-                        "0 runs shards in this process (local engine only; default 2)" % e["workers"])
-    export.add_argument("--concurrency", type=_int_in(*e["concurrency"]), default=8,
-                        help="rollouts read at once per worker, %d to %d (default 8)" % e["concurrency"])
-    export.add_argument("--shard-rollouts", type=_int_in(*e["shard_rollouts"]), default=256,
-                        help="rollouts per shard at most (default 256)")
-    export.add_argument("--shard-mb", type=_int_in(*e["shard_mb"]), default=256,
-                        help="stored MiB of rollouts per shard, about (default 256)")
-    export.add_argument("--row-group-rows", type=_int_in(*e["row_group_rows"]), default=1024,
-                        help="Parquet rows per row group at most (default 1024)")
-    export.add_argument("--row-group-mb", type=_int_in(*e["row_group_mb"]), default=64,
-                        help="Parquet row group size at most, in MiB of uncompressed token columns (default 64)")
-    export.add_argument("--token-ids", choices=("auto", "int64"), default="auto",
-                        help="token_ids element type: auto (int32, int64 in a shard holding a larger id) or int64")
-    export.add_argument("--endpoint", type=_argument(check_endpoint),
-                        help="S3 endpoint URL of the source and an s3:// DEST (default: AWS_ENDPOINT_URL, else AWS S3)")
+    export.add_argument(
+        "--engine",
+        choices=tuple(ENGINES),
+        default="local",
+        help="where shards run: local (a process pool on this machine; default) or ray (Ray tasks on "
+        "a Ray cluster; pip install 's3capture[ray]')",
+    )
+    export.add_argument(
+        "--address",
+        metavar="ADDRESS",
+        help="--engine ray: the cluster, ray://HOST:10001 (Ray Client) or auto (the cluster 'ray start' "
+        "runs on this machine); default: RAY_ADDRESS, else a local Ray runtime for this export",
+    )
+    export.add_argument(
+        "--ray-env",
+        metavar="NAMES",
+        help="--engine ray: comma-separated environment variables of this process to set on the Ray "
+        "workers (runtime_env env_vars), e.g. AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY; workers "
+        "otherwise read credentials from their own environment",
+    )
+    export.add_argument(
+        "--workers",
+        type=_int_in(*e["workers"]),
+        default=2,
+        help="worker processes of the local engine, or Ray tasks at once with --engine ray, %d to %d; "
+        "0 runs shards in this process (local engine only; default 2)" % e["workers"],
+    )
+    export.add_argument(
+        "--concurrency",
+        type=_int_in(*e["concurrency"]),
+        default=8,
+        help="rollouts read at once per worker, %d to %d (default 8)" % e["concurrency"],
+    )
+    export.add_argument(
+        "--shard-rollouts",
+        type=_int_in(*e["shard_rollouts"]),
+        default=256,
+        help="rollouts per shard at most (default 256)",
+    )
+    export.add_argument(
+        "--shard-mb",
+        type=_int_in(*e["shard_mb"]),
+        default=256,
+        help="stored MiB of rollouts per shard, about (default 256)",
+    )
+    export.add_argument(
+        "--row-group-rows",
+        type=_int_in(*e["row_group_rows"]),
+        default=1024,
+        help="Parquet rows per row group at most (default 1024)",
+    )
+    export.add_argument(
+        "--row-group-mb",
+        type=_int_in(*e["row_group_mb"]),
+        default=64,
+        help="Parquet row group size at most, in MiB of uncompressed token columns (default 64)",
+    )
+    export.add_argument(
+        "--token-ids",
+        choices=("auto", "int64"),
+        default="auto",
+        help="token_ids element type: auto (int32, int64 in a shard holding a larger id) or int64",
+    )
+    export.add_argument(
+        "--endpoint",
+        type=_argument(check_endpoint),
+        help="S3 endpoint URL of the source and an s3:// DEST (default: AWS_ENDPOINT_URL, else AWS S3)",
+    )
     export.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")
     export.set_defaults(func=_export)
@@ -605,9 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
     from s3capture.serve import register as register_serve
 
     parser.commands = {
-        "demo": demo, "conformance": check, "export": export,
+        "demo": demo,
+        "conformance": check,
+        "export": export,
         **register_ops(sub),  # ls, status, gc
-        "doctor": register_doctor(sub), "serve": register_serve(sub),
+        "doctor": register_doctor(sub),
+        "serve": register_serve(sub),
     }
     return parser
 

@@ -41,8 +41,17 @@ from s3capture.fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, st
 from s3capture.ledger_records import RecordError, to_wire, validate_commit, validate_manifest, validate_removal
 from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, to_gym
 
-__all__ = ["CheckResult", "ConformanceReport", "ConformanceError", "CHECKS", "run_conformance", "format_report",
-           "format_result", "format_summary", "run_s3_conformance"]
+__all__ = [
+    "CheckResult",
+    "ConformanceReport",
+    "ConformanceError",
+    "CHECKS",
+    "run_conformance",
+    "format_report",
+    "format_result",
+    "format_summary",
+    "run_s3_conformance",
+]
 
 Factory = Callable[[], Any]
 RESOLVED = ParentResolutionStatus.RESOLVED
@@ -145,8 +154,16 @@ class _Ctx:
         if not condition:
             raise ConformanceError(self.name, detail)
 
-    def entry(self, rollout_id: str, call_id: str, *, prompt: list[int], generation: list[int],
-              request: list[dict] | None = None, text: str = "a") -> Any:
+    def entry(
+        self,
+        rollout_id: str,
+        call_id: str,
+        *,
+        prompt: list[int],
+        generation: list[int],
+        request: list[dict] | None = None,
+        text: str = "a",
+    ) -> Any:
         """A committed ROOT entry with the lookup metadata ``capture_tokens`` records."""
         entry = TokenEntry(
             rollout_id=rollout_id,
@@ -163,8 +180,16 @@ class _Ctx:
         stamp_lineage(entry, None, parent_resolution=ROOT)
         return to_gym(entry) if self.suite.entry_type == "gym" else entry
 
-    def commit(self, rollout_id: str, call_id: str, *, text: str = "a", request: list[dict] | None = None,
-               delta: int = 3, weight_version: int = 0) -> Any:
+    def commit(
+        self,
+        rollout_id: str,
+        call_id: str,
+        *,
+        text: str = "a",
+        request: list[dict] | None = None,
+        delta: int = 3,
+        weight_version: int = 0,
+    ) -> Any:
         """A valid root ``CaptureLedgerCommit`` whose digests are distinct per payload.
 
         Its record carries the fingerprints Gym's capture stamps (``external_capture``): a ledger
@@ -231,7 +256,9 @@ async def _expect_error(ctx: _Ctx, awaitable: Awaitable[Any], names: Sequence[st
     except Exception as error:
         if any(_has_error(error, name) for name in names):
             return error
-        raise ConformanceError(ctx.name, f"{what} raised {type(error).__name__}: {error}; expected {' or '.join(names)}") from error
+        raise ConformanceError(
+            ctx.name, f"{what} raised {type(error).__name__}: {error}; expected {' or '.join(names)}"
+        ) from error
     return None
 
 
@@ -331,8 +358,12 @@ async def _lineage_visibility(ctx: _Ctx, *, fresh_client: bool) -> None:
         store = await ctx.resolver()
     faithful = list(_REQUEST) + list(entry.output_items) + [{"role": "user", "content": "And tomorrow?"}]
     resolution = await store.resolve(rid, faithful)
-    ctx.require(resolution.status == RESOLVED, f"a faithful continuation resolved as {resolution.status}: {resolution.reason}")
-    ctx.require(resolution.match.model_call_id == "call-1", f"resolved to the wrong parent {resolution.match.model_call_id!r}")
+    ctx.require(
+        resolution.status == RESOLVED, f"a faithful continuation resolved as {resolution.status}: {resolution.reason}"
+    )
+    ctx.require(
+        resolution.match.model_call_id == "call-1", f"resolved to the wrong parent {resolution.match.model_call_id!r}"
+    )
     ctx.require(
         list(resolution.match.cumulative_token_ids) == [101, 102, 103, 201, 202],
         "the resolved parent carries the wrong cumulative tokens",
@@ -370,7 +401,9 @@ async def frozen_error_on_late_put(ctx: _Ctx) -> None:
     await (await ctx.source()).freeze(rid)
     late = ctx.entry(rid, "call-2", prompt=[1, 2], generation=[3], text="b")
     error = await _expect_error(ctx, (await ctx.sink()).put(late), ["TokenCaptureFrozenError"], "a put after freeze")
-    ctx.require(error is not None, "a put issued after freeze returned succeeded (it must raise TokenCaptureFrozenError)")
+    ctx.require(
+        error is not None, "a put issued after freeze returned succeeded (it must raise TokenCaptureFrozenError)"
+    )
 
 
 async def source_retire_fences_late_put(ctx: _Ctx) -> None:
@@ -382,7 +415,9 @@ async def source_retire_fences_late_put(ctx: _Ctx) -> None:
     error = await _expect_error(ctx, (await ctx.sink()).put(late), ["TokenCaptureRetiredError"], "a put after retire")
     ctx.require(error is not None, "a put after retire succeeded (it must raise TokenCaptureRetiredError)")
     assert error is not None  # for the type checker: require() raised otherwise
-    ctx.require(_has_error(error, "TokenCaptureFrozenError"), "TokenCaptureRetiredError is not a TokenCaptureFrozenError")
+    ctx.require(
+        _has_error(error, "TokenCaptureFrozenError"), "TokenCaptureRetiredError is not a TokenCaptureFrozenError"
+    )
 
 
 async def source_retire_idempotent(ctx: _Ctx) -> None:
@@ -399,7 +434,9 @@ async def mark_incomplete_after_retire(ctx: _Ctx) -> None:
     sink = await ctx.sink()
     await sink.put(ctx.entry(rid, "call-1", prompt=[1], generation=[2]))
     await (await ctx.source()).retire([rid])
-    await _expect_error(ctx, sink.mark_incomplete(rid, "call-2"), ["TokenCaptureFrozenError"], "mark_incomplete after retire")
+    await _expect_error(
+        ctx, sink.mark_incomplete(rid, "call-2"), ["TokenCaptureFrozenError"], "mark_incomplete after retire"
+    )
     again = await (await ctx.source()).retire([rid])
     # A store that refuses the marker has nothing left to remove (absent); one whose write paths
     # never delete a key keeps the refused marker until this retire removes it (removed).
@@ -502,11 +539,17 @@ async def ledger_record_visibility(ctx: _Ctx) -> None:
     ctx.require(await reader.has_rows(rid) is True, "has_rows is not True after record returned")
     faithful = list(_REQUEST) + _output("It is sunny.") + [{"role": "user", "content": "And tomorrow?"}]
     resolution = await reader.resolve(rid, faithful)
-    ctx.require(resolution.status == RESOLVED, f"a faithful continuation resolved as {resolution.status}: {resolution.reason}")
+    ctx.require(
+        resolution.status == RESOLVED, f"a faithful continuation resolved as {resolution.status}: {resolution.reason}"
+    )
     match, record = resolution.match, commit.record
     ctx.require(match.model_call_id == "call-1", f"resolved to the wrong parent {match.model_call_id!r}")
-    ctx.require(tuple(match.staging_chain) == tuple(commit.staging_chain), f"match.staging_chain is {match.staging_chain!r}")
-    ctx.require(match.prev_len == record.cum_len, f"match.prev_len is {match.prev_len}, the row's cum_len {record.cum_len}")
+    ctx.require(
+        tuple(match.staging_chain) == tuple(commit.staging_chain), f"match.staging_chain is {match.staging_chain!r}"
+    )
+    ctx.require(
+        match.prev_len == record.cum_len, f"match.prev_len is {match.prev_len}, the row's cum_len {record.cum_len}"
+    )
     ctx.require(match.chain_hash == record.chain_hash, "match.chain_hash is not the row's chain_hash")
     ctx.require(match.digest == record.cumulative_hash, "match.digest is not the row's cumulative_hash")
     ctx.require(tuple(match.cumulative_token_ids) == (), "a ledger match carries cumulative token ids")
@@ -552,7 +595,10 @@ async def ledger_conflicting_record(ctx: _Ctx) -> None:
     for cid, (first, second) in cases.items():
         row = _records(manifest).get(cid)
         conflicted = any(f["model_call_id"] == cid for f in manifest["failures"])
-        ctx.require(row != to_wire(validate_commit(second).record), f"{cid}: the conflicting second payload became the manifest row")
+        ctx.require(
+            row != to_wire(validate_commit(second).record),
+            f"{cid}: the conflicting second payload became the manifest row",
+        )
         ctx.require(raised[cid] or conflicted, f"{cid}: a conflicting record neither raised nor shows as a conflict")
         if not conflicted:
             continue
@@ -577,13 +623,16 @@ async def ledger_failure_rows(ctx: _Ctx) -> None:
     await ledger.record(ctx.commit(rid, "call-ok", text="ok"))
     manifest = await _manifest(ctx, reader, rid)
     ctx.require(
-        manifest["failures"] == [{"schema_version": 2, "model_call_id": "call-failed", "reason": "worker_capture_failed"}],
+        manifest["failures"]
+        == [{"schema_version": 2, "model_call_id": "call-failed", "reason": "worker_capture_failed"}],
         f"expected one failure row (deduplicated), got {manifest['failures']}",
     )
     ctx.require(list(_records(manifest)) == ["call-ok"], f"records are {list(_records(manifest))}")
     # A failure row has no items: no request may resolve to it, whatever it carries.
-    for request in ([*_REQUEST, *_output("ok"), {"role": "user", "content": "next"}],
-                    [*_REQUEST, *_output("a"), {"role": "user", "content": "next"}]):
+    for request in (
+        [*_REQUEST, *_output("ok"), {"role": "user", "content": "next"}],
+        [*_REQUEST, *_output("a"), {"role": "user", "content": "next"}],
+    ):
         resolution = await reader.resolve(rid, request)
         ctx.require(
             resolution.match is None or resolution.match.model_call_id != "call-failed",
@@ -597,10 +646,18 @@ async def ledger_retire(ctx: _Ctx) -> None:
     _check_removal(ctx, await (await ctx.ledger()).retire([rid, unused]), removed=[rid], absent=[unused])
     _check_removal(ctx, await (await ctx.ledger()).retire([rid]), removed=[], absent=[rid])
     late = await ctx.ledger()
-    await _expect_error(ctx, late.record(ctx.commit(rid, "call-late", text="late")), ["TokenCaptureFrozenError"],
-                        "a record after retire")
-    await _expect_error(ctx, late.record_failure(rid, "call-late-2", "worker_capture_failed"),
-                        ["TokenCaptureFrozenError"], "a record_failure after retire")
+    await _expect_error(
+        ctx,
+        late.record(ctx.commit(rid, "call-late", text="late")),
+        ["TokenCaptureFrozenError"],
+        "a record after retire",
+    )
+    await _expect_error(
+        ctx,
+        late.record_failure(rid, "call-late-2", "worker_capture_failed"),
+        ["TokenCaptureFrozenError"],
+        "a record_failure after retire",
+    )
     reader = await ctx.ledger()
     await _expect_retired(ctx, reader.manifest(rid), "manifest")
     await _expect_retired(ctx, reader.has_rows(rid), "has_rows")
@@ -625,13 +682,17 @@ async def ledger_delete_reuse(ctx: _Ctx) -> None:
     reader = await ctx.ledger()
     ctx.require(await reader.has_rows(rid) is False, "has_rows is True after delete")
     manifest = await _manifest(ctx, reader, rid)
-    ctx.require(not manifest["records"] and not manifest["failures"], f"after delete the ledger is not empty: {manifest}")
+    ctx.require(
+        not manifest["records"] and not manifest["failures"], f"after delete the ledger is not empty: {manifest}"
+    )
     old = await reader.resolve(rid, [*_REQUEST, *_output("old"), {"role": "user", "content": "next"}])
     ctx.require(old.status != RESOLVED, "a deleted row still resolved as a parent")
     await (await ctx.ledger()).record(ctx.commit(rid, "call-new", text="new"))
     manifest = await _manifest(ctx, await ctx.ledger(), rid)
-    ctx.require(list(_records(manifest)) == ["call-new"] and not manifest["failures"],
-                f"a reused id does not start from an empty ledger: {manifest}")
+    ctx.require(
+        list(_records(manifest)) == ["call-new"] and not manifest["failures"],
+        f"a reused id does not start from an empty ledger: {manifest}",
+    )
 
 
 async def ledger_begin_call_custody(ctx: _Ctx) -> None:
@@ -666,10 +727,18 @@ async def protocol_shapes_and_install(ctx: _Ctx) -> None:
     pairs: list[tuple[Any, type, Callable[[Any], None], Callable[[], Any]]] = [
         (suite.sink_factory, protocols.TokenSink, protocols.install_token_sink, protocols.installed_token_sink),
         (suite.source_factory, protocols.TokenSource, protocols.install_token_source, protocols.installed_token_source),
-        (suite.resolver_factory, protocols.LineageResolver, protocols.install_lineage_store,
-         protocols.installed_lineage_store),
-        (suite.ledger_factory, protocols.CaptureLedger, protocols.install_lineage_store,
-         protocols.installed_lineage_store),
+        (
+            suite.resolver_factory,
+            protocols.LineageResolver,
+            protocols.install_lineage_store,
+            protocols.installed_lineage_store,
+        ),
+        (
+            suite.ledger_factory,
+            protocols.CaptureLedger,
+            protocols.install_lineage_store,
+            protocols.installed_lineage_store,
+        ),
     ]
     saved = (protocols.installed_token_sink(), protocols.installed_token_source(), protocols.installed_lineage_store())
     try:
@@ -807,7 +876,10 @@ async def _run_one(suite: _Suite, name: str, check: Callable[[_Ctx], Awaitable[N
 
 async def _cleanup(ctx: _Ctx) -> None:
     """Delete the check's rollouts where a client offers ``delete`` (best effort)."""
-    for factory, rollouts in ((ctx.suite.source_factory, ctx.rollouts), (ctx.suite.ledger_factory, ctx.ledger_rollouts)):
+    for factory, rollouts in (
+        (ctx.suite.source_factory, ctx.rollouts),
+        (ctx.suite.ledger_factory, ctx.ledger_rollouts),
+    ):
         if factory is None or not rollouts:
             continue
         try:

@@ -105,7 +105,9 @@ async def _serve_call(
         if delta and parent_ok:
             store_prompt_as_delta(entry, parent_tokens)
     else:
-        stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus(resolution.status), reason=resolution.reason)
+        stamp_lineage(
+            entry, None, parent_resolution=ParentResolutionStatus(resolution.status), reason=resolution.reason
+        )
     started = time.perf_counter()
     try:
         await store.put(entry)
@@ -116,7 +118,14 @@ async def _serve_call(
         raise
     put_ms = (time.perf_counter() - started) * 1000
     return CallResult(
-        rollout_id, call.index, worker, ParentResolutionStatus(resolution.status).value, resolution.reason, parent_ok, resolve_ms, put_ms
+        rollout_id,
+        call.index,
+        worker,
+        ParentResolutionStatus(resolution.status).value,
+        resolution.reason,
+        parent_ok,
+        resolve_ms,
+        put_ms,
     )
 
 
@@ -185,8 +194,17 @@ def _worker_main(
                 try:
                     result = await server.serve(worker, rollout_id, call, expected_parent)
                 except Exception as error:  # noqa: BLE001 - reported to the coordinator
-                    result = CallResult(rollout_id, call.index, worker, "error", "", False, 0.0, 0.0,
-                                        f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
+                    result = CallResult(
+                        rollout_id,
+                        call.index,
+                        worker,
+                        "error",
+                        "",
+                        False,
+                        0.0,
+                        0.0,
+                        f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}",
+                    )
                 outbox.put(("call", result))
 
         while True:
@@ -217,14 +235,25 @@ class _WorkerPool:
     or exits, and when nothing arrives for ``stall`` seconds, so a run never waits on a dead worker.
     """
 
-    def __init__(self, workers: int, url: str, env: dict[str, str], options: dict[str, Any], concurrency: int,
-                 stall: float = 120.0) -> None:
+    def __init__(
+        self,
+        workers: int,
+        url: str,
+        env: dict[str, str],
+        options: dict[str, Any],
+        concurrency: int,
+        stall: float = 120.0,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(workers)]
         self.procs = [
-            ctx.Process(target=_worker_main, args=(w, url, env, self.inboxes[w], self.outbox, options, concurrency),
-                        name=f"s3capture-demo-worker-{w}", daemon=True)
+            ctx.Process(
+                target=_worker_main,
+                args=(w, url, env, self.inboxes[w], self.outbox, options, concurrency),
+                name=f"s3capture-demo-worker-{w}",
+                daemon=True,
+            )
             for w in range(workers)
         ]
         self.stall = stall
@@ -309,7 +338,11 @@ class _WorkerPool:
 
 
 async def _build(
-    url: str, rollout_ids: list[str], report: DemoReport, progress: Any, export_dest: str | None = None,
+    url: str,
+    rollout_ids: list[str],
+    report: DemoReport,
+    progress: Any,
+    export_dest: str | None = None,
     keep: bool = False,
 ) -> None:
     """Freeze, verify and drop every rollout (the trajectory builder).

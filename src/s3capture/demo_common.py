@@ -107,7 +107,10 @@ class DemoReport:
             and self.masked == 0
             and not self.chains_broken
             and self.dropped + self.kept == self.rollouts
-            and (self.export_summary is None or (self.export_summary.exported == self.rollouts and not self.export_summary.failed))
+            and (
+                self.export_summary is None
+                or (self.export_summary.exported == self.rollouts and not self.export_summary.failed)
+            )
         )
 
 
@@ -208,8 +211,17 @@ class PlainProgress:
     (``time.monotonic`` by default; tests pass their own).
     """
 
-    def __init__(self, total: int, desc: str, unit: str, stream: TextIO, *, every: float = 5.0, step: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        unit: str,
+        stream: TextIO,
+        *,
+        every: float = 5.0,
+        step: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total!r}")
         if every <= 0 or not 0 < step <= 1:
@@ -228,7 +240,9 @@ class PlainProgress:
     def _write(self) -> None:
         now = self.clock()
         percent = f" ({100 * self.count / self.total:.0f}%)" if self.total else ""
-        self.stream.write(f"{self.desc}: {self.count:,}/{self.total:,} {self.unit}s{percent}, {now - self._started:.1f} s\n")
+        self.stream.write(
+            f"{self.desc}: {self.count:,}/{self.total:,} {self.unit}s{percent}, {now - self._started:.1f} s\n"
+        )
         self.stream.flush()
         self._last_time, self._last_count = now, self.count
 

@@ -58,15 +58,31 @@ from s3capture.staging import (
 )
 from s3capture.store import default_botocore_config, parse_s3_url
 
-__all__ = ["LedgerDemoReport", "LedgerWorker", "StagingArea", "build_ledger", "default_staging_url", "format_ledger_report"]
+__all__ = [
+    "LedgerDemoReport",
+    "LedgerWorker",
+    "StagingArea",
+    "build_ledger",
+    "default_staging_url",
+    "format_ledger_report",
+]
 
 # Gym's reason codes (nemo_gym.token_id_capture.records / staging.records): wire contract.
 UNRESOLVED_PARENT_REASON = "unresolved_parent"
 WORKER_CAPTURE_FAILED_REASON = "worker_capture_failed"
 
 _SHARED_FIELDS = (
-    "model_call_id", "parent_call_id", "mode", "prev_len", "delta_len", "cum_len", "weight_version",
-    "digest", "extras_digest", "chain_hash", "cumulative_hash",
+    "model_call_id",
+    "parent_call_id",
+    "mode",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    "digest",
+    "extras_digest",
+    "chain_hash",
+    "cumulative_hash",
 )
 
 
@@ -175,8 +191,16 @@ class LedgerWorker:
         started = time.perf_counter()
         resolution = await self.ledger.resolve(rollout_id, call.request_items)
         status = ParentResolutionStatus(resolution.status)
-        result = CallResult(rollout_id, call.index, worker, status.value, resolution.reason, True,
-                            (time.perf_counter() - started) * 1000, 0.0)
+        result = CallResult(
+            rollout_id,
+            call.index,
+            worker,
+            status.value,
+            resolution.reason,
+            True,
+            (time.perf_counter() - started) * 1000,
+            0.0,
+        )
         if status == ParentResolutionStatus.UNRESOLVED:
             # Gym admits no capture for this call; the completion is still served.
             await self.ledger.record_failure(rollout_id, cid, UNRESOLVED_PARENT_REASON)
@@ -299,8 +323,10 @@ async def _verify_rollout(staging: StagingArea, rollout: ReplayRollout, manifest
         except ValueError as error:
             problems.append(f"{cid}: {error}")
     rebuilt: dict[str, tuple[list[int], str]] = {}
-    expected_parent = {call.model_call_id: (rollout.calls[call.index - 1].model_call_id if call.index else None)
-                       for call in rollout.calls}
+    expected_parent = {
+        call.model_call_id: (rollout.calls[call.index - 1].model_call_id if call.index else None)
+        for call in rollout.calls
+    }
     ok = 0
     for call in rollout.calls:  # parents come first
         cid = call.model_call_id
@@ -387,7 +413,9 @@ async def build_ledger(
                     failures = sorted({f["reason"] for f in manifest["failures"]})
                     if problems or rebuild_problems or failures:
                         report.masked += 1
-                        report.masked_reasons.append(f"{rid}: failures {failures}" if failures else f"{rid}: unverified")
+                        report.masked_reasons.append(
+                            f"{rid}: failures {failures}" if failures else f"{rid}: unverified"
+                        )
                     else:
                         report.trainable += 1
                     if manifest["records"] or manifest["failures"]:

@@ -124,7 +124,9 @@ class DoctorReport(msgspec.Struct):
 
 def _code(error: BaseException) -> str:
     response = getattr(error, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", "") or response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return str(
+        response.get("Error", {}).get("Code", "") or response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    )
 
 
 def _status(error: BaseException) -> int:
@@ -184,31 +186,48 @@ def grade_order(listed: list[str], written: tuple[str, ...] = ORDER_KEYS) -> Pro
     data: dict[str, Any] = {"listed": listed}
     if sorted(listed) != sorted(written):
         data["order"] = "incomplete"
-        return Probe("listing-order", "fail",
-                     f"a listing of {len(written)} keys just written returned {len(listed)} of them",
-                     "the store's listing is incomplete; s3capture cannot work on it", data)
+        return Probe(
+            "listing-order",
+            "fail",
+            f"a listing of {len(written)} keys just written returned {len(listed)} of them",
+            "the store's listing is incomplete; s3capture cannot work on it",
+            data,
+        )
     if listed == byte:
         data["order"] = "byte"
         return Probe("listing-order", "ok", "keys listed in S3's order (UTF-8 bytes of whole keys)", "", data)
     if listed == tree:
         data["order"] = "directory"
-        return Probe("listing-order", "note",
-                     "keys listed in directory order (segment by segment, as SeaweedFS walks its tree), not in "
-                     "S3's byte order of whole keys (e.g. 'a/x' before 'a-b/x')",
-                     "nothing to change: S3TokenStore.rollouts and s3capture export accept either order (they "
-                     "differ only where one rollout segment is another followed by '-' or '.'); every rollout "
-                     "is sorted after its listing", data)
+        return Probe(
+            "listing-order",
+            "note",
+            "keys listed in directory order (segment by segment, as SeaweedFS walks its tree), not in "
+            "S3's byte order of whole keys (e.g. 'a/x' before 'a-b/x')",
+            "nothing to change: S3TokenStore.rollouts and s3capture export accept either order (they "
+            "differ only where one rollout segment is another followed by '-' or '.'); every rollout "
+            "is sorted after its listing",
+            data,
+        )
     data["order"] = "other"
     shown = " ".join(repr(k) for k in listed)
     if _segments_accepted([k for k in listed if k.isascii()]):
-        return Probe("listing-order", "note",
-                     f"keys listed in neither byte nor directory order ({shown}), but the ASCII rollout segments "
-                     "s3capture writes (ids are escaped to ASCII) come in an order it accepts",
-                     "nothing to change for s3capture; other tools that expect S3's byte order may not work", data)
-    return Probe("listing-order", "fail", f"keys listed out of order: {shown}",
-                 "S3TokenStore.rollouts and s3capture export stream a listing rollout by rollout and refuse one "
-                 "whose rollout prefixes are not consecutive and ascending (ListingError): use a store that lists "
-                 "in S3's byte order (AWS S3, MinIO, Ceph RGW) or in directory order (SeaweedFS)", data)
+        return Probe(
+            "listing-order",
+            "note",
+            f"keys listed in neither byte nor directory order ({shown}), but the ASCII rollout segments "
+            "s3capture writes (ids are escaped to ASCII) come in an order it accepts",
+            "nothing to change for s3capture; other tools that expect S3's byte order may not work",
+            data,
+        )
+    return Probe(
+        "listing-order",
+        "fail",
+        f"keys listed out of order: {shown}",
+        "S3TokenStore.rollouts and s3capture export stream a listing rollout by rollout and refuse one "
+        "whose rollout prefixes are not consecutive and ascending (ListingError): use a store that lists "
+        "in S3's byte order (AWS S3, MinIO, Ceph RGW) or in directory order (SeaweedFS)",
+        data,
+    )
 
 
 class _Doctor:
@@ -299,10 +318,15 @@ class _Doctor:
         )
         data = {"stale_reads": stale, "overwrite_read_back": overwritten, "missing_key_absent": absent is None}
         if stale or not overwritten or absent is not None:
-            return Probe("read-after-write", "fail", detail,
-                         "s3capture needs strong read-after-write consistency, also after an overwrite (a rollout's "
-                         "fence is rewritten in place): use a store or gateway that offers it (AWS S3, GCS, MinIO, "
-                         "Ceph RGW, SeaweedFS)", data)
+            return Probe(
+                "read-after-write",
+                "fail",
+                detail,
+                "s3capture needs strong read-after-write consistency, also after an overwrite (a rollout's "
+                "fence is rewritten in place): use a store or gateway that offers it (AWS S3, GCS, MinIO, "
+                "Ceph RGW, SeaweedFS)",
+                data,
+            )
         return Probe("read-after-write", "ok", detail, "", data)
 
     async def list_after_write(self) -> Probe:
@@ -334,8 +358,13 @@ class _Doctor:
         await self.t.delete(written)
         remaining = [k for k in await self.raw_list(base) if k in set(written)]
         late = [lag for lag in lags if lag > 0.0]
-        data = {"rounds": rounds, "late": len(late), "max_lag_seconds": max(lags, default=0.0),
-                "never_listed": never, "listed_after_delete": len(remaining)}
+        data = {
+            "rounds": rounds,
+            "late": len(late),
+            "max_lag_seconds": max(lags, default=0.0),
+            "never_listed": never,
+            "listed_after_delete": len(remaining),
+        }
         first_missing = sum(1 for lag in lags if lag > 0.0)
         detail = (
             f"{rounds - first_missing - never} of {rounds} keys listed by the first LIST after their PUT"
@@ -344,16 +373,21 @@ class _Doctor:
             + f"; {len(remaining)} of {len(written)} deleted keys still listed right after DeleteObjects"
         )
         if first_missing or never or remaining:
-            return Probe("list-after-write", "fail", detail,
-                         "s3capture needs strong list-after-write (and list-after-delete) consistency: a freeze "
-                         "would miss another client's young entry and a deleted rollout would still list; use a "
-                         "store that offers it, or disable the listing cache of the gateway in front of it", data)
+            return Probe(
+                "list-after-write",
+                "fail",
+                detail,
+                "s3capture needs strong list-after-write (and list-after-delete) consistency: a freeze "
+                "would miss another client's young entry and a deleted rollout would still list; use a "
+                "store that offers it, or disable the listing cache of the gateway in front of it",
+                data,
+            )
         return Probe("list-after-write", "ok", detail, "", data)
 
     async def listing_order(self) -> tuple[Probe, list[str]]:
         base = self.k("order/")
         await asyncio.gather(*(self.t.put(base + rel, b"o") for rel in ORDER_KEYS))
-        listed = [k[len(base):] for k in await self.raw_list(base)]
+        listed = [k[len(base) :] for k in await self.raw_list(base)]
         return grade_order(listed), listed
 
     async def prefix(self) -> Probe:
@@ -368,7 +402,7 @@ class _Doctor:
         missing: dict[str, list[str]] = {}
         extra: dict[str, list[str]] = {}
         for asked, wanted in cases.items():
-            got = {k[len(base):] for k in await self.raw_list(base + asked)}
+            got = {k[len(base) :] for k in await self.raw_list(base + asked)}
             if wanted - got:
                 missing[asked] = sorted(wanted - got)
             if got - wanted:
@@ -376,19 +410,32 @@ class _Doctor:
         data = {"missing": missing, "outside_prefix": extra}
         if missing:
             asked = next(iter(missing))
-            return Probe("prefix", "fail",
-                         f"LIST Prefix='pfx{asked}' lacks {', '.join('pfx' + k for k in missing[asked])}",
-                         "s3capture needs string-prefix semantics of Prefix (rollouts(prefix=...) and export --prefix "
-                         "list a prefix that ends inside a segment): use a store whose Prefix is a string prefix", data)
+            return Probe(
+                "prefix",
+                "fail",
+                f"LIST Prefix='pfx{asked}' lacks {', '.join('pfx' + k for k in missing[asked])}",
+                "s3capture needs string-prefix semantics of Prefix (rollouts(prefix=...) and export --prefix "
+                "list a prefix that ends inside a segment): use a store whose Prefix is a string prefix",
+                data,
+            )
         if extra:
             asked = next(iter(extra))
-            return Probe("prefix", "note",
-                         f"LIST Prefix='pfx{asked}' also returned {', '.join('pfx' + k for k in extra[asked])}, outside the prefix",
-                         "nothing to change: the verified listing ignores and logs keys outside the prefix "
-                         "(they are never counted, masked or deleted), but every LIST carries them", data)
-        return Probe("prefix", "ok",
-                     "LIST returns exactly the keys under the prefix, also for a prefix ending inside a segment "
-                     "('r1' lists r1/, r10/, r1-x/; 'r1/' only r1/)", "", data)
+            return Probe(
+                "prefix",
+                "note",
+                f"LIST Prefix='pfx{asked}' also returned {', '.join('pfx' + k for k in extra[asked])}, outside the prefix",
+                "nothing to change: the verified listing ignores and logs keys outside the prefix "
+                "(they are never counted, masked or deleted), but every LIST carries them",
+                data,
+            )
+        return Probe(
+            "prefix",
+            "ok",
+            "LIST returns exactly the keys under the prefix, also for a prefix ending inside a segment "
+            "('r1' lists r1/, r10/, r1-x/; 'r1/' only r1/)",
+            "",
+            data,
+        )
 
     async def pagination(self, single: list[str]) -> Probe:
         base = self.k("order/")
@@ -404,7 +451,7 @@ class _Doctor:
                 params["ContinuationToken"] = token
             page = await self.raw("list_objects_v2", **params)
             pages += 1
-            contents = [item["Key"][len(base):] for item in page.get("Contents", ()) or ()]
+            contents = [item["Key"][len(base) :] for item in page.get("Contents", ()) or ()]
             biggest = max(biggest, len(contents))
             keys.extend(contents)
             if "IsTruncated" not in page:
@@ -428,17 +475,30 @@ class _Doctor:
             problems.append("pages in another order than a single listing")
         data = {"pages": pages, "max_keys": 2, "largest_page": biggest, "keys": len(keys)}
         if problems:
-            return Probe("pagination", "fail",
-                         f"{len(single)} keys listed with MaxKeys=2 in {pages} pages: {'; '.join(problems)}",
-                         "s3capture pages every listing of more than 1,000 keys with continuation tokens: use a "
-                         "store whose ListObjectsV2 pagination works", data)
+            return Probe(
+                "pagination",
+                "fail",
+                f"{len(single)} keys listed with MaxKeys=2 in {pages} pages: {'; '.join(problems)}",
+                "s3capture pages every listing of more than 1,000 keys with continuation tokens: use a "
+                "store whose ListObjectsV2 pagination works",
+                data,
+            )
         if biggest > 2:
-            return Probe("pagination", "note",
-                         f"MaxKeys=2 ignored (a page of {biggest} keys); continuation tokens work",
-                         "nothing to change: s3capture asks for 1,000 keys per page and reads what it gets", data)
-        return Probe("pagination", "ok",
-                     f"{len(single)} keys in {pages} pages of at most 2 with continuation tokens, "
-                     "each once, in the order of a single listing", "", data)
+            return Probe(
+                "pagination",
+                "note",
+                f"MaxKeys=2 ignored (a page of {biggest} keys); continuation tokens work",
+                "nothing to change: s3capture asks for 1,000 keys per page and reads what it gets",
+                data,
+            )
+        return Probe(
+            "pagination",
+            "ok",
+            f"{len(single)} keys in {pages} pages of at most 2 with continuation tokens, "
+            "each once, in the order of a single listing",
+            "",
+            data,
+        )
 
     async def _odd_keys(self, name: str, base: str, rels: tuple[str, ...], what: str) -> Probe:
         outcome: dict[str, str] = {}
@@ -447,7 +507,7 @@ class _Doctor:
                 await self.raw("put_object", Key=base + rel, Body=b"k")
             except Exception as error:  # noqa: BLE001 - refused keys are an outcome
                 outcome[rel] = f"refused ({_code(error) or type(error).__name__})"
-        listed = [k[len(base):] for k in await self.raw_list(base)]
+        listed = [k[len(base) :] for k in await self.raw_list(base)]
         for rel in rels:
             outcome.setdefault(rel, "kept verbatim" if rel in listed else "rewritten")
         data = {"put": list(rels), "listed": listed, "outcome": outcome}
@@ -456,9 +516,14 @@ class _Doctor:
             shown += f" (listed as {', '.join(repr(k) for k in listed)})"
         if all(how == "kept verbatim" for how in outcome.values()):
             return Probe(name, "ok", f"keys with {what} are kept verbatim ({shown})", "", data)
-        return Probe(name, "note", f"keys with {what} are not kept verbatim: {shown}",
-                     f"nothing to change: s3capture's layout never builds {what} (ids are escaped) and refuses a "
-                     "prefix that contains them", data)
+        return Probe(
+            name,
+            "note",
+            f"keys with {what} are not kept verbatim: {shown}",
+            f"nothing to change: s3capture's layout never builds {what} (ids are escaped) and refuses a "
+            "prefix that contains them",
+            data,
+        )
 
     async def double_slash(self) -> Probe:
         return await self._odd_keys("double-slash", self.k("dd/"), ("a//x",), "'//'")
@@ -475,12 +540,28 @@ class _Doctor:
         except Exception as error:  # noqa: BLE001
             code = _code(error)
             if code in ("BadDigest", "InvalidDigest", "400"):
-                return Probe("content-md5", "ok", f"a PUT with a wrong Content-MD5 is refused ({code})", "", {"verified": True, "code": code})
-            return Probe("content-md5", "note", f"a PUT with a wrong Content-MD5 failed with {code or type(error).__name__}",
-                         "nothing to change: s3capture sends Content-MD5 only with DeleteObjects", {"verified": None, "code": code})
-        return Probe("content-md5", "note", "a PUT with a wrong Content-MD5 is accepted (not verified)",
-                     "nothing to change: s3capture does not rely on it; readers check every entry's SHA-256 (in its "
-                     "key) and GET bodies against MD5 ETags", {"verified": False})
+                return Probe(
+                    "content-md5",
+                    "ok",
+                    f"a PUT with a wrong Content-MD5 is refused ({code})",
+                    "",
+                    {"verified": True, "code": code},
+                )
+            return Probe(
+                "content-md5",
+                "note",
+                f"a PUT with a wrong Content-MD5 failed with {code or type(error).__name__}",
+                "nothing to change: s3capture sends Content-MD5 only with DeleteObjects",
+                {"verified": None, "code": code},
+            )
+        return Probe(
+            "content-md5",
+            "note",
+            "a PUT with a wrong Content-MD5 is accepted (not verified)",
+            "nothing to change: s3capture does not rely on it; readers check every entry's SHA-256 (in its "
+            "key) and GET bodies against MD5 ETags",
+            {"verified": False},
+        )
 
     async def checksum_headers(self) -> Probe:
         key = self.k("crc/wrong")
@@ -492,13 +573,28 @@ class _Doctor:
         except Exception as error:  # noqa: BLE001
             code = _code(error)
             if code in ("BadDigest", "InvalidDigest", "InvalidRequest", "XAmzContentChecksumMismatch", "400"):
-                return Probe("checksum-headers", "ok", f"a PUT with a wrong x-amz-checksum-crc32 is refused ({code})", "",
-                             {"verified": True, "code": code})
-            return Probe("checksum-headers", "note", f"a PUT with a wrong x-amz-checksum-crc32 failed with {code or type(error).__name__}",
-                         "nothing to change: s3capture sends no x-amz-checksum-* headers", {"verified": None, "code": code})
-        return Probe("checksum-headers", "note", "a PUT with a wrong x-amz-checksum-crc32 is accepted (header ignored)",
-                     "nothing to change: s3capture sends no x-amz-checksum-* headers (request_checksum_calculation="
-                     "'when_required') and checks bodies itself", {"verified": False})
+                return Probe(
+                    "checksum-headers",
+                    "ok",
+                    f"a PUT with a wrong x-amz-checksum-crc32 is refused ({code})",
+                    "",
+                    {"verified": True, "code": code},
+                )
+            return Probe(
+                "checksum-headers",
+                "note",
+                f"a PUT with a wrong x-amz-checksum-crc32 failed with {code or type(error).__name__}",
+                "nothing to change: s3capture sends no x-amz-checksum-* headers",
+                {"verified": None, "code": code},
+            )
+        return Probe(
+            "checksum-headers",
+            "note",
+            "a PUT with a wrong x-amz-checksum-crc32 is accepted (header ignored)",
+            "nothing to change: s3capture sends no x-amz-checksum-* headers (request_checksum_calculation="
+            "'when_required') and checks bodies itself",
+            {"verified": False},
+        )
 
     async def default_checksums(self) -> Probe:
         key = self.k("crc/default")
@@ -511,20 +607,32 @@ class _Doctor:
                     data = await stream.read()
         except Exception as error:  # noqa: BLE001
             code = _code(error) or type(error).__name__
-            return Probe("default-checksums", "note",
-                         f"a PUT or GET with botocore's default flexible checksums (request_checksum_calculation='when_supported') fails: {code}",
-                         "keep request_checksum_calculation='when_required' and response_checksum_validation="
-                         "'when_required' (s3capture's default_botocore_config); a botocore_config of your own must "
-                         "set them too", {"accepted": False, "code": code})
+            return Probe(
+                "default-checksums",
+                "note",
+                f"a PUT or GET with botocore's default flexible checksums (request_checksum_calculation='when_supported') fails: {code}",
+                "keep request_checksum_calculation='when_required' and response_checksum_validation="
+                "'when_required' (s3capture's default_botocore_config); a botocore_config of your own must "
+                "set them too",
+                {"accepted": False, "code": code},
+            )
         if data != body:
-            return Probe("default-checksums", "note",
-                         "an object PUT with botocore's default flexible checksums reads back with other bytes "
-                         "(e.g. the aws-chunked framing was stored)",
-                         "keep request_checksum_calculation='when_required' (s3capture's default_botocore_config); "
-                         "a botocore_config of your own must set it too", {"accepted": True, "intact": False})
-        return Probe("default-checksums", "ok",
-                     "botocore's default flexible checksums (request_checksum_calculation='when_supported': a CRC32 with each PUT, checked on GET) are accepted", "",
-                     {"accepted": True, "intact": True})
+            return Probe(
+                "default-checksums",
+                "note",
+                "an object PUT with botocore's default flexible checksums reads back with other bytes "
+                "(e.g. the aws-chunked framing was stored)",
+                "keep request_checksum_calculation='when_required' (s3capture's default_botocore_config); "
+                "a botocore_config of your own must set it too",
+                {"accepted": True, "intact": False},
+            )
+        return Probe(
+            "default-checksums",
+            "ok",
+            "botocore's default flexible checksums (request_checksum_calculation='when_supported': a CRC32 with each PUT, checked on GET) are accepted",
+            "",
+            {"accepted": True, "intact": True},
+        )
 
     async def etag_md5(self) -> Probe:
         key = self.k("etag/x")
@@ -538,11 +646,21 @@ class _Doctor:
         if etag == md5 and etag_head == md5:
             return Probe("etag-md5", "ok", "a single-part object's ETag is the MD5 of its bytes", "", data)
         if len(etag_head) == 32 and all(c in "0123456789abcdef" for c in etag_head):
-            return Probe("etag-md5", "note", f"ETag {etag_head} looks like an MD5 but is not the MD5 of the bytes",
-                         "every GET is read twice before its bytes are trusted (the transport re-reads a body that "
-                         "does not match an MD5-shaped ETag); disable SSE-KMS/SSE-C or any ETag rewriting if you can", data)
-        return Probe("etag-md5", "note", f"ETag {etag_head!r} is not an MD5",
-                     "nothing to change: GET bodies are then checked by length only (entries still by SHA-256)", data)
+            return Probe(
+                "etag-md5",
+                "note",
+                f"ETag {etag_head} looks like an MD5 but is not the MD5 of the bytes",
+                "every GET is read twice before its bytes are trusted (the transport re-reads a body that "
+                "does not match an MD5-shaped ETag); disable SSE-KMS/SSE-C or any ETag rewriting if you can",
+                data,
+            )
+        return Probe(
+            "etag-md5",
+            "note",
+            f"ETag {etag_head!r} is not an MD5",
+            "nothing to change: GET bodies are then checked by length only (entries still by SHA-256)",
+            data,
+        )
 
     async def delete_objects(self) -> Probe:
         from botocore.exceptions import ClientError
@@ -553,15 +671,21 @@ class _Doctor:
         data: dict[str, Any] = {}
         try:
             response = await self.raw(
-                "delete_objects", Delete={"Objects": [{"Key": k} for k in keys] + [{"Key": base + "never"}], "Quiet": True}
+                "delete_objects",
+                Delete={"Objects": [{"Key": k} for k in keys] + [{"Key": base + "never"}], "Quiet": True},
             )
         except ClientError as error:
             code = _code(error)
             data = {"supported": False, "code": code}
             await self.t.delete(keys)  # the transport's own fallback
-            return Probe("delete-objects", "note", f"DeleteObjects is refused ({code})",
-                         "nothing to change: s3capture falls back to one DELETE per key (retire, delete and drop "
-                         "send more requests)", data)
+            return Probe(
+                "delete-objects",
+                "note",
+                f"DeleteObjects is refused ({code})",
+                "nothing to change: s3capture falls back to one DELETE per key (retire, delete and drop "
+                "send more requests)",
+                data,
+            )
         errors = list(response.get("Errors", ()) or ())
         left = await self.raw_list(base)
         gone = []
@@ -575,14 +699,23 @@ class _Doctor:
                     raise
         data = {"supported": True, "errors": [dict(e) for e in errors], "listed_after": len(left), "gone": len(gone)}
         if errors or left or len(gone) != len(keys):
-            return Probe("delete-objects", "fail",
-                         f"DeleteObjects answered {len(errors)} errors; {len(left)} keys still listed and "
-                         f"{len(keys) - len(gone)} still readable after it",
-                         "s3capture's delete and retire must leave nothing under a rollout: use a store whose "
-                         "DeleteObjects deletes (a missing key is not an error)", data)
-        return Probe("delete-objects", "ok",
-                     "DeleteObjects (with Content-MD5) deletes every key at once; a missing key is no error; the "
-                     "keys are gone from the next LIST and GET", "", data)
+            return Probe(
+                "delete-objects",
+                "fail",
+                f"DeleteObjects answered {len(errors)} errors; {len(left)} keys still listed and "
+                f"{len(keys) - len(gone)} still readable after it",
+                "s3capture's delete and retire must leave nothing under a rollout: use a store whose "
+                "DeleteObjects deletes (a missing key is not an error)",
+                data,
+            )
+        return Probe(
+            "delete-objects",
+            "ok",
+            "DeleteObjects (with Content-MD5) deletes every key at once; a missing key is no error; the "
+            "keys are gone from the next LIST and GET",
+            "",
+            data,
+        )
 
     async def conditional_write(self) -> Probe:
         key = self.k("cond/x")
@@ -590,29 +723,50 @@ class _Doctor:
             await self.raw("put_object", Key=key, Body=b"first", IfNoneMatch="*")
         except Exception as error:  # noqa: BLE001
             code = _code(error) or type(error).__name__
-            return Probe("conditional-write", "note", f"a PUT with If-None-Match: * on a new key is refused ({code})",
-                         "nothing to change: s3capture never uses conditional writes", {"supported": False, "code": code})
+            return Probe(
+                "conditional-write",
+                "note",
+                f"a PUT with If-None-Match: * on a new key is refused ({code})",
+                "nothing to change: s3capture never uses conditional writes",
+                {"supported": False, "code": code},
+            )
         try:
             await self.raw("put_object", Key=key, Body=b"second", IfNoneMatch="*")
         except Exception as error:  # noqa: BLE001
             code = _code(error) or type(error).__name__
             if _status(error) == 412 or code == "PreconditionFailed":
-                return Probe("conditional-write", "ok",
-                             "If-None-Match: * on PUT is honoured (412 on an existing key); s3capture does not use it", "",
-                             {"supported": True, "code": code})
-            return Probe("conditional-write", "note",
-                         f"a second PUT with If-None-Match: * failed with {code}, not 412",
-                         "nothing to change: s3capture never uses conditional writes", {"supported": None, "code": code})
-        return Probe("conditional-write", "note",
-                     "If-None-Match: * on PUT is ignored (a second PUT overwrote the object)",
-                     "nothing to change: s3capture never uses conditional writes (no compare-and-swap is assumed)",
-                     {"supported": False})
+                return Probe(
+                    "conditional-write",
+                    "ok",
+                    "If-None-Match: * on PUT is honoured (412 on an existing key); s3capture does not use it",
+                    "",
+                    {"supported": True, "code": code},
+                )
+            return Probe(
+                "conditional-write",
+                "note",
+                f"a second PUT with If-None-Match: * failed with {code}, not 412",
+                "nothing to change: s3capture never uses conditional writes",
+                {"supported": None, "code": code},
+            )
+        return Probe(
+            "conditional-write",
+            "note",
+            "If-None-Match: * on PUT is ignored (a second PUT overwrote the object)",
+            "nothing to change: s3capture never uses conditional writes (no compare-and-swap is assumed)",
+            {"supported": False},
+        )
 
     def clock_skew(self) -> Probe:
         if not self.dates:
-            return Probe("clock-skew", "note", "the store sent no Date header",
-                         "nothing to change for capture; s3capture export --min-age compares object LastModified "
-                         "with this machine's clock", {"samples": 0})
+            return Probe(
+                "clock-skew",
+                "note",
+                "the store sent no Date header",
+                "nothing to change for capture; s3capture export --min-age compares object LastModified "
+                "with this machine's clock",
+                {"samples": 0},
+            )
         # The server's time at its answer is in [Date, Date + 1) (1 s resolution), ours in [t0, t1].
         low = max(date - t1 for t0, t1, date in self.dates)
         high = min(date + 1.0 - t0 for t0, t1, date in self.dates)
@@ -624,10 +778,15 @@ class _Doctor:
         data = {"skew_seconds": round(skew, 3), "uncertainty_seconds": round(bound, 3), "samples": len(self.dates)}
         detail = f"server Date {skew:+.1f} s (±{bound:.1f} s) from this machine's clock, over {len(self.dates)} answers"
         if abs(skew) - bound > SKEW_NOTE:
-            return Probe("clock-skew", "note", detail,
-                         "capture never compares two clocks; s3capture export --min-age compares object LastModified "
-                         "(server clock) with this machine's clock: sync the clocks (NTP) or raise --min-age well "
-                         "above the skew. SigV4 refuses requests beyond 15 minutes of skew", data)
+            return Probe(
+                "clock-skew",
+                "note",
+                detail,
+                "capture never compares two clocks; s3capture export --min-age compares object LastModified "
+                "(server clock) with this machine's clock: sync the clocks (NTP) or raise --min-age well "
+                "above the skew. SigV4 refuses requests beyond 15 minutes of skew",
+                data,
+            )
         return Probe("clock-skew", "ok", detail, "", data)
 
     def latency_probe(self) -> Probe:
@@ -702,10 +861,19 @@ async def diagnose(
             except StoreError as error:
                 if "refused" in str(error) or "does not exist" in str(error):
                     raise
-                probe = Probe(name, "fail", f"the probe failed: {error}", "see the error; the store may be unreachable or overloaded")
+                probe = Probe(
+                    name,
+                    "fail",
+                    f"the probe failed: {error}",
+                    "see the error; the store may be unreachable or overloaded",
+                )
             except Exception as error:  # noqa: BLE001 - one broken probe must not hide the others
-                probe = Probe(name, "fail", f"the probe failed: {type(error).__name__}: {error}",
-                              "see the error; the store answered something unexpected")
+                probe = Probe(
+                    name,
+                    "fail",
+                    f"the probe failed: {type(error).__name__}: {error}",
+                    "see the error; the store answered something unexpected",
+                )
             probes.append(probe)
             return probe
 
@@ -739,13 +907,26 @@ async def diagnose(
             await transport.close()
     if probes:
         if left:
-            probes.append(Probe("cleanup", "fail",
-                                f"{len(left)} objects left under {probe_root} after deleting everything listed there "
-                                f"(first: {left[0]!r})",
-                                "delete them by hand; the store's DELETE or listing does not behave", {"left": left[:100]}))
+            probes.append(
+                Probe(
+                    "cleanup",
+                    "fail",
+                    f"{len(left)} objects left under {probe_root} after deleting everything listed there "
+                    f"(first: {left[0]!r})",
+                    "delete them by hand; the store's DELETE or listing does not behave",
+                    {"left": left[:100]},
+                )
+            )
         else:
-            probes.append(Probe("cleanup", "ok", f"every object under {probe_root} deleted; a final LIST shows none", "",
-                                {"left": []}))
+            probes.append(
+                Probe(
+                    "cleanup",
+                    "ok",
+                    f"every object under {probe_root} deleted; a final LIST shows none",
+                    "",
+                    {"left": []},
+                )
+            )
     return DoctorReport(url=url, endpoint=endpoint_url, probe_prefix=probe_root, probes=probes, left_behind=left)
 
 
@@ -799,7 +980,10 @@ async def _clean(doctor: _Doctor, probe_root: str) -> list[str]:
 def format_report(report: DoctorReport) -> str:
     """The report as a table (probe, verdict, detail), then the advice of every note and failure
     and a last line: ``verdict: OK`` or ``verdict: FAIL (<n> failed)``."""
-    lines = [f"s3capture doctor: {report.url} on {report.endpoint or 'AWS S3'} (probe prefix {report.probe_prefix})", ""]
+    lines = [
+        f"s3capture doctor: {report.url} on {report.endpoint or 'AWS S3'} (probe prefix {report.probe_prefix})",
+        "",
+    ]
     width = max((len(p.name) for p in report.probes), default=10)
     lines.append(f"{'probe':<{width}}  verdict  detail")
     for p in report.probes:
@@ -835,10 +1019,17 @@ def register(sub: Any) -> Any:
         "at all (missing bucket, refused credentials, unreachable endpoint). See docs/doctor.md.",
     )
     doctor.add_argument("url", type=_argument(check_s3_url), help="s3://bucket[/prefix] to probe under")
-    doctor.add_argument("--endpoint", type=_argument(check_endpoint),
-                        help="S3 endpoint URL (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)")
-    doctor.add_argument("--samples", type=_int_in(1, 1000), default=20,
-                        help="PUT/GET/LIST requests timed for the latency percentiles, 1 to 1000 (default 20)")
+    doctor.add_argument(
+        "--endpoint",
+        type=_argument(check_endpoint),
+        help="S3 endpoint URL (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)",
+    )
+    doctor.add_argument(
+        "--samples",
+        type=_int_in(1, 1000),
+        default=20,
+        help="PUT/GET/LIST requests timed for the latency percentiles, 1 to 1000 (default 20)",
+    )
     doctor.add_argument("--json", action="store_true", help="print the report as one JSON object")
     doctor.set_defaults(func=_command)
     return doctor

@@ -574,7 +574,9 @@ class _S3Destination(_Destination):
         self.bucket, prefix = parse_s3_url(url)
         self.prefix = f"{prefix}/" if prefix else ""
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        self.transport = make_transport(transport, self.bucket, endpoint_url=endpoint, session=session, max_concurrency=8)
+        self.transport = make_transport(
+            transport, self.bucket, endpoint_url=endpoint, session=session, max_concurrency=8
+        )
         self._claim: str | None = None  # this export's claim of the prefix (``lock``), until ``close``
         self._claim_body = b""
         self._renewed = 0.0
@@ -588,7 +590,9 @@ class _S3Destination(_Destination):
     async def scan(self) -> _Existing:
         existing = _Existing()
         listed = await self.transport.list(self.prefix)
-        files = [(item.key[len(self.prefix):], item.size) for item in listed if "/" not in item.key[len(self.prefix):]]
+        files = [
+            (item.key[len(self.prefix) :], item.size) for item in listed if "/" not in item.key[len(self.prefix) :]
+        ]
         manifest_names = _classify(sorted(files), existing)
         found = []
         for name in manifest_names:
@@ -620,7 +624,11 @@ class _S3Destination(_Destination):
 
         claim = self._claim = f"{self.prefix}{_LOCK}/{uuid.uuid4().hex}"
         self._claim_body = msgspec.json.encode(
-            {"host": socket.gethostname(), "pid": os.getpid(), "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            }
         )
         await self.transport.put(claim, self._claim_body)
         self._renewed = time.monotonic()
@@ -712,7 +720,9 @@ def _open_destination(job: ExportJob, session: Any = None) -> _Destination:
     return _LocalDestination(job.dest)
 
 
-async def read_manifests(dest: str, *, endpoint_url: str | None = None, transport: str | None = None) -> list[ShardManifest]:
+async def read_manifests(
+    dest: str, *, endpoint_url: str | None = None, transport: str | None = None
+) -> list[ShardManifest]:
     """The durable shards of an export destination (a local folder or an ``s3://`` prefix), in
     shard order. Data files without a manifest are not durable and are not returned.
 
@@ -859,7 +869,9 @@ class _ParquetWriter(_Writer):
                 try:
                     row[name] = np.fromiter(row[name], dtype=kind, count=n)
                 except OverflowError:
-                    raise OverflowError(f"a token id of {built.info.rollout_id} does not fit a 64-bit integer") from None
+                    raise OverflowError(
+                        f"a token id of {built.info.rollout_id} does not fit a 64-bit integer"
+                    ) from None
             if n:
                 highest = max(highest, int(row["token_ids"].max()))
         if highest > _INT32_MAX and self.token_type == "int32":
@@ -1008,6 +1020,7 @@ _REPORT: Callable[[tuple[int, int, int, int]], Any] | None = None
 bytes_read)``. Set in each pool worker by the local engine (a queue's ``put``), in the parent for
 in-process shards; ``None``: no progress."""
 
+
 class _Clients:
     """The source store and destination client of one thread of a worker, kept across shards.
 
@@ -1026,7 +1039,10 @@ class _Clients:
         key = (job.url, job.dest, job.endpoint_url, job.transport, job.cache_bytes, job.concurrency)
         found = self.opened.get(key)
         if found is None:
-            if self.session is None and (job.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3")) != "obstore":
+            if (
+                self.session is None
+                and (job.transport or os.environ.get("S3CAPTURE_TRANSPORT", "aioboto3")) != "obstore"
+            ):
                 import aioboto3
 
                 self.session = aioboto3.Session()  # credentials and the service model load once
@@ -1283,7 +1299,9 @@ def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> Shar
 def _init_worker(queue: Any) -> None:
     global _REPORT
     _REPORT = queue.put
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True).start()
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True
+    ).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -1723,7 +1741,9 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
     if _is_s3(dest):
         dest_bucket, dest_prefix = parse_s3_url(dest)
         inside = f"{root}/rollouts" if root else "rollouts"
-        if dest_bucket == bucket and (dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")):
+        if dest_bucket == bucket and (
+            dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
+        ):
             raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
         if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
             # The destination scan lists every key under DEST: here every captured object, each run.
@@ -1742,8 +1762,11 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
     from s3capture.trajectory import build_rollout
 
     try:
-        build_rollout(FrozenSnapshot("s3capture-export-probe", (), False, "", 0), builder=opts["builder"],
-                      engine=opts["build_with"])
+        build_rollout(
+            FrozenSnapshot("s3capture-export-probe", (), False, "", 0),
+            builder=opts["builder"],
+            engine=opts["build_with"],
+        )
     except ValueError as error:
         raise ValueError(f"--builder {opts['builder']} --build-with {opts['build_with']}: {error}") from None
     except ImportError as error:
@@ -1804,16 +1827,36 @@ async def export(
 
     states = tuple(states) if states else ("open", "frozen")
     opts = dict(
-        format=format, masked=masked, builder=builder, build_with=build_with, token_type=token_type, engine=engine,
-        states=states, workers=workers, concurrency=concurrency, shard_rollouts=shard_rollouts,
-        row_group_rows=row_group_rows, min_age=min_age, fence_grace=fence_grace,
+        format=format,
+        masked=masked,
+        builder=builder,
+        build_with=build_with,
+        token_type=token_type,
+        engine=engine,
+        states=states,
+        workers=workers,
+        concurrency=concurrency,
+        shard_rollouts=shard_rollouts,
+        row_group_rows=row_group_rows,
+        min_age=min_age,
+        fence_grace=fence_grace,
     )
     _check_options(url, dest, opts)
     started = time.monotonic()
     job = ExportJob(
-        url=url, dest=dest, format=format, builder=builder, build_with=build_with, masked=masked, freeze=freeze,
-        concurrency=concurrency, row_group_rows=row_group_rows, row_group_bytes=row_group_bytes,
-        token_type=token_type, endpoint_url=endpoint_url, transport=transport,
+        url=url,
+        dest=dest,
+        format=format,
+        builder=builder,
+        build_with=build_with,
+        masked=masked,
+        freeze=freeze,
+        concurrency=concurrency,
+        row_group_rows=row_group_rows,
+        row_group_bytes=row_group_bytes,
+        token_type=token_type,
+        endpoint_url=endpoint_url,
+        transport=transport,
     )
     summary = ExportSummary(source=url, dest=dest, format=format)
     requests: collections.Counter[str] = collections.Counter()
@@ -1853,7 +1896,9 @@ async def export(
 
     drop_limit = asyncio.Semaphore(32)
     drop_tasks: set[asyncio.Task] = set()
-    store = S3TokenStore(url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace)
+    store = S3TokenStore(
+        url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace
+    )
 
     async def drop_one(record: RolloutRecord) -> None:
         async with drop_limit:
@@ -1935,13 +1980,19 @@ async def export(
                     )
             if info.state == "frozen" and not info.sealed and not freeze:
                 # read_snapshot(sealed=True) would refuse it: say so without reading it.
-                skip(rid, "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
-                     "--freeze seals it again")
+                skip(
+                    rid,
+                    "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
+                    "--freeze seals it again",
+                )
                 continue
             if info.state == "open" and min_age > 0:
                 if info.last_write is None:  # the listing gave no LastModified: its age is unknown
-                    skip(rid, "not_quiescent: open, and the listing gives no time of its last write "
-                         "(--min-age 0 exports it anyway)")
+                    skip(
+                        rid,
+                        "not_quiescent: open, and the listing gives no time of its last write "
+                        "(--min-age 0 exports it anyway)",
+                    )
                     continue
                 age = (now - info.last_write).total_seconds()
                 if age < min_age:
@@ -1964,7 +2015,9 @@ async def export(
     hold_after = int(os.environ.get(HOLD_ENV) or 0)
     handled = 0
     try:
-        async with contextlib.aclosing(ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add, **(engine_options or {}))) as results:
+        async with contextlib.aclosing(
+            ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add, **(engine_options or {}))
+        ) as results:
             async for result in results:
                 _account(summary, result, requests)
                 if not result.error:
@@ -2041,7 +2094,9 @@ def format_summary(summary: ExportSummary) -> str:
         f"({s.bytes_written / 1e6:.1f} MB); read {mb:.1f} MB ({rate:.1f} MB/s)",
     ]
     if s.shards_existing or s.orphans_removed:
-        lines.append(f"destination: {s.shards_existing:,} durable shards found; {s.orphans_removed:,} unfinished files removed")
+        lines.append(
+            f"destination: {s.shards_existing:,} durable shards found; {s.orphans_removed:,} unfinished files removed"
+        )
     for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
         if counts:
             lines.append(f"{title} by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
@@ -2051,7 +2106,9 @@ def format_summary(summary: ExportSummary) -> str:
     if s.changed_since_export:
         lines.extend(f"  changed {line}" for line in s.changed_examples[:3])
     if s.dropped or s.drop_failed or s.not_dropped:
-        lines.append(f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}")
+        lines.append(
+            f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}"
+        )
         lines.extend(f"  {line}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
     if s.shards_failed:
         lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")

@@ -181,16 +181,28 @@ def _tool_calls(item: dict) -> list[tuple[str, str, str]]:
         name = str(item.get("name", ""))
         if item.get("namespace"):
             name = f"{item['namespace']}__{name}"
-        calls.append((str(item.get("call_id") or item.get("id") or ""), name, canonicalize_tool_arguments(item.get("arguments"))))
+        calls.append(
+            (str(item.get("call_id") or item.get("id") or ""), name, canonicalize_tool_arguments(item.get("arguments")))
+        )
     content = item.get("content")
     if isinstance(content, list):
         for block in content:
             if isinstance(block, dict) and block.get("type") == "tool_use":
-                calls.append((str(block.get("id") or ""), str(block.get("name", "")), canonicalize_tool_arguments(block.get("input"))))
+                calls.append(
+                    (
+                        str(block.get("id") or ""),
+                        str(block.get("name", "")),
+                        canonicalize_tool_arguments(block.get("input")),
+                    )
+                )
     for call in item.get("tool_calls") or []:
         function = (call or {}).get("function") or {}
         calls.append(
-            (str((call or {}).get("id") or ""), str(function.get("name", "")), canonicalize_tool_arguments(function.get("arguments")))
+            (
+                str((call or {}).get("id") or ""),
+                str(function.get("name", "")),
+                canonicalize_tool_arguments(function.get("arguments")),
+            )
         )
     return calls
 
@@ -199,16 +211,28 @@ def _tool_results(item: dict) -> list[tuple[str, str]]:
     results: list[tuple[str, str]] = []
     if item.get("type") == "function_call_output":
         output = item.get("output")
-        results.append((str(item.get("call_id") or item.get("id") or ""), output if isinstance(output, str) else canonical_json(output)))
+        results.append(
+            (
+                str(item.get("call_id") or item.get("id") or ""),
+                output if isinstance(output, str) else canonical_json(output),
+            )
+        )
     elif item.get("role") == "tool":
         content = item.get("content")
-        results.append((str(item.get("tool_call_id") or ""), content if isinstance(content, str) else canonical_json(content)))
+        results.append(
+            (str(item.get("tool_call_id") or ""), content if isinstance(content, str) else canonical_json(content))
+        )
     content = item.get("content")
     if isinstance(content, list):
         for block in content:
             if isinstance(block, dict) and block.get("type") == "tool_result":
                 inner = block.get("content")
-                results.append((str(block.get("tool_use_id") or block.get("id") or ""), inner if isinstance(inner, str) else canonical_json(inner)))
+                results.append(
+                    (
+                        str(block.get("tool_use_id") or block.get("id") or ""),
+                        inner if isinstance(inner, str) else canonical_json(inner),
+                    )
+                )
     return results
 
 

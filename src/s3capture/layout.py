@@ -143,7 +143,9 @@ class Layout:
         fp = _check_id("continuation_fingerprint", fingerprint) if fingerprint else "~"
         rel = f"log/e/{fp}/{cid}/{sha}.zst"
         if len(rollout_prefix.encode()) + len(rel) > MAX_KEY_BYTES:
-            raise ValueError(f"the entry key would exceed S3's {MAX_KEY_BYTES}-byte limit (long continuation_fingerprint?)")
+            raise ValueError(
+                f"the entry key would exceed S3's {MAX_KEY_BYTES}-byte limit (long continuation_fingerprint?)"
+            )
         return rel
 
     def marker_call_segment(self, rollout_prefix: str, model_call_id: str) -> str:
@@ -172,6 +174,8 @@ _ENTRY_KEY = re.compile(r"log/e/([^/]+)/([^/]+)/([0-9a-f]{64})\.zst")
 _INTENT_KEY = re.compile(r"log/i/([^/]+)")
 _MARKER_KEY = re.compile(r"log/x/([^/]+)/([^/]+)")
 _SHA = re.compile(r"[0-9a-f]{64}")
+
+
 def checkpoint_rel(digest: str) -> str:
     """Key (relative to the rollout prefix) of the delta checkpoint holding the cumulative tokens
     whose Gym ``digest`` is ``digest``; raises ``ValueError`` unless it is 64 lower-case hex digits."""

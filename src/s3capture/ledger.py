@@ -232,7 +232,9 @@ class S3CaptureLedger(RolloutObjects):
         row_key = f"{prefix}ledger/row/{segment}/{sha}.json"
         index_key = f"{prefix}ledger-index/{escape_id(fingerprint)}/{segment}/{sha}" if fingerprint else ""
         if len(index_key.encode()) > MAX_KEY_BYTES:
-            raise ValueError(f"model_call_id is too long to store: its index key would exceed S3's {MAX_KEY_BYTES}-byte limit")
+            raise ValueError(
+                f"model_call_id is too long to store: its index key would exceed S3's {MAX_KEY_BYTES}-byte limit"
+            )
         stored = self._compressor().compress(body) if len(body) > _COMPRESS_ABOVE else body
         requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]
         if index_key:
@@ -367,7 +369,7 @@ class S3CaptureLedger(RolloutObjects):
         intents: set[str] = set()
         failures: set[tuple[str, str]] = set()
         for item in listing:
-            rel = item.key[len(prefix):]
+            rel = item.key[len(prefix) :]
             parsed = parse_ledger_key(rel)
             if parsed is None:
                 failures.add((rel, LEDGER_FOREIGN_OBJECT_REASON))
@@ -489,7 +491,7 @@ class S3CaptureLedger(RolloutObjects):
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="retired")
         by_call: dict[str, set[str]] = collections.defaultdict(set)
         for item in listing:
-            parsed = parse_ledger_key(item.key[len(prefix):])
+            parsed = parse_ledger_key(item.key[len(prefix) :])
             if parsed is not None and parsed[0] == "fp" and parsed[2] == fingerprint:
                 by_call[parsed[1]].add(parsed[3])
         if not by_call:
@@ -597,4 +599,3 @@ class S3CaptureLedger(RolloutObjects):
             StoreError: the store failed a request.
         """
         return await super().delete(rollout_ids)
-

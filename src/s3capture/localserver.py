@@ -99,9 +99,7 @@ _WEED_PORT_FLAGS = (
     "admin.port",
 )
 _WEED_GRPC_OFFSET = 10000
-_WEED_PORT_RACE = re.compile(
-    r"port allocation failed|address already in use|bind: |is not available", re.I
-)
+_WEED_PORT_RACE = re.compile(r"port allocation failed|address already in use|bind: |is not available", re.I)
 _WEED_START_ATTEMPTS = 3
 _WEED_S3_READY = re.compile(r"^\s*S3\s+ready\b", re.M)  # "  S3           ready     0.2s"
 
@@ -602,11 +600,14 @@ def start_seaweedfs(
                 if _WEED_PORT_RACE.search(log) and attempt < _WEED_START_ATTEMPTS and time.monotonic() < deadline:
                     break  # a port was taken between our check and its bind: try new ports
                 raise RuntimeError(f"SeaweedFS could not start: {last_error}")
-            if _http_request(healthz, timeout=1.0) == 200 and proc.poll() is None and (
-                # the answer is from *our* weed (not a process that grabbed the port first):
-                # its log says S3 is ready; fall back to elapsed time should the format change
-                _WEED_S3_READY.search(_read_tail(log_path, 20000))
-                or time.monotonic() - spawned_at > 3.0
+            if (
+                _http_request(healthz, timeout=1.0) == 200
+                and proc.poll() is None
+                and (
+                    # the answer is from *our* weed (not a process that grabbed the port first):
+                    # its log says S3 is ready; fall back to elapsed time should the format change
+                    _WEED_S3_READY.search(_read_tail(log_path, 20000)) or time.monotonic() - spawned_at > 3.0
+                )
             ):
                 server.startup_seconds = time.monotonic() - t0
                 return server
@@ -866,9 +867,7 @@ class _CephPortTrouble(RuntimeError):
     """A daemon of one start attempt could not bind its port; the caller retries."""
 
 
-def _start_ceph_once(
-    ports: tuple[int, ...], memstore_bytes: int, deadline: float, attempt: int
-) -> LocalS3Server:
+def _start_ceph_once(ports: tuple[int, ...], memstore_bytes: int, deadline: float, attempt: int) -> LocalS3Server:
     rgw_port, mon_v2, mon_v1 = ports
     tmp_root = tempfile.gettempdir()
     if len(tmp_root) > 60:  # admin sockets live in the base dir; sun_path holds 107 bytes

@@ -261,7 +261,7 @@ async def status(
                 counts.objects += info.objects
                 counts.bytes += info.bytes
                 rollout_prefix = _rollout_prefix(store, info.rollout_id)
-                rels = [item.key[len(rollout_prefix):] for item in items]
+                rels = [item.key[len(rollout_prefix) :] for item in items]
                 if info.state == "retired":
                     result.retired_leftover_objects += len(items)
                     result.retired_leftover_bytes += sum(item.size for item in items)
@@ -296,7 +296,8 @@ async def status(
             task.cancel()
     if oldest is not None:
         result.oldest_open = OldestOpen(
-            rollout_id=oldest[1], last_write=_when(oldest[0]) or datetime.datetime.now(datetime.timezone.utc),
+            rollout_id=oldest[1],
+            last_write=_when(oldest[0]) or datetime.datetime.now(datetime.timezone.utc),
             age_seconds=round(clock - oldest[0], 3),
         )
     result.masked_by_reason = dict(sorted(result.masked_by_reason.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -306,6 +307,7 @@ async def status(
 # --------------------------------------------------------------------------- gc
 def _same_listing(first: list[ListedObject], second: list[ListedObject]) -> bool:
     """Whether two listings of one prefix show the same objects (keys, ETags, sizes, times)."""
+
     def view(items: list[ListedObject]) -> set[tuple[str, str, int, float]]:
         return {(i.key, i.etag, i.size, round(i.modified, 3)) for i in items}
 
@@ -349,7 +351,9 @@ async def gc(
             raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
     abandoned_after = older_than if abandoned_after is None else abandoned_after
     clock = time.time() if now is None else now
-    report = GcReport(url=store.url, dry_run=dry_run, older_than=float(older_than), abandoned_after=float(abandoned_after))
+    report = GcReport(
+        url=store.url, dry_run=dry_run, older_than=float(older_than), abandoned_after=float(abandoned_after)
+    )
 
     def emit(action: GcAction) -> None:
         if on_action is not None:
@@ -364,12 +368,20 @@ async def gc(
                     if info.last_write is not None and _age(clock, info.last_write.timestamp()) >= abandoned_after:
                         report.abandoned += 1
                         report.abandoned_bytes += info.bytes
-                        emit(GcAction(rollout_id=info.rollout_id, action="abandoned", keys=[], objects=info.objects,
-                                      bytes=info.bytes, last_write=info.last_write,
-                                      reason=f"open, quiet for {_age(clock, info.last_write.timestamp()):.0f}s"))
+                        emit(
+                            GcAction(
+                                rollout_id=info.rollout_id,
+                                action="abandoned",
+                                keys=[],
+                                objects=info.objects,
+                                bytes=info.bytes,
+                                last_write=info.last_write,
+                                reason=f"open, quiet for {_age(clock, info.last_write.timestamp()):.0f}s",
+                            )
+                        )
                     continue
                 rollout_prefix = _rollout_prefix(store, info.rollout_id)
-                rels = sorted(item.key[len(rollout_prefix):] for item in items)
+                rels = sorted(item.key[len(rollout_prefix) :] for item in items)
                 bare_fence = info.state == "frozen" and rels == ["fence"]
                 if info.state == "retired":
                     report.retired_seen += 1
@@ -404,16 +416,29 @@ async def _collect_one(
         again = await store._list(rollout_prefix)
         if not _same_listing(items, again):
             report.skipped += 1
-            emit(GcAction(rollout_id=info.rollout_id, action="skipped", keys=[], last_write=_when(_newest(again)),
-                          reason="changed since the listing"))
+            emit(
+                GcAction(
+                    rollout_id=info.rollout_id,
+                    action="skipped",
+                    keys=[],
+                    last_write=_when(_newest(again)),
+                    reason="changed since the listing",
+                )
+            )
             return
     if records:
         # Retire again: the fence stays, rewritten, so every straggler retrying one of these keys
         # keeps reading "retired"; tombstone first, as retire writes it.
-        rels = sorted(item.key[len(rollout_prefix):] for item in records)
-        action = GcAction(rollout_id=info.rollout_id, action="retire_again", keys=rels, objects=len(records),
-                          bytes=sum(item.size for item in records), last_write=_when(_newest(items)),
-                          reason="straggler objects of a retired rollout; fence and tombstone kept (rewritten)")
+        rels = sorted(item.key[len(rollout_prefix) :] for item in records)
+        action = GcAction(
+            rollout_id=info.rollout_id,
+            action="retire_again",
+            keys=rels,
+            objects=len(records),
+            bytes=sum(item.size for item in records),
+            last_write=_when(_newest(items)),
+            reason="straggler objects of a retired rollout; fence and tombstone kept (rewritten)",
+        )
         if not dry_run:
             await store._write_retired(rollout_prefix)
             await store._delete_keys([item.key for item in records])
@@ -421,10 +446,16 @@ async def _collect_one(
         report.retired_again += 1
     else:
         present = [item for item in items if item.key in fences]
-        rels = sorted(item.key[len(rollout_prefix):] for item in present)
-        action = GcAction(rollout_id=info.rollout_id, action="delete", keys=rels, objects=len(present),
-                          bytes=sum(item.size for item in present), last_write=_when(_newest(items)),
-                          reason="bare fence" if bare_fence else "retired")
+        rels = sorted(item.key[len(rollout_prefix) :] for item in present)
+        action = GcAction(
+            rollout_id=info.rollout_id,
+            action="delete",
+            keys=rels,
+            objects=len(present),
+            bytes=sum(item.size for item in present),
+            last_write=_when(_newest(items)),
+            reason="bare fence" if bare_fence else "retired",
+        )
         if not dry_run:
             # Tombstone first, fence last: a crash in between leaves a bare fence, which still
             # refuses writes and which the next gc removes.
@@ -468,8 +499,9 @@ def format_rollout_row(info: RolloutInfo | None, *, table: bool) -> str:
     if not table:
         return "\t".join(cells)
     left = cells[0].ljust(_LS_WIDTHS[0]) if len(cells[0]) <= _LS_WIDTHS[0] else cells[0]
-    return "  ".join([left, cells[1].ljust(_LS_WIDTHS[1]), cells[2].rjust(_LS_WIDTHS[2]),
-                      cells[3].rjust(_LS_WIDTHS[3]), cells[4]])
+    return "  ".join(
+        [left, cells[1].ljust(_LS_WIDTHS[1]), cells[2].rjust(_LS_WIDTHS[2]), cells[3].rjust(_LS_WIDTHS[3]), cells[4]]
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -484,10 +516,14 @@ def format_status(s: StoreStatus) -> str:
     """``StoreStatus`` as the lines ``s3capture status`` prints."""
     lines = [f"rollouts under {s.url}:"]
     for state, counts in s.states.items():
-        lines.append(f"  {state:<8} {counts.rollouts:>8} rollouts  {counts.objects:>10} objects  {_human_bytes(counts.bytes):>12}")
+        lines.append(
+            f"  {state:<8} {counts.rollouts:>8} rollouts  {counts.objects:>10} objects  {_human_bytes(counts.bytes):>12}"
+        )
     if s.oldest_open is not None:
         o = s.oldest_open
-        lines.append(f"oldest open rollout: {o.rollout_id} (last write {_stamp(o.last_write)}, {_duration(o.age_seconds)} ago)")
+        lines.append(
+            f"oldest open rollout: {o.rollout_id} (last write {_stamp(o.last_write)}, {_duration(o.age_seconds)} ago)"
+        )
     else:
         lines.append("oldest open rollout: none")
     frozen = s.states["frozen"].rollouts
@@ -528,15 +564,17 @@ def format_gc(r: GcReport) -> str:
     """The summary line(s) of ``s3capture gc``."""
     mode = "dry run (nothing deleted; --yes deletes)" if r.dry_run else "done"
     would = "would remove" if r.dry_run else "removed"
-    return "\n".join([
-        f"gc {r.url}: {mode}",
-        f"  retired rollouts: {r.retired_seen} listed, {r.too_young} younger than {_duration(r.older_than)}",
-        f"  {would} {r.deleted_objects} objects ({_human_bytes(r.deleted_bytes)}): fences of {r.deleted_rollouts} "
-        f"rollouts, stragglers of {r.retired_again} (retired again, fence kept)",
-        f"  skipped (changed since the listing): {r.skipped}",
-        f"  abandoned open rollouts (quiet > {_duration(r.abandoned_after)}, not deleted): {r.abandoned} "
-        f"({_human_bytes(r.abandoned_bytes)})",
-    ])
+    return "\n".join(
+        [
+            f"gc {r.url}: {mode}",
+            f"  retired rollouts: {r.retired_seen} listed, {r.too_young} younger than {_duration(r.older_than)}",
+            f"  {would} {r.deleted_objects} objects ({_human_bytes(r.deleted_bytes)}): fences of {r.deleted_rollouts} "
+            f"rollouts, stragglers of {r.retired_again} (retired again, fence kept)",
+            f"  skipped (changed since the listing): {r.skipped}",
+            f"  abandoned open rollouts (quiet > {_duration(r.abandoned_after)}, not deleted): {r.abandoned} "
+            f"({_human_bytes(r.abandoned_bytes)})",
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- command line
@@ -550,31 +588,54 @@ def register(sub: Any) -> dict[str, Any]:
         return parse_duration(text)
 
     parsers: dict[str, Any] = {}
-    ls = sub.add_parser("ls", help="list a root's rollouts with state, objects, bytes and last write",
-                        description="One streaming listing of URL's rollouts (LIST only). A table on a terminal, "
-                        "tab-separated lines otherwise, JSON lines with --json.")
-    st = sub.add_parser("status", help="counts by state, oldest open rollout, masked counts, retired leftovers",
-                        description="One streaming listing plus one GET per frozen rollout's newest manifest "
-                        "(--no-manifests: LIST only). See docs/operations.md.")
-    g = sub.add_parser("gc", help="remove what retired rollouts leave behind (dry run unless --yes)",
-                       description="Delete the fence and tombstone of retired rollouts whose every key is older than "
-                       "--retired-older-than (retiring again those that hold straggler objects), after re-listing "
-                       "each one; report open rollouts quiet for that long without deleting them. A dry run unless "
-                       "--yes. See docs/operations.md for the rules and for what removing a fence means for id reuse.")
+    ls = sub.add_parser(
+        "ls",
+        help="list a root's rollouts with state, objects, bytes and last write",
+        description="One streaming listing of URL's rollouts (LIST only). A table on a terminal, "
+        "tab-separated lines otherwise, JSON lines with --json.",
+    )
+    st = sub.add_parser(
+        "status",
+        help="counts by state, oldest open rollout, masked counts, retired leftovers",
+        description="One streaming listing plus one GET per frozen rollout's newest manifest "
+        "(--no-manifests: LIST only). See docs/operations.md.",
+    )
+    g = sub.add_parser(
+        "gc",
+        help="remove what retired rollouts leave behind (dry run unless --yes)",
+        description="Delete the fence and tombstone of retired rollouts whose every key is older than "
+        "--retired-older-than (retiring again those that hold straggler objects), after re-listing "
+        "each one; report open rollouts quiet for that long without deleting them. A dry run unless "
+        "--yes. See docs/operations.md for the rules and for what removing a fence means for id reuse.",
+    )
     for parser in (ls, st, g):
-        parser.add_argument("url", type=_argument(check_s3_url), help="s3://bucket/prefix the rollouts were captured under")
-        parser.add_argument("--endpoint", type=_argument(check_endpoint),
-                            help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)")
+        parser.add_argument(
+            "url", type=_argument(check_s3_url), help="s3://bucket/prefix the rollouts were captured under"
+        )
+        parser.add_argument(
+            "--endpoint",
+            type=_argument(check_endpoint),
+            help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)",
+        )
         parser.add_argument("--prefix", default="", help="only rollout ids starting with this text")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
     ls.add_argument("--state", choices=ROLLOUT_STATES, action="append", help="only this state (repeatable)")
     for parser in (st, g):
         parser.add_argument("--no-progress", action="store_true", help="no progress counter on stderr")
     st.add_argument("--no-manifests", action="store_true", help="LIST only: skip the masked counts")
-    g.add_argument("--retired-older-than", type=_argument(duration), required=True, metavar="AGE",
-                   help="handle a retired rollout only when every key under it is this old, e.g. 7d, 12h")
-    g.add_argument("--abandoned-after", type=_argument(duration), metavar="AGE",
-                   help="report open rollouts quiet for this long (default: --retired-older-than)")
+    g.add_argument(
+        "--retired-older-than",
+        type=_argument(duration),
+        required=True,
+        metavar="AGE",
+        help="handle a retired rollout only when every key under it is this old, e.g. 7d, 12h",
+    )
+    g.add_argument(
+        "--abandoned-after",
+        type=_argument(duration),
+        metavar="AGE",
+        help="report open rollouts quiet for this long (default: --retired-older-than)",
+    )
     g.add_argument("--yes", action="store_true", help="delete (default: a dry run that deletes nothing)")
     ls.set_defaults(func=_ls_command)
     st.set_defaults(func=_status_command)
@@ -623,8 +684,9 @@ def _ls_command(args: Any) -> int:
 def _status_command(args: Any) -> int:
     store = _open_store(args)
     progress = not args.no_progress and sys.stderr.isatty()
-    result = asyncio.run(_close_after(store, status(store, prefix=args.prefix, manifests=not args.no_manifests,
-                                                     progress=progress)))
+    result = asyncio.run(
+        _close_after(store, status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress))
+    )
     print(msgspec.json.encode(result).decode() if args.json else format_status(result))
     return 0
 
@@ -634,7 +696,8 @@ def _gc_command(args: Any) -> int:
         print(
             f"s3capture gc: warning: --retired-older-than {args.retired_older_than:g}s is under {MIN_SAFE_AGE:.0f}s; "
             "a threshold must exceed the clock skew to the store plus the longest a put can take "
-            "(docs/operations.md)", file=sys.stderr,
+            "(docs/operations.md)",
+            file=sys.stderr,
         )
     store = _open_store(args)
     progress = not args.no_progress and sys.stderr.isatty()
@@ -646,9 +709,20 @@ def _gc_command(args: Any) -> int:
         else:
             print(format_action(action, dry_run=dry_run), flush=True)
 
-    report = asyncio.run(_close_after(store, gc(store, args.retired_older_than, dry_run=dry_run,
-                                                 abandoned_after=args.abandoned_after, prefix=args.prefix,
-                                                 on_action=show, progress=progress)))
+    report = asyncio.run(
+        _close_after(
+            store,
+            gc(
+                store,
+                args.retired_older_than,
+                dry_run=dry_run,
+                abandoned_after=args.abandoned_after,
+                prefix=args.prefix,
+                on_action=show,
+                progress=progress,
+            ),
+        )
+    )
     if args.json:
         print(msgspec.json.encode({"type": "summary", **msgspec.to_builtins(report)}).decode())
     else:

@@ -148,7 +148,10 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
         status = self.parent_resolution
         if status is ParentResolutionStatus.RESOLVED and not self.parent_call_id:
             raise RecordError("resolved parent metadata requires parent_call_id")
-        if status in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED) and self.parent_call_id is not None:
+        if (
+            status in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED)
+            and self.parent_call_id is not None
+        ):
             raise RecordError(f"{status.value} parent metadata cannot carry parent_call_id")
         if self.prompt_is_delta and (self.parent_call_id is None or status is not ParentResolutionStatus.RESOLVED):
             raise RecordError("a delta prompt requires a RESOLVED parent_call_id to reconstruct from")
@@ -375,7 +378,9 @@ def _has_big_float(entry: TokenEntry, extra: dict | None) -> bool:
     try:
         return not _scan_plain([entry.output_items, entry.routed_experts, extra or {}])
     except ValueError as error:
-        raise RecordError(f"entry of model call {entry.model_call_id!r} is not JSON-encodable like Gym's: {error}") from None
+        raise RecordError(
+            f"entry of model call {entry.model_call_id!r} is not JSON-encodable like Gym's: {error}"
+        ) from None
 
 
 def encode_entry(entry: TokenEntry) -> bytes:
@@ -453,7 +458,10 @@ def stamp_lineage(
     entry.parent_resolution_reason = reason
     if parent_resolution is ParentResolutionStatus.RESOLVED and parent_call_id is None:
         raise RecordError("resolved parent metadata requires parent_call_id")
-    if parent_resolution in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED) and parent_call_id is not None:
+    if (
+        parent_resolution in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED)
+        and parent_call_id is not None
+    ):
         raise RecordError(f"{parent_resolution.value} parent metadata cannot carry parent_call_id")
     return entry
 
@@ -469,7 +477,7 @@ def store_prompt_as_delta(entry: TokenEntry, parent_cumulative: list[int] | tupl
         raise RecordError("a delta prompt requires a RESOLVED parent_call_id to reconstruct from")
     if entry.prompt_is_delta or entry.prompt_token_ids[: len(parent)] != parent:
         raise RecordError("the full prompt does not start with the parent's cumulative tokens")
-    entry.prompt_token_ids = entry.prompt_token_ids[len(parent):]
+    entry.prompt_token_ids = entry.prompt_token_ids[len(parent) :]
     entry.prompt_is_delta = True
     return entry
 
@@ -477,5 +485,7 @@ def store_prompt_as_delta(entry: TokenEntry, parent_cumulative: list[int] | tupl
 def cumulative_tokens(entry: TokenEntry) -> list[int]:
     """Prompt plus generation of a full-prompt entry; raises ``ValueError`` for a delta entry."""
     if entry.prompt_is_delta:
-        raise ValueError(f"model call {entry.model_call_id} stores a delta prompt; reconstruct through its parent chain")
+        raise ValueError(
+            f"model call {entry.model_call_id} stores a delta prompt; reconstruct through its parent chain"
+        )
     return list(entry.prompt_token_ids) + list(entry.generation_token_ids)

@@ -152,9 +152,9 @@ class RolloutScan:
         """
         hasher = hashlib.sha256(b"s3capture.snapshot/2\n")
         for item in sorted(self.log, key=lambda i: i.key):
-            hasher.update(f"{item.key[len(self.prefix):]}\n".encode())
+            hasher.update(f"{item.key[len(self.prefix) :]}\n".encode())
         for item in sorted(self.foreign, key=lambda i: i.key):
-            hasher.update(f"{item.key[len(self.prefix):]}\t{item.etag}\n".encode())
+            hasher.update(f"{item.key[len(self.prefix) :]}\t{item.etag}\n".encode())
         return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]
 
 
@@ -428,7 +428,9 @@ class RolloutObjects:
             async for info, _ in listed:
                 yield info
 
-    async def _listed_rollouts(self, states: frozenset[str], prefix: str) -> AsyncGenerator[tuple[RolloutInfo, list[ListedObject]], None]:
+    async def _listed_rollouts(
+        self, states: frozenset[str], prefix: str
+    ) -> AsyncGenerator[tuple[RolloutInfo, list[ListedObject]], None]:
         base = f"{self.layout.root}rollouts/"
         list_prefix = base + (escape_id(prefix) if prefix else "")
         if len(list_prefix.encode()) > MAX_KEY_BYTES:
@@ -451,7 +453,9 @@ class RolloutObjects:
                 if info is not None and info.state in states:
                     yield info, items
 
-    async def _rollout_groups(self, base: str, list_prefix: str) -> AsyncGenerator[tuple[str, list[ListedObject]], None]:
+    async def _rollout_groups(
+        self, base: str, list_prefix: str
+    ) -> AsyncGenerator[tuple[str, list[ListedObject]], None]:
         """``(escaped segment, its listed objects)`` per rollout prefix under ``base``, from one
         paged LIST of ``list_prefix`` (each page verified and retried by the transport), one page
         fetched ahead. A rollout's keys are consecutive in every listing order, so a rollout ends

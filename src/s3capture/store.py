@@ -49,7 +49,14 @@ from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.errors import ListingError, SnapshotNotSealedError, StoreError
-from s3capture.layout import MAX_KEY_BYTES, MAX_SEGMENT_BYTES, checkpoint_rel, escape_id, is_checkpoint_rel, parse_log_key
+from s3capture.layout import (
+    MAX_KEY_BYTES,
+    MAX_SEGMENT_BYTES,
+    checkpoint_rel,
+    escape_id,
+    is_checkpoint_rel,
+    parse_log_key,
+)
 from s3capture.protocols import (
     LineageMatch,
     LineageResolution,
@@ -69,7 +76,15 @@ from s3capture.records import (
     prepare_entry,
     to_gym,
 )
-from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutInfo, RolloutObjects, RolloutScan, parse_s3_url, scan_listing
+from s3capture.rollouts import (
+    FENCE_FROZEN,
+    FENCE_RETIRED,
+    RolloutInfo,
+    RolloutObjects,
+    RolloutScan,
+    parse_s3_url,
+    scan_listing,
+)
 from s3capture.transport import ListedObject, default_botocore_config
 
 __all__ = [
@@ -114,6 +129,7 @@ delta entry that is K calls below its chain's last checkpoint or full-prompt anc
 resolver rebuilds any delta entry from one checkpoint and at most K - 1 deltas (``docs/design.md``)."""
 
 _TOKEN_HEADER = 9  # encode_token_ids: version byte + big-endian u64 count
+
 
 @dataclass(frozen=True)
 class FrozenSnapshot(TokenCaptureSnapshot):
@@ -237,7 +253,6 @@ def _checkpoint_matches(rel: str, tokens: list[int], entry: TokenEntry) -> bool:
     if entry.cum_len is not None and entry.cum_len != len(tokens):
         return False
     return compute_digest(tokens) == digest
-
 
 
 class S3TokenStore(RolloutObjects):
@@ -502,7 +517,9 @@ class S3TokenStore(RolloutObjects):
         if checkpoint is not None:
             # Derived, immutable and content-addressed: sent with the entry, so put stays one
             # round trip. A checkpoint that fails to land only costs readers a longer walk.
-            requests.append(self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint))))
+            requests.append(
+                self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint)))
+            )
         started = time.monotonic()
         state = (await asyncio.gather(*requests))[1]
         if state == "open" and time.monotonic() - started > self._fence_grace:
@@ -538,9 +555,9 @@ class S3TokenStore(RolloutObjects):
         keys = self._call_keys.get((record.rollout_id, parent_id))
         if not keys:
             for item in await self._list(prefix + "log/e/"):
-                parsed = parse_log_key(item.key[len(prefix):])
+                parsed = parse_log_key(item.key[len(prefix) :])
                 if parsed is not None:
-                    self._remember(record.rollout_id, parsed[1], item.key[len(prefix):])
+                    self._remember(record.rollout_id, parsed[1], item.key[len(prefix) :])
             keys = self._call_keys.get((record.rollout_id, parent_id))
         if not keys or len(keys) != 1:
             raise RecordError(
@@ -806,15 +823,19 @@ class S3TokenStore(RolloutObjects):
                 key=manifest_key,
             )
         if all(item.key != manifest_key for item in scan.snaps):
-            sealed_versions = sorted(item.key[len(prefix) + len("snap/"):] for item in scan.snaps)
-            newest = f"; the newest sealed manifest is snap/{sealed_versions[-1]}" if sealed_versions else "; no sealed manifest exists (its freeze did not finish)"
+            sealed_versions = sorted(item.key[len(prefix) + len("snap/") :] for item in scan.snaps)
+            newest = (
+                f"; the newest sealed manifest is snap/{sealed_versions[-1]}"
+                if sealed_versions
+                else "; no sealed manifest exists (its freeze did not finish)"
+            )
             raise SnapshotNotSealedError(
                 f"rollout {rollout_id!r} changed since its freeze: its listed state (version {version}, snapshot "
                 f"{snapshot_id}) has no sealed manifest{newest}; freeze it again, or read it with sealed=False",
                 state="changed",
                 key=manifest_key,
             )
-        objects = sorted(item.key[len(prefix):] for item in scan.log + scan.foreign)
+        objects = sorted(item.key[len(prefix) :] for item in scan.log + scan.foreign)
         limit = _MANIFEST_BASE_BYTES + _MANIFEST_BYTES_PER_OBJECT * len(objects)
         # Both always finish (a failure of one never leaves the other running unobserved); the
         # manifest's error is the one raised when both fail.
@@ -859,7 +880,9 @@ class S3TokenStore(RolloutObjects):
         try:
             return msgspec.json.decode(data, type=_Manifest)
         except msgspec.DecodeError as error:
-            raise StoreError(f"sealed manifest {key} is not an s3capture manifest: {error}", operation="GET", key=key) from None
+            raise StoreError(
+                f"sealed manifest {key} is not an s3capture manifest: {error}", operation="GET", key=key
+            ) from None
 
     async def _snapshot_of(self, rollout_id: str, scan: RolloutScan) -> FrozenSnapshot:
         """The snapshot of a scanned rollout: the one builder ``freeze`` and ``read_snapshot`` share.
@@ -889,7 +912,10 @@ class S3TokenStore(RolloutObjects):
             reasons.append(f"foreign_object:{item.key[plen:]}")
 
         wanted = [
-            (item, cid, fp, sha) for cid, variants in by_call.items() for sha, items in variants.items() for item, fp in items
+            (item, cid, fp, sha)
+            for cid, variants in by_call.items()
+            for sha, items in variants.items()
+            for item, fp in items
         ]
         # Cached entries are taken without a task each (a warm freeze is one LIST and no GET); only
         # the misses are fetched, in parallel.
@@ -1104,7 +1130,7 @@ class S3TokenStore(RolloutObjects):
         by_call: dict[str, list[str]] = collections.defaultdict(list)
         sizes: dict[str, int] = {}
         for item in listing:
-            parsed = parse_log_key(item.key[len(prefix):])
+            parsed = parse_log_key(item.key[len(prefix) :])
             if parsed is not None and parsed[0] == "e" and parsed[2] == fingerprint:
                 by_call[parsed[1]].append(item.key)
                 sizes[item.key] = item.size
@@ -1143,7 +1169,7 @@ class S3TokenStore(RolloutObjects):
                 return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
             if context != entry.continuation_context_digest:
                 continue
-            self._remember(rollout_id, entry.model_call_id, key[len(prefix):])
+            self._remember(rollout_id, entry.model_call_id, key[len(prefix) :])
             candidates.append((key, stored))
         if len(candidates) > 1:
             shapes = {(s.entry.digest, s.entry.cum_len) for _, s in candidates}
@@ -1163,7 +1189,12 @@ class S3TokenStore(RolloutObjects):
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="digest_mismatch")
         return LineageResolution(
             ParentResolutionStatus.RESOLVED,
-            match=LineageMatch(model_call_id=entry.model_call_id, cumulative_token_ids=tuple(tokens), digest=digest, prev_len=len(tokens)),
+            match=LineageMatch(
+                model_call_id=entry.model_call_id,
+                cumulative_token_ids=tuple(tokens),
+                digest=digest,
+                prev_len=len(tokens),
+            ),
         )
 
     async def _cumulative(self, prefix: str, key: str, stored: _Stored) -> list[int]:
@@ -1213,7 +1244,9 @@ class S3TokenStore(RolloutObjects):
                 window.append((ancestor_key, ancestor))
             for nearer, farther in zip([current, *(a for _, a in reversed(window))], [a for _, a in reversed(window)]):
                 if nearer.entry.parent_call_id != farther.entry.model_call_id:
-                    raise RecordError(f"ancestor chain of {stored.entry.model_call_id!r} is broken at {farther.entry.model_call_id!r}")
+                    raise RecordError(
+                        f"ancestor chain of {stored.entry.model_call_id!r} is broken at {farther.entry.model_call_id!r}"
+                    )
             seen.update(keys)
             farthest_key, farthest = window[0]
             if base_tokens is not None and _checkpoint_matches(current.cum_base, base_tokens, farthest.entry):
@@ -1236,4 +1269,3 @@ class S3TokenStore(RolloutObjects):
             raise RecordError(f"rebuilt tokens of {stored.entry.model_call_id!r} fail their digest")
         self._memoize(key, stored, tokens)
         return tokens
-

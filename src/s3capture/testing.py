@@ -81,7 +81,9 @@ def _chosen_kind(config: pytest.Config) -> str:
     if not raw:
         return "moto"
     if raw not in SERVER_KINDS:
-        pytest.fail(f"s3capture: {ENV_VAR}={raw!r}: unknown server; choose from {', '.join(SERVER_KINDS)}", pytrace=False)
+        pytest.fail(
+            f"s3capture: {ENV_VAR}={raw!r}: unknown server; choose from {', '.join(SERVER_KINDS)}", pytrace=False
+        )
     return raw
 
 

@@ -171,7 +171,9 @@ def _cumulative(entry: Any, by_id: Mapping[str, Any], memo: dict[str, list[int]]
             raise ChainError(f"{key}: delta prompt without a parent_call_id to rebuild it from")
         parent = by_id.get(parent_id)
         if parent is None:
-            raise ChainError(f"{key}: delta prompt whose parent {parent_id} is not in the snapshot (a hole in the chain)")
+            raise ChainError(
+                f"{key}: delta prompt whose parent {parent_id} is not in the snapshot (a hole in the chain)"
+            )
         current = parent
     if not path:
         return base
@@ -182,13 +184,17 @@ def _cumulative(entry: Any, by_id: Mapping[str, Any], memo: dict[str, list[int]]
             tokens.extend(item.prompt_token_ids)
             tokens.extend(item.generation_token_ids)
         if entry.digest and compute_digest(tokens) != entry.digest:
-            raise ChainError(f"{entry.model_call_id}: the cumulative tokens rebuilt from its delta prompt fail its digest")
+            raise ChainError(
+                f"{entry.model_call_id}: the cumulative tokens rebuilt from its delta prompt fail its digest"
+            )
         return tokens
     tokens = base
     for item in reversed(path):
         tokens = tokens + list(item.prompt_token_ids) + list(item.generation_token_ids)
         if item.digest and compute_digest(tokens) != item.digest:
-            raise ChainError(f"{item.model_call_id}: the cumulative tokens rebuilt from its delta prompt fail its digest")
+            raise ChainError(
+                f"{item.model_call_id}: the cumulative tokens rebuilt from its delta prompt fail its digest"
+            )
         memo[item.model_call_id] = tokens
     return tokens
 
@@ -279,7 +285,9 @@ def check_chain(entries: Sequence[Any]) -> list[str]:
             continue  # reported on the parent
         n = len(parent_tokens)
         if len(tokens) - len(entry.generation_token_ids) < n or tokens[:n] != parent_tokens:
-            problems.append(f"{cid}: prompt does not start with parent {parent_id}'s tokens (its prompt plus generation)")
+            problems.append(
+                f"{cid}: prompt does not start with parent {parent_id}'s tokens (its prompt plus generation)"
+            )
     return _unique(problems)  # a broken ancestor is reported once, not again for each descendant
 
 
@@ -391,7 +399,9 @@ def build_rollout(snapshot: "FrozenSnapshot", *, builder: str = "prefix_merging"
         raise TypeError(f"builder must be a string, got {type(builder).__name__}")
     for name in ("rollout_id", "entries", "incomplete", "snapshot_id", "version"):
         if not hasattr(snapshot, name):
-            raise TypeError(f"expected a FrozenSnapshot (or TokenCaptureSnapshot), got {type(snapshot).__name__} without {name!r}")
+            raise TypeError(
+                f"expected a FrozenSnapshot (or TokenCaptureSnapshot), got {type(snapshot).__name__} without {name!r}"
+            )
     if engine == "auto":
         # Gym's engine for the builders Gym has; ``per_request`` is the built-in engine's own.
         engine = "gym" if _gym_importable() and builder != "per_request" else "builtin"
@@ -422,7 +432,11 @@ def _unique(items: list[str]) -> list[str]:
 
 
 def _rollout_build(
-    snapshot: Any, trajectories: list[Trajectory], masked: bool, reasons: list[str], metrics: dict,
+    snapshot: Any,
+    trajectories: list[Trajectory],
+    masked: bool,
+    reasons: list[str],
+    metrics: dict,
     gym_result: dict | None = None,
 ) -> RolloutBuild:
     """The ``RolloutBuild`` of ``snapshot`` (either engine): reasons kept only when masked."""
@@ -461,7 +475,9 @@ class _SnapshotSource:
         snap = self._snapshot
         if rollout_id != snap.rollout_id:
             raise ValueError(f"this source holds rollout {snap.rollout_id!r}, not {rollout_id!r}")
-        return GymSnapshot(snap.rollout_id, tuple(to_gym_entries(snap.entries)), _incomplete(snap), snap.snapshot_id, snap.version)
+        return GymSnapshot(
+            snap.rollout_id, tuple(to_gym_entries(snap.entries)), _incomplete(snap), snap.snapshot_id, snap.version
+        )
 
 
 class _Loop:
@@ -535,7 +551,9 @@ def _trajectory_from_response(response: dict, entries: Sequence[Any]) -> tuple[T
     loss_mask: list[int] = []
     logprobs: list[float] = []
     generated = [
-        item for item in response.get("output", []) if isinstance(item, dict) and item.get("generation_token_ids") is not None
+        item
+        for item in response.get("output", [])
+        if isinstance(item, dict) and item.get("generation_token_ids") is not None
     ]
     by_id: dict[str, Any] = {}
     for entry in entries:
@@ -578,7 +596,9 @@ def _trajectory_from_response(response: dict, entries: Sequence[Any]) -> tuple[T
         named = [e for e in matches if call_ids and e.model_call_id == by_id[call_ids[-1]].parent_call_id]
         call_ids.append(min(e.model_call_id for e in named or matches))
     call_ids.reverse()
-    return Trajectory(chain_id=call_ids[-1], call_ids=call_ids, token_ids=token_ids, loss_mask=loss_mask, logprobs=logprobs), ""
+    return Trajectory(
+        chain_id=call_ids[-1], call_ids=call_ids, token_ids=token_ids, loss_mask=loss_mask, logprobs=logprobs
+    ), ""
 
 
 # --------------------------------------------------------------------------- engine "builtin"
@@ -674,7 +694,10 @@ def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBui
                 fail("resolved_parent_missing_id", cid)
             elif (candidate := nodes_by_id.get(entry.parent_call_id)) is None:
                 fail("parent_call_id_missing", cid, "missing_parent")
-            elif node.prompt_len >= len(candidate.cumulative) and cumulative[: len(candidate.cumulative)] == candidate.cumulative:
+            elif (
+                node.prompt_len >= len(candidate.cumulative)
+                and cumulative[: len(candidate.cumulative)] == candidate.cumulative
+            ):
                 parent = candidate
             else:
                 fail("parent_digest_mismatch", cid, "not_contiguous")
@@ -747,7 +770,11 @@ def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBui
     if any(r.startswith("logprob_length_mismatch:") for r in reasons):
         return result([], True, failed_metrics)  # log probabilities that do not align: Gym fails the build
     call_ids = [n.entry.model_call_id for n in main]
-    trajectories = [Trajectory(chain_id=call_ids[-1], call_ids=call_ids, token_ids=token_ids, loss_mask=loss_mask, logprobs=logprobs)]
+    trajectories = [
+        Trajectory(
+            chain_id=call_ids[-1], call_ids=call_ids, token_ids=token_ids, loss_mask=loss_mask, logprobs=logprobs
+        )
+    ]
 
     captured = sum(len(e.generation_token_ids) for e, _ in survivors)
     delivered = sum(len(n.entry.generation_token_ids) for n in main)
@@ -769,8 +796,12 @@ def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBui
 
 
 def _per_request(
-    survivors: list[tuple[Any, list[int]]], entries: list[Any], reasons: list[str], failures: dict[str, int],
-    empty: list[str], result: Any,
+    survivors: list[tuple[Any, list[int]]],
+    entries: list[Any],
+    reasons: list[str],
+    failures: dict[str, int],
+    empty: list[str],
+    result: Any,
 ) -> RolloutBuild:
     """Builder ``per_request``: one trajectory per model call with generated tokens, ordered by
     prompt length then call id. ``token_ids`` is the call's full prompt (loss 0) and its generation
@@ -780,7 +811,9 @@ def _per_request(
     generation), so a rollout with a hole is never trainable whichever builder reads it."""
     if any(r.startswith("logprob_length_mismatch:") for r in reasons):
         return result([], True, {"n_calls": len(entries), "parent_link_failures": failures})
-    ordered = sorted(survivors, key=lambda pair: (len(pair[1]) - len(pair[0].generation_token_ids), pair[0].model_call_id))
+    ordered = sorted(
+        survivors, key=lambda pair: (len(pair[1]) - len(pair[0].generation_token_ids), pair[0].model_call_id)
+    )
     trajectories = []
     for entry, cumulative in ordered:
         generated = len(entry.generation_token_ids)

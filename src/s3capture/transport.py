@@ -49,7 +49,15 @@ from botocore.parsers import ResponseParserError
 from s3capture.errors import ListingError, StoreError
 from s3capture.records import RecordError
 
-__all__ = ["Transport", "S3Transport", "ListedObject", "ListPage", "RequestHook", "default_botocore_config", "make_transport"]
+__all__ = [
+    "Transport",
+    "S3Transport",
+    "ListedObject",
+    "ListPage",
+    "RequestHook",
+    "default_botocore_config",
+    "make_transport",
+]
 
 log = logging.getLogger("s3capture")
 
@@ -57,10 +65,26 @@ T = TypeVar("T")
 
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
 _NOT_IMPLEMENTED = frozenset(
-    {"NotImplemented", "MethodNotAllowed", "501", "405", "MalformedXML", "MissingContentMD5", "InvalidDigest", "BadDigest"}
+    {
+        "NotImplemented",
+        "MethodNotAllowed",
+        "501",
+        "405",
+        "MalformedXML",
+        "MissingContentMD5",
+        "InvalidDigest",
+        "BadDigest",
+    }
 )
 _CREDENTIAL_ERRORS = frozenset(
-    {"ExpiredToken", "ExpiredTokenException", "InvalidToken", "TokenRefreshRequired", "RequestExpired", "InvalidAccessKeyId"}
+    {
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "RequestExpired",
+        "InvalidAccessKeyId",
+    }
 )
 """Answers after which the credentials are resolved again and the request retried once."""
 
@@ -163,7 +187,9 @@ def _verify_page(page: dict, prefix: str, seen: set[str]) -> ListPage:
       ``r1000/``) is dropped and logged: it is never counted, masked or deleted.
     """
     if "IsTruncated" not in page:
-        raise _Unverified(f"LIST {prefix!r} answered 200 with an empty or unparseable body", operation="LIST", key=prefix)
+        raise _Unverified(
+            f"LIST {prefix!r} answered 200 with an empty or unparseable body", operation="LIST", key=prefix
+        )
     objects: list[ListedObject] = []
     for item in page.get("Contents", ()) or ():
         key = item.get("Key")
@@ -188,7 +214,9 @@ def _verify_page(page: dict, prefix: str, seen: set[str]) -> ListPage:
     if page.get("IsTruncated"):
         token = page.get("NextContinuationToken")
         if not token:
-            raise _Unverified(f"LIST {prefix!r} was truncated without a continuation token", operation="LIST", key=prefix)
+            raise _Unverified(
+                f"LIST {prefix!r} was truncated without a continuation token", operation="LIST", key=prefix
+            )
     return ListPage(objects, token)
 
 
@@ -389,13 +417,19 @@ class Transport:
             state.idle.clear()
             try:
                 if self._closed:
-                    raise StoreError(f"this s3capture client for s3://{self.bucket} is closed", operation=operation, key=key)
+                    raise StoreError(
+                        f"this s3capture client for s3://{self.bucket} is closed", operation=operation, key=key
+                    )
                 async with state.sem:  # type: ignore[union-attr]
                     return await fn(client)
             except (StoreError, RecordError, asyncio.CancelledError):
                 raise
             except Exception as error:
-                if attempt == 0 and self._error_code(error) in _CREDENTIAL_ERRORS and await self._refresh(state, generation):
+                if (
+                    attempt == 0
+                    and self._error_code(error) in _CREDENTIAL_ERRORS
+                    and await self._refresh(state, generation)
+                ):
                     continue
                 raise self._wrap(error, operation, key) from error
             finally:
@@ -769,7 +803,9 @@ class S3Transport(Transport):
         try:
             return await client.list_objects_v2(**params)
         except ResponseParserError as error:
-            raise _Unverified(f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix) from None
+            raise _Unverified(
+                f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix
+            ) from None
 
     async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
         try:
@@ -848,9 +884,13 @@ def make_transport(
     if isinstance(transport, Transport):
         return transport
     if transport is not None and not isinstance(transport, str):
-        raise TypeError(f"transport must be a name ({', '.join(TRANSPORTS)}) or a Transport, got {type(transport).__name__}")
+        raise TypeError(
+            f"transport must be a name ({', '.join(TRANSPORTS)}) or a Transport, got {type(transport).__name__}"
+        )
     name = (transport or os.environ.get(TRANSPORT_ENV) or "aioboto3").strip().lower()
-    kwargs = dict(endpoint_url=endpoint_url, botocore_config=botocore_config, session=session, max_concurrency=max_concurrency)
+    kwargs = dict(
+        endpoint_url=endpoint_url, botocore_config=botocore_config, session=session, max_concurrency=max_concurrency
+    )
     if name == "aioboto3":
         return S3Transport(bucket, **kwargs)
     if name == "obstore":

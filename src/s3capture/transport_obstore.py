@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote_plus
 
 from s3capture.errors import StoreError
+
 if TYPE_CHECKING:
     from obstore.store import S3Config
 
@@ -54,7 +55,6 @@ log = logging.getLogger("s3capture")
 _RUNTIME_PID: int | None = None
 """The process in which obstore's runtime was first used (it does not survive ``fork``)."""
 _RUNTIME_LOCK = threading.Lock()
-
 
 
 def _rust_threads_in_asyncio() -> int:
@@ -103,7 +103,9 @@ def settle_completions(timeout: float = 2.0) -> bool:
 _XML_CODE = re.compile(r"<Code>([A-Za-z0-9_.-]+)</Code>")
 _STATUS = re.compile(r"\b(?:status|Status)[: ]+(\d{3})\b")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
-_RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling", "RequestTimeTooSkewed"})
+_RETRY_CODES = frozenset(
+    {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling", "RequestTimeTooSkewed"}
+)
 
 
 class _S3HTTPError(Exception):
@@ -112,7 +114,10 @@ class _S3HTTPError(Exception):
 
     def __init__(self, operation: str, status: int, code: str, message: str) -> None:
         super().__init__(f"{operation} answered HTTP {status} {code}: {message[:200]}")
-        self.response = {"Error": {"Code": code or str(status), "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        self.response = {
+            "Error": {"Code": code or str(status), "Message": message},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        }
 
 
 def _settings(botocore_config: Any) -> tuple[int, float, float]:
@@ -180,7 +185,11 @@ class ObstoreTransport(Transport):
             self._profile = profile if profile not in (None, "default") else None
             botocore_session = botocore.session.Session(profile=self._profile)
             explicit = getattr(getattr(session, "_session", None), "_credentials", None)
-            if explicit is not None and getattr(explicit, "method", None) == "explicit" and getattr(explicit, "access_key", None):
+            if (
+                explicit is not None
+                and getattr(explicit, "method", None) == "explicit"
+                and getattr(explicit, "access_key", None)
+            ):
                 # aioboto3.Session(aws_access_key_id=..., ...): the caller's keys, as on aioboto3.
                 # Credentials the session resolved from its chain (env, instance role, SSO) are
                 # not copied: they may be temporary, and the chain is read again here.
@@ -192,7 +201,13 @@ class ObstoreTransport(Transport):
                 self._owns_credentials = False
         self._botocore = botocore_session
         region = getattr(session, "region_name", None) if session is not None else None
-        self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or self._botocore.get_config_variable("region") or "us-east-1"
+        self.region = (
+            region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or self._botocore.get_config_variable("region")
+            or "us-east-1"
+        )
         self._credentials: Any = None
         self._credentials_lock = threading.Lock()
         if endpoint_url:
@@ -207,7 +222,9 @@ class ObstoreTransport(Transport):
             if self._credentials is None:
                 self._credentials = self._botocore.get_credentials()
                 if self._credentials is None:
-                    raise StoreError(f"no AWS credentials found for s3://{self.bucket} (the standard credential chain is empty)")
+                    raise StoreError(
+                        f"no AWS credentials found for s3://{self.bucket} (the standard credential chain is empty)"
+                    )
             return self._credentials.get_frozen_credentials()
 
     def _provide(self) -> dict[str, Any]:
@@ -216,7 +233,12 @@ class ObstoreTransport(Transport):
         ``_refresh`` reaches every client within that minute)."""
         frozen = self._frozen()
         expires = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=1)
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token, "expires_at": expires}
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": expires,
+        }
 
     async def _refresh(self, state: Any, generation: int) -> bool:
         """After an expired-token answer: resolve the standard credential chain again and rebuild
@@ -305,7 +327,11 @@ class ObstoreTransport(Transport):
                 "retry_timeout": _dt.timedelta(seconds=max(60.0, self._read_timeout * 2)),
                 # botocore's standard mode: up to 1, 2, 4, 8 s (jittered), at most 20 s, so a
                 # server restart of a few seconds is ridden out on both transports alike.
-                "backoff": {"init_backoff": _dt.timedelta(seconds=1), "max_backoff": _dt.timedelta(seconds=20), "base": 2},
+                "backoff": {
+                    "init_backoff": _dt.timedelta(seconds=1),
+                    "max_backoff": _dt.timedelta(seconds=20),
+                    "base": 2,
+                },
             },
             credential_provider=provider,
         )
@@ -448,10 +474,14 @@ def _parse_list(body: bytes, prefix: str) -> dict:
     try:
         root = ET.fromstring(body)
     except ET.ParseError as error:
-        raise _Unverified(f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix) from None
+        raise _Unverified(
+            f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix
+        ) from None
     ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
     if root.tag != ns + "ListBucketResult":
-        raise _Unverified(f"LIST {prefix!r} answered with a {root.tag!r} document, not a listing", operation="LIST", key=prefix)
+        raise _Unverified(
+            f"LIST {prefix!r} answered with a {root.tag!r} document, not a listing", operation="LIST", key=prefix
+        )
     page: dict[str, Any] = {}
     truncated = root.findtext(ns + "IsTruncated")
     if truncated is not None:
@@ -468,7 +498,9 @@ def _parse_list(body: bytes, prefix: str) -> dict:
         try:
             size = int(item.findtext(ns + "Size") or 0)
         except ValueError:
-            raise _Unverified(f"LIST {prefix!r} answered an object with a malformed Size", operation="LIST", key=prefix) from None
+            raise _Unverified(
+                f"LIST {prefix!r} answered an object with a malformed Size", operation="LIST", key=prefix
+            ) from None
         entry: dict[str, Any] = {"Key": key, "ETag": item.findtext(ns + "ETag") or "", "Size": size}
         modified = item.findtext(ns + "LastModified")
         if modified:
