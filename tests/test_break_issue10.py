@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from helpers import simple_entry
 
 from s3capture.errors import StoreError
 
@@ -59,3 +60,73 @@ async def test_a_renewal_that_lands_after_a_takeover_does_not_resurrect_the_clai
     finally:
         await first.close()
         await second.close()
+
+
+@MOTO
+async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
+    fresh: Any, bucket_url: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paused export whose claim was taken over still publishes the shard it was writing when it
+    resumes: the shard number is the one the new export also used (both start from the highest
+    shard they found), so its data file and manifest replace the new export's, whose rollouts are
+    already dropped. Their rows are gone from the destination and from the bucket. ``check_held``
+    guards only the drops; the workers' ``publish`` never checks the claim. Found by pausing the
+    first export's data-file PUT (a SIGSTOPped process group behaves alike) while a second export
+    takes the prefix over and drops. Fix: a shard publishes under a name no other export can
+    choose (e.g. the claim id in the data and manifest names), or the parent checks the claim and
+    the destination (no manifest of that number) right before a worker publishes."""
+    import io
+    import threading
+
+    import s3capture.export as export_module
+    from s3capture.export import export, read_manifests
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    writer, builder = fresh(), fresh()
+    for rid in ("a1", "b1"):
+        await writer.put(simple_entry(rid, "c1"))
+        await builder.freeze(rid)
+    monkeypatch.setattr(export_module, "CLAIM_LEASE", 1.0)
+    monkeypatch.setattr(export_module, "CLAIM_HOLD", 0.5)  # below the lease, as CLAIM_HOLD < CLAIM_LEASE
+    monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.1)
+    real_renew = export_module._S3Destination._renew
+    renewing: list[Any] = []
+
+    async def renew_unless_first(self: Any) -> None:
+        renewing.append(self)
+        if len(renewing) > 1:  # the first export is "paused": it never renews
+            await real_renew(self)
+
+    monkeypatch.setattr(export_module._S3Destination, "_renew", renew_unless_first)
+    bucket = bucket_url[len("s3://"):].split("/")[0]
+    dest = f"s3://{bucket}/exports-takeover"
+    resume = threading.Event()
+    first_publish = threading.Event()
+    real_publish = export_module._S3Destination.publish
+
+    async def paused_publish(self: Any, name: str, temp: str) -> int:
+        if not first_publish.is_set():
+            first_publish.set()
+            resume.wait(30)  # the first export stalls right before its data file lands
+        return await real_publish(self, name, temp)
+
+    monkeypatch.setattr(export_module._S3Destination, "publish", paused_publish)
+    first = asyncio.ensure_future(export(bucket_url, dest, workers=0, ids=["a1"], drop=True, fence_grace=0.0))
+    for _ in range(200):
+        if first_publish.is_set():
+            break
+        await asyncio.sleep(0.05)
+    assert first_publish.is_set()
+    await asyncio.sleep(2.2)  # the first export's claim is stale by the store's clock
+    try:
+        second = await export(bucket_url, dest, workers=0, ids=["b1"], drop=True, fence_grace=0.0)
+    finally:
+        resume.set()
+        await first
+    assert second.dropped == 1, second
+    exported: set[str] = set()
+    for manifest in await read_manifests(dest):
+        body = s3_client.get_object(Bucket=bucket, Key=f"exports-takeover/{manifest.data}")["Body"].read()
+        exported |= {row["rollout_id"] for row in pq.read_table(io.BytesIO(body)).to_pylist()}
+    dropped = {info.rollout_id async for info in fresh().rollouts("retired")}
+    assert dropped <= exported, f"dropped {sorted(dropped)} but the destination holds rows of {sorted(exported)} only"
