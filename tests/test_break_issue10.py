@@ -157,3 +157,50 @@ async def test_gc_removes_a_retired_rollout_that_has_a_folder_marker(fresh: Any,
     assert plan.deleted_rollouts + plan.retired_again == 1, plan
     done = await gc(store, 0, dry_run=False, now=time.time() + 10)
     assert done.skipped == 0 and done.deleted_rollouts + done.retired_again == 1, done
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_doctor_stopped_by_a_signal_leaves_nothing_behind(s3_env: Any, s3_client: Any, bucket_url: str, signum: str) -> None:
+    """``s3capture doctor`` promises to delete everything it wrote, but SIGTERM (``timeout``, a CI
+    job cancelled, ``kill``, Kubernetes stopping a pod) ends the process at once: nothing handles
+    it, the ``finally`` never runs and every probe object stays under
+    ``<prefix>/_s3capture-doctor-<uuid>/`` (about 200 with ``--samples 200``). SIGINT (Ctrl-C) is
+    the control: it cancels the run and cleans up. Found by killing a doctor run with each signal
+    and listing the bucket. Fix: install a SIGTERM handler for the run (as ``s3capture serve``
+    does) that cancels the main task, so the cleanup runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import split_bucket_url
+
+    bucket, root = split_bucket_url(bucket_url)
+    src = os.path.join(os.path.dirname(__file__), os.pardir, "src")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def default_sigint() -> None:  # a shell's background job inherits SIGINT ignored; a terminal does not
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s3capture.cli", "doctor", bucket_url, "--samples", "1000"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{root}_s3capture-doctor-")
+            if listed.get("KeyCount", 0) >= 20:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(getattr(signal, signum))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{root}_s3capture-doctor-").get("KeyCount", 0)
+    assert left == 0, f"{signum}: {left} probe objects left behind (exit {proc.returncode}); stderr: {err[-300:]!r}"
