@@ -181,12 +181,14 @@ def test_doctor_stopped_by_a_signal_leaves_nothing_behind(s3_env: Any, s3_client
     src = os.path.join(os.path.dirname(__file__), os.pardir, "src")
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
-    def default_sigint() -> None:  # a shell's background job inherits SIGINT ignored; a terminal does not
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
+    # Ctrl-C's handler as in a terminal (a shell's background job would inherit SIGINT ignored).
+    launcher = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['s3capture'] + sys.argv[1:]; runpy.run_module('s3capture.cli', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "s3capture.cli", "doctor", bucket_url, "--samples", "1000"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
+        [sys.executable, "-c", launcher, "doctor", bucket_url, "--samples", "1000"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 60
@@ -197,7 +199,7 @@ def test_doctor_stopped_by_a_signal_leaves_nothing_behind(s3_env: Any, s3_client
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(getattr(signal, signum))
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
