@@ -32,7 +32,7 @@ async def test_a_renewal_that_lands_after_a_takeover_does_not_resurrect_the_clai
     monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.05)
     monkeypatch.setattr(export_module, "CLAIM_HOLD", 0.5)
     monkeypatch.setattr(export_module, "CLAIM_LEASE", 1.0)
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     dest = f"s3://{bucket}/exports-claim"
     first = export_module._S3Destination(dest, endpoint_url=None, transport=None)
     second = export_module._S3Destination(dest, endpoint_url=None, transport=None)
@@ -98,7 +98,7 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
             await real_renew(self)
 
     monkeypatch.setattr(export_module._S3Destination, "_renew", renew_unless_first)
-    bucket = bucket_url[len("s3://"):].split("/")[0]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
     dest = f"s3://{bucket}/exports-takeover"
     resume = threading.Event()
     first_publish = threading.Event()
@@ -133,7 +133,9 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
 
 
 @MOTO
-async def test_gc_removes_a_retired_rollout_that_has_a_folder_marker(fresh: Any, s3_client: Any, bucket_url: str) -> None:
+async def test_gc_removes_a_retired_rollout_that_has_a_folder_marker(
+    fresh: Any, s3_client: Any, bucket_url: str
+) -> None:
     """A retired rollout whose prefix also holds a zero-byte "folder" object ``rollouts/<rid>/``
     (what the S3 console's "Create folder", s3fs or rclone's directory markers write) is never
     cleaned: the dry run promises "would delete", but ``gc --yes`` reports it ``skipped (changed
@@ -161,7 +163,9 @@ async def test_gc_removes_a_retired_rollout_that_has_a_folder_marker(fresh: Any,
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
-def test_doctor_stopped_by_a_signal_leaves_nothing_behind(s3_env: Any, s3_client: Any, bucket_url: str, signum: str) -> None:
+def test_doctor_stopped_by_a_signal_leaves_nothing_behind(
+    s3_env: Any, s3_client: Any, bucket_url: str, signum: str
+) -> None:
     """``s3capture doctor`` promises to delete everything it wrote, but SIGTERM (``timeout``, a CI
     job cancelled, ``kill``, Kubernetes stopping a pod) ends the process at once: nothing handles
     it, the ``finally`` never runs and every probe object stays under
@@ -188,7 +192,9 @@ def test_doctor_stopped_by_a_signal_leaves_nothing_behind(s3_env: Any, s3_client
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", launcher, "doctor", bucket_url, "--samples", "1000"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 60
