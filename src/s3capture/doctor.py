@@ -1035,6 +1035,25 @@ def register(sub: Any) -> Any:
     return doctor
 
 
+async def _until_signal(work: Any) -> Any:
+    """Run ``work``; SIGTERM cancels it as Ctrl-C does, so its clean-up (``finally``) still
+    deletes every probe object (``timeout``, a cancelled CI job or a stopped pod send SIGTERM)."""
+    import signal
+
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+        return await task
+    try:
+        return await task
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None  # the command line's exit status 130, as after Ctrl-C
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def _command(args: Any) -> int:
     import sys
 
@@ -1044,7 +1063,7 @@ def _command(args: Any) -> int:
             if os.environ.get(name):
                 endpoint = os.environ[name]
                 break
-    report = asyncio.run(diagnose(args.url, endpoint_url=endpoint, samples=args.samples))
+    report = asyncio.run(_until_signal(diagnose(args.url, endpoint_url=endpoint, samples=args.samples)))
     if args.json:
         print(msgspec.json.encode(report.to_json()).decode())
     else:

@@ -79,8 +79,11 @@ TOKEN_TYPES = ("auto", "int64")
 MANIFEST_FORMAT = "s3capture.export-shard/1"
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
-_PART = re.compile(r"^(?:part-(\d{5,})\.(?:parquet|jsonl)|_?part-(\d{5,})\.manifest\.json)$")
-"""Data files ``part-NNNNN.parquet|jsonl`` and manifests ``_part-NNNNN.manifest.json`` (the leading
+_PART = re.compile(
+    r"^(?:part-(\d{5,})(?:-[0-9a-f]{8,32})?\.(?:parquet|jsonl)|_?part-(\d{5,})(?:-[0-9a-f]{8,32})?\.manifest\.json)$"
+)
+"""Data files ``part-NNNNN[-<run tag>].parquet|jsonl`` and manifests ``_part-NNNNN[-<run tag>].manifest.json``
+(``ExportJob.run_tag`` on ``s3://`` destinations; the leading
 ``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset).
 Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read too: otherwise their
 data files would look unfinished and be removed."""
@@ -146,6 +149,20 @@ class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
     endpoint_url: str | None = None
     transport: str | None = None
     cache_bytes: int = 32 * 1024 * 1024
+    run_tag: str = ""
+    """On an ``s3://`` destination, this export's claim id, in the name of every shard it writes
+    (``part-NNNNN-<run_tag>.parquet``): an export taken over after a pause can never replace a
+    shard of the export that took over (both number shards from the highest one they found)."""
+
+    def shard_name(self, shard: int) -> str:
+        """The data file of ``shard``: ``part-NNNNN[-<run_tag>].parquet`` (or ``.jsonl``)."""
+        tag = f"-{self.run_tag}" if self.run_tag else ""
+        return f"part-{shard:05d}{tag}.{'parquet' if self.format == 'parquet' else 'jsonl'}"
+
+    def manifest_name(self, shard: int) -> str:
+        """The manifest of ``shard``: ``_part-NNNNN[-<run_tag>].manifest.json``."""
+        tag = f"-{self.run_tag}" if self.run_tag else ""
+        return f"_part-{shard:05d}{tag}.manifest.json"
 
 
 class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -582,6 +599,7 @@ class _S3Destination(_Destination):
         self._renewed = 0.0
         self._renewal: asyncio.Task | None = None
         self._lost: str | None = None
+        self.tag = ""  # the claim's id (``lock``), also in this export's shard names
 
     @property
     def requests(self) -> collections.Counter:  # type: ignore[override]
@@ -622,7 +640,8 @@ class _S3Destination(_Destination):
         """
         import socket
 
-        claim = self._claim = f"{self.prefix}{_LOCK}/{uuid.uuid4().hex}"
+        self.tag = uuid.uuid4().hex[:16]
+        claim = self._claim = f"{self.prefix}{_LOCK}/{self.tag}"
         self._claim_body = msgspec.json.encode(
             {
                 "host": socket.gethostname(),
@@ -668,7 +687,14 @@ class _S3Destination(_Destination):
                     self._lost = "its claim was deleted (taken over after a pause longer than the lease?)"
                     return
                 await self.transport.put(claim, self._claim_body)
-                self._renewed = time.monotonic()
+                previous, self._renewed = self._renewed, time.monotonic()
+                if self._renewed - previous > CLAIM_HOLD:
+                    # Paused past the hold (perhaps between the GET and the PUT): another export
+                    # may have taken over, and this PUT may have re-created a deleted claim.
+                    self._lost = f"its renewal came {self._renewed - previous:.0f} s after the previous one"
+                    self._claim = None
+                    await self.transport.delete([claim])
+                    return
             except Exception as error:  # noqa: BLE001 - check_held decides when it is too late
                 _log.warning("could not renew the export's claim %s: %s", claim, error)
 
@@ -745,7 +771,7 @@ class _Writer:
     def __init__(self, job: ExportJob, dest: _Destination, shard: int) -> None:
         self.job = job
         self.dest = dest
-        self.name = f"part-{shard:05d}.{'parquet' if job.format == 'parquet' else 'jsonl'}"
+        self.name = job.shard_name(shard)
         self.temp = dest.temp_path(self.name)
         self.rows = 0
 
@@ -1246,7 +1272,7 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
             rollouts=result.records,
         )
         body = msgspec.json.format(msgspec.json.encode(manifest), indent=1)
-        result.manifest = f"_part-{shard:05d}.manifest.json"
+        result.manifest = job.manifest_name(shard)
         await dest.publish_bytes(result.manifest, body)
         result.bytes_written += len(body)
     except BaseException:
@@ -1868,6 +1894,8 @@ async def export(
     target = _open_destination(job)
     try:
         await target.lock()  # held until the end: another export into it is refused
+        if isinstance(target, _S3Destination) and target.tag:
+            job = msgspec.structs.replace(job, run_tag=target.tag)
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:

@@ -413,7 +413,9 @@ async def _collect_one(
         # The re-check: a listing of the rollout's own prefix right before anything is changed must
         # show exactly what the streaming listing showed; anything new, gone or rewritten leaves
         # the rollout alone (a writer or another tool is active there).
-        again = await store._list(rollout_prefix)
+        # A "folder" object named like the prefix itself (S3 consoles, s3fs, rclone) is not the
+        # rollout's: the streaming listing leaves it out, and so does the re-check.
+        again = [item for item in await store._list(rollout_prefix) if item.key != rollout_prefix]
         if not _same_listing(items, again):
             report.skipped += 1
             emit(
