@@ -86,8 +86,10 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
     for rid in ("a1", "b1"):
         await writer.put(simple_entry(rid, "c1"))
         await builder.freeze(rid)
-    monkeypatch.setattr(export_module, "CLAIM_LEASE", 1.0)
-    monkeypatch.setattr(export_module, "CLAIM_HOLD", 0.5)  # below the lease, as CLAIM_HOLD < CLAIM_LEASE
+    # Below the lease, as CLAIM_HOLD < CLAIM_LEASE; wide enough that the second export's own
+    # renewals (every 0.1 s) keep its hold under a loaded machine's slow round trips.
+    monkeypatch.setattr(export_module, "CLAIM_LEASE", 2.0)
+    monkeypatch.setattr(export_module, "CLAIM_HOLD", 1.5)
     monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.1)
     real_renew = export_module._S3Destination._renew
     renewing: list[Any] = []
@@ -117,7 +119,7 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
             break
         await asyncio.sleep(0.05)
     assert first_publish.is_set()
-    await asyncio.sleep(2.2)  # the first export's claim is stale by the store's clock
+    await asyncio.sleep(3.2)  # the first export's claim is stale by the store's clock (1 s resolution)
     try:
         second = await export(bucket_url, dest, workers=0, ids=["b1"], drop=True, fence_grace=0.0)
     finally:

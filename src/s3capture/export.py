@@ -96,6 +96,16 @@ CLAIM_LEASE = 600.0
 is stale: the export that wrote it is taken to be dead, and the next export takes the destination."""
 CLAIM_RENEW = 30.0
 """Seconds between renewals of a live export's claim."""
+
+
+def _awake_clock() -> float:
+    """Seconds of a clock that keeps counting while the machine sleeps (Linux ``CLOCK_BOOTTIME``;
+    ``time.monotonic`` elsewhere): a laptop or VM suspended past the lease must find its claim's
+    hold expired when it wakes, which ``CLOCK_MONOTONIC`` (stopped during suspend) would hide."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(boottime) if boottime is not None else time.monotonic()
+
+
 CLAIM_HOLD = 300.0
 """Seconds after its last successful renewal at which an export stops dropping: it may have been
 taken over. Well below ``CLAIM_LEASE``, so a paused export fences itself before another can start."""
@@ -650,7 +660,7 @@ class _S3Destination(_Destination):
             }
         )
         await self.transport.put(claim, self._claim_body)
-        self._renewed = time.monotonic()
+        self._renewed = _awake_clock()
         try:
             claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[claim])
             (mine,) = [c for c in claims if c.key == claim]
@@ -687,7 +697,7 @@ class _S3Destination(_Destination):
                     self._lost = "its claim was deleted (taken over after a pause longer than the lease?)"
                     return
                 await self.transport.put(claim, self._claim_body)
-                previous, self._renewed = self._renewed, time.monotonic()
+                previous, self._renewed = self._renewed, _awake_clock()
                 if self._renewed - previous > CLAIM_HOLD:
                     # Paused past the hold (perhaps between the GET and the PUT): another export
                     # may have taken over, and this PUT may have re-created a deleted claim.
@@ -701,7 +711,7 @@ class _S3Destination(_Destination):
     def check_held(self) -> None:
         lost = self._lost
         if lost is None and self._claim is not None:
-            overdue = time.monotonic() - self._renewed
+            overdue = _awake_clock() - self._renewed
             if overdue > CLAIM_HOLD:
                 lost = f"its claim was last renewed {overdue:.0f} s ago"
         if lost:
