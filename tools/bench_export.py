@@ -60,6 +60,7 @@ from _benchcommon import (
     DATA_DIR,
     ROOT,
     BareOps,
+    DelayProxy,
     build_entry,
     load_average,
     machine_summary,
@@ -423,8 +424,21 @@ def per_rollout(requests: dict[str, int], n: int) -> str:
 async def measure(
     server: Any, bucket: str, root: str, n: int, transport: str, args: argparse.Namespace, scratch: str
 ) -> dict[str, Any]:
-    """The bare reader and the export of one captured root on one transport, ``args.repeats`` times."""
-    endpoint = server.endpoint_url
+    """The bare reader and the export of one captured root on one transport, ``args.repeats`` times
+    (both through one ``--rtt-ms`` delay proxy when asked: a store that is not on loopback)."""
+    proxy = DelayProxy(server.port, args.rtt_ms) if args.rtt_ms > 0 else None
+    try:
+        return await _measure(
+            proxy.endpoint_url if proxy else server.endpoint_url, server, bucket, root, n, transport, args, scratch
+        )
+    finally:
+        if proxy is not None:
+            proxy.stop()
+
+
+async def _measure(
+    endpoint: str, server: Any, bucket: str, root: str, n: int, transport: str, args: argparse.Namespace, scratch: str
+) -> dict[str, Any]:
     bound = max(8, min(64, 4 * args.concurrency))
     url = f"s3://{bucket}/{root}"
     await bare_read(bucket, root, endpoint, transport, args.workers, bound)  # warm-up, not counted
@@ -503,7 +517,9 @@ async def run_server(kind: str, transports: list[str], args: argparse.Namespace)
     for transport in transports:
         lines = [
             f"### export vs a bare reader on {kind} ({transport} transport, {args.calls} calls per rollout, "
-            f"{args.storage} prompts, --workers {args.workers} --concurrency {args.concurrency}, {args.repeats} repeats)\n"
+            f"{args.storage} prompts, --workers {args.workers} --concurrency {args.concurrency}, {args.repeats} repeats"
+            + (f", every request behind a {args.rtt_ms:g} ms round-trip delay proxy" if args.rtt_ms > 0 else "")
+            + ")\n"
         ]
         rows, request_rows, memory_rows = [], [], []
         for n in args.sizes:
@@ -641,6 +657,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--export-args", default="", help="more 's3capture export' options, e.g. '--build-with builtin'"
+    )
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=0.0,
+        help="add this round-trip time to every request of both readers (tools/_delayproxy.py; default 0: loopback)",
     )
     parser.add_argument("--profile", action="store_true", help="also cProfile one shard of export_shard")
     parser.add_argument("--quick", action="store_true", help="20 and 60 rollouts of 2 calls, one repeat (smoke test)")
