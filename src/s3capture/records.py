@@ -27,6 +27,7 @@ import copy
 import enum
 import hashlib
 import math
+import re
 import struct
 from typing import Annotated, Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "encode_entry",
     "decode_entry",
+    "decode_canonical_entry",
     "coerce_entry",
     "prepare_entry",
     "to_gym",
@@ -168,6 +170,27 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
 _FIELD_NAMES = frozenset(TokenEntry.__struct_fields__)
 _json_encoder = msgspec.json.Encoder(order="sorted")
 _json_decoder = msgspec.json.Decoder()
+_typed_decoder = msgspec.json.Decoder(TokenEntry)
+# msgspec spells a float with a positive exponent "1e16" where orjson (Gym) spells "1e+16".
+_EXPONENT_DIGIT = re.compile(rb"e[0-9]")
+_NUMBER_BYTES = frozenset(b"0123456789.-")
+
+
+def _has_msgspec_only_float(data: bytes) -> bool:
+    """Whether compact JSON ``data`` may hold a number spelled like ``1e16`` (no ``+``).
+
+    Every ``e`` followed by a digit is walked back over digits, ``.`` and ``-``: a JSON number in
+    compact JSON starts right after ``:``, ``,`` or ``[``. Hex digests and words stop the walk at a
+    letter or a quote; text that happens to look like a number inside a string is a false alarm,
+    which only sends the caller down its general path.
+    """
+    for match in _EXPONENT_DIGIT.finditer(data):
+        at = match.start() - 1
+        while at >= 0 and data[at] in _NUMBER_BYTES:
+            at -= 1
+        if at < match.start() - 1 and (at < 0 or data[at] in b":,["):
+            return True
+    return False
 
 
 def _check_schema_version(version: Any) -> None:
@@ -210,6 +233,39 @@ def decode_entry(data: bytes | str) -> TokenEntry:
     except msgspec.DecodeError as error:
         raise RecordError(f"token entry is not valid JSON: {error}") from None
     return _from_mapping(raw)
+
+
+def decode_canonical_entry(data: bytes) -> TokenEntry:
+    """Decode entry bytes that must be the canonical encoding of the entry they decode to.
+
+    Equivalent to ``decode_entry(data)`` followed by the check ``encode_entry(entry) == data``, at
+    about half the CPU for canonical bytes: one typed decode (the field types are checked while
+    parsing) and one encode, compared with ``data``. Anything the fast path cannot prove
+    canonical (extra fields, a repeated key, a float with a positive exponent, a non-canonical
+    spelling) takes the general path, which decides.
+
+    Raises ``UnsupportedSchemaError`` for a newer ``schema_version`` and ``RecordError`` for bytes
+    that are not valid, or not the canonical encoding of a valid ``TokenEntry``.
+    """
+    try:
+        entry = _typed_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        entry = None
+    if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:
+        if not _has_msgspec_only_float(data):
+            _check_schema_version(entry.schema_version)
+            for name in ("prompt_token_ids", "generation_token_ids"):
+                ids = getattr(entry, name)
+                # The typed decode proved every id >= 0, so a sum in range bounds each id (C speed).
+                if ids and sum(ids) > _MAX_TOKEN_ID and max(ids) > _MAX_TOKEN_ID:
+                    raise RecordError(f"{name} holds a token id over 2**64 - 1, which Gym's digest cannot encode")
+            return entry._validate_contract()
+    entry = decode_entry(data)
+    if encode_entry(entry) != data:
+        # Valid JSON that is not the canonical encoding (a repeated key decodes last-wins, a
+        # reordered or respaced object, ...): its digest and its tokens may disagree.
+        raise RecordError("stored entry bytes are not the canonical encoding of the entry they decode to")
+    return entry
 
 
 def coerce_entry(entry: Any) -> TokenEntry:

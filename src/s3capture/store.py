@@ -70,7 +70,7 @@ from s3capture.records import (
     RecordError,
     TokenEntry,
     compute_digest,
-    decode_entry,
+    decode_canonical_entry,
     encode_entry,
     encode_token_ids,
     prepare_entry,
@@ -438,11 +438,7 @@ class S3TokenStore(RolloutObjects):
             raise RecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
             raise RecordError("stored entry bytes do not match the SHA-256 in their key")
-        entry = decode_entry(payload)
-        if encode_entry(entry) != payload:
-            # Valid JSON that is not the canonical encoding (a repeated key decodes last-wins, a
-            # reordered or respaced object, ...): its digest and its tokens may disagree.
-            raise RecordError("stored entry bytes are not the canonical encoding of the entry they decode to")
+        entry = decode_canonical_entry(payload)
         return _Stored(entry, chain, _heap_estimate(entry, payload), cum_base=cum_base, cum_self=cum_self)
 
     def _remember(self, rollout_id: str, model_call_id: str, rel: str) -> None:
@@ -1006,7 +1002,7 @@ class S3TokenStore(RolloutObjects):
             except (RecordError, TypeError, ValueError, OverflowError, UnicodeError):
                 payload = b""  # a caller put something unencodable into a shared nested part
             if payload and hashlib.sha256(payload).hexdigest() == sha:
-                out.append(decode_entry(payload))
+                out.append(decode_canonical_entry(payload))
                 continue
             self._cache.discard(key)
             refetch.append((len(out), key, sha))

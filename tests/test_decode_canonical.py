@@ -1,0 +1,169 @@
+"""The read-side decoder (``records.decode_canonical_entry``) against its reference.
+
+Every reader of a stored entry (freeze, resolve, read_snapshot, export) accepts only the canonical
+encoding of the entry the bytes decode to. The reference check is ``decode_entry`` followed by
+``encode_entry(entry) == data``; ``decode_canonical_entry`` has a fast path (one typed decode, one
+encode) and must give exactly the reference's answer for every input: the same entry, or a
+``RecordError`` (``UnsupportedSchemaError``) where the reference raises one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_records import _base, finite_floats, valid_entry_dicts
+
+from s3capture.records import (
+    RecordError,
+    TokenEntry,
+    UnsupportedSchemaError,
+    _has_msgspec_only_float,
+    coerce_entry,
+    decode_canonical_entry,
+    decode_entry,
+    encode_entry,
+)
+
+MEDIUM = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+
+
+def _reference(data: bytes) -> TokenEntry:
+    entry = decode_entry(data)
+    if encode_entry(entry) != data:
+        raise RecordError("not canonical")
+    return entry
+
+
+def _outcome(fn, data: bytes) -> tuple[str, object]:
+    try:
+        entry = fn(data)
+    except UnsupportedSchemaError:
+        return ("unsupported", None)
+    except RecordError:
+        return ("refused", None)
+    return ("entry", (entry.model_dump(), entry.extra_fields, type(entry.parent_resolution)))
+
+
+def _same(data: bytes) -> tuple[str, object]:
+    fast, reference = _outcome(decode_canonical_entry, data), _outcome(_reference, data)
+    assert fast == reference
+    return fast
+
+
+@MEDIUM
+@given(valid_entry_dicts(floats=finite_floats))
+def test_canonical_bytes_decode_to_the_reference_entry(d: dict) -> None:
+    data = encode_entry(coerce_entry(d))
+    kind, _ = _same(data)
+    assert kind == "entry"
+
+
+@MEDIUM
+@given(valid_entry_dicts(floats=finite_floats), st.sampled_from(["msgspec", "pretty", "reordered", "repeated"]))
+def test_non_canonical_spellings_are_refused_like_the_reference(d: dict, spelling: str) -> None:
+    entry = coerce_entry(d)
+    canonical = encode_entry(entry)
+    if spelling == "msgspec":
+        # msgspec's own encoding: equal to the canonical bytes except for floats >= 1e16 ("1e16").
+        data = msgspec.json.encode(msgspec.to_builtins(entry) | entry.extra_fields, order="sorted")
+    elif spelling == "pretty":
+        data = json.dumps(json.loads(canonical), indent=1, sort_keys=True).encode()
+    elif spelling == "reordered":
+        data = json.dumps(dict(reversed(list(json.loads(canonical).items()))), separators=(",", ":")).encode()
+    else:
+        data = b'{"model":"x",' + canonical[1:]  # "model" twice: decodes last-wins
+    kind, _ = _same(data)
+    assert kind == ("entry" if data == canonical else "refused")
+
+
+def test_a_float_spelled_the_msgspec_way_is_refused() -> None:
+    for fields, gym, msgspec_spelling in (
+        ({"created_at": 1e16}, b"1e+16", b"1e16"),
+        ({"generation_log_probs": [-2.5e17, -1.0]}, b"-2.5e+17", b"-2.5e17"),
+    ):
+        canonical = encode_entry(coerce_entry(_base(**fields)))
+        assert gym in canonical
+        assert _same(canonical)[0] == "entry"
+        assert _same(canonical.replace(gym, msgspec_spelling))[0] == "refused"
+
+
+def test_big_floats_inside_nested_fields_are_judged_by_the_general_path() -> None:
+    for fields, gym, msgspec_spelling in (
+        ({"output_items": [{"x": [1.5e20, "1e5", "5e2ab"]}]}, b"1.5e+20", b"1.5e20"),
+        ({"routed_experts": [[3e30, 1]]}, b"3e+30", b"3e30"),
+    ):
+        canonical = encode_entry(coerce_entry(_base(**fields)))
+        assert gym in canonical
+        assert _same(canonical)[0] == "entry"
+        assert _same(canonical.replace(gym, msgspec_spelling))[0] == "refused"
+
+
+def test_token_ids_beyond_64_bits_and_newer_schemas_are_refused() -> None:
+    canonical = encode_entry(coerce_entry(_base(prompt_token_ids=[2**64 - 1, 7])))
+    assert _same(canonical)[0] == "entry"
+    with pytest.raises(RecordError, match="2\\*\\*64"):
+        decode_canonical_entry(canonical.replace(b"18446744073709551615", b"18446744073709551616"))
+    newer = canonical.replace(b'"schema_version":1', b'"schema_version":2')
+    assert _same(newer)[0] == "unsupported"
+    with pytest.raises(UnsupportedSchemaError):
+        decode_canonical_entry(newer)
+
+
+def test_extra_fields_are_kept() -> None:
+    entry = coerce_entry(_base(future_field={"a": [1, 2.5]}))
+    kind, (_, extra, _) = _same(encode_entry(entry))
+    assert kind == "entry" and extra == {"future_field": {"a": [1, 2.5]}}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"[]", b"null", b"{", b'{"rollout_id":"r"}', b"\xff\xfe", b'{"schema_version":true}'],
+)
+def test_garbage_is_refused(data: bytes) -> None:
+    assert _same(data)[0] in ("refused", "unsupported")
+    with pytest.raises(RecordError):
+        decode_canonical_entry(data)
+
+
+def test_contract_violations_are_refused() -> None:
+    good = encode_entry(coerce_entry(_base()))
+    broken = good.replace(b'"generation_log_probs":[-0.5,-1.25]', b'"generation_log_probs":[-0.5]')
+    assert _same(broken)[0] == "refused"
+    negative = good.replace(b'"prompt_token_ids":[1,2]', b'"prompt_token_ids":[-1,2]')
+    assert _same(negative)[0] == "refused"
+
+
+def test_the_scan_for_msgspec_spelled_floats() -> None:
+    assert _has_msgspec_only_float(b'{"a":1e16}')
+    assert _has_msgspec_only_float(b'{"a":[1,2,-3.5e20]}')
+    assert _has_msgspec_only_float(b"1e16")
+    assert not _has_msgspec_only_float(b'{"a":1e+16,"b":1e-7,"c":"5e2ab","d":"x12e4"}')
+    assert not _has_msgspec_only_float(b'{"digest":"0a5e2f7e9"}')
+
+
+@pytest.mark.skipif(not (DATA / "competitive_coding.jsonl").exists(), reason="shared example rollouts not present")
+def test_real_entries_decode_like_the_reference() -> None:
+    from helpers import simple_entry
+
+    from s3capture.replay import load_rollouts
+
+    count = 0
+    for rollout in load_rollouts([DATA / "competitive_coding.jsonl"]):
+        for call in rollout.calls:
+            entry = simple_entry(
+                rollout.rollout_id,
+                call.model_call_id,
+                prompt=list(call.prompt_token_ids),
+                generation=list(call.generation_token_ids),
+                log_probs=list(call.generation_log_probs),
+                request_items=call.request_items,
+            )
+            assert _same(encode_entry(entry))[0] == "entry"
+            count += 1
+    assert count >= 5
