@@ -696,3 +696,25 @@ def test_stamp_lineage_matches_gym_and_delta_keeps_the_full_sequence_digest() ->
         stamp_lineage(root, "c9", parent_resolution=ParentResolutionStatus.ROOT)
     with pytest.raises(RecordError):
         store_prompt_as_delta(stamp_lineage(root, None, parent_resolution=ParentResolutionStatus.ROOT), [1])
+
+
+@MEDIUM
+@given(st.lists(st.one_of(st.integers(0, 300_000), st.integers(0, U64_MAX)), max_size=300))
+def test_digest_encoding_equals_gyms_and_struct_packing(ids: list[int]) -> None:
+    import struct
+
+    from s3capture.records import compute_digest, encode_token_ids
+
+    expected = struct.pack(f">BQ{len(ids)}Q", 1, len(ids), *ids)
+    assert encode_token_ids(ids) == expected
+    assert encode_token_ids(tuple(ids)) == expected
+    gym_records = pytest.importorskip("nemo_gym.token_id_capture.records")
+    assert compute_digest(ids) == gym_records.compute_digest(ids)
+
+
+@pytest.mark.parametrize("bad", [[-1], [U64_MAX + 1], [1.5], ["7"], [None]])
+def test_digest_encoding_refuses_what_gym_cannot_encode(bad: list) -> None:
+    from s3capture.records import encode_token_ids
+
+    with pytest.raises(ValueError, match="non-negative integers below 2\\*\\*64"):
+        encode_token_ids(bad)

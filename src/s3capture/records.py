@@ -23,12 +23,14 @@ prompt needs a RESOLVED parent. Token ids must be non-negative integers.
 
 from __future__ import annotations
 
+import array
 import copy
 import enum
 import hashlib
 import math
 import re
 import struct
+import sys
 from typing import Annotated, Any
 
 import msgspec
@@ -476,22 +478,34 @@ def to_gym(entry: TokenEntry) -> Any:
     return GymTokenEntry.model_validate(entry.model_dump())
 
 
-def encode_token_ids(token_ids: list[int]) -> bytes:
+def encode_token_ids(token_ids: list[int] | tuple[int, ...]) -> bytes:
     """Gym's digest encoding: version byte, big-endian u64 length, big-endian u64 ids."""
     header = struct.pack(">BQ", DIGEST_VERSION, len(token_ids))
     if not token_ids:
         return header
+    if _U64_ARRAY:
+        # array packs in C about 4x faster than struct.pack(*ids); same bytes after the byte swap.
+        try:
+            packed = array.array("Q", token_ids)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be non-negative integers below 2**64") from None
+        if sys.byteorder == "little":
+            packed.byteswap()
+        return header + packed.tobytes()
     try:
         return header + struct.pack(f">{len(token_ids)}Q", *token_ids)
     except struct.error:
         raise ValueError("token ids must be non-negative integers below 2**64") from None
 
 
+_U64_ARRAY = array.array("Q").itemsize == 8
+
+
 def compute_digest(token_ids: list[int] | tuple[int, ...]) -> str:
     """Digest of an exact token sequence, equal to Gym's ``records.compute_digest``."""
     if not token_ids:
         return _EMPTY_DIGEST
-    return hashlib.sha256(_DIGEST_DOMAIN + encode_token_ids(list(token_ids))).hexdigest()
+    return hashlib.sha256(_DIGEST_DOMAIN + encode_token_ids(token_ids)).hexdigest()
 
 
 def stamp_lineage(

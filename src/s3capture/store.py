@@ -69,6 +69,7 @@ from s3capture.records import (
     ParentResolutionStatus,
     RecordError,
     TokenEntry,
+    _DIGEST_DOMAIN,
     compute_digest,
     decode_canonical_entry,
     encode_entry,
@@ -245,14 +246,15 @@ def _is_entry_rel(rel: str) -> bool:
     return parsed is not None and parsed[0] == "e"
 
 
-def _checkpoint_matches(rel: str, tokens: list[int], entry: TokenEntry) -> bool:
-    """Whether checkpoint ``rel`` holds exactly ``entry``'s cumulative tokens (by its digest)."""
+def _checkpoint_matches(rel: str, checkpoint: tuple[list[int], str], entry: TokenEntry) -> bool:
+    """Whether checkpoint ``rel`` (its tokens and their digest) holds exactly ``entry``'s cumulative tokens."""
     digest = entry.digest
+    tokens, tokens_digest = checkpoint
     if not digest or rel != f"cum/{digest}.zst":
         return False
     if entry.cum_len is not None and entry.cum_len != len(tokens):
         return False
-    return compute_digest(tokens) == digest
+    return tokens_digest == digest
 
 
 class S3TokenStore(RolloutObjects):
@@ -601,16 +603,21 @@ class S3TokenStore(RolloutObjects):
         except StoreError as error:
             log.warning("checkpoint %s was not stored (readers walk the chain instead): %s", key, error)
 
-    async def _load_checkpoint(self, prefix: str, rel: str) -> list[int] | None:
-        """Token ids stored in checkpoint ``rel``; ``None`` when it is missing, oversize or malformed.
-        Not verified here: the caller checks them against the digest of the entry they belong to."""
+    async def _load_checkpoint(self, prefix: str, rel: str) -> tuple[list[int], str] | None:
+        """Token ids stored in checkpoint ``rel`` and their digest (``compute_digest``, taken over the
+        stored bytes, which are the digest encoding); ``None`` when it is missing, oversize or
+        malformed. Not verified here: the caller checks the digest against the entry it belongs to."""
         try:
             # Bounded far below max_entry_bytes: a forged checkpoint must not become a gigabyte of
             # Python ints before its digest is checked.
             data = await self._get(prefix + rel, _CHECKPOINT_MAX_BYTES + _CHECKPOINT_MAX_BYTES // 64 + 1024)
             if data is None:
                 return None
-            return _decode_tokens(self._decompress(data, _CHECKPOINT_MAX_BYTES))
+            raw = self._decompress(data, _CHECKPOINT_MAX_BYTES)
+            tokens = _decode_tokens(raw)
+            if tokens is None:
+                return None
+            return tokens, (hashlib.sha256(_DIGEST_DOMAIN + raw).hexdigest() if tokens else compute_digest(()))
         except (RecordError, StoreError, zstandard.ZstdError) as error:
             log.warning("checkpoint %s%s is unreadable: %s", prefix, rel, error)
             return None
@@ -1213,8 +1220,8 @@ class S3TokenStore(RolloutObjects):
         if stored.cum_self:
             own = await self._load_checkpoint(prefix, stored.cum_self)
             if own is not None and _checkpoint_matches(stored.cum_self, own, stored.entry):
-                self._memoize(key, stored, own)
-                return own
+                self._memoize(key, stored, own[0])
+                return own[0]
         # path: (key, stored) from the entry back towards the base, nearest first.
         path: list[tuple[str, _Stored]] = [(key, stored)]
         seen = {key}
@@ -1246,7 +1253,7 @@ class S3TokenStore(RolloutObjects):
             seen.update(keys)
             farthest_key, farthest = window[0]
             if base_tokens is not None and _checkpoint_matches(current.cum_base, base_tokens, farthest.entry):
-                self._memoize(farthest_key, farthest, base_tokens)
+                self._memoize(farthest_key, farthest, base_tokens[0])
             for ancestor_key, ancestor in reversed(window):
                 if ancestor.cumulative is not None:
                     base = list(ancestor.cumulative)
