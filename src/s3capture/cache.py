@@ -57,6 +57,9 @@ class Stored:
     """Envelope hint: key (relative to the rollout) of the checkpoint of ``chain[0]``'s tokens."""
     cum_self: str = ""
     """Envelope hint: key (relative to the rollout) of the checkpoint of this entry's own tokens."""
+    chain_checked: bool = False
+    """Whether ``chain`` was checked (every key has the shape of an entry key; otherwise it was
+    emptied). Checked on first use, not on decode: most objects read are never walked from."""
 
 
 class LRU:

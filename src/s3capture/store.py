@@ -246,6 +246,17 @@ def _is_entry_rel(rel: str) -> bool:
     return parsed is not None and parsed[0] == "e"
 
 
+def _checked_chain(stored: _Stored) -> tuple[str, ...]:
+    """``stored``'s ancestor keys (its envelope's chain hint) once checked: a chain holding anything
+    but keys of an entry's shape is dropped whole (a walk then reports the chain as missing:
+    UNRESOLVED, never a request for a forged key). Checked once per cached object."""
+    if not stored.chain_checked:
+        if not all(isinstance(rel, str) and _is_entry_rel(rel) for rel in stored.chain):
+            stored.chain = ()
+        stored.chain_checked = True
+    return stored.chain
+
+
 def _checkpoint_matches(rel: str, checkpoint: tuple[list[int], str], entry: TokenEntry) -> bool:
     """Whether checkpoint ``rel`` (its tokens and their digest) holds exactly ``entry``'s cumulative tokens."""
     digest = entry.digest
@@ -430,9 +441,7 @@ class S3TokenStore(RolloutObjects):
             # The chain is a hint outside the key's SHA-256: only entry keys of this rollout's
             # shape are ever fetched; a chain with anything else is dropped whole (a walk then
             # reports the chain as missing: UNRESOLVED, never a request for a forged key).
-            chain = tuple(envelope.chain)
-            if not all(isinstance(rel, str) and _is_entry_rel(rel) for rel in chain):
-                chain = ()
+            chain = tuple(envelope.chain)  # checked on first use: _checked_chain
             # Checkpoint hints of another shape are ignored, never fetched: they are only hints.
             cum_base = envelope.cum_base if is_checkpoint_rel(envelope.cum_base) else ""
             cum_self = envelope.cum_self if is_checkpoint_rel(envelope.cum_self) else ""
@@ -571,12 +580,13 @@ class S3TokenStore(RolloutObjects):
             return _Link((parent_rel,), "", parent_key, parent)  # a full-prompt anchor
         if parent.cum_self:
             return _Link((parent_rel,), parent.cum_self, parent_key, parent)
-        if len(parent.chain) < CHAIN_KEYS:
+        parent_chain = _checked_chain(parent)
+        if len(parent_chain) < CHAIN_KEYS:
             # Same farthest ancestor as the parent's chain, so the same base checkpoint (if any).
-            return _Link((*parent.chain, parent_rel), parent.cum_base, parent_key, parent)
+            return _Link((*parent_chain, parent_rel), parent.cum_base, parent_key, parent)
         # The parent's window is full and it has no checkpoint (an object written before
         # checkpoints, or one whose checkpoint could not be computed): slide the window.
-        return _Link((*parent.chain, parent_rel)[-CHAIN_KEYS:], "", parent_key, parent)
+        return _Link((*parent_chain, parent_rel)[-CHAIN_KEYS:], "", parent_key, parent)
 
     async def _checkpoint_tokens(self, prefix: str, record: TokenEntry, link: _Link) -> list[int] | None:
         """The cumulative tokens of the delta entry ``record`` for its checkpoint, or ``None`` when
@@ -1228,9 +1238,10 @@ class S3TokenStore(RolloutObjects):
         base: list[int] | None = None
         current = stored
         while base is None:
-            if not current.chain:
+            chain = _checked_chain(current)
+            if not chain:
                 raise RecordError(f"delta entry {current.entry.model_call_id!r} carries no ancestor keys")
-            keys = [prefix + rel for rel in current.chain]
+            keys = [prefix + rel for rel in chain]
             if seen.intersection(keys) or len(path) > 100_000:
                 raise RecordError(f"delta chain of {stored.entry.model_call_id!r} is cyclic or too deep")
             loads: list[Any] = [self._load(k, k.rsplit("/", 1)[-1][:-4]) for k in keys]
