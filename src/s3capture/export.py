@@ -143,6 +143,8 @@ class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
     ``url`` is the source ``s3://bucket/prefix``; ``dest`` a local folder or an ``s3://`` prefix.
     ``row_group_rows`` and ``row_group_bytes`` bound a Parquet row group (and so the row buffer):
     rows, and estimated uncompressed bytes of the list columns (9 bytes per token).
+    ``token_type``: ``"auto"`` (``list<int32>`` token ids in every shard; a rollout holding a larger
+    id fails with ``token_overflow``) or ``"int64"`` (``list<int64>`` in every shard).
     """
 
     url: str
@@ -787,7 +789,8 @@ class _Writer:
 
     def add(self, built: _Built) -> tuple[int, int]:
         """Write one built rollout; ``(rows, tokens)`` written. ``OverflowError`` for a token id
-        that no column type holds (nothing of that rollout is written then)."""
+        that the export's column type does not hold (int32 under ``token_type="auto"``, int64 under
+        ``"int64"``): nothing of that rollout is written then."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -854,6 +857,9 @@ are written plain (zstd compresses them; a dictionary of a 150k vocabulary only 
 class _ParquetWriter(_Writer):
     """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes.
 
+    ``token_ids`` is ``list<int32>`` in every shard of an export with ``token_type="auto"`` and
+    ``list<int64>`` with ``"int64"``: one schema per export, never chosen per shard.
+
     Each row's token ids, loss mask and log-probabilities are converted once, when the rollout is
     added, into numpy arrays (which also finds the largest id without a Python loop); a row group's
     list columns are then one concatenation each, handed to Arrow without a per-element step."""
@@ -877,23 +883,6 @@ class _ParquetWriter(_Writer):
             )
         return self.writer
 
-    def _widen(self) -> None:
-        """Switch the shard to ``int64`` token ids: rewrite the row groups written so far."""
-        import pyarrow.parquet as pq
-
-        self.token_type = "int64"
-        if self.writer is None:
-            return
-        self.writer.close()
-        old, self.temp, self.writer = self.temp, self.dest.temp_path(self.name), None
-        source = pq.ParquetFile(old)
-        writer = self._open()
-        schema = parquet_schema("int64")
-        for index in range(source.num_row_groups):
-            writer.write_table(source.read_row_group(index).cast(schema))
-        source.close()
-        os.unlink(old)
-
     def add(self, built: _Built) -> tuple[int, int]:
         import numpy as np
 
@@ -911,7 +900,13 @@ class _ParquetWriter(_Writer):
             if n:
                 highest = max(highest, int(row["token_ids"].max()))
         if highest > _INT32_MAX and self.token_type == "int32":
-            self._widen()
+            # One schema per export: readers open the folder as one dataset (pyarrow.dataset, Ray
+            # Data, pandas), which a shard of list<int64> among list<int32> ones would break.
+            raise OverflowError(
+                f"a token id of {built.info.rollout_id} ({highest}) does not fit int32, the token_ids type of "
+                "every shard under --token-ids auto; re-run with --token-ids int64 (into a new --out, so that "
+                "every shard has the same schema)"
+            )
         tokens = 0
         for row in rows:
             n = len(row["token_ids"])
@@ -1847,7 +1842,8 @@ async def export(
     Output: ``format`` (``parquet`` | ``gym-jsonl``), ``masked`` (``skip`` | ``include``), shards of
     at most ``shard_rollouts`` rollouts and about ``shard_bytes`` stored bytes, Parquet row groups of
     at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes, ``token_type``
-    (``auto``: int32 unless a shard holds a larger id; ``int64``). ``drop``: drop each rollout
+    (``auto``: ``list<int32>`` token ids in every shard, and a rollout holding an id >= 2**31 fails
+    with ``token_overflow``, naming ``int64``; ``int64``: ``list<int64>`` in every shard). ``drop``: drop each rollout
     exported as trainable from a sealed snapshot once its shard is durable. ``engine`` (``ENGINES``)
     with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
     ``engine_options`` (keyword arguments for the engine, e.g. a cluster address). ``fence_grace``:
