@@ -93,7 +93,7 @@ async def test_a_dead_export_s_claim_is_taken_over_after_the_lease(
 ) -> None:
     """A killed export leaves its claim; the next export is refused while the claim is younger than
     the lease (by the store's clock) and takes the destination over after it."""
-    import s3capture.export as export_module
+    import s3capture.export.destinations as export_module  # the claim's constants are read there
 
     await frozen_chains(fresh, ["k1"])
     bucket = bucket_url[len("s3://") :].split("/")[0]
@@ -116,7 +116,7 @@ async def test_an_export_whose_claim_was_taken_over_stops_dropping(
 ) -> None:
     """An export paused past the lease may have been taken over: once its renewal finds its claim
     gone it drops nothing more (the rows it wrote stay; the rollouts stay frozen)."""
-    import s3capture.export as export_module
+    import s3capture.export.destinations as export_module  # the claim's constants are read there
 
     await frozen_chains(fresh, ["p1", "p2"])
     bucket = bucket_url[len("s3://") :].split("/")[0]
@@ -208,7 +208,7 @@ async def test_pending_drops_hold_the_listing_back(
     """Memory stays bounded: a re-run with --drop scheduled one task per already-exported frozen
     rollout as fast as the listing streamed (about 1.8 KB each, while drops run 32 at a time and wait
     fence_grace): 1,000,000 rollouts held ~2 GB of pending drops. Found by measuring with tracemalloc."""
-    import s3capture.export as export_module
+    import s3capture.export.driver as export_module  # the export run reads _DROPS_AHEAD there
     from s3capture.store import S3TokenStore
 
     ids = [f"d{i}" for i in range(5)]
@@ -233,7 +233,7 @@ async def test_pending_drops_hold_the_listing_back(
 
     monkeypatch.setattr(S3TokenStore, "rollouts", counted)
     monkeypatch.setattr(S3TokenStore, "drop", drop)
-    monkeypatch.setattr(export_module, "_DROPS_AHEAD", 2, raising=False)
+    monkeypatch.setattr(export_module, "_DROPS_AHEAD", 2)
     again = await export(bucket_url, str(dest), workers=0, drop=True, fence_grace=0)  # no writer: no grace needed
     assert again.already_exported == len(ids) and again.dropped == len(ids), format_summary(again)
     assert counts["ahead"] <= 3, counts  # at most _DROPS_AHEAD pending and the one being looked at

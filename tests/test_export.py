@@ -7,7 +7,7 @@ the contiguous chain rebuilt from the snapshot's entries (``cumulative_prompt``)
 consumer output; its loss mask and log-probabilities sit exactly on the generated tokens; no masked
 rollout is written as trainable. Resume: an export killed with SIGKILL between shards (a test hook
 holds it there) and run again gives exactly the rows of an uninterrupted export, and ``--drop``
-dropped only rollouts of durable shards. The writer's limits (row groups, int64 widening) and the
+dropped only rollouts of durable shards. The writer's limits (row groups, one token id type per export) and the
 command line's usage errors are checked without a server.
 """
 
@@ -320,6 +320,46 @@ async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_p
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_token_ids_auto_is_int32_in_every_shard_and_fails_a_rollout_that_needs_int64(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    import pyarrow.dataset as ds
+
+    writer, builder = fresh(), fresh()
+    for rid in ("a-small", "b-big", "c-small"):
+        generation = [13, 2**31 + 5] if rid == "b-big" else [13, 14]
+        await writer.put(simple_entry(rid, "c1", generation=generation))
+        await builder.freeze(rid)
+
+    # auto: every shard list<int32> (one dataset schema); the big rollout is failed, not written,
+    # not dropped, with a reason naming --token-ids int64.
+    auto = tmp_path / "auto"
+    summary = await export(bucket_url, str(auto), workers=0, shard_rollouts=1, drop=True)
+    assert not summary.ok and summary.failed == 1 and summary.failed_reasons == {"token_overflow": 1}
+    (example,) = summary.failed_examples["token_overflow"]
+    assert example.startswith("b-big: token_overflow: ") and "--token-ids int64" in example
+    assert summary.exported == 2 and summary.dropped == 2
+    parts = sorted(auto.glob("part-*.parquet"))
+    assert len(parts) == 2
+    assert {str(pq.ParquetFile(part).schema_arrow.field("token_ids").type) for part in parts} == {
+        "list<element: int32>"
+    }
+    table = ds.dataset(str(auto), format="parquet").to_table()
+    assert sorted(table.column("rollout_id").to_pylist()) == ["a-small", "c-small"]
+    assert "b-big" not in {r.rollout_id for m in await read_manifests(str(auto)) for r in m.rollouts}
+    states = {info.rollout_id: info.state async for info in fresh().rollouts()}
+    assert states["b-big"] == "frozen" and states["a-small"] == states["c-small"] == "retired"
+
+    # int64: exported (every shard list<int64>), then dropped.
+    wide = tmp_path / "int64"
+    summary = await export(bucket_url, str(wide), workers=0, drop=True, token_type="int64")
+    assert summary.ok and summary.exported == 1 and summary.dropped == 1, format_summary(summary)
+    table = ds.dataset(str(wide), format="parquet").to_table()
+    assert table.schema.field("token_ids").type == pa.list_(pa.int64())
+    assert table.column("rollout_id").to_pylist() == ["b-big"] and 2**31 + 5 in table.column("token_ids")[0].as_py()
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_a_shard_reads_rollouts_from_the_listing_and_lists_again_only_what_changed(
     fresh: Any, bucket_url: str, tmp_path: Path
 ) -> None:
@@ -509,32 +549,40 @@ def _built(rid: str, tokens: list[int], *, masked: bool = False) -> _Built:
     )
 
 
-async def test_row_groups_are_bounded_and_a_large_token_id_widens_the_shard_to_int64(tmp_path: Path) -> None:
+async def test_row_groups_are_bounded_and_token_ids_have_the_exports_one_type(tmp_path: Path) -> None:
     job = ExportJob(url="s3://bkt/p", dest=str(tmp_path), row_group_rows=2, masked="include")
     writer = _ParquetWriter(job, _LocalDestination(str(tmp_path)), 7)
     for i in range(3):
         writer.add(_built(f"r{i}", [1, 2, 3 + i]))
     writer.add(_built("masked", [], masked=True))
-    writer.add(_built("big", [5, 2**31 + 5]))
+    # --token-ids auto: int32 in every shard; a larger id fails its rollout (nothing of it written).
+    with pytest.raises(OverflowError, match=r"big \(2147483653\) does not fit int32.*--token-ids int64"):
+        writer.add(_built("big", [5, 2**31 + 5]))
+    writer.add(_built("r3", [2**31 - 1]))
     name, size = await writer.publish()
     assert name == "part-00007.parquet" and size == (tmp_path / name).stat().st_size
     assert not list(tmp_path.glob(".*.tmp"))
     parquet = pq.ParquetFile(tmp_path / name)
     assert parquet.metadata.num_row_groups == 3 and parquet.metadata.num_rows == 5
-    assert parquet.schema_arrow.field("token_ids").type == pa.list_(pa.int64())
+    assert parquet.schema_arrow.field("token_ids").type == pa.list_(pa.int32())
     rows = parquet.read().to_pylist()
-    assert [row["token_ids"] for row in rows] == [[1, 2, 3], [1, 2, 4], [1, 2, 5], [], [5, 2**31 + 5]]
+    assert [row["token_ids"] for row in rows] == [[1, 2, 3], [1, 2, 4], [1, 2, 5], [], [2**31 - 1]]
     assert rows[3]["masked"] and rows[3]["mask_reasons"] == ["marked_incomplete:c1"] and rows[3]["chain_id"] == ""
     assert rows[0]["metric_chains"] == 1 and rows[0]["metric_delivered_fraction"] is None
     assert parquet.schema_arrow.field("loss_mask").type == pa.list_(pa.int8())
     assert parquet.schema_arrow.field("logprobs").type == pa.list_(pa.float32())
 
-    small = _ParquetWriter(job, _LocalDestination(str(tmp_path)), 8)
-    small.add(_built("r", [1, 2]))
-    name, _ = await small.publish()
-    assert pq.ParquetFile(tmp_path / name).schema_arrow.field("token_ids").type == pa.list_(pa.int32())
-    with pytest.raises(OverflowError):
-        _ParquetWriter(job, _LocalDestination(str(tmp_path)), 9).add(_built("huge", [2**63]))
+    # --token-ids int64: int64 in every shard, small ids too.
+    wide = ExportJob(url="s3://bkt/p", dest=str(tmp_path), token_type="int64")
+    for shard, tokens in ((8, [1, 2]), (9, [5, 2**31 + 5])):
+        writer = _ParquetWriter(wide, _LocalDestination(str(tmp_path)), shard)
+        writer.add(_built("r", tokens))
+        name, _ = await writer.publish()
+        table = pq.read_table(tmp_path / name)
+        assert table.schema.field("token_ids").type == pa.list_(pa.int64())
+        assert table.column("token_ids").to_pylist() == [tokens]
+    with pytest.raises(OverflowError, match="64-bit"):
+        _ParquetWriter(wide, _LocalDestination(str(tmp_path)), 10).add(_built("huge", [2**63]))
 
 
 def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:

@@ -720,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-ids",
         choices=("auto", "int64"),
         default="auto",
-        help="token_ids element type: auto (int32, int64 in a shard holding a larger id) or int64",
+        help="token_ids element type of every shard: auto (int32; a rollout holding a larger id fails) or int64",
     )
     export.add_argument(
         "--endpoint",

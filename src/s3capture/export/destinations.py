@@ -1,0 +1,432 @@
+"""Where shards go: a local folder (``flock``) or an ``s3://`` prefix (a renewed claim), and how a
+destination's durable shards are found (``read_manifests``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime as _dt
+import io
+import logging
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from s3capture.errors import StoreError
+from s3capture.export.records import MANIFEST_FORMAT, ExportJob, ShardManifest
+
+_log = logging.getLogger("s3capture")
+
+_PART = re.compile(
+    r"^(?:part-(\d{5,})(?:-[0-9a-f]{8,32})?\.(?:parquet|jsonl)|_?part-(\d{5,})(?:-[0-9a-f]{8,32})?\.manifest\.json)$"
+)
+"""Data files ``part-NNNNN[-<run tag>].parquet|jsonl`` and manifests ``_part-NNNNN[-<run tag>].manifest.json``
+(``ExportJob.run_tag`` on ``s3://`` destinations; the leading
+``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset).
+Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read too: otherwise their
+data files would look unfinished and be removed."""
+_TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
+_LOCK = ".s3capture-export.lock"
+"""A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
+On an ``s3://`` destination, the folder of the exports' claims (``_S3Destination.lock``)."""
+CLAIM_LEASE = 600.0
+"""Seconds (by the store's clock) after its last renewal at which an ``s3://`` destination's claim
+is stale: the export that wrote it is taken to be dead, and the next export takes the destination."""
+CLAIM_RENEW = 30.0
+"""Seconds between renewals of a live export's claim."""
+
+
+def _awake_clock() -> float:
+    """Seconds of a clock that keeps counting while the machine sleeps (Linux ``CLOCK_BOOTTIME``;
+    ``time.monotonic`` elsewhere): a laptop or VM suspended past the lease must find its claim's
+    hold expired when it wakes, which ``CLOCK_MONOTONIC`` (stopped during suspend) would hide."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(boottime) if boottime is not None else time.monotonic()
+
+
+CLAIM_HOLD = 300.0
+"""Seconds after its last successful renewal at which an export stops dropping: it may have been
+taken over. Well below ``CLAIM_LEASE``, so a paused export fences itself before another can start."""
+
+
+def _is_s3(dest: str) -> bool:
+    return dest.startswith("s3://")
+
+
+class _Existing(msgspec.Struct, kw_only=True):
+    manifests: list[ShardManifest] = []
+    """The durable shards, in shard order (``_settle``)."""
+    data_files: list[str] = []
+    temp_files: list[str] = []
+    broken: list[str] = []
+    """Manifests whose data file is missing or not the size they record: not durable (``_settle``)."""
+    sizes: dict[str, int] = {}
+    """Size in bytes of every data file found."""
+    highest: int = -1
+
+
+class _Destination:
+    """Where shards go: a local folder or an ``s3://`` prefix. ``publish`` is atomic."""
+
+    requests: collections.Counter
+
+    async def scan(self) -> _Existing:
+        raise NotImplementedError
+
+    async def remove(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+    async def lock(self) -> None:
+        """Take the destination for one export, until ``close``; ``ValueError`` when another holds it."""
+        raise NotImplementedError
+
+    def check_held(self) -> None:
+        """Raise ``StoreError`` when this export may no longer hold the destination (before a drop)."""
+
+    def temp_path(self, name: str) -> str:
+        raise NotImplementedError
+
+    async def publish(self, name: str, temp: str) -> int:
+        """Make the finished temp file ``temp`` appear as ``name``; its size in bytes."""
+        raise NotImplementedError
+
+    async def publish_bytes(self, name: str, body: bytes) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+def _classify(files: Iterable[tuple[str, int]], existing: _Existing) -> list[str]:
+    """Sort destination files ``(name, size)`` into data files, temp files and manifest names."""
+    manifests: list[str] = []
+    for name, size in files:
+        match = _PART.match(name)
+        if match:
+            existing.highest = max(existing.highest, int(match.group(1) or match.group(2)))
+            if match.group(2):
+                manifests.append(name)
+            else:
+                existing.data_files.append(name)
+                existing.sizes[name] = size
+        elif _TEMP.match(name):
+            existing.temp_files.append(name)
+    return manifests
+
+
+def _settle(existing: _Existing, found: list[tuple[str, ShardManifest]]) -> None:
+    """Keep the manifests whose shard is durable, in shard order (a later shard's record of a
+    rollout supersedes an earlier one's; ``part-100000`` sorts before ``part-99999`` by name). A
+    manifest whose data file is missing or not the size it records (removed, truncated, replaced)
+    is not durable: it goes to ``broken``, and its data file becomes an orphan, so its rollouts are
+    exported again and never dropped on its word."""
+    for name, manifest in sorted(found, key=lambda pair: (pair[1].shard, pair[0])):
+        if manifest.data is not None and existing.sizes.get(manifest.data) != manifest.data_bytes:
+            existing.broken.append(name)
+        else:
+            existing.manifests.append(manifest)
+
+
+def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
+    try:
+        manifest = msgspec.json.decode(raw, type=ShardManifest)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"shard manifest {name} is not a valid export manifest: {error}") from None
+    if manifest.format != MANIFEST_FORMAT:
+        raise ValueError(f"shard manifest {name} has format {manifest.format!r}, expected {MANIFEST_FORMAT!r}")
+    return manifest
+
+
+class _LocalDestination(_Destination):
+    def __init__(self, folder: str) -> None:
+        self.folder = os.path.abspath(folder)
+        self.requests = collections.Counter()
+
+    def _make(self) -> None:
+        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise ValueError(f"--out {self.folder} exists and is not a folder")
+        os.makedirs(self.folder, exist_ok=True)
+
+    async def lock(self) -> None:
+        """Take the folder for this export: an exclusive ``flock`` on ``.s3capture-export.lock``
+        in it, held until ``close`` (the kernel releases it when the process dies, SIGKILL too).
+        Two exports into one folder would number their shards alike and replace each other's
+        files, and a ``--drop`` would then consume rollouts whose rows were replaced. Raises
+        ``ValueError`` when another export holds the folder or it is not writable."""
+        self._make()
+        path = os.path.join(self.folder, _LOCK)
+        try:
+            handle = open(path, "a+b")
+        except OSError as error:
+            raise ValueError(f"--out {self.folder} is not writable: {error}") from None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
+            self._lock: io.BufferedRandom | None = handle
+            return
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise ValueError(
+                f"--out {self.folder} is being written by another export (it holds {_LOCK}); "
+                "one export at a time per destination"
+            ) from None
+        except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
+            _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
+        self._lock = handle
+
+    async def close(self) -> None:
+        handle, self._lock = getattr(self, "_lock", None), None
+        if handle is not None:
+            handle.close()  # releases the flock
+
+    async def scan(self) -> _Existing:
+        existing = _Existing()
+        self._make()
+        files = []
+        for name in sorted(os.listdir(self.folder)):
+            try:
+                files.append((name, os.path.getsize(os.path.join(self.folder, name))))
+            except FileNotFoundError:
+                continue
+        found = []
+        for name in _classify(files, existing):
+            with open(os.path.join(self.folder, name), "rb") as handle:
+                found.append((name, _decode_manifest(name, handle.read())))
+        _settle(existing, found)
+        return existing
+
+    async def remove(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                pass
+
+    def temp_path(self, name: str) -> str:
+        # Hidden (a leading '.'): Parquet dataset readers skip it while it is being written.
+        return os.path.join(self.folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+
+    def _fsync_folder(self) -> None:
+        try:
+            fd = os.open(self.folder, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    async def publish(self, name: str, temp: str) -> int:
+        with open(temp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        size = os.path.getsize(temp)
+        os.replace(temp, os.path.join(self.folder, name))
+        self._fsync_folder()
+        return size
+
+    async def publish_bytes(self, name: str, body: bytes) -> None:
+        temp = self.temp_path(name)
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(body)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, os.path.join(self.folder, name))
+        except BaseException:
+            try:
+                os.unlink(temp)
+            except FileNotFoundError:
+                pass
+            raise
+        self._fsync_folder()
+
+
+class _S3Destination(_Destination):
+    def __init__(self, url: str, *, endpoint_url: str | None, transport: str | None, session: Any = None) -> None:
+        from s3capture.rollouts import parse_s3_url
+        from s3capture.transport import make_transport
+
+        self.bucket, prefix = parse_s3_url(url)
+        self.prefix = f"{prefix}/" if prefix else ""
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.transport = make_transport(
+            transport, self.bucket, endpoint_url=endpoint, session=session, max_concurrency=8
+        )
+        self._claim: str | None = None  # this export's claim of the prefix (``lock``), until ``close``
+        self._claim_body = b""
+        self._renewed = 0.0
+        self._renewal: asyncio.Task | None = None
+        self._lost: str | None = None
+        self.tag = ""  # the claim's id (``lock``), also in this export's shard names
+
+    @property
+    def requests(self) -> collections.Counter:  # type: ignore[override]
+        return self.transport.request_counts
+
+    async def scan(self) -> _Existing:
+        existing = _Existing()
+        listed = await self.transport.list(self.prefix)
+        files = [
+            (item.key[len(self.prefix) :], item.size) for item in listed if "/" not in item.key[len(self.prefix) :]
+        ]
+        manifest_names = _classify(sorted(files), existing)
+        found = []
+        for name in manifest_names:
+            raw = await self.transport.get(self.prefix + name)
+            if raw is None:  # removed since the listing: not durable any more
+                continue
+            found.append((name, _decode_manifest(name, raw)))
+        _settle(existing, found)
+        return existing
+
+    async def lock(self) -> None:
+        """Take the prefix for this export with a claim, without compare-and-swap.
+
+        The export PUTs its own claim ``<prefix>/.s3capture-export.lock/<run id>``, then LISTs the
+        claims (verified, and required to show its own). Any other claim renewed less than
+        ``CLAIM_LEASE`` seconds before its own, both by the store's clock, means another export is
+        alive: this one deletes its claim and raises ``ValueError``. Of two exports that start at
+        once, the later PUT's LIST always sees the earlier claim (read-after-write and
+        list-after-write consistency, which s3capture requires anyway; ``s3capture doctor`` checks
+        them), so at most one proceeds; both may refuse, never both proceed. A claim older than the
+        lease belongs to a dead export and is deleted. The claim is renewed every ``CLAIM_RENEW``
+        seconds until ``close``; ``check_held`` fails once the last renewal is ``CLAIM_HOLD`` seconds old
+        or the claim was taken over, so a paused export stops dropping before another can start.
+
+        Requests: 1 PUT, 1 LIST, a DELETE per stale claim; then a GET and a PUT per renewal.
+        Raises ``ValueError`` (another export holds the prefix), ``StoreError``.
+        """
+        import socket
+
+        self.tag = uuid.uuid4().hex[:16]
+        claim = self._claim = f"{self.prefix}{_LOCK}/{self.tag}"
+        self._claim_body = msgspec.json.encode(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            }
+        )
+        await self.transport.put(claim, self._claim_body)
+        self._renewed = _awake_clock()
+        try:
+            claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[claim])
+            (mine,) = [c for c in claims if c.key == claim]
+            others = [c for c in claims if c.key != claim]
+            live = [c for c in others if mine.modified - c.modified < CLAIM_LEASE]
+            if live:
+                age = max(0.0, mine.modified - max(c.modified for c in live))
+                raise ValueError(
+                    f"--out s3://{self.bucket}/{self.prefix} is being written by another export (its claim "
+                    f"{live[0].key.rsplit('/', 1)[-1]} was renewed {age:.0f} s ago); one export at a time per "
+                    f"destination (a claim not renewed for {CLAIM_LEASE:.0f} s is taken over)"
+                )
+            stale = [c.key for c in others]
+            if stale:
+                _log.warning("taking over %s: %d claim(s) of dead exports", self.prefix or "/", len(stale))
+                await self.transport.delete(stale)
+        except BaseException:
+            self._claim = None
+            try:
+                await self.transport.delete([claim])
+            except Exception:  # noqa: BLE001 - the refusal matters more; a stale claim expires
+                pass
+            raise
+        self._renewal = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(CLAIM_RENEW)
+            claim = self._claim
+            if claim is None:
+                return
+            try:
+                if await self.transport.get(claim) is None:
+                    self._lost = "its claim was deleted (taken over after a pause longer than the lease?)"
+                    return
+                await self.transport.put(claim, self._claim_body)
+                previous, self._renewed = self._renewed, _awake_clock()
+                if self._renewed - previous > CLAIM_HOLD:
+                    # Paused past the hold (perhaps between the GET and the PUT): another export
+                    # may have taken over, and this PUT may have re-created a deleted claim.
+                    self._lost = f"its renewal came {self._renewed - previous:.0f} s after the previous one"
+                    self._claim = None
+                    await self.transport.delete([claim])
+                    return
+            except Exception as error:  # noqa: BLE001 - check_held decides when it is too late
+                _log.warning("could not renew the export's claim %s: %s", claim, error)
+
+    def check_held(self) -> None:
+        lost = self._lost
+        if lost is None and self._claim is not None:
+            overdue = _awake_clock() - self._renewed
+            if overdue > CLAIM_HOLD:
+                lost = f"its claim was last renewed {overdue:.0f} s ago"
+        if lost:
+            raise StoreError(f"this export may no longer hold s3://{self.bucket}/{self.prefix}: {lost}; no more drops")
+
+    async def remove(self, names: list[str]) -> None:
+        if names:
+            await self.transport.delete([self.prefix + name for name in names])
+
+    def temp_path(self, name: str) -> str:
+        fd, path = tempfile.mkstemp(prefix=f"s3capture-{name}.", suffix=".tmp")
+        os.close(fd)
+        return path
+
+    async def publish(self, name: str, temp: str) -> int:
+        # One PUT: the object appears whole or not at all.
+        with open(temp, "rb") as handle:
+            body = handle.read()
+        await self.transport.put(self.prefix + name, body)
+        os.unlink(temp)
+        return len(body)
+
+    async def publish_bytes(self, name: str, body: bytes) -> None:
+        await self.transport.put(self.prefix + name, body)
+
+    async def close(self) -> None:
+        renewal, claim = self._renewal, self._claim
+        self._claim = self._renewal = None
+        try:
+            if renewal is not None:
+                renewal.cancel()
+                await asyncio.gather(renewal, return_exceptions=True)
+            if claim is not None:
+                await self.transport.delete([claim])
+        finally:
+            await self.transport.close()
+
+
+def _open_destination(job: ExportJob, session: Any = None) -> _Destination:
+    if _is_s3(job.dest):
+        return _S3Destination(job.dest, endpoint_url=job.endpoint_url, transport=job.transport, session=session)
+    return _LocalDestination(job.dest)
+
+
+async def read_manifests(
+    dest: str, *, endpoint_url: str | None = None, transport: str | None = None
+) -> list[ShardManifest]:
+    """The durable shards of an export destination (a local folder or an ``s3://`` prefix), in
+    shard order. Data files without a manifest are not durable and are not returned.
+
+    Raises ``ValueError`` for a manifest that is not an export manifest, ``StoreError`` when S3 fails.
+    """
+    target = _open_destination(ExportJob(url="", dest=dest, endpoint_url=endpoint_url, transport=transport))
+    try:
+        if isinstance(target, _LocalDestination) and not os.path.isdir(target.folder):
+            return []
+        existing = await target.scan()
+    finally:
+        await target.close()
+    return sorted(existing.manifests, key=lambda m: m.shard)

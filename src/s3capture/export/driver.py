@@ -1,0 +1,563 @@
+"""The export run (``export``): options, the destination's durable shards and orphans, the streamed
+listing cut into shard tasks (selection, resume), the engine, drops after durable shards, progress
+and the summary (``format_summary``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime as _dt
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from s3capture.export.destinations import _is_s3, _open_destination, _S3Destination
+from s3capture.export.engines import ENGINES, ShardTask, _import_ray
+from s3capture.export.records import (
+    _EXAMPLES,
+    BUILD_WITH,
+    FORMATS,
+    MASKED_CHOICES,
+    STATES,
+    TOKEN_TYPES,
+    ExportJob,
+    ExportSummary,
+    RolloutRecord,
+    ShardResult,
+    _note,
+    _reason_class,
+)
+from s3capture.export.shard import ListedRollout
+
+_DROPS_AHEAD = 1024
+"""Drops started and not finished at most (32 of them run at once); the listing and the shard results
+wait behind them, so pending drops hold bounded memory (~2 KB each) whatever the number of rollouts."""
+
+HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
+"""Test hook: after the parent has handled this many shard results (and finished their drops) it prints
+``s3capture export: holding after N shards`` to stderr and sleeps (workers go on with the shards
+already assigned), so a test can SIGKILL the export between shards."""
+
+
+# --------------------------------------------------------------------------- progress
+class _Progress:
+    """A tqdm bar on a TTY, else a plain line every ``interval`` seconds (and none when disabled)."""
+
+    def __init__(self, enabled: bool, *, stream: Any = None, interval: float = 10.0) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval = interval
+        self.lock = threading.Lock()
+        self.rollouts = self.trajectories = self.tokens = self.bytes = 0
+        self.total = 0
+        self.listing_done = False
+        self.started = time.monotonic()
+        self.last_line = self.started
+        self.bar: Any = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=0, desc="export", unit="rollout", file=self.stream, dynamic_ncols=True)
+
+    def add(self, item: tuple[int, int, int, int]) -> None:
+        rollouts, trajectories, tokens, size = item
+        with self.lock:
+            self.rollouts += rollouts
+            self.trajectories += trajectories
+            self.tokens += tokens
+            self.bytes += size
+            self._render(rollouts)
+
+    def planned(self, count: int, *, done: bool = False) -> None:
+        with self.lock:
+            self.total += count
+            self.listing_done = self.listing_done or done
+            if self.bar is not None:
+                self.bar.total = self.total
+                self.bar.refresh()
+
+    def _rate(self) -> float:
+        return self.bytes / 1e6 / max(1e-9, time.monotonic() - self.started)
+
+    def _render(self, advanced: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"{self.trajectories:,} traj, {self.tokens / 1e6:.1f}M tok, {self._rate():.1f} MB/s", refresh=False
+            )
+            self.bar.update(advanced)
+            return
+        now = time.monotonic()
+        if now - self.last_line >= self.interval:
+            self.last_line = now
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        eta = "?"
+        if self.listing_done and self.rollouts:
+            eta = f"{(self.total - self.rollouts) * elapsed / self.rollouts:.0f}s"
+        total = f"{self.total:,}" if self.listing_done else f"{self.total:,}+"
+        return (
+            f"export: {self.rollouts:,}/{total} rollouts, {self.trajectories:,} trajectories, "
+            f"{self.tokens:,} tokens, {self._rate():.1f} MB/s, {elapsed:.0f}s elapsed, ETA {eta}"
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and self.rollouts:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+
+# --------------------------------------------------------------------------- the export
+def parse_duration(text: str) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"10m"``, ``"2h"`` or ``"1d"``; ``ValueError`` otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not match:
+        raise ValueError(f"expected a duration such as 90s, 10m, 2h or 1d, got {text!r}")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def read_ids(path: str | os.PathLike) -> list[str]:
+    """Rollout ids of an ``--ids`` file: one per line; blank lines and lines starting with ``#``
+    are ignored, surrounding whitespace is stripped. ``ValueError`` for an unreadable or empty file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            ids = [line.strip() for line in handle]
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--ids {path}: cannot read it: {error}") from None
+    ids = [i for i in ids if i and not i.startswith("#")]
+    if not ids:
+        raise ValueError(f"--ids {path}: no rollout id in it")
+    return ids
+
+
+def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
+    from s3capture.rollouts import parse_s3_url
+
+    bucket, root = parse_s3_url(url)
+    for name, allowed in (
+        ("format", FORMATS),
+        ("masked", MASKED_CHOICES),
+        ("build_with", BUILD_WITH),
+        ("token_type", TOKEN_TYPES),
+    ):
+        if opts[name] not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
+    if opts["format"] == "gym-jsonl" and opts["builder"] == "per_request":
+        # A Gym JSONL line is the one response (main chain) Gym's consumer returns for a rollout;
+        # per_request gives one trajectory per call, all but one of which it would leave out.
+        raise ValueError(
+            "--format gym-jsonl holds one Gym response (the main chain) per rollout and Gym has no "
+            "per_request builder: use --format parquet with --builder per_request"
+        )
+    if opts["engine"] not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {opts['engine']!r}")
+    for name in opts["states"]:
+        if name not in STATES:
+            raise ValueError(f"state must be among {', '.join(STATES)}, got {name!r}")
+    for name, low in (("workers", 0), ("concurrency", 1), ("shard_rollouts", 1), ("row_group_rows", 1)):
+        if not isinstance(opts[name], int) or opts[name] < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
+    if opts["min_age"] < 0:
+        raise ValueError("min_age must be >= 0 seconds")
+    if not opts["fence_grace"] >= 0:
+        raise ValueError(f"fence_grace must be >= 0 seconds, got {opts['fence_grace']!r}")
+    if opts["engine"] == "ray":
+        _import_ray()  # one line naming the extra, before anything is read
+        if opts["workers"] < 1:
+            raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {opts['workers']}")
+    if not dest:
+        raise ValueError("no destination (--out)")
+    if _is_s3(dest):
+        dest_bucket, dest_prefix = parse_s3_url(dest)
+        inside = f"{root}/rollouts" if root else "rollouts"
+        if dest_bucket == bucket and (
+            dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
+        ):
+            raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
+        if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
+            # The destination scan lists every key under DEST: here every captured object, each run.
+            raise ValueError(
+                f"--out {dest} contains the rollouts of {url}: reading the destination would list every captured "
+                "object; choose a prefix beside them"
+            )
+    if opts["format"] == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise ValueError("--format parquet needs pyarrow: pip install 's3capture[parquet]'") from None
+    # The builder and engine, checked once here (on an empty snapshot, which only masks) rather than
+    # failing every rollout (NeMo Gym 0.7.0 knows prefix_merging only; per_request is built-in).
+    from s3capture.store import FrozenSnapshot
+    from s3capture.trajectory import build_rollout
+
+    try:
+        build_rollout(
+            FrozenSnapshot("s3capture-export-probe", (), False, "", 0),
+            builder=opts["builder"],
+            engine=opts["build_with"],
+        )
+    except ValueError as error:
+        raise ValueError(f"--builder {opts['builder']} --build-with {opts['build_with']}: {error}") from None
+    except ImportError as error:
+        raise ValueError(f"--build-with {opts['build_with']}: {error}") from None
+
+
+async def export(
+    url: str,
+    dest: str,
+    *,
+    states: Sequence[str] | None = None,
+    ids: Iterable[str] | None = None,
+    prefix: str = "",
+    min_age: float = 600.0,
+    freeze: bool = False,
+    builder: str = "prefix_merging",
+    build_with: str = "auto",
+    format: str = "parquet",
+    masked: str = "skip",
+    drop: bool = False,
+    engine: str = "local",
+    engine_options: dict[str, Any] | None = None,
+    workers: int = 2,
+    concurrency: int = 8,
+    shard_rollouts: int = 256,
+    shard_bytes: int = 256 * 1024 * 1024,
+    row_group_rows: int = 1024,
+    row_group_bytes: int = 64 * 1024 * 1024,
+    token_type: str = "auto",
+    endpoint_url: str | None = None,
+    transport: str | None = None,
+    fence_grace: float = 1.0,
+    progress: bool | _Progress = False,
+) -> ExportSummary:
+    """Export the rollouts of ``url`` (``s3://bucket/prefix``) to ``dest`` (a local folder or an
+    ``s3://`` prefix) as training trajectories; resumable (``docs/export.md``).
+
+    Selection: ``states`` (default: frozen, and open ones whose newest object is at least
+    ``min_age`` seconds old by this machine's clock; read unsealed unless ``freeze``), ``ids`` (only
+    these rollout ids) and ``prefix`` (only ids starting with it). Building: ``builder``
+    (``prefix_merging`` | ``per_request``), ``build_with`` (``auto`` | ``gym`` | ``builtin``).
+    Output: ``format`` (``parquet`` | ``gym-jsonl``), ``masked`` (``skip`` | ``include``), shards of
+    at most ``shard_rollouts`` rollouts and about ``shard_bytes`` stored bytes, Parquet row groups of
+    at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes, ``token_type``
+    (``auto``: ``list<int32>`` token ids in every shard, and a rollout holding an id >= 2**31 fails
+    with ``token_overflow``, naming ``int64``; ``int64``: ``list<int64>`` in every shard). ``drop``: drop each rollout
+    exported as trainable from a sealed snapshot once its shard is durable. ``engine`` (``ENGINES``)
+    with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
+    ``engine_options`` (keyword arguments for the engine, e.g. a cluster address). ``fence_grace``:
+    the seconds every client of the bucket uses (``S3TokenStore(fence_grace=)``); the drops wait it,
+    so it must be the capture fleet's value, never less.
+
+    Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
+    ``ValueError`` for bad options or a destination holding another export (other format or
+    builder), ``StoreError`` when the source listing or the destination fails, ``RuntimeError``
+    when a worker process dies.
+    """
+    from s3capture.store import S3TokenStore
+
+    states = tuple(states) if states else ("open", "frozen")
+    opts = dict(
+        format=format,
+        masked=masked,
+        builder=builder,
+        build_with=build_with,
+        token_type=token_type,
+        engine=engine,
+        states=states,
+        workers=workers,
+        concurrency=concurrency,
+        shard_rollouts=shard_rollouts,
+        row_group_rows=row_group_rows,
+        min_age=min_age,
+        fence_grace=fence_grace,
+    )
+    _check_options(url, dest, opts)
+    started = time.monotonic()
+    job = ExportJob(
+        url=url,
+        dest=dest,
+        format=format,
+        builder=builder,
+        build_with=build_with,
+        masked=masked,
+        freeze=freeze,
+        concurrency=concurrency,
+        row_group_rows=row_group_rows,
+        row_group_bytes=row_group_bytes,
+        token_type=token_type,
+        endpoint_url=endpoint_url,
+        transport=transport,
+    )
+    summary = ExportSummary(source=url, dest=dest, format=format)
+    requests: collections.Counter[str] = collections.Counter()
+    wanted = set(ids) if ids is not None else None
+    seen_ids: set[str] = set()
+    bar = progress if isinstance(progress, _Progress) else _Progress(bool(progress))
+
+    # -- the destination: durable shards, orphans of an interrupted run
+    target = _open_destination(job)
+    try:
+        await target.lock()  # held until the end: another export into it is refused
+        if isinstance(target, _S3Destination) and target.tag:
+            job = msgspec.structs.replace(job, run_tag=target.tag)
+        existing = await target.scan()
+        done: dict[str, RolloutRecord] = {}
+        for manifest in existing.manifests:
+            if manifest.data_format != format:
+                raise ValueError(
+                    f"--out {dest} holds a {manifest.data_format} export (part-{manifest.shard:05d}); "
+                    f"this run writes {format}: use another destination"
+                )
+            if manifest.builder and manifest.builder != builder:
+                raise ValueError(
+                    f"--out {dest} was exported with --builder {manifest.builder}; re-run with it or use another destination"
+                )
+            for record in manifest.rollouts:
+                done[record.rollout_id] = record
+        durable_data = {m.data for m in existing.manifests if m.data}
+        orphans = [name for name in existing.data_files if name not in durable_data] + existing.temp_files
+        await target.remove(existing.broken + orphans)
+        summary.orphans_removed = len(existing.broken) + len(orphans)
+        summary.shards_existing = len(existing.manifests)
+        next_shard = existing.highest + 1
+    except BaseException:
+        await target.close()
+        raise
+    finally:
+        requests.update({f"dest:{k}": v for k, v in target.requests.items()})
+
+    drop_limit = asyncio.Semaphore(32)
+    drop_tasks: set[asyncio.Task] = set()
+    store = S3TokenStore(
+        url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace
+    )
+
+    async def drop_one(record: RolloutRecord) -> None:
+        async with drop_limit:
+            try:
+                target.check_held()  # another export may own the destination now: never drop on its rows
+                dropped = await store.drop(record.rollout_id, record.snapshot_id, record.version)
+            except Exception as error:  # noqa: BLE001 - reported, never aborts the export
+                summary.drop_failed += 1
+                if len(summary.drop_failed_examples) < _EXAMPLES:
+                    summary.drop_failed_examples.append(f"{record.rollout_id}: {type(error).__name__}: {error}")
+                return
+        if dropped:
+            summary.dropped += 1
+        else:
+            summary.drop_failed += 1
+            if len(summary.drop_failed_examples) < _EXAMPLES:
+                summary.drop_failed_examples.append(
+                    f"{record.rollout_id}: the rollout changed since its snapshot {record.snapshot_id} was exported "
+                    "(a write raced the freeze); its objects are kept"
+                )
+
+    async def schedule_drop(record: RolloutRecord) -> None:
+        """Start the drop of ``record``'s rollout; first wait while ``_DROPS_AHEAD`` are pending,
+        so the listing and the shard results pause behind slow drops (bounded memory)."""
+        if not (drop and record.written and not record.masked):
+            return
+        if not record.sealed:
+            summary.not_dropped += 1
+            if len(summary.not_dropped_examples) < _EXAMPLES:
+                summary.not_dropped_examples.append(
+                    f"{record.rollout_id}: exported from an open rollout read unsealed; --freeze freezes it first"
+                )
+            return
+        while len(drop_tasks) >= _DROPS_AHEAD:
+            await asyncio.wait(list(drop_tasks), return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.create_task(drop_one(record))
+        drop_tasks.add(task)
+        task.add_done_callback(drop_tasks.discard)
+
+    def skip(rollout_id: str, reason: str) -> None:
+        summary.skipped += 1
+        _note(summary.skipped_reasons, summary.skipped_examples, rollout_id, reason)
+
+    async def shard_tasks() -> AsyncIterator[ShardTask]:
+        nonlocal next_shard
+        batch: list[Any] = []
+        batch_bytes = 0
+        now = _dt.datetime.now(_dt.timezone.utc)
+        listed_prefix = prefix
+        if wanted:  # narrow the listing to the ids' common prefix
+            common = os.path.commonprefix(sorted(wanted))
+            if common.startswith(prefix):
+                listed_prefix = common
+        async for info, listing in store.rollouts_listed(states, prefix=listed_prefix):
+            rid = info.rollout_id
+            if wanted is not None:
+                if rid not in wanted:
+                    continue
+                seen_ids.add(rid)
+            summary.listed += 1
+            if info.state not in states:
+                continue
+            previous = done.get(rid)
+            if (
+                previous is not None
+                and info.snapshot_id
+                and (previous.snapshot_id, previous.version) == (info.snapshot_id, info.version)
+                and (previous.written or masked == "skip")
+            ):
+                summary.already_exported += 1
+                if info.state == "frozen":  # its shard is durable; a drop a killed run never made
+                    await schedule_drop(msgspec.structs.replace(previous, sealed=True))
+                continue
+            if previous is not None and previous.written:
+                summary.changed_since_export += 1
+                if len(summary.changed_examples) < _EXAMPLES:
+                    summary.changed_examples.append(
+                        f"{rid}: exported at version {previous.version} ({previous.snapshot_id}), now version {info.version}"
+                    )
+            if info.state == "frozen" and not info.sealed and not freeze:
+                # read_snapshot(sealed=True) would refuse it: say so without reading it.
+                skip(
+                    rid,
+                    "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
+                    "--freeze seals it again",
+                )
+                continue
+            if info.state == "open" and min_age > 0:
+                if info.last_write is None:  # the listing gave no LastModified: its age is unknown
+                    skip(
+                        rid,
+                        "not_quiescent: open, and the listing gives no time of its last write "
+                        "(--min-age 0 exports it anyway)",
+                    )
+                    continue
+                age = (now - info.last_write).total_seconds()
+                if age < min_age:
+                    skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
+                    continue
+            summary.selected += 1
+            # the worker reads it without listing it again
+            batch.append(ListedRollout(info, tuple(listing), supersedes=previous is not None and previous.written))
+            batch_bytes += int(info.bytes or 0)
+            if len(batch) >= shard_rollouts or batch_bytes >= shard_bytes:
+                bar.planned(len(batch))
+                yield next_shard, batch
+                next_shard += 1
+                batch, batch_bytes = [], 0
+        bar.planned(len(batch), done=True)
+        if batch:
+            yield next_shard, batch
+            next_shard += 1
+
+    hold_after = int(os.environ.get(HOLD_ENV) or 0)
+    handled = 0
+    try:
+        async with contextlib.aclosing(
+            ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add, **(engine_options or {}))
+        ) as results:
+            async for result in results:
+                _account(summary, result, requests)
+                if not result.error:
+                    for record in result.records:
+                        await schedule_drop(record)
+                handled += 1
+                if hold_after and handled >= hold_after:
+                    if drop_tasks:  # the drops of the shards handled so far, as an export between shards
+                        await asyncio.gather(*list(drop_tasks))
+                    print(f"s3capture export: holding after {handled} shards", file=sys.stderr, flush=True)
+                    while True:  # a test kills the process here
+                        time.sleep(3600)  # noqa: ASYNC251 - blocks the loop on purpose: nothing more runs
+        if drop_tasks:
+            await asyncio.gather(*list(drop_tasks))
+        if wanted is not None:
+            for rid in sorted(wanted - seen_ids):
+                skip(rid, "not_listed: no such rollout in the selected states and prefix")
+    finally:
+        for task in list(drop_tasks):
+            task.cancel()
+        bar.close()
+        try:
+            await store.close()
+        finally:
+            requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
+            await target.close()  # releases the destination (a local folder's lock)
+    summary.requests = dict(sorted(requests.items()))
+    summary.wall_seconds = round(time.monotonic() - started, 3)
+    return summary
+
+
+def _account(summary: ExportSummary, result: ShardResult, requests: collections.Counter) -> None:
+    requests.update(result.requests)
+    if result.error:
+        summary.shards_failed += 1
+    elif result.manifest:
+        summary.shards_written += 1
+    for rid, reason in result.skipped:
+        summary.skipped += 1
+        _note(summary.skipped_reasons, summary.skipped_examples, rid, reason)
+    for rid, reason in result.failed:
+        summary.failed += 1
+        _note(summary.failed_reasons, summary.failed_examples, rid, reason)
+    if result.error:
+        return
+    for record in result.records:
+        if record.masked:
+            for reason in record.mask_reasons or ["masked"]:
+                kind = _reason_class(reason)
+                summary.masked_reasons[kind] = summary.masked_reasons.get(kind, 0) + 1
+            if record.written:
+                summary.masked_written += 1
+            else:
+                summary.masked_excluded += 1
+        else:
+            summary.exported += 1
+    summary.trajectories += result.rows
+    summary.tokens += result.tokens
+    summary.bytes_read += result.bytes_read
+    summary.bytes_written += result.bytes_written
+
+
+def format_summary(summary: ExportSummary) -> str:
+    """The human-readable summary ``s3capture export`` prints at the end."""
+    s = summary
+    mb = s.bytes_read / 1e6
+    rate = mb / s.wall_seconds if s.wall_seconds else 0.0
+    lines = [
+        f"export {s.source} -> {s.dest} ({s.format})",
+        f"rollouts: exported {s.exported:,}, masked {s.masked_written + s.masked_excluded:,} "
+        f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
+        f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
+        f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shards "
+        f"({s.bytes_written / 1e6:.1f} MB); read {mb:.1f} MB ({rate:.1f} MB/s)",
+    ]
+    if s.shards_existing or s.orphans_removed:
+        lines.append(
+            f"destination: {s.shards_existing:,} durable shards found; {s.orphans_removed:,} unfinished files removed"
+        )
+    for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
+        if counts:
+            lines.append(f"{title} by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
+    for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
+        for _, kept in sorted(examples.items()):
+            lines.extend(f"  {title} {line}" for line in kept[:3])
+    if s.changed_since_export:
+        lines.extend(f"  changed {line}" for line in s.changed_examples[:3])
+    if s.dropped or s.drop_failed or s.not_dropped:
+        lines.append(
+            f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}"
+        )
+        lines.extend(f"  {line}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
+    if s.shards_failed:
+        lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")
+    lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
+    lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {'OK' if s.ok else 'FAILED'}")
+    return "\n".join(lines)

@@ -1,0 +1,333 @@
+"""Engines: run ``export_shard`` for every shard task and yield the results, in a local process pool
+(``local_engine``) or as Ray tasks (``ray_engine``); ``ENGINES`` maps ``--engine`` names to them."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from s3capture.export import shard as _shard
+from s3capture.export.records import ExportJob, ShardResult
+from s3capture.export.shard import _close_clients, export_shard
+
+ShardTask = tuple[int, list[Any]]
+"""``(shard number, ListedRollout list)``: one unit of work for an engine."""
+
+
+def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> ShardResult:
+    reason = f"shard_failed: part-{shard:05d}: {type(error).__name__}: {error}"
+    return ShardResult(shard=shard, failed=[(info.rollout_id, reason) for info in rollouts], error=reason)
+
+
+def _init_worker(queue: Any) -> None:
+    _shard._REPORT = queue.put
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True
+    ).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A pool worker ends within 0.2 s of its export process's death (SIGKILL included). Left
+    running, it would publish the shards already handed to it, numbered by a dead parent, while a
+    re-run numbers its own shards alike (one replacing the other's rows after the re-run dropped
+    them), and then stay alive for good. Whatever it had not published is an orphan for the re-run."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent:
+            os._exit(70)
+
+
+async def local_engine(
+    job: ExportJob, shards: AsyncIterator[ShardTask], *, workers: int = 2, report: Callable | None = None
+) -> AsyncGenerator[ShardResult, None]:
+    """Run ``export_shard`` for every shard task on this machine; yield each ``ShardResult`` as it ends.
+
+    ``workers >= 1``: a process pool of that many processes (``spawn``); ``workers == 0``: one shard
+    at a time in a thread of this process (debugging, tests). At most ``max(2, 2 x workers)``
+    shards are taken from ``shards`` ahead of their results, so a streamed listing pauses while
+    they work. A shard that raises is yielded as a failed ``ShardResult`` (its rollouts in
+    ``failed``); a worker process that dies raises ``RuntimeError``. ``report`` receives progress
+    tuples (see ``shard._REPORT``).
+
+    This is the engine seam: an engine is ``async def engine(job, shards, *, workers, report)``
+    yielding ``ShardResult``s (``ENGINES``).
+    """
+    if workers == 0:
+        previous, _shard._REPORT = _shard._REPORT, report
+        thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3capture-export")
+        loop = asyncio.get_running_loop()
+        try:
+            async for shard, rollouts in shards:
+                try:
+                    yield await loop.run_in_executor(thread, export_shard, job, shard, rollouts)
+                except Exception as error:  # noqa: BLE001 - the shard's rollouts are reported failed
+                    yield _failed_shard(shard, rollouts, error)
+        finally:
+            _shard._REPORT = previous
+            await loop.run_in_executor(thread, _close_clients)
+            thread.shutdown(wait=True)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    stop = threading.Event()
+
+    def drain() -> None:
+        import queue as queue_module
+
+        while not stop.is_set():
+            try:
+                item = queue.get(timeout=0.2)
+            except queue_module.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            if report is not None:
+                report(item)
+
+    drainer = threading.Thread(target=drain, name="s3capture-export-progress", daemon=True)
+    drainer.start()
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+    pending: dict[asyncio.Future, ShardTask] = {}
+    ahead = max(2, 2 * workers)
+
+    def settle(future: asyncio.Future) -> ShardResult:
+        shard, rollouts = pending.pop(future)
+        error = future.exception()
+        if error is None:
+            return future.result()
+        if isinstance(error, concurrent.futures.process.BrokenProcessPool):
+            raise RuntimeError(f"an export worker process died (shard part-{shard:05d}): {error}") from error
+        return _failed_shard(shard, rollouts, error)
+
+    try:
+        async for task in shards:
+            future = asyncio.wrap_future(pool.submit(export_shard, job, task[0], task[1]))
+            pending[future] = task
+            while len(pending) >= ahead:
+                done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    yield settle(future)
+        while pending:
+            done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                yield settle(future)
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        # Progress the workers sent before they ended is in the queue: drain it, then stop.
+        await asyncio.sleep(0.3)
+        stop.set()
+        drainer.join(timeout=2)
+        queue.close()
+
+
+RAY_INSTALL = "pip install 's3capture[ray]'"
+
+
+def _import_ray() -> Any:
+    """``ray``, or ``ValueError`` naming the extra to install (one line, before anything is read)."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError(f"--engine ray needs Ray ({error}): {RAY_INSTALL}") from None
+    return ray
+
+
+class _RayProgress:
+    """The Ray engine's progress sink (run as an actor): workers add summed progress tuples, the
+    parent takes what accumulated since its last take."""
+
+    def __init__(self) -> None:
+        self.pending = [0, 0, 0, 0]
+
+    def add(self, item: tuple[int, int, int, int]) -> None:
+        for index, value in enumerate(item):
+            self.pending[index] += value
+
+    def take(self) -> tuple[int, int, int, int]:
+        out, self.pending = tuple(self.pending), [0, 0, 0, 0]
+        return out  # type: ignore[return-value]
+
+
+class _BatchedReport:
+    """``shard._REPORT`` in a Ray worker: sums the per-rollout tuples and sends them to the progress actor
+    at most every ``interval`` seconds (one actor call, not one per rollout); ``flush(wait=True)``
+    at the end of a shard waits until the actor holds everything, so the parent's last take after
+    the shard's result is complete."""
+
+    def __init__(self, sink: Any, interval: float = 0.5) -> None:
+        self.sink = sink
+        self.interval = interval
+        self.sums = [0, 0, 0, 0]
+        self.last = time.monotonic()
+
+    def __call__(self, item: tuple[int, int, int, int]) -> None:
+        for index, value in enumerate(item):
+            self.sums[index] += value
+        if time.monotonic() - self.last >= self.interval:
+            self.flush()
+
+    def flush(self, wait: bool = False) -> None:
+        self.last = time.monotonic()
+        if not any(self.sums):
+            return
+        sums, self.sums = tuple(self.sums), [0, 0, 0, 0]
+        ref = self.sink.add.remote(sums)
+        if wait:
+            import ray
+
+            ray.get(ref)
+
+
+def _ray_export_shard(job: ExportJob, shard: int, rollouts: list[Any], sink: Any) -> ShardResult:
+    """``export_shard`` as a Ray task: the same function, with its progress sent to ``sink``."""
+    report = _BatchedReport(sink) if sink is not None else None
+    previous, _shard._REPORT = _shard._REPORT, report
+    try:
+        return export_shard(job, shard, rollouts)
+    finally:
+        _shard._REPORT = previous
+        if report is not None:
+            report.flush(wait=True)
+
+
+async def ray_engine(
+    job: ExportJob,
+    shards: AsyncIterator[ShardTask],
+    *,
+    workers: int = 2,
+    report: Callable | None = None,
+    address: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    num_cpus: float = 1.0,
+    max_retries: int = 2,
+    poll_interval: float = 0.05,
+) -> AsyncGenerator[ShardResult, None]:
+    """Run ``export_shard`` for every shard task as a Ray task; yield each ``ShardResult`` as it ends.
+
+    The same function, arguments and output files as ``local_engine``: each task is one whole
+    shard (``export_shard(job, shard, rollouts)``), so its data file, manifest, row groups and
+    resume records are byte-for-byte the local engine's (manifest timestamps aside). At most
+    ``workers`` tasks run at once (Ray's parallelism; each asks for ``num_cpus`` CPUs) and at most
+    ``workers`` more shards are listed ahead in this process, so a streamed listing pauses while
+    they work (bounded memory: ``2 x workers`` shards of ``RolloutInfo`` and their results).
+
+    Ray: ``ray.init(address=address)`` unless this process is connected already (then that
+    connection is used and left open): ``None`` starts a local Ray runtime (or joins
+    ``RAY_ADDRESS``), ``"auto"`` joins the cluster of this machine, ``"ray://host:10001"`` a
+    remote one through Ray Client. A runtime the engine started is shut down when it ends.
+    ``runtime_env`` (e.g. ``{"env_vars": {...}}``) is applied to every task: workers read the S3
+    credentials from their own environment, as ``export_shard`` does anywhere; the job carries the
+    source and destination URLs, the endpoint (``job.endpoint_url``, else this process's
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) and the transport, never credentials.
+
+    A task that raises is yielded as a failed ``ShardResult`` (its rollouts in ``failed``); a worker
+    that dies is retried ``max_retries`` times by Ray (a shard re-run publishes the same files),
+    then its shard fails the same way. ``report`` receives progress tuples (``shard._REPORT``), summed by
+    each worker over at most 0.5 s and collected by a small actor. Raises ``ValueError`` when Ray
+    is not installed or ``workers < 1``.
+    """
+    ray = _import_ray()
+    if workers < 1:
+        raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {workers}")
+    job = msgspec.structs.replace(
+        job,
+        endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
+    )
+    started_here = False
+    if not ray.is_initialized():
+        import logging
+
+        options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            options["include_dashboard"] = False  # a local runtime for this export only
+        ray.init(address=address, **options)
+        started_here = True
+    sink: Any = None
+    pending: dict[Any, ShardTask] = {}
+    try:
+        task_options: dict[str, Any] = {"num_cpus": num_cpus, "max_retries": max_retries}
+        if runtime_env:
+            task_options["runtime_env"] = runtime_env
+        remote = ray.remote(_ray_export_shard).options(**task_options)
+        if report is not None:
+            sink = ray.remote(_RayProgress).options(num_cpus=0).remote()
+        held: collections.deque[ShardTask] = collections.deque()
+        exhausted = False
+        take: Any = None
+        next_take = time.monotonic()
+
+        def settle(ref: Any) -> ShardResult:
+            shard, rollouts = pending.pop(ref)
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayTaskError as error:  # export_shard raised: the cause, as locally
+                cause = getattr(error, "cause", None)
+                return _failed_shard(shard, rollouts, cause if isinstance(cause, BaseException) else error)
+            except ray.exceptions.RayError as error:  # a worker or node died, retries spent
+                return _failed_shard(shard, rollouts, error)
+
+        def drain(final: bool = False) -> None:
+            nonlocal take, next_take
+            if sink is None or report is None:  # both or neither
+                return
+            if take is not None and (final or ray.wait([take], timeout=0)[0]):
+                report(ray.get(take))
+                take = None
+            if final:
+                report(ray.get(sink.take.remote()))
+            elif take is None and time.monotonic() >= next_take:
+                take, next_take = sink.take.remote(), time.monotonic() + 0.5
+
+        while True:
+            while held and len(pending) < workers:
+                task = held.popleft()
+                pending[remote.remote(job, task[0], task[1], sink)] = task
+            while not exhausted and len(pending) + len(held) < 2 * workers:
+                try:
+                    task = await anext(shards)
+                except StopAsyncIteration:
+                    exhausted = True
+                    break
+                if len(pending) < workers:
+                    pending[remote.remote(job, task[0], task[1], sink)] = task
+                else:
+                    held.append(task)
+            if not pending:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            drain()
+            if not ready:
+                await asyncio.sleep(poll_interval)
+                continue
+            for ref in ready:
+                yield settle(ref)
+        drain(final=True)
+    finally:
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(sink)
+        if started_here:
+            ray.shutdown()
+
+
+ENGINES: dict[str, Callable[..., AsyncGenerator[ShardResult, None]]] = {"local": local_engine, "ray": ray_engine}
+"""Engines by ``--engine`` name. Each is ``engine(job, shards, *, workers, report, **options)``
+(``options``: ``export(engine_options=...)``): it runs
+``export_shard`` for every ``(shard, rollouts)`` task of the async iterator ``shards`` and yields
+``ShardResult``s in any order."""
