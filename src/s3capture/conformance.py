@@ -754,7 +754,7 @@ async def protocol_shapes_and_install(ctx: _Ctx) -> None:
             install(None)
             ctx.require(installed() is None, f"{install.__name__}(None) did not clear the default")
         try:
-            protocols.install_token_sink(object())  # type: ignore[arg-type]
+            protocols.install_token_sink(object())  # type: ignore[arg-type]  # the wrong type is the test
         except TypeError:
             pass
         else:

@@ -474,7 +474,8 @@ def run_workload(
         report: DemoReport = LedgerDemoReport(capture=capture, staging_url=staging_url)
 
         def build(bar: Any) -> Coroutine[Any, Any, None]:
-            return build_ledger(url, staging_url, rollouts, report, bar, manifest_hook)  # type: ignore[arg-type]
+            assert isinstance(report, LedgerDemoReport)
+            return build_ledger(url, staging_url, rollouts, report, bar, manifest_hook)
 
         build_desc = "manifest+verify+retire"
     else:
@@ -609,7 +610,8 @@ def storage_lines(report: DemoReport) -> list[str]:
 def format_report(report: DemoReport, *, where: str) -> str:
     """Human-readable summary of a demo run (either capture mode)."""
     if report.capture == "ledger":
-        return format_ledger_report(report, where=where)  # type: ignore[arg-type]
+        assert isinstance(report, LedgerDemoReport)  # what capture="ledger" builds
+        return format_ledger_report(report, where=where)
     if report.export_summary is not None:
         build_desc = "freeze+verify+export+drop"
     elif report.kept:

@@ -403,7 +403,7 @@ async def build_ledger(
                     if gym_manifest is not None:
                         try:
                             gym_manifest.model_validate(manifest)
-                            report.gym_manifests_valid += 1  # type: ignore[operator]
+                            report.gym_manifests_valid = (report.gym_manifests_valid or 0) + 1
                         except Exception as error:  # noqa: BLE001 - pydantic's ValidationError
                             problems.append(f"Gym RolloutManifest: {str(error).splitlines()[0]}")
                     rebuilt, rebuild_problems = await _verify_rollout(staging, rollout, manifest)

@@ -244,11 +244,9 @@ class S3CaptureLedger(RolloutObjects):
             if isinstance(result, BaseException):
                 raise result
         self._cache.put(row_key, _Cached(row, _heap_estimate(row, len(body))))
-        others = sorted(
-            item.key.rsplit("/", 1)[-1][: -len(".json")]
-            for item in results[1]  # type: ignore[union-attr]
-            if item.key != row_key
-        )
+        listed = results[1]
+        assert not isinstance(listed, BaseException) and listed is not None  # raised above; the LIST's items
+        others = sorted(item.key.rsplit("/", 1)[-1][: -len(".json")] for item in listed if item.key != row_key)
         if others:
             raise LedgerConflictError(
                 f"conflicting ledger row for model call {cid!r} in rollout {c.rollout_id!r}: "

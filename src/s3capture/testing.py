@@ -203,7 +203,7 @@ def _delete_bucket_quietly(client: Any, bucket: str) -> None:
 try:
     import pytest_asyncio
 except ImportError:  # the async fixtures then fail with the install hint
-    pytest_asyncio = None  # type: ignore[assignment]
+    pytest_asyncio = None  # type: ignore[assignment]  # checked before use; the module is optional
 
 
 def _need_pytest_asyncio(name: str) -> None:

@@ -270,7 +270,7 @@ class _S3Destination(_Destination):
         self.tag = ""  # the claim's id (``lock``), also in this export's shard names
 
     @property
-    def requests(self) -> collections.Counter:  # type: ignore[override]
+    def requests(self) -> collections.Counter:  # type: ignore[override]  # a property over the base's attribute
         return self.transport.request_counts
 
     async def scan(self) -> _Existing:

@@ -156,8 +156,8 @@ class _RayProgress:
             self.pending[index] += value
 
     def take(self) -> tuple[int, int, int, int]:
-        out, self.pending = tuple(self.pending), [0, 0, 0, 0]
-        return out  # type: ignore[return-value]
+        (a, b, c, d), self.pending = self.pending, [0, 0, 0, 0]
+        return a, b, c, d
 
 
 class _BatchedReport:
