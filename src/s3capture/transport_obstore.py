@@ -339,6 +339,7 @@ class ObstoreTransport(Transport):
         )
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max(self._max_concurrency, 10)),
+            cookie_jar=aiohttp.DummyCookieJar(),  # S3 sets none worth keeping; skips the jar per request
             timeout=aiohttp.ClientTimeout(sock_connect=self._connect_timeout, sock_read=self._read_timeout),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
@@ -427,10 +428,11 @@ class ObstoreTransport(Transport):
                 raise
 
     async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
-        params = [("encoding-type", "url"), ("list-type", "2"), ("max-keys", str(max_keys)), ("prefix", prefix)]
+        # The parameters in SigV4's canonical order (sorted by name), values percent-encoded as
+        # the canonical query string wants them, so the URL sent is the one signed.
+        query = f"encoding-type=url&list-type=2&max-keys={int(max_keys)}&prefix={quote(prefix, safe='-_.~')}"
         if token:
-            params.insert(0, ("continuation-token", token))
-        query = "&".join(f"{name}={quote(value, safe='-_.~')}" for name, value in params)
+            query = f"continuation-token={quote(token, safe='-_.~')}&{query}"
         url = f"{self._base}?{query}"
         body = await self._signed_get(client[1], "ListObjectsV2", url)
         return _parse_list(body, prefix)
@@ -532,6 +534,16 @@ def _list_signer_class() -> Any:
     return _LIST_SIGNER
 
 
+def _url_decoded(key: str) -> str:
+    """``unquote_plus(key)`` (botocore's decoding of ``EncodingType=url`` keys), cheaper for the
+    common key whose only escapes are ``%2F``: each ``%2F`` in a string is a whole escape (no hex
+    digit is ``%``), so it can be decoded first and the rest left to ``unquote_plus``."""
+    key = key.replace("%2F", "/")
+    if "%" in key or "+" in key:
+        key = unquote_plus(key)
+    return key
+
+
 def _parse_list(body: bytes, prefix: str) -> dict:
     """A ListObjectsV2 body in botocore's shape (keys URL-decoded as botocore does), or
     ``_Unverified`` for a body that is not a listing. ``IsTruncated`` is present only when the
@@ -559,7 +571,7 @@ def _parse_list(body: bytes, prefix: str) -> dict:
     for item in root.iterfind(ns + "Contents"):
         key = item.findtext(ns + "Key")
         if key is not None and encoded:
-            key = unquote_plus(key)
+            key = _url_decoded(key)
         try:
             size = int(item.findtext(ns + "Size") or 0)
         except ValueError:
