@@ -514,7 +514,7 @@ def _list_signer_class() -> Any:
     if _LIST_SIGNER is None:
         from botocore.auth import EMPTY_SHA256_HASH, S3SigV4Auth
 
-        class _ListSigner(S3SigV4Auth):  # type: ignore[misc]
+        class _ListSigner(S3SigV4Auth):
             _key: tuple[str, bytes] | None = None
 
             def payload(self, request: Any) -> str:
