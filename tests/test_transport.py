@@ -123,6 +123,56 @@ def test_obstore_listing_parser_keeps_what_verification_needs():
             _parse_list(body, "p/")
 
 
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://127.0.0.1:8333", "http://LocalHost:80", "http://[::1]:9000", "https://S3.example.com:443", None],
+)
+@pytest.mark.parametrize("token", [None, "session/token+="])
+def test_obstore_list_signer_signs_exactly_as_botocore_does(monkeypatch, endpoint, token):
+    # The LIST's signer keeps botocore's S3SigV4Auth and its signing key across requests, and
+    # gives the Host header instead of parsing it from every URL: the Authorization it produces
+    # must be the one a fresh botocore signer produces for the same request at the same second.
+    pytest.importorskip("obstore")
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+
+    from s3capture.transport_obstore import ObstoreTransport
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+    if token:
+        monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    else:
+        monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    transport = ObstoreTransport("my.bucket", endpoint_url=endpoint)
+    url = f"{transport._base}?continuation-token=a%2Bb%3D&encoding-type=url&list-type=2&max-keys=1000&prefix=r%2F%C3%BC%20x%2F"
+    for _ in range(3):  # the same signer twice: its kept signing key is the derived one
+        for _attempt in range(20):
+            ours = transport._sign(url)
+            request = AWSRequest(method="GET", url=url)
+            S3SigV4Auth(transport._frozen(), "s3", "eu-west-3").add_auth(request)
+            if request.headers["X-Amz-Date"] == ours["X-Amz-Date"]:
+                break
+        assert ours["Authorization"] == request.headers["Authorization"]
+        assert ours["X-Amz-Content-SHA256"] == request.headers["X-Amz-Content-SHA256"]
+        assert ours.get("X-Amz-Security-Token") == token
+        assert "SignedHeaders=host;x-amz-content-sha256;x-amz-date" in ours["Authorization"]
+
+
+def test_obstore_listing_key_decoding_is_botocore_s():
+    pytest.importorskip("obstore")
+    from urllib.parse import unquote_plus
+
+    from s3capture.transport_obstore import _url_decoded
+
+    cases = ["", "a", "p%2Fq", "p%2fq", "%252F", "%25%2F", "a+b", "%2B%2F+", "%E2%82%AC%2F", "%zz%2F", "%", "%2", "%C3"]
+    for key in cases:
+        assert _url_decoded(key) == unquote_plus(key), key
+
+
 def test_a_transport_is_a_transport(transport_kind):
     store = S3TokenStore("s3://bkt/p", transport=transport_kind, endpoint_url="http://127.0.0.1:9")
     assert isinstance(store.transport, Transport)

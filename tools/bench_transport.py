@@ -31,6 +31,7 @@ Usage::
     python tools/bench_transport.py                       # all servers, both transports, ~6 min
     python tools/bench_transport.py --servers moto --transports obstore
     python tools/bench_transport.py --quick --servers moto   # seconds (smoke test)
+    python tools/bench_transport.py --only capture --servers seaweedfs,moto   # capture-call rows only
 """
 
 from __future__ import annotations
@@ -403,10 +404,10 @@ async def run_server(kind: str, args: argparse.Namespace, bases: list[Any], resu
         started = time.perf_counter()
         rows: list[list[Any]] = []
         paths = [("loopback", server.endpoint_url, None)]
-        if args.rtt_ms > 0:
+        if args.rtt_ms > 0 and args.only != "capture":
             proxy = DelayProxy(server.port, args.rtt_ms)
             paths.append((f"{args.rtt_ms:g} ms RTT", proxy.endpoint_url, proxy.process.pid))
-        for path, endpoint, pid in paths:
+        for path, endpoint, pid in paths if args.only != "capture" else []:
             srv.proxy_pid = pid
             for concurrency, rounds in ((1, args.rounds), (8, args.rounds8)):
                 if pid is not None and concurrency == 1:
@@ -414,11 +415,15 @@ async def run_server(kind: str, args: argparse.Namespace, bases: list[Any], resu
                 stats = await put_ratio(srv, endpoint, args.transports, bases, concurrency, rounds)
                 rows.extend(put_rows(path, concurrency, stats, results, kind))
         srv.proxy_pid = None
-        out.append(
-            f"### put ÷ bare PUT of the same transport on {kind} (kinds interleaved per round; server CPU includes the proxy's behind it)\n\n"
-            + table(PUT_HEADERS, rows)
-        )
-        timings.append(f"put {time.perf_counter() - started:.0f} s")
+        if args.only != "capture":
+            out.append(
+                f"### put ÷ bare PUT of the same transport on {kind} (kinds interleaved per round; server CPU includes the proxy's behind it)\n\n"
+                + table(PUT_HEADERS, rows)
+            )
+            timings.append(f"put {time.perf_counter() - started:.0f} s")
+        if args.only == "put":
+            out.append(f"({kind}: {', '.join(timings)}; server started in {server.startup_seconds:.1f} s)")
+            return "\n\n".join(out)
         started = time.perf_counter()
         stats = await capture_ratio(
             srv,
@@ -481,6 +486,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="first call's prompt tokens (default 768; each call adds 1.5x --gen-len)",
     )
     parser.add_argument("--gen-len", type=int, default=128, help="generation tokens per call (default 128)")
+    parser.add_argument(
+        "--only",
+        choices=("put", "capture"),
+        default=None,
+        help="run only the put rows or only the capture-call rows (default: both)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.rounds = args.rounds or (4 if quick else 40)

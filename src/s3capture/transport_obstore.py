@@ -214,6 +214,8 @@ class ObstoreTransport(Transport):
             self._base = endpoint_url.rstrip("/") + "/" + quote(bucket, safe="")
         else:
             self._base = f"https://s3.{self.region}.amazonaws.com/{quote(bucket, safe='')}"
+        self._signer: Any = None  # (frozen credentials, _ListSigner), rebuilt when they change
+        self._host = _host_header(self._base)
 
     # ------------------------------------------------------------------ credentials
     def _frozen(self) -> Any:
@@ -337,6 +339,7 @@ class ObstoreTransport(Transport):
         )
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max(self._max_concurrency, 10)),
+            cookie_jar=aiohttp.DummyCookieJar(),  # S3 sets none worth keeping; skips the jar per request
             timeout=aiohttp.ClientTimeout(sock_connect=self._connect_timeout, sock_read=self._read_timeout),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
@@ -425,31 +428,43 @@ class ObstoreTransport(Transport):
                 raise
 
     async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
-        params = [("encoding-type", "url"), ("list-type", "2"), ("max-keys", str(max_keys)), ("prefix", prefix)]
+        # The parameters in SigV4's canonical order (sorted by name), values percent-encoded as
+        # the canonical query string wants them, so the URL sent is the one signed.
+        query = f"encoding-type=url&list-type=2&max-keys={int(max_keys)}&prefix={quote(prefix, safe='-_.~')}"
         if token:
-            params.insert(0, ("continuation-token", token))
-        query = "&".join(f"{name}={quote(value, safe='-_.~')}" for name, value in params)
+            query = f"continuation-token={quote(token, safe='-_.~')}&{query}"
         url = f"{self._base}?{query}"
         body = await self._signed_get(client[1], "ListObjectsV2", url)
         return _parse_list(body, prefix)
+
+    def _sign(self, url: str) -> dict[str, str]:
+        """The headers of a SigV4-signed, body-less GET of ``url`` (botocore's S3 signer, kept
+        for as long as the credentials do not change; see ``_ListSigner``)."""
+        from botocore.awsrequest import AWSRequest
+
+        frozen = self._frozen()
+        signer = self._signer
+        if signer is None or signer[0] != frozen:
+            signer = self._signer = (frozen, _list_signer_class()(frozen, "s3", self.region))
+        request = AWSRequest(method="GET", url=url, headers={"host": self._host} if self._host else None)
+        signer[1].add_auth(request)
+        return dict(request.headers.items())
 
     async def _signed_get(self, http: Any, operation: str, url: str) -> bytes:
         """One SigV4-signed GET, retried on 5xx, throttling and connection errors (up to the
         configured attempts, exponential backoff with full jitter); other answers raise."""
         import aiohttp
         import yarl
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
 
+        target = yarl.URL(url, encoded=True)
         for attempt in range(self._attempts):
             if attempt:
                 # botocore's standard mode: full jitter over 2**(attempt-1) seconds, at most 20 s
                 await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
                 self.request_counts[operation] += 1  # a retry is one more HTTP request
-            request = AWSRequest(method="GET", url=url)
-            S3SigV4Auth(self._frozen(), "s3", self.region).add_auth(request)
+            headers = self._sign(url)  # signed again per attempt: X-Amz-Date is part of the signature
             try:
-                async with http.get(yarl.URL(url, encoded=True), headers=dict(request.headers.items())) as response:
+                async with http.get(target, headers=headers) as response:
                     body = await response.read()
                     status = response.status
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
@@ -465,6 +480,68 @@ class ObstoreTransport(Transport):
                 continue
             raise _S3HTTPError(operation, status, code, text)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _host_header(base: str) -> str | None:
+    """The Host header botocore's signer derives from ``base`` (lowercase, no default port,
+    IPv6 in brackets), worked out once instead of from every request's URL; ``None`` leaves it
+    to the signer."""
+    try:
+        from botocore.auth import _host_from_url
+
+        return str(_host_from_url(base))
+    except Exception:  # noqa: BLE001 - a botocore without the helper: the signer derives it per request
+        return None
+
+
+_LIST_SIGNER: Any = None
+
+
+def _list_signer_class() -> Any:
+    """``_ListSigner``: botocore's ``S3SigV4Auth`` for this module's own body-less GETs, made
+    cheap where it may be. The canonical request, the string to sign and the signature are
+    botocore's; two things are worked out once instead of per request:
+
+    - the payload hash is SHA-256 of the empty body (a GET has none), so the signer never
+      prepares the request to find its body;
+    - the signing key (four HMACs over the secret key, the day, region and service, as
+      ``SigV4Auth.signature`` derives it) is kept for the day it was derived for.
+
+    One signer per frozen credentials (``ObstoreTransport._sign``); the Host header is given,
+    so the signer does not parse it out of every URL.
+    """
+    global _LIST_SIGNER
+    if _LIST_SIGNER is None:
+        from botocore.auth import EMPTY_SHA256_HASH, S3SigV4Auth
+
+        class _ListSigner(S3SigV4Auth):
+            _key: tuple[str, bytes] | None = None
+
+            def payload(self, request: Any) -> str:
+                return str(EMPTY_SHA256_HASH)
+
+            def signature(self, string_to_sign: str, request: Any) -> str:
+                day = request.context["timestamp"][0:8]
+                key = self._key
+                if key is None or key[0] != day:
+                    k_date = self._sign(f"AWS4{self.credentials.secret_key}".encode(), day)
+                    k_region = self._sign(k_date, self._region_name)
+                    k_service = self._sign(k_region, self._service_name)
+                    key = self._key = (day, self._sign(k_service, "aws4_request"))
+                return str(self._sign(key[1], string_to_sign, hex=True))
+
+        _LIST_SIGNER = _ListSigner
+    return _LIST_SIGNER
+
+
+def _url_decoded(key: str) -> str:
+    """``unquote_plus(key)`` (botocore's decoding of ``EncodingType=url`` keys), cheaper for the
+    common key whose only escapes are ``%2F``: each ``%2F`` in a string is a whole escape (no hex
+    digit is ``%``), so it can be decoded first and the rest left to ``unquote_plus``."""
+    key = key.replace("%2F", "/")
+    if "%" in key or "+" in key:
+        key = unquote_plus(key)
+    return key
 
 
 def _parse_list(body: bytes, prefix: str) -> dict:
@@ -494,7 +571,7 @@ def _parse_list(body: bytes, prefix: str) -> dict:
     for item in root.iterfind(ns + "Contents"):
         key = item.findtext(ns + "Key")
         if key is not None and encoded:
-            key = unquote_plus(key)
+            key = _url_decoded(key)
         try:
             size = int(item.findtext(ns + "Size") or 0)
         except ValueError:
