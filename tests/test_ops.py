@@ -285,3 +285,57 @@ def test_cli_ls_status_gc(
         f"{root}rollouts/dropped/fence",
         f"{root}rollouts/dropped/retired",
     ]
+
+
+class _ClockAhead:
+    """This machine's wall clock a day ahead of the store's; the monotonic clock untouched."""
+
+    AHEAD = 86_400.0
+
+    monotonic = staticmethod(time.monotonic)
+    perf_counter = staticmethod(time.perf_counter)
+
+    @staticmethod
+    def time() -> float:
+        return time.time() + _ClockAhead.AHEAD
+
+
+@pytest.mark.all_transports
+async def test_a_clock_running_ahead_does_not_age_what_gc_and_status_see(
+    fresh: Any, s3_client: Any, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3capture.ops as ops
+
+    writer, builder = fresh(fence_grace=0.0), fresh(fence_grace=0.0)
+    await writer.put(simple_entry("dropped", "c1"))
+    snap = await builder.freeze("dropped")
+    assert await builder.drop("dropped", snap.snapshot_id, snap.version)
+    await writer.put(simple_entry("open", "c1"))
+    before = keys_under(s3_client, bucket_url, "dropped")
+    assert before  # fence and tombstone
+
+    store = fresh()
+    monkeypatch.setattr(ops, "time", _ClockAhead)
+    report = await gc(store, 3600.0, dry_run=False)
+    # By this machine's clock everything is a day old; by the store's it was written just now.
+    assert (report.retired_seen, report.too_young, report.deleted_rollouts, report.abandoned) == (1, 1, 0, 0)
+    assert keys_under(s3_client, bucket_url, "dropped") == before
+    store_now = store.transport.store_now()
+    assert store_now is not None and abs(store_now - time.time()) < 5  # the same machine's clock, via Date
+    result = await status(store, manifests=False)
+    assert result.oldest_open is not None and result.oldest_open.age_seconds < 60
+    # A clock behind the store's counts the same way: the earlier clock is the one ages use.
+    assert ops.store_time(store) <= time.time() + 1
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough
+async def test_export_min_age_is_not_fooled_by_a_clock_running_ahead(
+    fresh: Any, bucket_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3capture.ops as ops
+    from s3capture.export import export
+
+    await fresh().put(simple_entry("open-a", "c1"))
+    monkeypatch.setattr(ops, "time", _ClockAhead)
+    young = await export(bucket_url, str(tmp_path / "out"), workers=0, min_age=3600)
+    assert (young.exported, young.skipped, young.skipped_reasons) == (0, 1, {"not_quiescent": 1})

@@ -609,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         metavar="AGE",
         help="an open rollout is exported only when its newest object is this old, e.g. 90s, 10m, 2h "
-        "(default 10m; server clock vs this machine's)",
+        "(default 10m; measured on the earlier of the store's clock and this machine's)",
     )
     export.add_argument(
         "--freeze",

@@ -17,7 +17,8 @@ What ``gc`` removes, and why it cannot lose an acknowledged entry (``docs/operat
   (``retired``) forever, plus, rarely, objects of stragglers that landed after the retire (never
   acknowledged as captured). ``gc`` handles a retired rollout only when **every** key under its
   prefix, fence and tombstone included, is older than ``older_than`` (the store's LastModified
-  against this machine's clock), as the streaming listing *and* a second listing of the rollout
+  against ``store_time``: the earlier of the store's clock, read from the ``Date`` of its LIST
+  answers, and this machine's), as the streaming listing *and* a second listing of the rollout
   taken right before any write or delete both show, unchanged (same keys, ETags, sizes, times).
 * A rollout holding nothing but its fence and tombstone loses them: the tombstone first, then the
   fence (a crash in between leaves a fence alone, which the next run removes: see below). Only
@@ -34,7 +35,8 @@ What ``gc`` removes, and why it cannot lose an acknowledged entry (``docs/operat
   rollouts are never touched (their consumer drops them).
 
 One gc per root at a time; do not ``retire`` or ``delete`` a rollout while a gc may be removing
-its fence. ``older_than`` must exceed the clock skew between this machine and the store plus the
+its fence. Ages are taken at ``store_time``, the earlier of the store's clock (the ``Date`` of its newest
+LIST answer) and this machine's, so a clock running ahead never makes a key look older; ``older_than`` must exceed the
 longest a ``put`` can stay in flight (retries included); ``MIN_SAFE_AGE`` (1 hour) is the least the
 command line takes without a warning; tests use 0.
 """
@@ -93,7 +95,7 @@ class OldestOpen(msgspec.Struct, kw_only=True):
     rollout_id: str
     last_write: datetime.datetime
     age_seconds: float
-    """This machine's clock minus ``last_write`` (the store's clock), in seconds."""
+    """``store_time`` now minus ``last_write`` (the store's clock), in seconds."""
 
 
 class StoreStatus(msgspec.Struct, kw_only=True):
@@ -178,6 +180,26 @@ def _age(now: float, modified: float) -> float:
     return now - modified
 
 
+def _clock(store: Any, now: float | None) -> Callable[[], float]:
+    """Seconds since the epoch to take ages at: ``now`` when given, else ``store_time(store)``."""
+    if now is not None:
+        return lambda: now
+    return lambda: store_time(store)
+
+
+def store_time(store: Any) -> float:
+    """The earlier of the store's clock (the ``Date`` of its newest LIST answer,
+    ``Transport.store_now``) and this machine's, in seconds since the epoch: ages against the
+    store's ``LastModified`` taken at this time are never overstated by a clock that runs ahead,
+    this machine's or a ``Date`` header's (an age decides what ``gc`` deletes and what ``export
+    --min-age`` reads as quiescent)."""
+    transport = getattr(store, "transport", None)
+    store_now = getattr(transport, "store_now", None)
+    value = store_now() if store_now is not None else None
+    local = time.time()
+    return local if value is None else min(value, local)
+
+
 def _newest(items: Iterable[ListedObject]) -> float:
     return max((item.modified for item in items), default=0.0)
 
@@ -221,14 +243,15 @@ async def status(
     none). ``prefix``: only rollout ids starting with it. ``manifests``: read the newest sealed
     manifest of each frozen rollout (one GET each, at most 16 in flight; needs ``s3:GetObject``);
     ``False`` sends nothing but LIST requests. ``now``: seconds since the epoch for ages (default
-    this machine's clock; ages compare it with the store's LastModified). ``progress``: a counter
+    ``store_time``: the earlier of the store's clock, from the ``Date`` of its LIST answers, and
+    this machine's; ages compare it with the store's LastModified). ``progress``: a counter
     of listed rollouts on stderr.
 
     Memory: one LIST page, one rollout's keys and at most 16 manifests at a time. Raises
     ``StoreError`` when the store fails the listing (a manifest that cannot be read only counts in
     ``manifest_errors``), ``TypeError``/``ValueError`` for a bad ``prefix``.
     """
-    clock = time.time() if now is None else now
+    clock = _clock(store, now)
     result = StoreStatus(url=store.url, states={state: StateCounts() for state in ROLLOUT_STATES})
     oldest: tuple[float, str] | None = None
     pending: set[asyncio.Task[None]] = set()
@@ -298,7 +321,7 @@ async def status(
         result.oldest_open = OldestOpen(
             rollout_id=oldest[1],
             last_write=_when(oldest[0]) or datetime.datetime.now(datetime.timezone.utc),
-            age_seconds=round(clock - oldest[0], 3),
+            age_seconds=round(clock() - oldest[0], 3),
         )
     result.masked_by_reason = dict(sorted(result.masked_by_reason.items(), key=lambda kv: (-kv[1], kv[0])))
     return result
@@ -332,7 +355,8 @@ async def gc(
     (default ``True``): send nothing but LIST requests and report what would be done.
     ``abandoned_after``: seconds an open rollout must be quiet to be reported as abandoned (default
     ``older_than``). ``prefix``: only rollout ids starting with it. ``now``: seconds since the epoch
-    (default this machine's clock). ``on_action``: called with each ``GcAction`` as it is decided
+    (default ``store_time``: the earlier of the store's clock, from the ``Date`` of its LIST answers,
+    and this machine's, so a clock running ahead never makes a rollout look older). ``on_action``: called with each ``GcAction`` as it is decided
     (dry run) or done, so a caller can print them without ``gc`` keeping a list.
 
     The rules (module docstring and ``docs/operations.md``): a rollout is changed only after a
@@ -350,7 +374,7 @@ async def gc(
         if value is not None and (not isinstance(value, (int, float)) or math.isnan(value) or value < 0):
             raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
     abandoned_after = older_than if abandoned_after is None else abandoned_after
-    clock = time.time() if now is None else now
+    clock = _clock(store, now)
     report = GcReport(
         url=store.url, dry_run=dry_run, older_than=float(older_than), abandoned_after=float(abandoned_after)
     )
@@ -365,7 +389,7 @@ async def gc(
             async for info, items in listed:
                 bar.update(1)
                 if info.state == "open":
-                    if info.last_write is not None and _age(clock, info.last_write.timestamp()) >= abandoned_after:
+                    if info.last_write is not None and _age(clock(), info.last_write.timestamp()) >= abandoned_after:
                         report.abandoned += 1
                         report.abandoned_bytes += info.bytes
                         emit(
@@ -376,7 +400,7 @@ async def gc(
                                 objects=info.objects,
                                 bytes=info.bytes,
                                 last_write=info.last_write,
-                                reason=f"open, quiet for {_age(clock, info.last_write.timestamp()):.0f}s",
+                                reason=f"open, quiet for {_age(clock(), info.last_write.timestamp()):.0f}s",
                             )
                         )
                     continue
@@ -388,7 +412,7 @@ async def gc(
                 elif not bare_fence:
                     continue  # frozen: its consumer drops it
                 newest = _newest(items)
-                if newest <= 0 or _age(clock, newest) < older_than:
+                if newest <= 0 or _age(clock(), newest) < older_than:
                     report.too_young += 1
                     continue
                 await _collect_one(store, info, items, rollout_prefix, bare_fence, dry_run, report, emit)
@@ -697,7 +721,7 @@ def _gc_command(args: Any) -> int:
     if args.retired_older_than < MIN_SAFE_AGE:
         print(
             f"s3capture gc: warning: --retired-older-than {args.retired_older_than:g}s is under {MIN_SAFE_AGE:.0f}s; "
-            "a threshold must exceed the clock skew to the store plus the longest a put can take "
+            "a threshold must exceed the longest a put can take (retries included) "
             "(docs/operations.md)",
             file=sys.stderr,
         )

@@ -30,12 +30,14 @@ import asyncio
 import base64
 import builtins
 import collections
+import email.utils
 import hashlib
 import inspect
 import logging
 import os
 import random
 import re
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
@@ -316,6 +318,26 @@ class Transport:
         self._after: list[RequestHook] = []
         self.request_counts: collections.Counter[str] = collections.Counter()
         """HTTP requests sent, by S3 operation (see each transport for whether retries count)."""
+        self._server_time: tuple[float, float] | None = None  # (Date of the last LIST answer, monotonic then)
+
+    def store_now(self) -> float | None:
+        """The store's clock now, in seconds since the epoch: the ``Date`` header of the newest
+        verified LIST answer plus the time elapsed since on this machine's monotonic clock; ``None``
+        before any LIST answered with a ``Date``. One second of resolution (HTTP dates), immune to
+        this machine's wall-clock skew: what ages against the store's ``LastModified`` use."""
+        if self._server_time is None:
+            return None
+        date, seen = self._server_time
+        return date + (time.monotonic() - seen)
+
+    def _note_date(self, page: dict) -> None:
+        headers = (page.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+        value = headers.get("date")
+        if value:
+            try:
+                self._server_time = (email.utils.parsedate_to_datetime(value).timestamp(), time.monotonic())
+            except (TypeError, ValueError):
+                pass  # a malformed Date: keep the previous one
 
     # ------------------------------------------------------------------ hooks
     def add_hook(self, before: RequestHook | None = None, after: RequestHook | None = None) -> None:
@@ -602,7 +624,10 @@ class Transport:
                 "ListObjectsV2", prefix, lambda: self._list_once(client, prefix, max_keys, token), token
             )
 
-        return _verify_page(await self._call("LIST", prefix, run), prefix, seen)
+        answer = await self._call("LIST", prefix, run)
+        page = _verify_page(answer, prefix, seen)
+        self._note_date(answer)
+        return page
 
     async def list(self, prefix: str, *, require: Iterable[str] = ()) -> list[ListedObject]:
         """Every object under ``prefix`` (one request per 1,000 keys), verified.

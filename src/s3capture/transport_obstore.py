@@ -434,8 +434,11 @@ class ObstoreTransport(Transport):
         if token:
             query = f"continuation-token={quote(token, safe='-_.~')}&{query}"
         url = f"{self._base}?{query}"
-        body = await self._signed_get(client[1], "ListObjectsV2", url)
-        return _parse_list(body, prefix)
+        body, date = await self._signed_get(client[1], "ListObjectsV2", url)
+        page = _parse_list(body, prefix)
+        if date:
+            page["ResponseMetadata"] = {"HTTPHeaders": {"date": date}}
+        return page
 
     def _sign(self, url: str) -> dict[str, str]:
         """The headers of a SigV4-signed, body-less GET of ``url`` (botocore's S3 signer, kept
@@ -450,9 +453,10 @@ class ObstoreTransport(Transport):
         signer[1].add_auth(request)
         return dict(request.headers.items())
 
-    async def _signed_get(self, http: Any, operation: str, url: str) -> bytes:
+    async def _signed_get(self, http: Any, operation: str, url: str) -> tuple[bytes, str]:
         """One SigV4-signed GET, retried on 5xx, throttling and connection errors (up to the
-        configured attempts, exponential backoff with full jitter); other answers raise."""
+        configured attempts, exponential backoff with full jitter); other answers raise. Returns
+        the body and the answer's ``Date`` header (``""`` when absent: ``Transport.store_now``)."""
         import aiohttp
         import yarl
 
@@ -467,12 +471,13 @@ class ObstoreTransport(Transport):
                 async with http.get(target, headers=headers) as response:
                     body = await response.read()
                     status = response.status
+                    date = response.headers.get("Date", "")
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 if attempt + 1 < self._attempts:
                     continue
                 raise
             if status == 200:
-                return body
+                return body, date
             text = body.decode("utf-8", "replace")
             match = _XML_CODE.search(text)
             code = match.group(1) if match else str(status)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import datetime as _dt
 import os
 import re
 import sys
@@ -35,6 +34,7 @@ from s3capture.export.records import (
     _reason_class,
 )
 from s3capture.export.shard import ListedRollout
+from s3capture.ops import store_time
 
 _DROPS_AHEAD = 1024
 """Drops started and not finished at most (32 of them run at once); the listing and the shard results
@@ -248,7 +248,7 @@ async def export(
     ``s3://`` prefix) as training trajectories; resumable (``docs/export.md``).
 
     Selection: ``states`` (default: frozen, and open ones whose newest object is at least
-    ``min_age`` seconds old by this machine's clock; read unsealed unless ``freeze``), ``ids`` (only
+    ``min_age`` seconds old at ``s3capture.ops.store_time``, the earlier of the store's clock and this machine's; read unsealed unless ``freeze``), ``ids`` (only
     these rollout ids) and ``prefix`` (only ids starting with it). Building: ``builder``
     (``prefix_merging`` | ``per_request``), ``build_with`` (``auto`` | ``gym`` | ``builtin``).
     Output: ``format`` (``parquet`` | ``gym-jsonl``), ``masked`` (``skip`` | ``include``), shards of
@@ -392,7 +392,6 @@ async def export(
         nonlocal next_shard
         batch: list[Any] = []
         batch_bytes = 0
-        now = _dt.datetime.now(_dt.timezone.utc)
         listed_prefix = prefix
         if wanted:  # narrow the listing to the ids' common prefix
             common = os.path.commonprefix(sorted(wanted))
@@ -440,7 +439,8 @@ async def export(
                         "(--min-age 0 exports it anyway)",
                     )
                     continue
-                age = (now - info.last_write).total_seconds()
+                # The earlier of the store's clock and this machine's: a clock ahead never ages a write.
+                age = store_time(store) - info.last_write.timestamp()
                 if age < min_age:
                     skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
                     continue
