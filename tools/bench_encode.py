@@ -16,6 +16,13 @@ One run, no S3, everything interleaved on the same entries:
   levels 1 and 3, and with a 64 KiB dictionary trained on other entries (the anyterminal_hermes and
   hermes_math examples and synthetic entries of other seeds), with the CPU of that compression.
 
+* **Read-side decode CPU per entry**: what every reader (freeze, resolve, export) does with a
+  stored entry object: ``records.decode_canonical_entry`` (decode, proven canonical) against its
+  reference (``decode_entry`` + ``encode_entry(entry) == bytes``) and against Gym's pydantic
+  ``model_validate_json`` of the same bytes (peer: how Gym's own store reads an entry); the whole
+  object (decompress + SHA-256 + decode, ``S3TokenStore._decode_object``); and Gym's token digest
+  of the entry's tokens packed with ``struct.pack`` (before) and ``array`` (``compute_digest``).
+
 Workloads: the real ``competitive_coding`` entries (real token ids and log probabilities), and
 synthetic 8k- and 32k-token entries (Zipf-like ids, float32-shaped log probabilities, text items).
 
@@ -50,7 +57,15 @@ from _benchcommon import (
 )
 from nemo_gym.token_id_capture.records import TokenEntry as GymTokenEntry
 
-from s3capture.records import _coerce_general, encode_entry, prepare_entry
+from s3capture.records import (
+    _DIGEST_DOMAIN,
+    _coerce_general,
+    compute_digest,
+    decode_canonical_entry,
+    decode_entry,
+    encode_entry,
+    prepare_entry,
+)
 from s3capture.store import S3TokenStore
 
 GYM_PATH = "Gym canonical path: model_dump(json) + orjson + SHA-256 (peer)"
@@ -135,6 +150,77 @@ def bench_cpu(
             rows.append([name, path, timed[path], medians[path] * 1e6, medians[path] * 1e9 / tokens, ratio])
         headline[name] = medians["s3capture put encode, s3capture TokenEntry (zstd 1, default)"] / peer
     return rows, headline
+
+
+READ_PEER = "Gym: TokenEntry.model_validate_json of the canonical bytes (peer)"
+
+
+def _reference_read(data: bytes) -> Any:
+    entry = decode_entry(data)
+    if encode_entry(entry) != data:
+        raise AssertionError("not canonical")
+    return entry
+
+
+def _struct_digest(ids: list[int]) -> str:
+    import struct
+
+    return hashlib.sha256(_DIGEST_DOMAIN + struct.pack(f">BQ{len(ids)}Q", 1, len(ids), *ids)).hexdigest()
+
+
+def read_paths(entries: list[Any], store: S3TokenStore) -> dict[str, Callable[[], None]]:
+    """Path name -> a function running that read path once over every entry."""
+    canon = [encode_entry(e) for e in entries]
+    objects = [(store._encode_object(b, ()), hashlib.sha256(b).hexdigest()) for b in canon]
+    tokens = [[*e.prompt_token_ids, *e.generation_token_ids] for e in entries]
+    assert [decode_canonical_entry(b).model_dump() for b in canon] == [_reference_read(b).model_dump() for b in canon]
+    assert [compute_digest(t) for t in tokens] == [_struct_digest(t) for t in tokens]
+
+    def each(fn: Callable[[Any], Any], items: list[Any]) -> Callable[[], None]:
+        def run() -> None:
+            for item in items:
+                fn(item)
+
+        return run
+
+    return {
+        READ_PEER: each(GymTokenEntry.model_validate_json, canon),
+        "decode_canonical_entry (the read path)": each(decode_canonical_entry, canon),
+        "before: decode_entry + encode_entry == bytes (the reference)": each(_reference_read, canon),
+        "whole object: decompress + SHA-256 + decode_canonical_entry": each(
+            lambda o: store._decode_object(*o), objects
+        ),
+        "digest of prompt + generation, array (compute_digest)": each(compute_digest, tokens),
+        "digest of prompt + generation, struct.pack (before)": each(_struct_digest, tokens),
+    }
+
+
+def bench_read(
+    workloads: dict[str, list[Any]], store: S3TokenStore, repeats: int, target: float
+) -> tuple[list[list[Any]], dict[str, float]]:
+    rows: list[list[Any]] = []
+    headline: dict[str, float] = {}
+    for name, entries in workloads.items():
+        paths = read_paths(entries, store)
+        for fn in paths.values():
+            fn()
+        samples: dict[str, list[float]] = {p: [] for p in paths}
+        order = list(paths)
+        for r in range(repeats):
+            for path in order[r % len(order) :] + order[: r % len(order)]:
+                per_call, _ = time_path(paths[path], target)
+                samples[path].append(per_call / len(entries))
+        medians = {p: statistics.median(v) for p, v in samples.items()}
+        peer = medians[READ_PEER]
+        reference = medians["before: decode_entry + encode_entry == bytes (the reference)"]
+        for path in paths:
+            ratio = "1.00x (peer)" if path == READ_PEER else f"{medians[path] / peer:.2f}x"
+            rows.append([name, path, medians[path] * 1e6, ratio, f"{medians[path] / reference:.2f}x"])
+        headline[name] = medians["decode_canonical_entry (the read path)"] / reference
+    return rows, headline
+
+
+READ_HEADERS = ["entries", "path", "µs/entry", "÷ Gym read (peer)", "÷ reference check"]
 
 
 CPU_HEADERS = ["entries", "path", "entries timed", "µs/entry", "ns/token", "÷ Gym canonical"]
@@ -239,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         "### put-side encode CPU per entry (process_time, no S3)\n\n" + table(CPU_HEADERS, rows, digits=1) + "\n",
         flush=True,
     )
+    read_rows, read_headline = bench_read(workloads, stores["default"], args.repeats, args.target)
+    print(
+        "### read-side decode CPU per entry (process_time, no S3)\n\n"
+        + table(READ_HEADERS, read_rows, digits=1)
+        + "\n",
+        flush=True,
+    )
     bytes_summary: dict[str, Any] = {}
     rows = bench_bytes(workloads, dictionary, args.target / 4, bytes_summary)
     print(
@@ -251,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         "put encode of an s3capture TokenEntry ÷ Gym's canonical path: "
         + ", ".join(f"{k.split(' (')[0]} {v:.2f}x" for k, v in headline.items())
     )
-    print(result_line("bench_encode", {"encode_ratio": headline, "bytes": bytes_summary}))
+    print(
+        "read path (decode_canonical_entry) ÷ the reference check: "
+        + ", ".join(f"{k.split(' (')[0]} {v:.2f}x" for k, v in read_headline.items())
+    )
+    print(result_line("bench_encode", {"encode_ratio": headline, "read_ratio": read_headline, "bytes": bytes_summary}))
     print(total_line(started, load_at_start))
     return 0
 
