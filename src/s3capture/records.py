@@ -84,6 +84,9 @@ class ParentResolutionStatus(str, enum.Enum):
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 _MAX_TOKEN_ID = 2**64 - 1  # what Gym's digest encoding (big-endian u64) can hold
+_I64_MIN = -(2**63)  # orjson's smallest integer
+# Integer fields whose range nothing else bounds (schema_version and token_item_index are checked).
+_WIDE_INT_FIELDS = ("cum_len", "continuation_context_len", "fingerprint_version")
 
 
 class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
@@ -140,6 +143,11 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
 
     def _validate_contract(self) -> "TokenEntry":
         """``validate`` without the schema version and token id range checks (already done by the caller)."""
+        for name in _WIDE_INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _I64_MIN <= value <= _MAX_TOKEN_ID:
+                # orjson (Gym's encoder) refuses integers beyond 64 bits: no Gym reader could load it.
+                raise RecordError(f"{name} {value} exceeds 64 bits, which Gym's JSON encoding cannot hold")
         if len(self.generation_token_ids) != len(self.generation_log_probs):
             raise RecordError(
                 "generation_token_ids and generation_log_probs must have the same length "
@@ -176,6 +184,9 @@ _typed_decoder = msgspec.json.Decoder(TokenEntry)
 # msgspec spells a float with a positive exponent "1e16" where orjson (Gym) spells "1e+16".
 _EXPONENT_DIGIT = re.compile(rb"e[0-9]")
 _NUMBER_BYTES = frozenset(b"0123456789.-")
+# An integer outside orjson's range (-2**63 .. 2**64 - 1) has at least 19 digits; the typed decode
+# accepts it in an ``Any`` field (output items, routed experts) and msgspec writes it back unchanged.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
 def _has_msgspec_only_float(data: bytes) -> bool:
@@ -243,8 +254,9 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     Equivalent to ``decode_entry(data)`` followed by the check ``encode_entry(entry) == data``, at
     about half the CPU for canonical bytes: one typed decode (the field types are checked while
     parsing) and one encode, compared with ``data``. Anything the fast path cannot prove
-    canonical (extra fields, a repeated key, a float with a positive exponent, a non-canonical
-    spelling) takes the general path, which decides.
+    canonical (extra fields, a repeated key, a float with a positive exponent, a run of 19 or more
+    digits that may be an integer beyond 64 bits, a non-canonical spelling) takes the general
+    path, which decides.
 
     Raises ``UnsupportedSchemaError`` for a newer ``schema_version`` and ``RecordError`` for bytes
     that are not valid, or not the canonical encoding of a valid ``TokenEntry``.
@@ -254,7 +266,7 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     except (msgspec.DecodeError, msgspec.ValidationError):
         entry = None
     if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:
-        if not _has_msgspec_only_float(data):
+        if not _has_msgspec_only_float(data) and _LONG_DIGITS.search(data) is None:
             _check_schema_version(entry.schema_version)
             for name in ("prompt_token_ids", "generation_token_ids"):
                 ids = getattr(entry, name)
