@@ -499,11 +499,16 @@ def encode_token_ids(token_ids: list[int] | tuple[int, ...]) -> bytes:
         # array packs in C about 4x faster than struct.pack(*ids); same bytes after the byte swap.
         try:
             packed = array.array("Q", token_ids)
-        except (OverflowError, TypeError):
+        except OverflowError:
             raise ValueError("token ids must be non-negative integers below 2**64") from None
-        if sys.byteorder == "little":
-            packed.byteswap()
-        return header + packed.tobytes()
+        except (TypeError, ValueError):
+            packed = None  # e.g. a str, or bytes of a length that is not a multiple of 8
+        # array takes bytes and bytearray as raw machine words (b"\x01" * 8 -> one id, not eight):
+        # whenever it did not make one id per item, struct decides, like Gym.
+        if packed is not None and len(packed) == len(token_ids):
+            if sys.byteorder == "little":
+                packed.byteswap()
+            return header + packed.tobytes()
     try:
         return header + struct.pack(f">{len(token_ids)}Q", *token_ids)
     except struct.error:
