@@ -204,3 +204,18 @@ def test_writers_refuse_integers_gym_cannot_encode() -> None:
     for field in ("cum_len", "continuation_context_len", "fingerprint_version"):
         with pytest.raises(RecordError, match="64 bits"):
             prepare_entry(_base(**{field: 2**64}))
+
+
+def test_small_log_probs_and_u64_token_ids_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # -0.00012345678901234567 is spelled with a run of 20 digits; only a whole integer of 19+
+    # digits may be beyond 64 bits, and token ids up to 2**64 - 1 are valid.
+    import s3capture.records as records
+
+    data = encode_entry(coerce_entry(_base(generation_log_probs=[-0.00012345678901234567, -1.2e-5], cum_len=2**40)))
+    assert b"00012345678901234567" in data
+
+    def general(_: bytes) -> TokenEntry:
+        raise AssertionError("took the general path")
+
+    monkeypatch.setattr(records, "decode_entry", general)
+    assert decode_canonical_entry(data).generation_log_probs == [-0.00012345678901234567, -1.2e-5]

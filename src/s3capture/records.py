@@ -186,7 +186,9 @@ _EXPONENT_DIGIT = re.compile(rb"e[0-9]")
 _NUMBER_BYTES = frozenset(b"0123456789.-")
 # An integer outside orjson's range (-2**63 .. 2**64 - 1) has at least 19 digits; the typed decode
 # accepts it in an ``Any`` field (output items, routed experts) and msgspec writes it back unchanged.
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+# Only a whole integer counts (in compact JSON it starts after ``:``, ``,`` or ``[``): a small float
+# such as -0.00012345678901234567 (a common log probability) holds a run of 20 digits too.
+_LONG_DIGITS = re.compile(rb"[:,\[]-?[0-9]{19,}[,\]}]")
 
 
 def _has_msgspec_only_float(data: bytes) -> bool:
@@ -254,9 +256,9 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     Equivalent to ``decode_entry(data)`` followed by the check ``encode_entry(entry) == data``, at
     about half the CPU for canonical bytes: one typed decode (the field types are checked while
     parsing) and one encode, compared with ``data``. Anything the fast path cannot prove
-    canonical (extra fields, a repeated key, a float with a positive exponent, a run of 19 or more
-    digits that may be an integer beyond 64 bits, a non-canonical spelling) takes the general
-    path, which decides.
+    canonical (extra fields, a repeated key, a float with a positive exponent, an integer of 19 or
+    more digits, which may be beyond 64 bits, a non-canonical spelling) takes the general path,
+    which decides.
 
     Raises ``UnsupportedSchemaError`` for a newer ``schema_version`` and ``RecordError`` for bytes
     that are not valid, or not the canonical encoding of a valid ``TokenEntry``.
