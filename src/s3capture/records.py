@@ -184,11 +184,21 @@ _typed_decoder = msgspec.json.Decoder(TokenEntry)
 # msgspec spells a float with a positive exponent "1e16" where orjson (Gym) spells "1e+16".
 _EXPONENT_DIGIT = re.compile(rb"e[0-9]")
 _NUMBER_BYTES = frozenset(b"0123456789.-")
-# An integer outside orjson's range (-2**63 .. 2**64 - 1) has at least 19 digits; the typed decode
-# accepts it in an ``Any`` field (output items, routed experts) and msgspec writes it back unchanged.
-# Only a whole integer counts (in compact JSON it starts after ``:``, ``,`` or ``[``): a small float
-# such as -0.00012345678901234567 (a common log probability) holds a run of 20 digits too.
-_LONG_DIGITS = re.compile(rb"[:,\[]-?[0-9]{19,}[,\]}]")
+
+
+def _nested_fits_json(entry: TokenEntry) -> bool:
+    """Whether the free-form fields (``output_items``, ``routed_experts``) hold no integer beyond 64
+    bits: the typed decode takes one there, and msgspec writes it back unchanged, where orjson
+    (Gym's encoder) and ``encode_entry`` refuse it. The same walk ``encode_entry`` makes."""
+    if not entry.output_items and entry.routed_experts is None:
+        return True
+    from s3capture.fingerprint import _scan_plain
+
+    try:
+        _scan_plain([entry.output_items, entry.routed_experts])
+    except ValueError:
+        return False
+    return True
 
 
 def _has_msgspec_only_float(data: bytes) -> bool:
@@ -256,8 +266,8 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     Equivalent to ``decode_entry(data)`` followed by the check ``encode_entry(entry) == data``, at
     about half the CPU for canonical bytes: one typed decode (the field types are checked while
     parsing) and one encode, compared with ``data``. Anything the fast path cannot prove
-    canonical (extra fields, a repeated key, a float with a positive exponent, an integer of 19 or
-    more digits, which may be beyond 64 bits, a non-canonical spelling) takes the general path,
+    canonical (extra fields, a repeated key, a float with a positive exponent, an integer beyond 64
+    bits in output items or routed experts, a non-canonical spelling) takes the general path,
     which decides.
 
     Raises ``UnsupportedSchemaError`` for a newer ``schema_version`` and ``RecordError`` for bytes
@@ -268,7 +278,7 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     except (msgspec.DecodeError, msgspec.ValidationError):
         entry = None
     if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:
-        if not _has_msgspec_only_float(data) and _LONG_DIGITS.search(data) is None:
+        if not _has_msgspec_only_float(data) and _nested_fits_json(entry):
             _check_schema_version(entry.schema_version)
             for name in ("prompt_token_ids", "generation_token_ids"):
                 ids = getattr(entry, name)
