@@ -254,5 +254,7 @@ async def test_forged_overlong_chain_hint_is_not_fetched(fresh, s3_client, bucke
     rec = await RequestRecorder.attach(resolver)
     resolution = await resolver.resolve("r-long", next_request(turns[-1]))
     assert resolution.status == ParentResolutionStatus.UNRESOLVED, resolution
-    assert not any(k.startswith(prefix + fake + "/") and k not in {prefix + r for r in genuine} for k in rec.keys("GetObject"))
+    assert not any(
+        k.startswith(prefix + fake + "/") and k not in {prefix + r for r in genuine} for k in rec.keys("GetObject")
+    )
     assert len(rec.keys("GetObject")) <= 2 * CHAIN_KEYS

@@ -207,11 +207,20 @@ def test_writers_refuse_integers_gym_cannot_encode() -> None:
 
 
 def test_small_log_probs_and_u64_token_ids_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    # -0.00012345678901234567 is spelled with a run of 20 digits; only a whole integer of 19+
-    # digits may be beyond 64 bits, and token ids up to 2**64 - 1 are valid.
+    # -0.00012345678901234567 is spelled with a run of 20 digits: a check for integers beyond 64
+    # bits must not mistake it for one (nor the 64-bit integers in the free-form fields).
     import s3capture.records as records
 
-    data = encode_entry(coerce_entry(_base(generation_log_probs=[-0.00012345678901234567, -1.2e-5], cum_len=2**40)))
+    data = encode_entry(
+        coerce_entry(
+            _base(
+                generation_log_probs=[-0.00012345678901234567, -1.2e-5],
+                cum_len=2**40,
+                routed_experts=[[2**64 - 1, -(2**63)]],
+                output_items=[{"n": 12345678901234567890}],
+            )
+        )
+    )
     assert b"00012345678901234567" in data
 
     def general(_: bytes) -> TokenEntry:
