@@ -226,3 +226,35 @@ async def test_cache_heap_stays_near_cache_bytes_for_full_prompt_entries(fresh):
     assert retained <= 1.25 * limit, (
         f"the cache retains {retained / 2**20:.1f} MiB with cache_bytes={limit / 2**20:.1f} MiB"
     )
+
+
+# Found by the adversarial review of the lazy chain check (f85bcd4): writers never build a chain of
+# more than CHAIN_KEYS keys, but a reader accepted any number of entry-shaped keys from a hint that
+# is outside the key's SHA-256, and GETs them all at once: one forged envelope made one resolve send
+# thousands of parallel requests.
+async def test_forged_overlong_chain_hint_is_not_fetched(fresh, s3_client, bucket_url):
+    from helpers import RequestRecorder, entry_key, put_chain, read_envelope, rollout_prefix, write_envelope
+
+    from s3capture.store import CHAIN_KEYS
+
+    turns, entries = await put_chain(fresh(), "r-long", 4)
+    bucket, prefix = rollout_prefix(bucket_url, "r-long")
+    key = entry_key(prefix, entries[-1])
+    envelope = read_envelope(s3_client, bucket, key)
+    genuine = envelope["chain"]
+    assert 0 < len(genuine) <= CHAIN_KEYS
+    # Keys of an entry's shape (in this rollout), named by SHA-256s that no object has.
+    fake = genuine[-1].rsplit("/", 1)[0]
+    forged = [f"{fake}/{hashlib.sha256(str(i).encode()).hexdigest()}.zst" for i in range(1000)]
+    envelope["chain"] = forged + genuine
+    envelope.pop("cum_base", None)
+    envelope.pop("cum_self", None)
+    write_envelope(s3_client, bucket, key, envelope)
+    resolver = fresh()
+    rec = await RequestRecorder.attach(resolver)
+    resolution = await resolver.resolve("r-long", next_request(turns[-1]))
+    assert resolution.status == ParentResolutionStatus.UNRESOLVED, resolution
+    assert not any(
+        k.startswith(prefix + fake + "/") and k not in {prefix + r for r in genuine} for k in rec.keys("GetObject")
+    )
+    assert len(rec.keys("GetObject")) <= 2 * CHAIN_KEYS

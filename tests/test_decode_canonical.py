@@ -167,3 +167,64 @@ def test_real_entries_decode_like_the_reference() -> None:
             assert _same(encode_entry(entry))[0] == "entry"
             count += 1
     assert count >= 5
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"routed_experts":null', b'"routed_experts":[18446744073709551616]'),
+        (b'"routed_experts":null', b'"routed_experts":[[1,-9223372036854775809]]'),
+        (b'"output_items":[]', b'"output_items":[{"n":123456789012345678901234567890}]'),
+        (b'"cum_len":null', b'"cum_len":1180591620717411303424'),
+        (b'"continuation_context_len":0', b'"continuation_context_len":18446744073709551616'),
+        (b'"fingerprint_version":null', b'"fingerprint_version":-9223372036854775809'),
+    ],
+)
+def test_integers_beyond_64_bits_are_refused_anywhere(old: bytes, new: bytes) -> None:
+    # orjson (Gym's encoder) cannot write these, so no canonical encoding holds them; msgspec
+    # decodes and re-encodes them unchanged, so the byte comparison alone proves nothing.
+    good = encode_entry(coerce_entry(_base()))
+    assert old in good
+    data = good.replace(old, new)
+    assert _same(data)[0] == "refused"
+    with pytest.raises(RecordError):
+        decode_canonical_entry(data)
+
+
+def test_64_bit_edges_in_nested_fields_are_kept() -> None:
+    for value in (2**64 - 1, -(2**63)):
+        entry = coerce_entry(_base(routed_experts=[value], output_items=[{"n": value}], cum_len=value))
+        kind, (dump, _, _) = _same(encode_entry(entry))
+        assert kind == "entry" and dump["routed_experts"] == [value] and dump["cum_len"] == value
+
+
+def test_writers_refuse_integers_gym_cannot_encode() -> None:
+    from s3capture.records import prepare_entry
+
+    for field in ("cum_len", "continuation_context_len", "fingerprint_version"):
+        with pytest.raises(RecordError, match="64 bits"):
+            prepare_entry(_base(**{field: 2**64}))
+
+
+def test_small_log_probs_and_u64_token_ids_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # -0.00012345678901234567 is spelled with a run of 20 digits: a check for integers beyond 64
+    # bits must not mistake it for one (nor the 64-bit integers in the free-form fields).
+    import s3capture.records as records
+
+    data = encode_entry(
+        coerce_entry(
+            _base(
+                generation_log_probs=[-0.00012345678901234567, -1.2e-5],
+                cum_len=2**40,
+                routed_experts=[[2**64 - 1, -(2**63)]],
+                output_items=[{"n": 12345678901234567890}],
+            )
+        )
+    )
+    assert b"00012345678901234567" in data
+
+    def general(_: bytes) -> TokenEntry:
+        raise AssertionError("took the general path")
+
+    monkeypatch.setattr(records, "decode_entry", general)
+    assert decode_canonical_entry(data).generation_log_probs == [-0.00012345678901234567, -1.2e-5]

@@ -718,3 +718,16 @@ def test_digest_encoding_refuses_what_gym_cannot_encode(bad: list) -> None:
 
     with pytest.raises(ValueError, match="non-negative integers below 2\\*\\*64"):
         encode_token_ids(bad)
+
+
+@pytest.mark.parametrize("ids", [bytes(range(1, 9)), bytearray(b"\x07" * 16), b"\x01\x02\x03"])
+def test_digest_of_bytes_is_gyms_not_the_raw_machine_words(ids: bytes) -> None:
+    # array.array("Q", b) reads b as raw 8-byte words (8 bytes -> 1 id) where Gym's struct path
+    # takes each byte as an id: the length header and the ids would disagree.
+    import struct
+
+    from s3capture.records import compute_digest, encode_token_ids
+
+    assert encode_token_ids(ids) == struct.pack(f">BQ{len(ids)}Q", 1, len(ids), *ids)
+    gym_records = pytest.importorskip("nemo_gym.token_id_capture.records")
+    assert compute_digest(ids) == gym_records.compute_digest(ids)

@@ -84,6 +84,9 @@ class ParentResolutionStatus(str, enum.Enum):
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 _MAX_TOKEN_ID = 2**64 - 1  # what Gym's digest encoding (big-endian u64) can hold
+_I64_MIN = -(2**63)  # orjson's smallest integer
+# Integer fields whose range nothing else bounds (schema_version and token_item_index are checked).
+_WIDE_INT_FIELDS = ("cum_len", "continuation_context_len", "fingerprint_version")
 
 
 class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
@@ -140,6 +143,11 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
 
     def _validate_contract(self) -> "TokenEntry":
         """``validate`` without the schema version and token id range checks (already done by the caller)."""
+        for name in _WIDE_INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _I64_MIN <= value <= _MAX_TOKEN_ID:
+                # orjson (Gym's encoder) refuses integers beyond 64 bits: no Gym reader could load it.
+                raise RecordError(f"{name} {value} exceeds 64 bits, which Gym's JSON encoding cannot hold")
         if len(self.generation_token_ids) != len(self.generation_log_probs):
             raise RecordError(
                 "generation_token_ids and generation_log_probs must have the same length "
@@ -176,6 +184,21 @@ _typed_decoder = msgspec.json.Decoder(TokenEntry)
 # msgspec spells a float with a positive exponent "1e16" where orjson (Gym) spells "1e+16".
 _EXPONENT_DIGIT = re.compile(rb"e[0-9]")
 _NUMBER_BYTES = frozenset(b"0123456789.-")
+
+
+def _nested_fits_json(entry: TokenEntry) -> bool:
+    """Whether the free-form fields (``output_items``, ``routed_experts``) hold no integer beyond 64
+    bits: the typed decode takes one there, and msgspec writes it back unchanged, where orjson
+    (Gym's encoder) and ``encode_entry`` refuse it. The same walk ``encode_entry`` makes."""
+    if not entry.output_items and entry.routed_experts is None:
+        return True
+    from s3capture.fingerprint import _scan_plain
+
+    try:
+        _scan_plain([entry.output_items, entry.routed_experts])
+    except ValueError:
+        return False
+    return True
 
 
 def _has_msgspec_only_float(data: bytes) -> bool:
@@ -243,8 +266,9 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     Equivalent to ``decode_entry(data)`` followed by the check ``encode_entry(entry) == data``, at
     about half the CPU for canonical bytes: one typed decode (the field types are checked while
     parsing) and one encode, compared with ``data``. Anything the fast path cannot prove
-    canonical (extra fields, a repeated key, a float with a positive exponent, a non-canonical
-    spelling) takes the general path, which decides.
+    canonical (extra fields, a repeated key, a float with a positive exponent, an integer beyond 64
+    bits in output items or routed experts, a non-canonical spelling) takes the general path,
+    which decides.
 
     Raises ``UnsupportedSchemaError`` for a newer ``schema_version`` and ``RecordError`` for bytes
     that are not valid, or not the canonical encoding of a valid ``TokenEntry``.
@@ -254,7 +278,7 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     except (msgspec.DecodeError, msgspec.ValidationError):
         entry = None
     if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:
-        if not _has_msgspec_only_float(data):
+        if not _has_msgspec_only_float(data) and _nested_fits_json(entry):
             _check_schema_version(entry.schema_version)
             for name in ("prompt_token_ids", "generation_token_ids"):
                 ids = getattr(entry, name)
@@ -487,11 +511,16 @@ def encode_token_ids(token_ids: list[int] | tuple[int, ...]) -> bytes:
         # array packs in C about 4x faster than struct.pack(*ids); same bytes after the byte swap.
         try:
             packed = array.array("Q", token_ids)
-        except (OverflowError, TypeError):
+        except OverflowError:
             raise ValueError("token ids must be non-negative integers below 2**64") from None
-        if sys.byteorder == "little":
-            packed.byteswap()
-        return header + packed.tobytes()
+        except (TypeError, ValueError):
+            packed = None  # e.g. a str, or bytes of a length that is not a multiple of 8
+        # array takes bytes and bytearray as raw machine words (b"\x01" * 8 -> one id, not eight):
+        # whenever it did not make one id per item, struct decides, like Gym.
+        if packed is not None and len(packed) == len(token_ids):
+            if sys.byteorder == "little":
+                packed.byteswap()
+            return header + packed.tobytes()
     try:
         return header + struct.pack(f">{len(token_ids)}Q", *token_ids)
     except struct.error:

@@ -247,11 +247,13 @@ def _is_entry_rel(rel: str) -> bool:
 
 
 def _checked_chain(stored: _Stored) -> tuple[str, ...]:
-    """``stored``'s ancestor keys (its envelope's chain hint) once checked: a chain holding anything
-    but keys of an entry's shape is dropped whole (a walk then reports the chain as missing:
-    UNRESOLVED, never a request for a forged key). Checked once per cached object."""
+    """``stored``'s ancestor keys (its envelope's chain hint) once checked: a chain of more than
+    ``CHAIN_KEYS`` keys (no writer builds one; a walk GETs a window's keys all at once) or holding
+    anything but keys of an entry's shape is dropped whole (a walk then reports the chain as
+    missing: UNRESOLVED, never a request for a forged key). Checked once per cached object."""
     if not stored.chain_checked:
-        if not all(isinstance(rel, str) and _is_entry_rel(rel) for rel in stored.chain):
+        chain = stored.chain
+        if len(chain) > CHAIN_KEYS or not all(isinstance(rel, str) and _is_entry_rel(rel) for rel in chain):
             stored.chain = ()
         stored.chain_checked = True
     return stored.chain
