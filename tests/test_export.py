@@ -350,6 +350,11 @@ async def test_token_ids_auto_is_int32_in_every_shard_and_fails_a_rollout_that_n
     states = {info.rollout_id: info.state async for info in fresh().rollouts()}
     assert states["b-big"] == "frozen" and states["a-small"] == states["c-small"] == "retired"
 
+    # int64 into the int32 folder: refused before anything is read (the folder must stay one dataset).
+    with pytest.raises(ValueError, match="list<int32> token ids .*--token-ids auto"):
+        await export(bucket_url, str(auto), workers=0, token_type="int64")
+    assert sorted(auto.glob("part-*.parquet")) == parts
+
     # int64: exported (every shard list<int64>), then dropped.
     wide = tmp_path / "int64"
     summary = await export(bucket_url, str(wide), workers=0, drop=True, token_type="int64")
@@ -357,6 +362,9 @@ async def test_token_ids_auto_is_int32_in_every_shard_and_fails_a_rollout_that_n
     table = ds.dataset(str(wide), format="parquet").to_table()
     assert table.schema.field("token_ids").type == pa.list_(pa.int64())
     assert table.column("rollout_id").to_pylist() == ["b-big"] and 2**31 + 5 in table.column("token_ids")[0].as_py()
+    assert {m.token_ids for m in await read_manifests(str(wide))} == {"int64"}
+    with pytest.raises(ValueError, match="list<int64> token ids .*--token-ids int64"):
+        await export(bucket_url, str(wide), workers=0)
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

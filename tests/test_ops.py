@@ -339,3 +339,25 @@ async def test_export_min_age_is_not_fooled_by_a_clock_running_ahead(
     monkeypatch.setattr(ops, "time", _ClockAhead)
     young = await export(bucket_url, str(tmp_path / "out"), workers=0, min_age=3600)
     assert (young.exported, young.skipped, young.skipped_reasons) == (0, 1, {"not_quiescent": 1})
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # CLI plumbing: one server is enough
+def test_ls_into_a_closed_pipe_ends_quietly(s3_env: Any, bucket_url: str) -> None:
+    import os
+    import subprocess
+
+    async def setup() -> None:
+        async with S3TokenStore(bucket_url) as writer:
+            await asyncio.gather(*(writer.put(simple_entry(f"r{i:03d}", "c1")) for i in range(40)))
+
+    asyncio.run(setup())
+    read, write = os.pipe()
+    os.close(read)  # `s3capture ls URL | head -0`: the reader is gone before the first row
+    with os.fdopen(write, "wb") as stdout:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from s3capture.cli import main; sys.exit(main())", "ls", bucket_url],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    assert (done.returncode, done.stderr.decode()) == (0, "")

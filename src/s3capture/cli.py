@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_duration,
         default=600.0,
         metavar="AGE",
-        help="an open rollout is exported only when its newest object is this old, e.g. 90s, 10m, 2h "
+        help="an open rollout is exported only when its newest object is this old, e.g. 90s, 10m, 2h (a bare number is seconds) "
         "(default 10m; measured on the earlier of the store's clock and this machine's)",
     )
     export.add_argument(
@@ -756,7 +756,17 @@ def main(argv: list[str] | None = None) -> int:
     from s3capture.store import StoreError
 
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader gone before the last flush is a quiet end too
+        return code
+    except BrokenPipeError:
+        # The reader of our output went away (`s3capture ls URL | head`): a quiet end, as for any
+        # Unix filter; stdout is pointed at /dev/null so the interpreter's final flush cannot fail.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass  # stdout is not a file descriptor (an embedding, a test's capture)
+        return 0
     except (StoreError, BotoCoreError, ClientError, ValueError, OSError, RuntimeError) as error:
         print(f"s3capture {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -322,6 +322,12 @@ async def export(
                     f"--out {dest} holds a {manifest.data_format} export (part-{manifest.shard:05d}); "
                     f"this run writes {format}: use another destination"
                 )
+            if manifest.token_ids and manifest.token_ids != job.parquet_token_ids():
+                raise ValueError(
+                    f"--out {dest} holds list<{manifest.token_ids}> token ids (part-{manifest.shard:05d}); this run "
+                    f"writes list<{job.parquet_token_ids()}>, and one folder must read as one dataset: re-run with "
+                    f"--token-ids {'int64' if manifest.token_ids == 'int64' else 'auto'} or use another destination"
+                )
             if manifest.builder and manifest.builder != builder:
                 raise ValueError(
                     f"--out {dest} was exported with --builder {manifest.builder}; re-run with it or use another destination"
@@ -526,6 +532,11 @@ def _account(summary: ExportSummary, result: ShardResult, requests: collections.
     summary.bytes_written += result.bytes_written
 
 
+def _size(nbytes: float) -> str:
+    """``nbytes`` in MB with one decimal, or in kB under 1 MB (a small export is not "0.0 MB")."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
+
+
 def format_summary(summary: ExportSummary) -> str:
     """The human-readable summary ``s3capture export`` prints at the end."""
     s = summary
@@ -537,7 +548,7 @@ def format_summary(summary: ExportSummary) -> str:
         f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
         f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
         f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shards "
-        f"({s.bytes_written / 1e6:.1f} MB); read {mb:.1f} MB ({rate:.1f} MB/s)",
+        f"({_size(s.bytes_written)}); read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
     ]
     if s.shards_existing or s.orphans_removed:
         lines.append(

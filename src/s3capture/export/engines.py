@@ -106,7 +106,10 @@ async def local_engine(
         if error is None:
             return future.result()
         if isinstance(error, concurrent.futures.process.BrokenProcessPool):
-            raise RuntimeError(f"an export worker process died (shard part-{shard:05d}): {error}") from error
+            raise RuntimeError(
+                f"an export worker process died (shard part-{shard:05d}): {error} (workers are spawned, which "
+                "re-imports the calling script: call export() under `if __name__ == '__main__':`, or pass workers=0)"
+            ) from error
         return _failed_shard(shard, rollouts, error)
 
     try:

@@ -54,6 +54,13 @@ class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
         tag = f"-{self.run_tag}" if self.run_tag else ""
         return f"part-{shard:05d}{tag}.{'parquet' if self.format == 'parquet' else 'jsonl'}"
 
+    def parquet_token_ids(self) -> str:
+        """The ``token_ids`` element type every Parquet shard of this job has (``"int64"`` only with
+        ``token_type="int64"``), ``""`` for gym-jsonl."""
+        if self.format != "parquet":
+            return ""
+        return "int64" if self.token_type == "int64" else "int32"
+
     def manifest_name(self, shard: int) -> str:
         """The manifest of ``shard``: ``_part-NNNNN[-<run_tag>].manifest.json``."""
         tag = f"-{self.run_tag}" if self.run_tag else ""
@@ -95,6 +102,10 @@ class ShardManifest(msgspec.Struct, kw_only=True):
     source: str = ""
     created_at: str = ""
     rollouts: list[RolloutRecord] = []
+    token_ids: str = ""
+    """Parquet: the element type of the shard's ``token_ids`` (``"int32"`` or ``"int64"``), one per
+    destination so its shards read as one dataset; ``""`` for gym-jsonl and for manifests written
+    before the field."""
 
 
 class ShardResult(msgspec.Struct, kw_only=True):

@@ -274,6 +274,7 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
             source=job.url,
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             rollouts=result.records,
+            token_ids=job.parquet_token_ids(),
         )
         body = msgspec.json.format(msgspec.json.encode(manifest), indent=1)
         result.manifest = job.manifest_name(shard)
