@@ -500,3 +500,22 @@ async def put_chain(writer: Any, rollout_id: str, depth: int) -> tuple[list[Any]
         await writer.put(entry)
         entries.append(entry)
     return turns, entries
+
+
+def example_entries(path: Any) -> list[TokenEntry]:
+    """One ``simple_entry`` per model call of a shared Gym example file (its real token ids and
+    log probabilities, when it has them)."""
+    from s3capture.replay import load_rollouts
+
+    return [
+        simple_entry(
+            rollout.rollout_id,
+            call.model_call_id,
+            prompt=list(call.prompt_token_ids),
+            generation=list(call.generation_token_ids),
+            log_probs=list(call.generation_log_probs),
+            request_items=call.request_items,
+        )
+        for rollout in load_rollouts([path])
+        for call in rollout.calls
+    ]

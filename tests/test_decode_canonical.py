@@ -149,24 +149,12 @@ def test_the_scan_for_msgspec_spelled_floats() -> None:
 
 @pytest.mark.skipif(not (DATA / "competitive_coding.jsonl").exists(), reason="shared example rollouts not present")
 def test_real_entries_decode_like_the_reference() -> None:
-    from helpers import simple_entry
+    from helpers import example_entries
 
-    from s3capture.replay import load_rollouts
-
-    count = 0
-    for rollout in load_rollouts([DATA / "competitive_coding.jsonl"]):
-        for call in rollout.calls:
-            entry = simple_entry(
-                rollout.rollout_id,
-                call.model_call_id,
-                prompt=list(call.prompt_token_ids),
-                generation=list(call.generation_token_ids),
-                log_probs=list(call.generation_log_probs),
-                request_items=call.request_items,
-            )
-            assert _same(encode_entry(entry))[0] == "entry"
-            count += 1
-    assert count >= 5
+    entries = example_entries(DATA / "competitive_coding.jsonl")
+    assert len(entries) >= 5
+    for entry in entries:
+        assert _same(encode_entry(entry))[0] == "entry"
 
 
 @pytest.mark.parametrize(

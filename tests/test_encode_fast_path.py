@@ -200,25 +200,15 @@ async def test_mutating_the_callers_entry_after_put_changes_neither_cache_nor_st
 
 @pytest.mark.skipif(not (DATA / "competitive_coding.jsonl").exists(), reason="shared example rollouts not present")
 def test_real_competitive_coding_entries_take_the_fast_path_and_match_gym(gym: Any) -> None:
-    from s3capture.replay import load_rollouts
+    from helpers import example_entries
 
-    count = 0
-    for rollout in load_rollouts([DATA / "competitive_coding.jsonl"]):
-        for call in rollout.calls:
-            entry = simple_entry(
-                rollout.rollout_id,
-                call.model_call_id,
-                prompt=list(call.prompt_token_ids),
-                generation=list(call.generation_token_ids),
-                log_probs=list(call.generation_log_probs),
-                request_items=call.request_items,
-            )
-            d = json.loads(encode_entry(entry))
-            for kind, item in _inputs(gym, d).items():
-                assert _fast_copy(item) is not None, kind
-                assert prepare_entry(item)[1] == _gym_bytes(gym, d), kind
-            count += 1
-    assert count >= 5
+    entries = example_entries(DATA / "competitive_coding.jsonl")
+    assert len(entries) >= 5
+    for entry in entries:
+        d = json.loads(encode_entry(entry))
+        for kind, item in _inputs(gym, d).items():
+            assert _fast_copy(item) is not None, kind
+            assert prepare_entry(item)[1] == _gym_bytes(gym, d), kind
 
 
 def test_encode_object_is_safe_from_several_threads() -> None:

@@ -75,6 +75,16 @@ def gym_canonical(entry: Any) -> str:
     return hashlib.sha256(orjson.dumps(entry.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
+def each(fn: Callable[[Any], Any], items: list[Any]) -> Callable[[], None]:
+    """A path that runs ``fn`` once on every item."""
+
+    def run() -> None:
+        for item in items:
+            fn(item)
+
+    return run
+
+
 def make_paths(
     entries: list[Any], stores: dict[str, S3TokenStore], dictionary: zstandard.ZstdCompressionDict
 ) -> dict[str, Callable[[], None]]:
@@ -102,13 +112,6 @@ def make_paths(
             payload = encode_entry(_coerce_general(entry))
             hashlib.sha256(payload).hexdigest()
             level3._encode_object(payload, ())
-
-    def each(fn: Callable[[Any], Any], items: list[Any]) -> Callable[[], None]:
-        def run() -> None:
-            for item in items:
-                fn(item)
-
-        return run
 
     return {
         GYM_PATH: each(gym_canonical, gyms),
@@ -175,13 +178,6 @@ def read_paths(entries: list[Any], store: S3TokenStore) -> dict[str, Callable[[]
     tokens = [[*e.prompt_token_ids, *e.generation_token_ids] for e in entries]
     assert [decode_canonical_entry(b).model_dump() for b in canon] == [_reference_read(b).model_dump() for b in canon]
     assert [compute_digest(t) for t in tokens] == [_struct_digest(t) for t in tokens]
-
-    def each(fn: Callable[[Any], Any], items: list[Any]) -> Callable[[], None]:
-        def run() -> None:
-            for item in items:
-                fn(item)
-
-        return run
 
     return {
         READ_PEER: each(GymTokenEntry.model_validate_json, canon),
