@@ -493,6 +493,25 @@ def time_path(fn: Callable[[], None], target: float) -> tuple[float, int]:
             return elapsed / calls, calls
 
 
+def rotated_medians(
+    paths: dict[str, Callable[[], None]], repeats: int, target: float, per: int = 1
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Each path warmed once, then timed ``repeats`` times (``time_path``), the order rotated
+    between repeats so drift cancels: (median process seconds per item, items timed) by path,
+    where one call of a path handles ``per`` items."""
+    for fn in paths.values():  # warm up caches and lazy imports
+        fn()
+    samples: dict[str, list[float]] = {p: [] for p in paths}
+    timed: dict[str, int] = {p: 0 for p in paths}
+    order = list(paths)
+    for r in range(repeats):
+        for path in order[r % len(order) :] + order[: r % len(order)]:
+            per_call, calls = time_path(paths[path], target)
+            samples[path].append(per_call / per)
+            timed[path] += calls * per
+    return {p: statistics.median(v) for p, v in samples.items()}, timed
+
+
 async def timed(call: Callable[[int], Awaitable[Any]], j: int) -> float:
     """Seconds ``await call(j)`` takes; the call itself is made inside the timing."""
     started = time.perf_counter()

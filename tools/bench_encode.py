@@ -52,6 +52,7 @@ from _benchcommon import (
     result_line,
     synthetic_entry,
     table,
+    rotated_medians,
     time_path,
     total_line,
 )
@@ -135,17 +136,7 @@ def bench_cpu(
     headline: dict[str, float] = {}
     for name, entries in workloads.items():
         paths = make_paths(entries, stores, dictionary)
-        for fn in paths.values():  # warm up caches and lazy imports
-            fn()
-        samples: dict[str, list[float]] = {p: [] for p in paths}
-        timed: dict[str, int] = {p: 0 for p in paths}
-        order = list(paths)
-        for r in range(repeats):
-            for path in order[r % len(order) :] + order[: r % len(order)]:
-                per_call, calls = time_path(paths[path], target)
-                samples[path].append(per_call / len(entries))
-                timed[path] += calls * len(entries)
-        medians = {p: statistics.median(v) for p, v in samples.items()}
+        medians, timed = rotated_medians(paths, repeats, target, per=len(entries))
         peer = medians[GYM_PATH]
         tokens = sum(map(n_tokens, entries)) / len(entries)
         for path in paths:
@@ -198,15 +189,7 @@ def bench_read(
     headline: dict[str, float] = {}
     for name, entries in workloads.items():
         paths = read_paths(entries, store)
-        for fn in paths.values():
-            fn()
-        samples: dict[str, list[float]] = {p: [] for p in paths}
-        order = list(paths)
-        for r in range(repeats):
-            for path in order[r % len(order) :] + order[: r % len(order)]:
-                per_call, _ = time_path(paths[path], target)
-                samples[path].append(per_call / len(entries))
-        medians = {p: statistics.median(v) for p, v in samples.items()}
+        medians, _ = rotated_medians(paths, repeats, target, per=len(entries))
         peer = medians[READ_PEER]
         reference = medians["before: decode_entry + encode_entry == bytes (the reference)"]
         for path in paths:

@@ -84,6 +84,7 @@ from _benchcommon import (
     set_bare_wire,
     start_server,
     table,
+    rotated_medians,
     time_path,
     total_line,
 )
@@ -382,15 +383,7 @@ def bench_cpu(commits: Commits, repeats: int, target: float) -> tuple[list[list[
     cpu_rows, step_rows = [], []
     for name, items in workloads.items():
         paths, steps, loop = cpu_paths(items)
-        for fn in paths.values():  # warm up caches and lazy imports
-            fn()
-        samples: dict[str, list[float]] = {p: [] for p in paths}
-        order = list(paths)
-        for r in range(repeats):
-            for path in order[r % len(order) :] + order[: r % len(order)]:
-                per_call, _ = time_path(paths[path], target)
-                samples[path].append(per_call / len(items))
-        medians = {p: statistics.median(v) for p, v in samples.items()}
+        medians, _ = rotated_medians(paths, repeats, target, per=len(items))
         peer = medians[PEER_CPU]
         for path in paths:
             cpu_rows.append(
