@@ -409,6 +409,32 @@ def test_native_functions_are_used_without_gym() -> None:
     assert result.stdout.strip() == fp.native_assistant_fingerprint([{"role": "assistant", "content": "x"}])
 
 
+def test_gym_is_imported_on_first_use_of_the_matcher_not_by_the_store() -> None:
+    """Importing the store or the export does not import Gym (half a second of CPU per process); the
+    first use of the matcher, by attribute or by ``stamp_continuation``, binds Gym's functions."""
+    require_gym()
+    code = (
+        "import sys\n"
+        "import s3capture.store, s3capture.export, s3capture.cli\n"
+        "assert 'nemo_gym' not in sys.modules, 'imported early'\n"
+        "from s3capture import fingerprint as fp\n"
+        "from s3capture.records import TokenEntry\n"
+        "entry = TokenEntry(rollout_id='r', model_call_id='c', prompt_token_ids=[1], generation_token_ids=[2],"
+        " generation_log_probs=[-0.5], output_items=[{'role': 'assistant', 'content': 'x'}])\n"
+        "fp.stamp_continuation(entry, [{'role': 'user', 'content': 'q'}])\n"
+        "assert 'nemo_gym' in sys.modules and fp.USING_GYM is True\n"
+        "from nemo_gym.token_id_capture import fingerprint as gym\n"
+        "assert fp.assistant_fingerprint is gym.assistant_fingerprint\n"
+        "print(entry.continuation_fingerprint)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    expected = fp.native_assistant_fingerprint(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]
+    )
+    assert result.stdout.strip() == expected
+
+
 def _env() -> dict:
     import os
 

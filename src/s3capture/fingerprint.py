@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -279,25 +280,43 @@ def native_conversation_digest(messages: list[dict]) -> str:
     return hasher.hexdigest()
 
 
-try:  # Embed Gym's matcher when it is importable (the protocol reference asks for that).
-    from nemo_gym.token_id_capture import fingerprint as _gym_fingerprint
+assistant_fingerprint: Callable[[list[dict]], str]
+"""Gym's ``assistant_fingerprint`` when ``nemo_gym`` is importable, else ``native_assistant_fingerprint``."""
+conversation_digest: Callable[[list[dict]], str]
+"""Gym's ``conversation_digest`` when ``nemo_gym`` is importable, else ``native_conversation_digest``."""
+USING_GYM: bool
+"""Whether the two above are Gym's."""
+# Annotated, not assigned: the first access goes through the module's __getattr__ (_bind_matcher).
 
-    if getattr(_gym_fingerprint, "FINGERPRINT_VERSION", None) == FINGERPRINT_VERSION:
-        assistant_fingerprint = _gym_fingerprint.assistant_fingerprint
-        conversation_digest = _gym_fingerprint.conversation_digest
-        USING_GYM = True
-    else:  # pragma: no cover - a Gym with another algorithm version
-        assistant_fingerprint = native_assistant_fingerprint
-        conversation_digest = native_conversation_digest
+
+def _bind_matcher() -> None:
+    """Bind ``assistant_fingerprint``, ``conversation_digest`` and ``USING_GYM``: Gym's matcher when
+    ``nemo_gym`` is importable (the protocol reference asks for that), else the native one, proven
+    equal. Done on first use, not at import: importing Gym (and pydantic) costs about half a second
+    of CPU that a process that never matches (an export worker, ``s3capture ls``) need not pay."""
+    global assistant_fingerprint, conversation_digest, USING_GYM
+    try:
+        from nemo_gym.token_id_capture import fingerprint as gym
+
+        if getattr(gym, "FINGERPRINT_VERSION", None) != FINGERPRINT_VERSION:  # pragma: no cover
+            raise ImportError("a Gym with another fingerprint algorithm version")
+        assistant_fingerprint, conversation_digest, USING_GYM = gym.assistant_fingerprint, gym.conversation_digest, True
+    except Exception:  # noqa: BLE001 - Gym absent or broken: the native implementation is proven equal
+        assistant_fingerprint, conversation_digest = native_assistant_fingerprint, native_conversation_digest
         USING_GYM = False
-except Exception:  # noqa: BLE001 - Gym absent or broken: the native implementation is proven equal
-    assistant_fingerprint = native_assistant_fingerprint
-    conversation_digest = native_conversation_digest
-    USING_GYM = False
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the matcher's names, bound on first use
+    if name in ("assistant_fingerprint", "conversation_digest", "USING_GYM"):
+        _bind_matcher()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stamp_continuation(entry: Any, request_items: list[dict]) -> Any:
     """Fill an entry's continuation lookup fields from its request (Gym's ``stamp_continuation``)."""
+    if "assistant_fingerprint" not in globals():
+        _bind_matcher()
     entry.continuation_fingerprint = assistant_fingerprint(list(request_items) + list(entry.output_items))
     entry.continuation_context_len = len(request_items)
     entry.continuation_context_digest = conversation_digest(request_items)

@@ -184,13 +184,20 @@ _typed_decoder = msgspec.json.Decoder(TokenEntry)
 # msgspec spells a float with a positive exponent "1e16" where orjson (Gym) spells "1e+16".
 _EXPONENT_DIGIT = re.compile(rb"e[0-9]")
 _NUMBER_BYTES = frozenset(b"0123456789.-")
+# An integer outside [-2**63, 2**64 - 1] has at least 19 digits, written in a row (msgspec writes
+# integers in plain decimal).
+_LONG_DIGIT_RUN = re.compile(rb"[0-9]{19}")
 
 
-def _nested_fits_json(entry: TokenEntry) -> bool:
+def _nested_fits_json(entry: TokenEntry, data: bytes | None = None) -> bool:
     """Whether the free-form fields (``output_items``, ``routed_experts``) hold no integer beyond 64
     bits: the typed decode takes one there, and msgspec writes it back unchanged, where orjson
-    (Gym's encoder) and ``encode_entry`` refuse it. The same walk ``encode_entry`` makes."""
+    (Gym's encoder) and ``encode_entry`` refuse it. The same walk ``encode_entry`` makes, skipped
+    when ``data`` (the entry's compact JSON) has no run of 19 digits anywhere: a C-speed scan that
+    proves the walk would find nothing (a long digit run elsewhere only costs the walk)."""
     if not entry.output_items and entry.routed_experts is None:
+        return True
+    if data is not None and _LONG_DIGIT_RUN.search(data) is None:
         return True
     from s3capture.fingerprint import _scan_plain
 
@@ -278,7 +285,7 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
     except (msgspec.DecodeError, msgspec.ValidationError):
         entry = None
     if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:
-        if not _has_msgspec_only_float(data) and _nested_fits_json(entry):
+        if not _has_msgspec_only_float(data) and _nested_fits_json(entry, data):
             _check_schema_version(entry.schema_version)
             for name in ("prompt_token_ids", "generation_token_ids"):
                 ids = getattr(entry, name)

@@ -31,6 +31,7 @@ import base64
 import builtins
 import collections
 import email.utils
+import functools
 import hashlib
 import inspect
 import logging
@@ -94,8 +95,10 @@ _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 """A single-part object's ETag: the MD5 of its bytes (unless encrypted with KMS or a customer key)."""
 
 
+@functools.cache
 def _body_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions a response body can raise while it streams (a cut or reset connection)."""
+    """Exceptions a response body can raise while it streams (a cut or reset connection). Found on
+    first use: importing aiohttp costs a quarter second that the obstore transport never needs."""
     from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 
     errors: list[type[BaseException]] = [
@@ -113,9 +116,6 @@ def _body_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover - aiobotocore always brings aiohttp
         pass
     return tuple(errors)
-
-
-_BODY_ERRORS = _body_errors()
 
 
 def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) -> Any:
@@ -817,7 +817,7 @@ class S3Transport(Transport):
         try:
             async with response["Body"] as stream:
                 data = await stream.read()
-        except _BODY_ERRORS as error:
+        except _body_errors() as error:
             raise _BodyFailed(f"body failed after {type(error).__name__}: {error}") from None
         return _Got(data, int(expected) if expected is not None else None, etag)
 

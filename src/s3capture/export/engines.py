@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -29,8 +30,22 @@ def _failed_shard(shard: int, rollouts: list[Any], error: BaseException) -> Shar
     return ShardResult(shard=shard, failed=[(info.rollout_id, reason) for info in rollouts], error=reason)
 
 
+class _NoPandas:
+    """A worker's import hook that makes ``import pandas`` fail. pyarrow imports pandas, when it is
+    installed, at its first ``pa.array()`` only to ask whether the input is a pandas object: half a
+    second of CPU in every worker, which never converts one. On ImportError pyarrow goes on
+    without pandas."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.partition(".")[0] == "pandas":
+            raise ModuleNotFoundError("s3capture's export workers do not load pandas", name=name)
+        return None
+
+
 def _init_worker(queue: Any) -> None:
     _shard._REPORT = queue.put
+    if "pandas" not in sys.modules:  # the caller's __main__, re-imported by spawn, may have loaded it
+        sys.meta_path.insert(0, _NoPandas())
     threading.Thread(
         target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True
     ).start()

@@ -178,6 +178,11 @@ _DICTIONARY_COLUMNS = ["rollout_id", "chain_id", "snapshot_id", "call_ids.list.e
 are written plain (zstd compresses them; a dictionary of a 150k vocabulary only costs CPU)."""
 
 
+_NUMPY_NAMES = {"int8": "int8", "int32": "int32", "int64": "int64", "float": "float32"}
+"""numpy's name of a list column's Arrow element type, by the type's ``str`` (Arrow spells float32
+"float"); ``to_pandas_dtype()`` would import pandas, half a second of CPU in every worker."""
+
+
 class _ParquetWriter(_Writer):
     """Row groups of at most ``row_group_rows`` rows / ``row_group_bytes`` estimated bytes.
 
@@ -268,7 +273,7 @@ class _ParquetWriter(_Writer):
                 continue
             offsets = np.zeros(len(values) + 1, dtype=np.int64)
             np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = np.concatenate(values).astype(field.type.value_type.to_pandas_dtype(), copy=False)
+            flat = np.concatenate(values).astype(_NUMPY_NAMES[str(field.type.value_type)], copy=False)
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(flat)))
         self._open().write_table(pa.Table.from_arrays(arrays, schema=schema))
 
