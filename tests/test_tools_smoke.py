@@ -144,9 +144,15 @@ def test_bench_freeze_quick_prints_its_table() -> None:
 
 def test_bench_memory_small_run_prints_its_series_and_verdict() -> None:
     require_moto()
-    out = run_tool("bench_memory.py", "--rollouts", "12", "--calls", "100", "--cache-mib", "1", "--parallel", "4")
-    assert "### RSS over 12 rollouts x 100 calls" in out, out
-    assert "| 1,000 " in out and "after the cache filled" in out, out
+    # 120 calls sampled every 40 (not 1,200 every 1,000): the series and the verdict need only a few
+    # samples after a cache of a few entries (0.25 MiB; an entry is ~60 KiB) filled.
+    out = run_tool(
+        "bench_memory.py",
+        *("--rollouts", "6", "--calls", "20", "--cache-mib", "0.25", "--parallel", "3", "--sample-every", "40"),
+    )
+    assert "### RSS over 6 rollouts x 20 calls" in out, out
+    assert "|    40 " in out and "|   120 " in out and "after the cache filled" in out, out
+    assert "the cache never filled" not in out, out
 
 
 def test_bench_resolve_quick_prints_its_table() -> None:
