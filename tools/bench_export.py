@@ -672,11 +672,11 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the uncounted warm-up read before the repeats (numbers are noisier)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="20 and 60 rollouts of 2 calls, one repeat, no warm-up (smoke test)"
+        "--quick", action="store_true", help="10 and 30 rollouts of 2 calls, one repeat, no warm-up (smoke test)"
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.calls, args.repeats, args.no_warmup = "20,60", 2, 1, True
+        args.sizes, args.calls, args.repeats, args.no_warmup = "10,30", 2, 1, True
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.export_args = args.export_args.split()
     args.servers = server_list(parser, args.servers)
