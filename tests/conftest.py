@@ -218,7 +218,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "transport_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker("all_transports"):
+        if _parametrizes(metafunc, "transport_kind"):
+            return  # a test in an all_transports module that names its transport(s) itself
         metafunc.parametrize("transport_kind", TRANSPORT_KINDS, ids=TRANSPORT_KINDS, indirect=True)
+
+
+def _parametrizes(metafunc: pytest.Metafunc, name: str) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if name in names:
+            return True
+    return False
 
 
 @pytest.fixture(autouse=True)
