@@ -215,15 +215,17 @@ async def test_concurrent_identical_records_are_one_row_and_conflicting_ones_nev
 
 async def test_conflicting_writers_in_several_processes_never_resolve(ledgers, s3_env, bucket_url):
     """Four processes record four payloads of one call id (and a retry of their own) at once."""
-    import multiprocessing
+    import os
 
+    from helpers import forkserver_context
     from test_ledger import _record_worker
 
     rid = "procs"
     variants = [make_commit(rid, "call-1", REQ, assistant_output(f"p{p}")) for p in range(4)]
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context()  # a preloaded forkserver: no interpreter start-up per process
     results = context.Queue()
-    procs = [context.Process(target=_record_worker, args=(bucket_url, s3_env.env(), [v, v], results)) for v in variants]
+    env = {**os.environ, **s3_env.env()}
+    procs = [context.Process(target=_record_worker, args=(bucket_url, env, [v, v], results)) for v in variants]
     for proc in procs:
         proc.start()
     outcomes = [results.get(timeout=120) for _ in procs]

@@ -418,6 +418,10 @@ MUTANTS = {
 }
 
 
+# One transport: a mutant changes the client's behaviour above the transport, and whether the named
+# check catches it is the suite's property, not the transport's (test_s3capture_passes_every_check
+# runs every check on each transport and server).
+@pytest.mark.parametrize("transport_kind", ["aioboto3"], indirect=True)
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 async def test_mutant_fails_the_named_check(mutant, clients):
@@ -472,6 +476,8 @@ def test_cli_embedded_moto_runs_every_check():
     assert "embedded moto" in done.stderr
 
 
+# One transport: --check selection is the CLI's (the embedded every-check run covers both transports).
+@pytest.mark.parametrize("transport_kind", ["aioboto3"], indirect=True)
 def test_cli_check_runs_only_that_check():
     done = _cli("--check", "ledger_unused_rollout", "--check", "put_then_freeze_visibility")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -479,6 +485,8 @@ def test_cli_check_runs_only_that_check():
     assert done.stdout.splitlines()[-1] == "2 passed, 0 failed, 0 skipped"
 
 
+# One transport: the CLI rejects the argument before it builds any client.
+@pytest.mark.parametrize("transport_kind", ["aioboto3"], indirect=True)
 def test_cli_unknown_check_exits_2_with_one_line():
     done = _cli("--check", "put_then_freeze_visibility", "--check", "no_such_check")
     assert done.returncode == 2

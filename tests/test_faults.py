@@ -635,27 +635,34 @@ async def test_9_close_racing_the_first_request_leaves_nothing_open_or_landing(f
         return None
 
     proxy.rule = rule
-    before = _open_sessions()
-    for variant in (0, 1, 3, "held"):
-        held = variant == "held"
-        store = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
-        putting = asyncio.ensure_future(store.put(simple_entry("r", f"c-{variant}")))
-        for _ in range(variant if isinstance(variant, int) else 0):
-            await asyncio.sleep(0)
-        if held:
-            while not any("/c-held/" in r.path for r in proxy.seen_ops("PUT")):
-                await asyncio.sleep(0.01)
-        await store.close()
-        closed_at = time.monotonic()
-        result = await outcome(putting)
-        assert result is None or isinstance(result, StoreError), (
-            f"put racing close gave {type(result).__name__}: {result}"
-        )
-        await asyncio.sleep(0.4)
-        late = [r.path for r in proxy.requests if r.forwarded is not None and r.forwarded > closed_at]
-        assert not late, f"[{variant}] requests reached the server after close() returned: {late}"
-        gc.collect()
-        assert not _open_sessions() - before, f"[{variant}] an aiohttp session is still open after close() returned"
+    # gc.freeze: the gc.collect and gc.get_objects below then walk only the objects made from here
+    # on (this test's stores and their sessions), not the whole heap of a long CI process, where
+    # each walk took seconds. Sessions opened before the freeze were outside the check anyway.
+    gc.freeze()
+    try:
+        before = _open_sessions()
+        for variant in (0, 1, 3, "held"):
+            held = variant == "held"
+            store = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
+            putting = asyncio.ensure_future(store.put(simple_entry("r", f"c-{variant}")))
+            for _ in range(variant if isinstance(variant, int) else 0):
+                await asyncio.sleep(0)
+            if held:
+                while not any("/c-held/" in r.path for r in proxy.seen_ops("PUT")):
+                    await asyncio.sleep(0.01)
+            await store.close()
+            closed_at = time.monotonic()
+            result = await outcome(putting)
+            assert result is None or isinstance(result, StoreError), (
+                f"put racing close gave {type(result).__name__}: {result}"
+            )
+            await asyncio.sleep(0.4)
+            late = [r.path for r in proxy.requests if r.forwarded is not None and r.forwarded > closed_at]
+            assert not late, f"[{variant}] requests reached the server after close() returned: {late}"
+            gc.collect()
+            assert not _open_sessions() - before, f"[{variant}] an aiohttp session is still open after close() returned"
+    finally:
+        gc.unfreeze()
 
 
 # =========================================================================== 10

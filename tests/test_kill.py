@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import list_keys, split_bucket_url
+from helpers import forkserver_context, list_keys, split_bucket_url
 from killworkers import EXIT_STORE_ERROR, child_main, read_journal, rollout_plan
 
 from s3capture.layout import Layout
@@ -79,31 +79,6 @@ fence up until the builder is back."""
 BUILDER_RESTART = 0.5
 """Longest pause before a killed builder is restarted (seconds)."""
 RUN_TIMEOUT = 90.0
-HERE = Path(__file__).resolve().parent
-
-
-def forkserver() -> Any:
-    """A ``multiprocessing`` context whose forkserver has imported ``killworkers`` (and so the
-    store, aioboto3 and S3's parsed models): a restarted worker runs within milliseconds.
-
-    Python 3.11's forkserver ignores the parent's ``sys.path``, so this folder is put on PYTHONPATH
-    while the forkserver starts (once per session; later calls reuse it).
-    """
-    import multiprocessing
-    from multiprocessing import forkserver as forkserver_module
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["killworkers"])
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *([saved] if saved else [])])
-    try:
-        forkserver_module.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
 
 
 class Fleet:
@@ -111,7 +86,7 @@ class Fleet:
 
     def __init__(self, config: dict, seed: int) -> None:
         self.config = config
-        self.ctx = forkserver()
+        self.ctx = forkserver_context()
         self.rng = random.Random(seed)
         self.procs: dict[str, Any] = {}
         self.conns: dict[str, Any] = {}

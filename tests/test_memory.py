@@ -45,6 +45,12 @@ def _synthetic_entries() -> list[TokenEntry]:
 
 def _measured(build: Any) -> tuple[Any, int]:
     """(what ``build()`` returns, the heap it allocated and still holds, by tracemalloc)."""
+    # gc.freeze first: the collections below then scan only objects made after it, not the whole heap
+    # of a long test process (in a full CI run each full collection took seconds). Objects made
+    # before tracemalloc starts are not traced, so collecting them or not cannot change the figure;
+    # the full collection still empties the interpreter's free lists, so build()'s objects are
+    # fresh (traced) allocations.
+    gc.freeze()
     gc.collect()
     tracemalloc.start()
     try:
@@ -54,6 +60,7 @@ def _measured(build: Any) -> tuple[Any, int]:
         return value, tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
+        gc.unfreeze()
 
 
 def _stored_object(store: S3TokenStore, entry: TokenEntry) -> tuple[str, bytes, str]:

@@ -240,6 +240,12 @@ async def test_deep_delta_resolve_fetches_one_checkpoint_and_the_deltas_after_it
 BIG = 1100
 
 
+# One server, both transports: the budget is the client's (each transport's own LIST paging and
+# GETs); each server's LIST paging past 1,000 keys is covered on every server elsewhere
+# (test_store_source.py's >1,000-object rollout, test_adversarial_fence.py's two-page drop), and
+# 1,100 puts take ~25 s per server x transport in CI. SeaweedFS: a real S3 implementation, the
+# quickest of the three here.
+@pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
 async def test_freeze_budget_large_rollout(fresh, bucket_url):
     writers = [fresh(max_concurrency=32) for _ in range(2)]
     entries = [make_entry("r", f"c{i:05d}", REQ, assistant_output(f"c {i}"), [1, 2], [i]) for i in range(BIG)]

@@ -144,9 +144,15 @@ def test_bench_freeze_quick_prints_its_table() -> None:
 
 def test_bench_memory_small_run_prints_its_series_and_verdict() -> None:
     require_moto()
-    out = run_tool("bench_memory.py", "--rollouts", "12", "--calls", "100", "--cache-mib", "1", "--parallel", "4")
-    assert "### RSS over 12 rollouts x 100 calls" in out, out
-    assert "| 1,000 " in out and "after the cache filled" in out, out
+    # 120 calls sampled every 40 (not 1,200 every 1,000): the series and the verdict need only a few
+    # samples after a cache of a few entries (0.25 MiB; an entry is ~60 KiB) filled.
+    out = run_tool(
+        "bench_memory.py",
+        *("--rollouts", "6", "--calls", "20", "--cache-mib", "0.25", "--parallel", "3", "--sample-every", "40"),
+    )
+    assert "### RSS over 6 rollouts x 20 calls" in out, out
+    assert "|    40 " in out and "|   120 " in out and "after the cache filled" in out, out
+    assert "the cache never filled" not in out, out
 
 
 def test_bench_resolve_quick_prints_its_table() -> None:
@@ -190,11 +196,12 @@ def test_bench_export_quick_prints_its_tables() -> None:
     assert "| s3capture export (local engine, Parquet) " in out
     # The export reads each rollout from the listing: the same requests as the bare reader (3 GETs
     # a rollout of 2 calls: its entries and its sealed manifest), and no LIST of its own.
-    requests = [line for line in out.splitlines() if line.startswith("|       60 | ") and "GetObject" in line]
-    assert len(requests) == 2 and all("GetObject 3.00, ListObjectsV2 0.02" in line for line in requests), requests
-    assert "RSS at 60 ÷ at 20 rollouts" in out
+    # (--quick: 10 and 30 rollouts; at 30, one LIST page is 1/30 = 0.03 LISTs a rollout.)
+    requests = [line for line in out.splitlines() if line.startswith("|       30 | ") and "GetObject" in line]
+    assert len(requests) == 2 and all("GetObject 3.00, ListObjectsV2 0.03" in line for line in requests), requests
+    assert "RSS at 30 ÷ at 10 rollouts" in out
     result = next(line for line in out.splitlines() if line.startswith("RESULT-JSON "))
     import json
 
     data = json.loads(result[len("RESULT-JSON ") :])
-    assert data["moto/aioboto3/60"]["requests_per_rollout"]["source:GetObject"] == 3.0
+    assert data["moto/aioboto3/30"]["requests_per_rollout"]["source:GetObject"] == 3.0

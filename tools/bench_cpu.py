@@ -546,7 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="short timings and a small rollout (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="short timings, a small rollout, one cache size (smoke test)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="repeats per CPU cell (default 5)")
     parser.add_argument("--target", type=float, default=None, help="seconds of CPU per repeat (default 0.15)")
     parser.add_argument("--no-memory", action="store_true", help="skip the freeze memory measurement (needs moto)")
@@ -555,7 +557,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.target = args.target or (0.01 if args.quick else 0.15)
-    args.memory_entries = args.memory_entries or (200 if args.quick else 2000)
+    args.memory_entries = args.memory_entries or (50 if args.quick else 2000)
+    # The freeze memory table's cache sizes: --quick measures only the first (each is two child
+    # processes, a freeze each, with and without tracemalloc).
+    args.memory_caches = [8 * 2**20] if args.quick else [8 * 2**20, 256 * 2**20]
     return args
 
 
@@ -602,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     if not args.no_memory:
-        rows, note = bench_memory(args.memory_entries, [8 * 2**20, 256 * 2**20])
+        rows, note = bench_memory(args.memory_entries, args.memory_caches)
         print(f"### memory of a freeze ({note})\n\n" + table(MEMORY_HEADERS, rows, digits=1) + "\n", flush=True)
     print(total_line(started, load_at_start))
     return 0

@@ -441,7 +441,8 @@ async def _measure(
 ) -> dict[str, Any]:
     bound = max(8, min(64, 4 * args.concurrency))
     url = f"s3://{bucket}/{root}"
-    await bare_read(bucket, root, endpoint, transport, args.workers, bound)  # warm-up, not counted
+    if not args.no_warmup:
+        await bare_read(bucket, root, endpoint, transport, args.workers, bound)  # warm-up, not counted
     bares, exports = [], []
     for repeat in range(args.repeats):
         order = ("bare", "export") if repeat % 2 == 0 else ("export", "bare")
@@ -665,10 +666,17 @@ def main(argv: list[str] | None = None) -> int:
         help="add this round-trip time to every request of both readers (tools/_delayproxy.py; default 0: loopback)",
     )
     parser.add_argument("--profile", action="store_true", help="also cProfile one shard of export_shard")
-    parser.add_argument("--quick", action="store_true", help="20 and 60 rollouts of 2 calls, one repeat (smoke test)")
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the uncounted warm-up read before the repeats (numbers are noisier)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="10 and 30 rollouts of 2 calls, one repeat, no warm-up (smoke test)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.calls, args.repeats = "20,60", 2, 1
+        args.sizes, args.calls, args.repeats, args.no_warmup = "10,30", 2, 1, True
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.export_args = args.export_args.split()
     args.servers = server_list(parser, args.servers)

@@ -373,11 +373,13 @@ def cpu_paths(
     return paths, steps, loop
 
 
-def bench_cpu(commits: Commits, repeats: int, target: float) -> tuple[list[list[Any]], list[list[Any]]]:
-    wires = commits.wires
-    roots = [wires[r[0]] for r in commits.rollouts]
+def bench_cpu(
+    commits: Commits, repeats: int, target: float, limit: int | None = None
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    wires = commits.wires[:limit]  # "all calls": every commit, or the first ``limit`` (--cpu-commits)
+    roots = [commits.wires[r[0]] for r in commits.rollouts]
     workloads = {
-        f"{DATA_FILE}, all calls ({len(wires)}, request mean {mean(map(request_bytes, wires)) / 1024:.0f} KiB)": wires,
+        f"{DATA_FILE}, {'all' if len(wires) == len(commits.wires) else 'the first'} calls ({len(wires)}, request mean {mean(map(request_bytes, wires)) / 1024:.0f} KiB)": wires,
         f"{DATA_FILE}, first call of each rollout ({len(roots)}, request mean {mean(map(request_bytes, roots)) / 1024:.1f} KiB)": roots,
     }
     cpu_rows, step_rows = [], []
@@ -1099,8 +1101,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu-repeats", type=int, default=None, help="interleaved repeats per CPU path (default 5)")
     parser.add_argument("--cpu-target", type=float, default=None, help="process seconds per CPU sample (default 0.2)")
+    parser.add_argument(
+        "--cpu-commits",
+        type=int,
+        default=None,
+        help="time the CPU paths over the first N commits only (default all; --quick 30)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
+    args.cpu_commits = args.cpu_commits or (30 if quick else None)
     args.rounds = args.rounds or (6 if quick else 200)
     args.rounds8 = args.rounds8 or (2 if quick else 40)
     args.resolve_sizes = [int(x) for x in (args.resolve_sizes or ("1,20" if quick else "1,100,1000")).split(",")]
@@ -1129,7 +1138,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(fingerprinting: {'Gym' if _fp.USING_GYM else 'native'}); load average at the start {load_at_start}\n",
         flush=True,
     )
-    cpu_rows, step_rows = bench_cpu(commits, args.cpu_repeats, args.cpu_target)
+    cpu_rows, step_rows = bench_cpu(commits, args.cpu_repeats, args.cpu_target, args.cpu_commits)
     print(
         "### client CPU per record (no S3; median of interleaved repeats)\n\n"
         + table(CPU_HEADERS, cpu_rows, digits=1)

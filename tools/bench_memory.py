@@ -9,14 +9,14 @@ store's cache; a GET when it was evicted), then ``put`` of the new entry (PUT + 
 rollout's calls are done it is frozen (the builder's side: fence PUT, LIST, hand-out, background
 manifest). ``--parallel`` rollouts run at once.
 
-Every 1,000 calls the tool samples the process's RSS (``/proc/self/statm``), the cache's own byte
+Every 1,000 calls (``--sample-every``) the tool samples the process's RSS (``/proc/self/statm``), the cache's own byte
 count and the sizes of the per-call key map and the fence-time map. The verdict: RSS after the
 cache first filled stays within 10 % (max / min of those samples).
 
 Usage::
 
     python tools/bench_memory.py                          # ~5-10 minutes on 2 loaded cores
-    python tools/bench_memory.py --rollouts 100 --calls 10  # smoke test
+    python tools/bench_memory.py --rollouts 8 --calls 30 --cache-mib 0.1 --sample-every 60  # smoke test
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ async def run(args: argparse.Namespace) -> tuple[list[list[Any]], str]:
                 sha = hashlib.sha256(encode_entry(record)).hexdigest()
                 last_parent[rid] = prefix + store.layout.entry_rel(prefix, record.continuation_fingerprint, cid, sha)
                 done += 1
-                if done % 1000 == 0:
+                if done % args.sample_every == 0:
                     sample()
             last_parent.pop(rid, None)
             snapshot = await store.freeze(rid)
@@ -153,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", type=int, default=1100, help="tokens per entry (default 1100, like competitive_coding)"
     )
     parser.add_argument("--transport", default="aioboto3", help="the store's transport: aioboto3 (default) or obstore")
+    parser.add_argument(
+        "--sample-every",
+        type=int,
+        default=1000,
+        help="calls between two RSS samples (default 1000; smaller: smoke test)",
+    )
     args = parser.parse_args(argv)
+    if args.sample_every < 1:
+        parser.error("--sample-every must be at least 1")
     started, load_at_start = time.perf_counter(), load_average()
     print(f"# bench_memory\n\nmachine: {machine_summary()}\nload average at start: {load_at_start}\n", flush=True)
     samples, verdict = asyncio.run(run(args))

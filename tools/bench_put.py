@@ -607,7 +607,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.resolve_sizes = [int(x) for x in (args.resolve_sizes or ("10,30" if quick else "10,100,1000")).split(",")]
     args.samples = args.samples or (1 if quick else 5)
     args.warm_samples = args.warm_samples or (2 if quick else 5)
-    args.freeze_sizes = [int(x) for x in (args.freeze_sizes or ("300" if quick else "1000,2500")).split(",")]
+    args.freeze_sizes = [int(x) for x in (args.freeze_sizes or ("100" if quick else "1000,2500")).split(",")]
     if args.rtt_ms is None:
         args.rtt_ms = 10.0
     args.servers = server_list(parser, args.servers)
