@@ -564,27 +564,42 @@ def _parse_list(body: bytes, prefix: str) -> dict:
         raise _Unverified(
             f"LIST {prefix!r} answered with a {root.tag!r} document, not a listing", operation="LIST", key=prefix
         )
+    # One pass over the children, as ``findtext`` reads them (the first child of a name; its text,
+    # "" when it has none), without ElementPath's per-call path handling.
+    contents_tag = ns + "Contents"
+    first: dict[str, str] = {}
+    items = []
+    for child in root:
+        if child.tag == contents_tag:
+            items.append(child)
+        elif child.tag not in first:
+            first[child.tag] = child.text or ""
     page: dict[str, Any] = {}
-    truncated = root.findtext(ns + "IsTruncated")
+    truncated = first.get(ns + "IsTruncated")
     if truncated is not None:
         page["IsTruncated"] = truncated.strip().lower() == "true"
-    token = root.findtext(ns + "NextContinuationToken")
+    token = first.get(ns + "NextContinuationToken")
     if token:
         page["NextContinuationToken"] = token
-    encoded = (root.findtext(ns + "EncodingType") or "").strip().lower() == "url"
+    encoded = first.get(ns + "EncodingType", "").strip().lower() == "url"
+    key_tag, size_tag, etag_tag, modified_tag = ns + "Key", ns + "Size", ns + "ETag", ns + "LastModified"
     contents = []
-    for item in root.iterfind(ns + "Contents"):
-        key = item.findtext(ns + "Key")
+    for item in items:
+        fields: dict[str, str] = {}
+        for child in item:
+            if child.tag not in fields:
+                fields[child.tag] = child.text or ""
+        key = fields.get(key_tag)
         if key is not None and encoded:
             key = _url_decoded(key)
         try:
-            size = int(item.findtext(ns + "Size") or 0)
+            size = int(fields.get(size_tag) or 0)
         except ValueError:
             raise _Unverified(
                 f"LIST {prefix!r} answered an object with a malformed Size", operation="LIST", key=prefix
             ) from None
-        entry: dict[str, Any] = {"Key": key, "ETag": item.findtext(ns + "ETag") or "", "Size": size}
-        modified = item.findtext(ns + "LastModified")
+        entry: dict[str, Any] = {"Key": key, "ETag": fields.get(etag_tag) or "", "Size": size}
+        modified = fields.get(modified_tag)
         if modified:
             try:
                 entry["LastModified"] = _dt.datetime.fromisoformat(modified.replace("Z", "+00:00"))
