@@ -56,9 +56,31 @@ def _scan_plain(value: Any) -> bool:
     """
     plain = True
     stack = [value]
+    pop, extend = stack.pop, stack.extend
     while stack:
-        item = stack.pop()
-        if isinstance(item, bool) or item is None or isinstance(item, str):
+        item = pop()
+        kind = type(item)
+        # The exact JSON types first (one type() per item); their subclasses take the chain below.
+        if kind is str or item is None or kind is bool:
+            continue
+        if kind is dict:
+            for key in item:
+                if type(key) is not str and not isinstance(key, str):
+                    raise ValueError(f"unsupported prompt content: non-string key {key!r}")
+            extend(item.values())
+            continue
+        if kind is list or kind is tuple:
+            extend(item)
+            continue
+        if kind is float:
+            if abs(item) >= _BIG_FLOAT and item == item:
+                plain = False
+            continue
+        if kind is int:
+            if not _I64_MIN <= item <= _U64_MAX:
+                raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
+            continue
+        if isinstance(item, bool) or isinstance(item, str):
             continue
         if isinstance(item, float):
             if abs(item) >= _BIG_FLOAT and item == item:
@@ -75,7 +97,7 @@ def _scan_plain(value: Any) -> bool:
                 stack.append(inner)
             continue
         if isinstance(item, (list, tuple)):
-            stack.extend(item)
+            extend(item)
             continue
         raise ValueError(f"unsupported prompt content: {type(item).__name__}")
     return plain

@@ -35,6 +35,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from s3capture.fingerprint import _scan_plain  # no import cycle: fingerprint imports no s3capture module
+
 __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
     "TOKEN_ENTRY_MIN_SCHEMA_VERSION",
@@ -414,8 +416,6 @@ def _fast_copy(entry: Any) -> tuple[TokenEntry, bool] | None:
         generation = msgspec.convert(fields["generation_token_ids"], _FAST_IDS, strict=False)
         probs = msgspec.convert(fields["generation_log_probs"], _FAST_PROBS, strict=False)
         nested = [fields.get("output_items"), fields.get("routed_experts"), extra]
-        from s3capture.fingerprint import _scan_plain
-
         plain = _scan_plain(nested)  # raises ValueError for non-JSON content
         items, routed, extra = msgspec.to_builtins(nested)
         for name in _ARRAYS:
