@@ -1164,7 +1164,8 @@ class S3TokenStore(RolloutObjects):
             except RecordError:
                 return None
 
-        loaded = await asyncio.gather(*(load(k) for k in singles))
+        # The common single candidate is loaded in this task (no task and gathering future for it).
+        loaded = [await load(singles[0])] if len(singles) == 1 else await asyncio.gather(*(load(k) for k in singles))
         if any(stored is None for stored in loaded):
             # An unreadable or vanished candidate might be the parent: never win by elimination.
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unreadable_candidate")
