@@ -163,6 +163,8 @@ def test_real_entries_decode_like_the_reference() -> None:
         (b'"routed_experts":null', b'"routed_experts":[18446744073709551616]'),
         (b'"routed_experts":null', b'"routed_experts":[[1,-9223372036854775809]]'),
         (b'"output_items":[]', b'"output_items":[{"n":123456789012345678901234567890}]'),
+        # The shortest out-of-range integers (19 digits; the fast path skips its walk below 19 in a row).
+        (b'"output_items":[]', b'"output_items":[{"n":[-9223372036854775809]}]'),
         (b'"cum_len":null', b'"cum_len":1180591620717411303424'),
         (b'"continuation_context_len":0', b'"continuation_context_len":18446744073709551616'),
         (b'"fingerprint_version":null', b'"fingerprint_version":-9223372036854775809'),
