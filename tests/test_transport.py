@@ -123,6 +123,64 @@ def test_obstore_listing_parser_keeps_what_verification_needs():
             _parse_list(body, "p/")
 
 
+def _findtext_parse(body: bytes) -> dict:
+    """The listing as ElementTree's ``findtext``/``iterfind`` read it (the reference for ``_parse_list``)."""
+    import contextlib
+    import datetime
+    import xml.etree.ElementTree as ET
+
+    from s3capture.transport_obstore import _url_decoded
+
+    root = ET.fromstring(body)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    page: dict = {}
+    if (truncated := root.findtext(ns + "IsTruncated")) is not None:
+        page["IsTruncated"] = truncated.strip().lower() == "true"
+    if token := root.findtext(ns + "NextContinuationToken"):
+        page["NextContinuationToken"] = token
+    encoded = (root.findtext(ns + "EncodingType") or "").strip().lower() == "url"
+    contents = []
+    for item in root.iterfind(ns + "Contents"):
+        key = item.findtext(ns + "Key")
+        entry = {
+            "Key": _url_decoded(key) if key is not None and encoded else key,
+            "ETag": item.findtext(ns + "ETag") or "",
+            "Size": int(item.findtext(ns + "Size") or 0),
+        }
+        if modified := item.findtext(ns + "LastModified"):
+            with contextlib.suppress(ValueError):  # an unreadable date is left out
+                entry["LastModified"] = datetime.datetime.fromisoformat(modified.replace("Z", "+00:00"))
+        contents.append(entry)
+    if contents:
+        page["Contents"] = contents
+    return page
+
+
+@pytest.mark.parametrize("transport_kind", ["obstore"], indirect=True)  # a parser: one transport
+@pytest.mark.parametrize("ns", ['xmlns="http://s3.amazonaws.com/doc/2006-03-01/"', 'xmlns="urn:other ns"', ""])
+def test_obstore_listing_parser_reads_odd_pages_as_findtext_does(ns):
+    """The one-pass parse reads each field as ``findtext`` does: the first child of a name, "" for an
+    empty one, None for a missing one; children of another namespace are not the listing's;
+    ``EncodingType`` applies wherever it stands; repeated top-level fields keep the first."""
+    pytest.importorskip("obstore")
+    from s3capture.transport_obstore import _parse_list
+
+    bodies = [
+        "<IsTruncated/><Contents/><Contents><Key/><Size/><ETag/><LastModified/></Contents>",
+        "<Contents><Key>a%2Fb+c</Key><Key>second</Key><Size>3</Size><Size>9</Size></Contents>"
+        "<EncodingType> URL </EncodingType><IsTruncated> TRUE </IsTruncated><IsTruncated>false</IsTruncated>",
+        "<NextContinuationToken></NextContinuationToken><NextContinuationToken>t2</NextContinuationToken>"
+        "<IsTruncated>true</IsTruncated><Contents><ETag>e</ETag><LastModified>not a date</LastModified></Contents>",
+        '<x:IsTruncated xmlns:x="urn:x">true</x:IsTruncated><Contents><x:Key xmlns:x="urn:x">k</x:Key>'
+        "<Owner><Key>inner</Key></Owner><Key>outer</Key></Contents>",
+        "<EncodingType/><Contents><Key>a%20b</Key><LastModified>2026-11-30T10:00:00Z</LastModified></Contents>",
+        '<Contents xmlns="urn:elsewhere"><Key>foreign</Key></Contents><Name>b</Name><KeyCount>0</KeyCount>',
+    ]
+    for inner in bodies:
+        body = f"<ListBucketResult {ns}>{inner}</ListBucketResult>".encode()
+        assert _parse_list(body, "p/") == _findtext_parse(body), body
+
+
 @pytest.mark.parametrize(
     "endpoint",
     ["http://127.0.0.1:8333", "http://LocalHost:80", "http://[::1]:9000", "https://S3.example.com:443", None],
