@@ -337,7 +337,7 @@ def __getattr__(name: str) -> Any:  # PEP 562: the matcher's names, bound on fir
 
 def stamp_continuation(entry: Any, request_items: list[dict]) -> Any:
     """Fill an entry's continuation lookup fields from its request (Gym's ``stamp_continuation``)."""
-    if "assistant_fingerprint" not in globals():
+    if "USING_GYM" not in globals():  # bound last by _bind_matcher
         _bind_matcher()
     entry.continuation_fingerprint = assistant_fingerprint(list(request_items) + list(entry.output_items))
     entry.continuation_context_len = len(request_items)
