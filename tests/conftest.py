@@ -206,14 +206,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command), every test of one S3
-    server runs in one worker, so each server is started once, by one worker; tests without a
-    server are spread over the workers one by one."""
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command), every test of the Ceph
+    gateway runs in one worker, so that server (tens of seconds to start) is started once; the
+    other tests, moto's and SeaweedFS's included (a few seconds to start, once per worker that
+    needs them), are spread over the workers one by one, which keeps the two workers' loads even.
+    Grouping every server's tests, as before, left one worker with two servers' tests."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         kind = callspec.params.get("s3_server") if callspec is not None else None
-        if isinstance(kind, str):
+        if kind in _GROUPED_SERVERS:
             item.add_marker(pytest.mark.xdist_group(f"server-{kind}"))
+
+
+_GROUPED_SERVERS = frozenset({"ceph"})
+"""Servers whose tests share one xdist worker: those slow to start."""
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
