@@ -205,17 +205,28 @@ def pytest_configure(config: pytest.Config) -> None:
         ExternalS3Server.from_env()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering of the items by fixture parameter
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command), every test of the Ceph
     gateway runs in one worker, so that server (tens of seconds to start) is started once; the
     other tests, moto's and SeaweedFS's included (a few seconds to start, once per worker that
     needs them), are spread over the workers one by one, which keeps the two workers' loads even.
-    Grouping every server's tests, as before, left one worker with two servers' tests."""
+    Grouping every server's tests, as before, left one worker with two servers' tests. The Ceph
+    tests come first, so that their worker starts on them while the other takes single tests."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         kind = callspec.params.get("s3_server") if callspec is not None else None
         if kind in _GROUPED_SERVERS:
             item.add_marker(pytest.mark.xdist_group(f"server-{kind}"))
+    # The group, the longest unit of work, first (a stable sort: the order within each part stays):
+    # one worker takes it at the start while the other works through the single tests, instead
+    # of one worker running it alone at the end.
+    items.sort(key=lambda item: not _grouped(item))
+
+
+def _grouped(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("s3_server") in _GROUPED_SERVERS
 
 
 _GROUPED_SERVERS = frozenset({"ceph"})
