@@ -404,9 +404,7 @@ def test_native_functions_are_used_without_gym() -> None:
         "assert fp.conversation_digest is fp.native_conversation_digest\n"
         "print(fp.assistant_fingerprint([{'role': 'assistant', 'content': 'x'}]))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == fp.native_assistant_fingerprint([{"role": "assistant", "content": "x"}])
+    assert _run_snippet(code) == fp.native_assistant_fingerprint([{"role": "assistant", "content": "x"}])
 
 
 def test_gym_is_imported_on_first_use_of_the_matcher_not_by_the_store() -> None:
@@ -427,12 +425,18 @@ def test_gym_is_imported_on_first_use_of_the_matcher_not_by_the_store() -> None:
         "assert fp.assistant_fingerprint is gym.assistant_fingerprint\n"
         "print(entry.continuation_fingerprint)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
-    assert result.returncode == 0, result.stderr
+    printed = _run_snippet(code)
     expected = fp.native_assistant_fingerprint(
         [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]
     )
-    assert result.stdout.strip() == expected
+    assert printed == expected
+
+
+def _run_snippet(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with this checkout's src on the path; its stripped stdout."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
 def _env() -> dict:
