@@ -49,6 +49,18 @@ _BIG_FLOAT = 1e16
 """From here on msgspec writes ``1e16`` where orjson (and so Gym) writes ``1e+16``."""
 
 
+_JSON_TYPES = (bool, str, float, int, dict, list, tuple)
+"""The types ``_scan_plain`` accepts, in the order a subclass is matched (bool before int)."""
+
+
+def _json_type(item: Any) -> type:
+    """The JSON type ``item``'s class extends; ``ValueError`` for anything else."""
+    for kind in _JSON_TYPES:
+        if isinstance(item, kind):
+            return kind
+    raise ValueError(f"unsupported prompt content: {type(item).__name__}")
+
+
 def _scan_plain(value: Any) -> bool:
     """True when msgspec's sorted output of ``value`` is already orjson's: no float of magnitude >= 1e16.
 
@@ -59,47 +71,25 @@ def _scan_plain(value: Any) -> bool:
     pop, extend = stack.pop, stack.extend
     while stack:
         item = pop()
+        if item is None:
+            continue
         kind = type(item)
-        # The exact JSON types first (one type() per item); their subclasses take the chain below.
-        if kind is str or item is None or kind is bool:
+        if kind not in _JSON_TYPES:  # a subclass is judged as the JSON type it extends
+            kind = _json_type(item)
+        if kind is str or kind is bool:
             continue
         if kind is dict:
             for key in item:
-                if type(key) is not str and not isinstance(key, str):
-                    raise ValueError(f"unsupported prompt content: non-string key {key!r}")
-            extend(item.values())
-            continue
-        if kind is list or kind is tuple:
-            extend(item)
-            continue
-        if kind is float:
-            if abs(item) >= _BIG_FLOAT and item == item:
-                plain = False
-            continue
-        if kind is int:
-            if not _I64_MIN <= item <= _U64_MAX:
-                raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
-            continue
-        if isinstance(item, bool) or isinstance(item, str):
-            continue
-        if isinstance(item, float):
-            if abs(item) >= _BIG_FLOAT and item == item:
-                plain = False
-            continue
-        if isinstance(item, int):
-            if not _I64_MIN <= item <= _U64_MAX:
-                raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
-            continue
-        if isinstance(item, dict):
-            for key, inner in item.items():
                 if not isinstance(key, str):
                     raise ValueError(f"unsupported prompt content: non-string key {key!r}")
-                stack.append(inner)
-            continue
-        if isinstance(item, (list, tuple)):
+            extend(item.values())
+        elif kind is list or kind is tuple:
             extend(item)
-            continue
-        raise ValueError(f"unsupported prompt content: {type(item).__name__}")
+        elif kind is float:
+            if abs(item) >= _BIG_FLOAT and item == item:
+                plain = False
+        elif not _I64_MIN <= item <= _U64_MAX:  # int
+            raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
     return plain
 
 
