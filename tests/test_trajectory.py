@@ -31,6 +31,7 @@ from s3capture.trajectory import (
     RolloutBuild,
     Trajectory,
     build_rollout,
+    build_rollout_async,
     check_chain,
     cumulative_prompt,
     to_gym_entries,
@@ -503,6 +504,47 @@ def test_build_rollout_runs_inside_an_event_loop():
         return build_rollout(snap, engine="gym")
 
     assert rows(asyncio.run(inside())) == rows(build_rollout(snap, engine="builtin"))
+
+
+def _outcome(build: RolloutBuild) -> tuple:
+    return (rows(build), build.masked, build.mask_reasons, build.metrics, build.gym_result, build.snapshot_id)
+
+
+def test_build_rollout_async_gives_build_rollouts_result_and_errors():
+    """The exporter awaits ``build_rollout_async`` on its own loop (no thread per rollout): for
+    every engine, on whole, delta, holed, incomplete and conflicting snapshots, it returns what
+    ``build_rollout`` returns, and refuses the same arguments with the same errors."""
+    require_gym()
+    delta = conversation(4, delta=True)
+    cases = {
+        "full": snapshot(conversation(4)),
+        "delta": snapshot(delta),
+        "hole": snapshot(delta[:1] + delta[2:]),
+        "incomplete": snapshot(conversation(3), incomplete=True, reasons=("dangling_intent:x",)),
+        "empty": snapshot([]),
+    }
+    for engine in (*ENGINES, "auto"):
+        for builder in ("prefix_merging", "per_request"):
+            if engine == "gym" and builder == "per_request":
+                continue
+            for name, snap in cases.items():
+                want = build_rollout(snap, engine=engine, builder=builder)
+                got = asyncio.run(build_rollout_async(snap, engine=engine, builder=builder))
+                assert _outcome(got) == _outcome(want), (engine, builder, name)
+    assert build_rollout(cases["hole"], engine="gym").masked  # the cases do reach the masking paths
+    snap = cases["full"]
+    for bad, error in (
+        ({"engine": "spark"}, ValueError),
+        ({"engine": "builtin", "builder": "merge_all"}, ValueError),
+        ({"engine": "gym", "builder": "per_request"}, ValueError),
+    ):
+        with pytest.raises(error) as sync_error:
+            build_rollout(snap, **bad)
+        with pytest.raises(error) as async_error:
+            asyncio.run(build_rollout_async(snap, **bad))
+        assert str(async_error.value) == str(sync_error.value)
+    with pytest.raises(TypeError):
+        asyncio.run(build_rollout_async(list(snap.entries)))
 
 
 # --------------------------------------------------------------------------- on S3

@@ -175,7 +175,7 @@ async def _read(store: Any, job: ExportJob, info: Any, listing: Any = None) -> t
 async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = None) -> _Built:
     from s3capture.errors import SnapshotNotSealedError, StoreError
     from s3capture.protocols import TokenCaptureRetiredError
-    from s3capture.trajectory import build_rollout
+    from s3capture.trajectory import build_rollout_async
 
     built = _Built(info=info)
     try:
@@ -194,7 +194,7 @@ async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = 
         return built
     built.snapshot_id, built.version = snapshot.snapshot_id, snapshot.version
     try:
-        build = await asyncio.to_thread(build_rollout, snapshot, builder=job.builder, engine=job.build_with)
+        build = await build_rollout_async(snapshot, builder=job.builder, engine=job.build_with)
     except Exception as error:  # noqa: BLE001 - one rollout's build failure never aborts its shard
         built.failed = f"build_error: {type(error).__name__}: {error}"
         return built
