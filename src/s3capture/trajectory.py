@@ -125,6 +125,7 @@ __all__ = [
     "Trajectory",
     "RolloutBuild",
     "build_rollout",
+    "build_rollout_async",
 ]
 
 _BUILDERS = ("prefix_merging", "per_request")
