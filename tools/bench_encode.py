@@ -13,8 +13,9 @@ One run, no S3, everything interleaved on the same entries:
   ``orjson.dumps(OPT_SORT_KEYS)`` + SHA-256 (what Gym's file store does before its write). "before"
   is the encode of the previous release (general coerce + ``encode_entry`` + SHA-256 + zstd 3).
 * **Bytes per token per zstd level**: the size of the object ``put`` stores (envelope + zstd) at
-  levels 1 and 3, and with a 64 KiB dictionary trained on other entries (the anyterminal_hermes and
-  hermes_math examples and synthetic entries of other seeds), with the CPU of that compression.
+  levels 1 and 3, zstd's fast levels -1 and -5, and with a 64 KiB dictionary trained on other
+  entries (the anyterminal_hermes and hermes_math examples and synthetic entries of other seeds),
+  with the CPU of that compression.
 
 * **Read-side decode CPU per entry**: what every reader (freeze, resolve, export) does with a
   stored entry object: ``records.decode_canonical_entry`` (decode, proven canonical) against its
@@ -219,6 +220,10 @@ def bench_bytes(
             "zstd 3 (before)": zstandard.ZstdCompressor(level=3),
             "zstd 1 + trained dictionary": dict_compressor(dictionary, 1),
             "zstd 3 + trained dictionary": dict_compressor(dictionary, 3),
+            # zstd's fast levels: cheaper than level 1, but each gives up the bytes target
+            # (<= 1.1x zstd 3) on entries with log probabilities (docs/benchmarks.md).
+            "zstd -1 (fast)": zstandard.ZstdCompressor(level=-1),
+            "zstd -5 (fast)": zstandard.ZstdCompressor(level=-5),
         }
         sizes = {label: sum(len(c.compress(r)) for r in raw) for label, c in compressors.items()}
         base = sizes["zstd 3 (before)"]
