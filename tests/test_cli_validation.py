@@ -132,6 +132,8 @@ MODES = [
     (["--staging-url", "s3://bkt/staging"], "--staging-url applies only with --capture ledger"),
     (["--capture", "store", "--staging-url", "s3://bkt/staging"], "--staging-url applies only with --capture ledger"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    # The embedded server stops with the demo: what --keep kept would be gone with it.
+    (["--keep"], "--keep needs --url or --endpoint"),
 ]
 
 

@@ -306,6 +306,36 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_a_rerun_with_freeze_seals_and_drops_what_an_earlier_run_exported_unsealed(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    """Exported read unsealed (open), the rollouts are "already exported" in a re-run. Under
+    --drop alone they are reported not dropped (with what to do); with --freeze they are frozen,
+    found unchanged, and dropped, without being exported again."""
+    writer = fresh()
+    await put_chain(writer, "unsealed-a", 3)
+    await put_chain(writer, "unsealed-b", 2)
+    folder = str(tmp_path / "out")
+    first = await export(bucket_url, folder, workers=0, min_age=0)
+    assert first.exported == 2 and first.dropped == first.not_dropped == 0
+    rows = read_rows(folder)
+
+    drop_only = await export(bucket_url, folder, workers=0, min_age=0, drop=True)
+    assert drop_only.already_exported == 2 and drop_only.exported == 0
+    assert drop_only.dropped == 0 and drop_only.not_dropped == 2, format_summary(drop_only)
+    assert all("--freeze" in line for line in drop_only.not_dropped_examples)
+    assert {"source:PutObject", "source:DeleteObject", "source:DeleteObjects"}.isdisjoint(drop_only.requests)
+
+    sealed = await export(bucket_url, folder, workers=0, min_age=0, freeze=True, drop=True)
+    assert sealed.ok and sealed.already_exported == 2 and sealed.exported == 0, format_summary(sealed)
+    assert sealed.dropped == 2 and sealed.not_dropped == 0
+    assert read_rows(folder) == rows  # nothing exported twice
+    assert len(await read_manifests(folder)) == 1
+    states = {info.rollout_id: info.state async for info in fresh().rollouts()}
+    assert states == {"unsealed-a": "retired", "unsealed-b": "retired"}
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
     writer, builder = fresh(), fresh()
     for rid in ("team-a-1", "team-a-2", "team-b-1"):

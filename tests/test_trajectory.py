@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import uuid
 
+import msgspec
 import pytest
 
 from gymcompat import require_gym
@@ -504,6 +505,21 @@ def test_build_rollout_runs_inside_an_event_loop():
         return build_rollout(snap, engine="gym")
 
     assert rows(asyncio.run(inside())) == rows(build_rollout(snap, engine="builtin"))
+
+
+def test_an_entry_without_a_parent_decision_is_named_by_both_engines():
+    """A call whose capture path never stamped a parent decision (no ``parent_resolution``, no
+    ``parent_call_id``): Gym lists it as an unresolved parent, which reads like a lost parent;
+    both engines name the cause, ``missing_resolution:<cid>``."""
+    require_gym()
+    entries = conversation(3)
+    unstamped = msgspec.structs.replace(entries[0], parent_resolution=None, parent_call_id=None)
+    snap = snapshot([unstamped, *entries[1:]])
+    for engine, build in builds(snap).items():
+        assert build.masked, engine
+        assert f"missing_resolution:{unstamped.model_call_id}" in build.mask_reasons, (engine, build.mask_reasons)
+    whole = builds(snapshot(entries))
+    assert not any(r.startswith("missing_resolution") for b in whole.values() for r in b.mask_reasons)
 
 
 def _outcome(build: RolloutBuild) -> tuple:

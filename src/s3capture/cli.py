@@ -230,6 +230,11 @@ def _demo(args: argparse.Namespace) -> int:
     from s3capture.replay import synthetic_rollouts
 
     endpoint = _check_demo(args)
+    if args.keep and args.url is None and endpoint is None:
+        raise ValueError(
+            "--keep needs --url or --endpoint (or AWS_ENDPOINT_URL): without them the demo runs on an embedded "
+            "server that stops with it, and the kept rollouts with it (--export DEST exports them during the run)"
+        )
     if args.files:
         rollouts = _load_inputs(args.files)
     else:

@@ -75,7 +75,7 @@ deliver), never looser:
 - a parent link is checked by comparing tokens (the child's prompt starts with the parent's
   cumulative tokens) where Gym compares the digest of the prompt prefix with the parent's recorded
   digest; with verified digests the two agree;
-- only ``builder="prefix_merging"`` exists (as in Gym 0.7.0).
+- it also has ``builder="per_request"`` (above), which Gym 0.7.0 does not.
 
 Both engines mask every incomplete snapshot (``FrozenSnapshot.incomplete``, or a snapshot that
 gives ``reasons``: Gym's source is then told it is incomplete); ``mask_reasons`` then starts with
@@ -342,8 +342,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
 class RolloutBuild(msgspec.Struct, kw_only=True):
     """What ``build_rollout`` made of one snapshot.
 
-    ``rollout_id``, ``snapshot_id``, ``version``: the snapshot's. ``trajectories``: at most one
-    (the main chain; none when no chain could be built). ``masked``: never train on this rollout
+    ``rollout_id``, ``snapshot_id``, ``version``: the snapshot's. ``trajectories``: with
+    ``prefix_merging`` at most one (the main chain; none when no chain could be built), with
+    ``per_request`` one per model call with generated tokens. ``masked``: never train on this rollout
     (Gym's ``mask_sample``; always True for an incomplete snapshot). ``mask_reasons``: why (empty
     when not masked; see the module docstring). ``metrics``: Gym's metrics dict when Gym's builder
     ran, else the built-in builder's with the same keys. ``gym_result``: the dict Gym's
@@ -380,10 +381,12 @@ def build_rollout(snapshot: "FrozenSnapshot", *, builder: str = "prefix_merging"
 
     ``snapshot``: a ``FrozenSnapshot`` (``S3TokenStore.freeze`` / ``read_snapshot``, either
     ``entry_type``) or any ``TokenCaptureSnapshot`` (its ``reasons`` are then empty).
-    ``builder``: Gym's builder name; ``"prefix_merging"`` is the only one NeMo Gym 0.7.0 and the
-    built-in engine know. ``engine``: ``"gym"`` (NeMo Gym's own ``trajectories_from_source``),
-    ``"builtin"`` (no Gym needed) or ``"auto"`` (``"gym"`` when ``nemo_gym`` is importable). The
-    module docstring gives both engines' rules and how Gym's result becomes ``Trajectory`` rows.
+    ``builder``: ``"prefix_merging"`` (the only builder NeMo Gym 0.7.0 has; both engines) or
+    ``"per_request"`` (the built-in engine's own: one trajectory per model call with generated
+    tokens; ``"auto"`` then picks the built-in engine). ``engine``: ``"gym"`` (NeMo Gym's own
+    ``trajectories_from_source``), ``"builtin"`` (no Gym needed) or ``"auto"`` (``"gym"`` when
+    ``nemo_gym`` is importable). The module docstring gives both engines' rules and how Gym's
+    result becomes ``Trajectory`` rows.
 
     A malformed, incomplete or ambiguous rollout is returned masked with its reasons. Raises
     ``ValueError`` for an unknown ``engine`` or ``builder`` (a caller's mistake, not a rollout's:
@@ -574,7 +577,15 @@ def _gym_build(snapshot: Any, result: dict) -> RolloutBuild:
         if result.get("error"):
             reasons.append(f"gym_error:{result['error']}")
         reasons.extend(f"unresolved_retry:{cid}" for cid in result.get("unresolved_retries") or ())
-        reasons.extend(f"unresolved_parent:{cid}" for cid in result.get("unresolved_parent_calls") or ())
+        unresolved = result.get("unresolved_parent_calls") or ()
+        reasons.extend(f"unresolved_parent:{cid}" for cid in unresolved)
+        # Gym counts a call without any parent decision among its unresolved parents; name the
+        # cause as the built-in builder does (the capture path never stamped the entry).
+        reasons.extend(
+            f"missing_resolution:{e.model_call_id}"
+            for e in snapshot.entries
+            if e.model_call_id in unresolved and e.parent_resolution is None and not e.parent_call_id
+        )
         for name in ("roots", "chains"):
             if name in metrics and metrics[name] != 1:
                 reasons.append(f"{name}:{metrics[name]}")

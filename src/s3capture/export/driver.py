@@ -419,10 +419,38 @@ async def export(
                 and (previous.snapshot_id, previous.version) == (info.snapshot_id, info.version)
                 and (previous.written or masked == "skip")
             ):
-                summary.already_exported += 1
-                if info.state == "frozen":  # its shard is durable; a drop a killed run never made
-                    await schedule_drop(msgspec.structs.replace(previous, sealed=True))
-                continue
+                if info.state == "open" and freeze:
+                    # An earlier run exported it read unsealed (open, quiescent); --freeze seals it
+                    # now. Frozen unchanged, its sealed snapshot is the one that run's durable shard
+                    # holds, so it is not exported again and can be dropped.
+                    try:
+                        sealed = await store.freeze(rid)
+                    except Exception as error:  # noqa: BLE001 - one rollout's failure never aborts the export
+                        summary.failed += 1
+                        _note(
+                            summary.failed_reasons,
+                            summary.failed_examples,
+                            rid,
+                            f"freeze_failed: {type(error).__name__}: {error}",
+                        )
+                        continue
+                    if (sealed.snapshot_id, sealed.version) == (previous.snapshot_id, previous.version):
+                        summary.already_exported += 1
+                        await schedule_drop(msgspec.structs.replace(previous, sealed=True))
+                        continue
+                    # Written to since the listing: its sealed state is exported below, as a change
+                    # (the worker finds the listing stale and reads the sealed snapshot afresh).
+                    info = msgspec.structs.replace(
+                        info, state="frozen", version=sealed.version, snapshot_id=sealed.snapshot_id, sealed=True
+                    )
+                else:
+                    summary.already_exported += 1
+                    # Frozen: its shard is durable (a drop a killed run never made). Open, without
+                    # --freeze: reported "not dropped" under --drop, with what to do.
+                    await schedule_drop(
+                        msgspec.structs.replace(previous, sealed=True) if info.state == "frozen" else previous
+                    )
+                    continue
             if previous is not None and previous.written:
                 summary.changed_since_export += 1
                 if len(summary.changed_examples) < _EXAMPLES:
