@@ -582,9 +582,11 @@ def _gym_build(snapshot: Any, result: dict) -> RolloutBuild:
         # Gym counts a call without any parent decision among its unresolved parents; name the
         # cause as the built-in builder does (the capture path never stamped the entry).
         reasons.extend(
-            f"missing_resolution:{e.model_call_id}"
+            f"missing_resolution:{cid}"
             for e in snapshot.entries
-            if e.model_call_id in unresolved and e.parent_resolution is None and not e.parent_call_id
+            if (cid := getattr(e, "model_call_id", None)) in unresolved
+            and getattr(e, "parent_resolution", None) is None
+            and not getattr(e, "parent_call_id", None)
         )
         for name in ("roots", "chains"):
             if name in metrics and metrics[name] != 1:
