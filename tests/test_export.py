@@ -660,3 +660,76 @@ def test_export_usage_errors_are_one_line(capsys: pytest.CaptureFixture, args: l
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_export_builds_with_the_requested_engine_and_builder(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
+    """The exporter hands ``build_with`` and ``builder`` to the build: ``per_request`` gives one row
+    per call of a chain; a masked rollout built by Gym carries Gym's reasons, by the built-in
+    engine none (a call that dropped either argument passed every other test)."""
+    _, snapshots = await capture_all(fresh)
+    dest = str(tmp_path / "per_request")
+    await export(bucket_url, dest, workers=0, min_age=0, builder="per_request", build_with="builtin")
+    chain = [row for row in read_rows(dest) if row["rollout_id"] == "chain-delta"]
+    assert len(chain) == len(snapshots["chain-delta"].entries) == 5
+    for engine in ("builtin", "gym"):
+        dest = str(tmp_path / engine)
+        await export(bucket_url, dest, workers=0, min_age=0, masked="include", build_with=engine)
+        masked = [row for row in read_rows(dest) if row["masked"]]
+        assert masked
+        from_gym = [any(reason.startswith("gym_") for reason in row["mask_reasons"]) for row in masked]
+        assert all(from_gym) if engine == "gym" else not any(from_gym), (engine, [r["mask_reasons"] for r in masked])
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_an_interrupted_shard_leaves_its_thread_ready_for_the_next(
+    fresh: Any, bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt inside a shard (SIGINT, or Ray's ``ray.cancel`` in a reused worker) escapes
+    ``export_shard`` and publishes nothing; the thread's event loop, kept for its next shard, does
+    not carry the interrupt into that shard (before the fix its leftover tasks re-raised it there)."""
+    import s3capture.trajectory as trajectory
+    from s3capture.export.shard import _close_clients, export_shard
+
+    writer, builder = fresh(), fresh()
+    for index in range(6):
+        await put_chain(writer, f"r-{index}", 2)
+        await builder.freeze(f"r-{index}")
+    infos = sorted([info async for info in fresh().rollouts()], key=lambda info: info.rollout_id)
+    real = trajectory.build_rollout_async
+    interrupts = ["r-2"]
+
+    async def interrupted(snapshot: Any, **options: Any) -> Any:
+        if snapshot.rollout_id in interrupts:
+            interrupts.remove(snapshot.rollout_id)
+            raise KeyboardInterrupt  # as SIGINT delivers it: inside whatever task runs
+        return await real(snapshot, **options)
+
+    monkeypatch.setattr(trajectory, "build_rollout_async", interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = ExportJob(url=bucket_url, dest=str(out), concurrency=4)
+
+    def two_shards() -> tuple[str, Any]:  # one thread: both shards run on its kept loop
+        # Every KeyboardInterrupt is caught here: one reaching pytest would end the whole run.
+        try:
+            try:
+                export_shard(job, 0, infos[:4])
+                first = "finished"
+            except KeyboardInterrupt:
+                first = "interrupted"
+            try:
+                return first, export_shard(job, 1, infos[4:])
+            except KeyboardInterrupt:
+                return first, "the next shard was interrupted too"
+        finally:
+            try:
+                _close_clients()
+            except KeyboardInterrupt:
+                pass
+
+    first, second = await asyncio.to_thread(two_shards)
+    assert first == "interrupted"
+    assert not isinstance(second, str), second
+    assert second.rows == 2 and not second.failed and not second.skipped
+    assert sorted(path.name for path in out.iterdir()) == ["_part-00001.manifest.json", "part-00001.parquet"]

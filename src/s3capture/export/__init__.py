@@ -14,7 +14,7 @@ Pipeline (``docs/export.md``):
 3. ``export_shard(job, shard, rollouts)`` reads each rollout (``read_snapshot`` of the state the
    parent's listing showed, handed over with the shard: GETs only, no per-rollout LIST; ``freeze``
    with ``--freeze``), at most ``concurrency`` in flight, builds its trajectories
-   (``s3capture.trajectory.build_rollout``), appends rows to a bounded row-group buffer, publishes
+   (``s3capture.trajectory.build_rollout_async``), appends rows to a bounded row-group buffer, publishes
    the data file atomically (temp file + rename locally; one PUT on S3) and then the shard manifest
    ``_part-NNNNN.manifest.json``. **A shard is durable once its manifest exists.**
 4. With ``drop``, the parent drops a rollout (``S3TokenStore.drop``: conditional, it keeps the

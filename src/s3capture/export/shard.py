@@ -302,7 +302,7 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
     ``s3capture.rollouts.RolloutInfo``s (listed again). Each is read with
     ``read_snapshot`` (sealed for a frozen rollout, unsealed for an open one; ``freeze`` instead
     with ``job.freeze``), at most ``job.concurrency`` in flight, built with
-    ``s3capture.trajectory.build_rollout`` and written in listing order. Then the data file
+    ``s3capture.trajectory.build_rollout_async`` and written in listing order. Then the data file
     ``part-<shard>.parquet`` (or ``.jsonl``) is published atomically, then the manifest
     ``_part-<shard>.manifest.json`` (none when every rollout of the shard failed or was skipped:
     nothing was decided). A rollout that is not sealed, retired, unreadable or fails to
@@ -311,7 +311,37 @@ def export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult
     Raises (nothing durable then) when the shard cannot be written: ``StoreError`` or ``OSError``
     from the destination. Runs on an event loop of its own thread, with clients that stay open for
     the next shard of the same job on that thread: call it from a thread without a running loop.
+    An interrupt (``KeyboardInterrupt``: SIGINT, or Ray's ``ray.cancel``) propagates after the
+    shard's unfinished work on that loop is cancelled, so the thread's next shard starts clean.
     """
     clients = _clients()
     store, dest = clients.get(job)
-    return clients.loop.run_until_complete(_export_shard(job, shard, list(rollouts), store, dest))
+    try:
+        return clients.loop.run_until_complete(_export_shard(job, shard, list(rollouts), store, dest))
+    except (KeyboardInterrupt, SystemExit):
+        _settle_after_interrupt(clients)
+        raise
+
+
+def _settle_after_interrupt(clients: _Clients) -> None:
+    """Cancel what an interrupt left pending on ``clients.loop`` and let it unwind.
+
+    An interrupt raised in a task escapes ``run_until_complete`` at once and leaves the shard's
+    other tasks pending on the loop, which is kept for the next shard: they would wake in that
+    shard's run and raise the interrupt again there. Cancelled here, the shard's own clean-up runs
+    (its in-flight reads cancelled, its unfinished data file discarded). A loop that does not
+    settle is abandoned with its clients; the thread's next shard opens new ones.
+    """
+    loop = clients.loop
+    for _ in range(8):
+        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        try:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        except BaseException:  # noqa: BLE001 - a task re-raising the interrupt as it unwinds: go again
+            continue
+    if getattr(_THREAD, "clients", None) is clients:
+        _THREAD.clients = None
