@@ -258,6 +258,12 @@ def test_cli_ls_status_gc(
     assert table[0].split() == ["rollout_id", "state", "objects", "bytes", "last_write"]
     assert len(table) == 2 and table[1].split()[:3] == ["masked", "frozen", "3"]
     assert format_rollout_row(None, table=False) == "rollout_id\tstate\tobjects\tbytes\tlast_write"
+    # An empty listing still shows its columns; a listing that fails shows only its error.
+    assert main(["ls", bucket_url, "--prefix", "no-such-"]) == 0
+    assert capsys.readouterr().out.splitlines() == [format_rollout_row(None, table=False)]
+    assert main(["ls", "s3://s3capture-no-such-bucket-7f3a/x"]) != 0
+    out, err = capsys.readouterr()
+    assert out == "" and "does not exist" in err
 
     assert main(["status", bucket_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -693,13 +693,19 @@ def _ls_command(args: Any) -> int:
 
     async def run() -> int:
         count = 0
-        if not args.json:
-            print(format_rollout_row(None, table=table), flush=table)
+        # The header comes with the first row (or alone, for an empty listing): a listing that
+        # fails at once (no credentials, no bucket) prints its error without a table above it.
+        header = not args.json
         async with contextlib.aclosing(store.rollouts(args.state, prefix=args.prefix)) as rollouts:
             async for info in rollouts:
+                if header:
+                    print(format_rollout_row(None, table=table))
+                    header = False
                 line = msgspec.json.encode(info).decode() if args.json else format_rollout_row(info, table=table)
                 print(line)
                 count += 1
+        if header:
+            print(format_rollout_row(None, table=table))
         if table:
             print(f"{count} rollouts", file=sys.stderr)
         return 0
