@@ -311,28 +311,47 @@ async def test_a_rerun_with_freeze_seals_and_drops_what_an_earlier_run_exported_
 ) -> None:
     """Exported read unsealed (open), the rollouts are "already exported" in a re-run. Under
     --drop alone they are reported not dropped (with what to do); with --freeze they are frozen,
-    found unchanged, and dropped, without being exported again."""
+    found unchanged, and dropped, without being exported again. One written to between the
+    listing and that freeze is skipped, frozen, and the next run exports its sealed snapshot."""
+    from s3capture.store import S3TokenStore
+
     writer = fresh()
     await put_chain(writer, "unsealed-a", 3)
     await put_chain(writer, "unsealed-b", 2)
+    await put_chain(writer, "unsealed-c", 2)
     folder = str(tmp_path / "out")
     first = await export(bucket_url, folder, workers=0, min_age=0)
-    assert first.exported == 2 and first.dropped == first.not_dropped == 0
+    assert first.exported == 3 and first.dropped == first.not_dropped == 0
     rows = read_rows(folder)
 
     drop_only = await export(bucket_url, folder, workers=0, min_age=0, drop=True)
-    assert drop_only.already_exported == 2 and drop_only.exported == 0
-    assert drop_only.dropped == 0 and drop_only.not_dropped == 2, format_summary(drop_only)
+    assert drop_only.already_exported == 3 and drop_only.exported == 0
+    assert drop_only.dropped == 0 and drop_only.not_dropped == 3, format_summary(drop_only)
     assert all("--freeze" in line for line in drop_only.not_dropped_examples)
     assert {"source:PutObject", "source:DeleteObject", "source:DeleteObjects"}.isdisjoint(drop_only.requests)
 
-    sealed = await export(bucket_url, folder, workers=0, min_age=0, freeze=True, drop=True)
+    # unsealed-c gets a late marker after the listing, just before the export freezes it.
+    freeze = S3TokenStore.freeze
+
+    async def late_write_then_freeze(store: Any, rollout_id: str) -> Any:
+        if rollout_id == "unsealed-c":
+            await store.mark_incomplete(rollout_id, "late-call")
+        return await freeze(store, rollout_id)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(S3TokenStore, "freeze", late_write_then_freeze)
+        sealed = await export(bucket_url, folder, workers=0, min_age=0, freeze=True, drop=True)
     assert sealed.ok and sealed.already_exported == 2 and sealed.exported == 0, format_summary(sealed)
     assert sealed.dropped == 2 and sealed.not_dropped == 0
+    assert sealed.skipped_reasons == {"changed_since_listing": 1}
     assert read_rows(folder) == rows  # nothing exported twice
     assert len(await read_manifests(folder)) == 1
     states = {info.rollout_id: info.state async for info in fresh().rollouts()}
-    assert states == {"unsealed-a": "retired", "unsealed-b": "retired"}
+    assert states == {"unsealed-a": "retired", "unsealed-b": "retired", "unsealed-c": "frozen"}
+
+    # The next run reads unsealed-c's sealed snapshot: masked by the marker, superseding its rows.
+    after = await export(bucket_url, folder, workers=0, min_age=0, freeze=True, drop=True)
+    assert after.changed_since_export == 1 and after.masked_written == 1 and after.dropped == 0, format_summary(after)
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

@@ -384,11 +384,43 @@ async def export(
                     f"{record.rollout_id}: exported from an open rollout read unsealed; --freeze freezes it first"
                 )
             return
+        await in_background(drop_one(record))
+
+    async def in_background(work: Any) -> None:
+        """Run ``work`` (a drop, or a re-seal and its drop) beside the listing; first wait while
+        ``_DROPS_AHEAD`` are pending, so the listing and the shard results pause behind slow ones
+        (bounded memory)."""
         while len(drop_tasks) >= _DROPS_AHEAD:
             await asyncio.wait(list(drop_tasks), return_when=asyncio.FIRST_COMPLETED)
-        task = asyncio.create_task(drop_one(record))
+        task = asyncio.create_task(work)
         drop_tasks.add(task)
         task.add_done_callback(drop_tasks.discard)
+
+    async def reseal(previous: RolloutRecord) -> None:
+        """Freeze a rollout an earlier run exported read unsealed (``--freeze``). Frozen unchanged,
+        its sealed snapshot is the one that run's durable shard holds: it is not exported again,
+        and ``--drop`` drops it. Changed since the listing, it is skipped, frozen: the next run
+        exports its sealed snapshot."""
+        rid = previous.rollout_id
+        async with drop_limit:
+            try:
+                sealed = await store.freeze(rid)
+            except Exception as error:  # noqa: BLE001 - one rollout's failure never aborts the export
+                summary.failed += 1
+                _note(
+                    summary.failed_reasons,
+                    summary.failed_examples,
+                    rid,
+                    f"freeze_failed: {type(error).__name__}: {error}",
+                )
+                return
+        if (sealed.snapshot_id, sealed.version) != (previous.snapshot_id, previous.version):
+            skip(rid, "changed_since_listing: written to after this run listed it; frozen now, a re-run exports it")
+            return
+        summary.already_exported += 1
+        record = msgspec.structs.replace(previous, sealed=True)
+        if drop and record.written and not record.masked:
+            await drop_one(record)
 
     def skip(rollout_id: str, reason: str) -> None:
         summary.skipped += 1
@@ -419,38 +451,16 @@ async def export(
                 and (previous.snapshot_id, previous.version) == (info.snapshot_id, info.version)
                 and (previous.written or masked == "skip")
             ):
-                if info.state == "open" and freeze:
-                    # An earlier run exported it read unsealed (open, quiescent); --freeze seals it
-                    # now. Frozen unchanged, its sealed snapshot is the one that run's durable shard
-                    # holds, so it is not exported again and can be dropped.
-                    try:
-                        sealed = await store.freeze(rid)
-                    except Exception as error:  # noqa: BLE001 - one rollout's failure never aborts the export
-                        summary.failed += 1
-                        _note(
-                            summary.failed_reasons,
-                            summary.failed_examples,
-                            rid,
-                            f"freeze_failed: {type(error).__name__}: {error}",
-                        )
-                        continue
-                    if (sealed.snapshot_id, sealed.version) == (previous.snapshot_id, previous.version):
-                        summary.already_exported += 1
-                        await schedule_drop(msgspec.structs.replace(previous, sealed=True))
-                        continue
-                    # Written to since the listing: its sealed state is exported below, as a change
-                    # (the worker finds the listing stale and reads the sealed snapshot afresh).
-                    info = msgspec.structs.replace(
-                        info, state="frozen", version=sealed.version, snapshot_id=sealed.snapshot_id, sealed=True
-                    )
-                else:
-                    summary.already_exported += 1
-                    # Frozen: its shard is durable (a drop a killed run never made). Open, without
-                    # --freeze: reported "not dropped" under --drop, with what to do.
-                    await schedule_drop(
-                        msgspec.structs.replace(previous, sealed=True) if info.state == "frozen" else previous
-                    )
+                if info.state == "open" and freeze:  # exported read unsealed by an earlier run
+                    await in_background(reseal(previous))
                     continue
+                summary.already_exported += 1
+                # Frozen: its shard is durable (a drop a killed run never made). Open, without
+                # --freeze: reported "not dropped" under --drop, with what to do.
+                await schedule_drop(
+                    msgspec.structs.replace(previous, sealed=True) if info.state == "frozen" else previous
+                )
+                continue
             if previous is not None and previous.written:
                 summary.changed_since_export += 1
                 if len(summary.changed_examples) < _EXAMPLES:
