@@ -372,10 +372,14 @@ async def export(
                     "(a write raced the freeze); its objects are kept"
                 )
 
+    def droppable(record: RolloutRecord) -> bool:
+        """Whether ``--drop`` asks for this exported rollout to be dropped: written as trainable."""
+        return drop and record.written and not record.masked
+
     async def schedule_drop(record: RolloutRecord) -> None:
         """Start the drop of ``record``'s rollout; first wait while ``_DROPS_AHEAD`` are pending,
         so the listing and the shard results pause behind slow drops (bounded memory)."""
-        if not (drop and record.written and not record.masked):
+        if not droppable(record):
             return
         if not record.sealed:
             summary.not_dropped += 1
@@ -419,8 +423,8 @@ async def export(
             return
         summary.already_exported += 1
         record = msgspec.structs.replace(previous, sealed=True)
-        if drop and record.written and not record.masked:
-            await drop_one(record)
+        if droppable(record):
+            await drop_one(record)  # not through in_background: this already is a background task
 
     def skip(rollout_id: str, reason: str) -> None:
         summary.skipped += 1

@@ -334,7 +334,7 @@ def _settle_after_interrupt(clients: _Clients) -> None:
     """
     loop = clients.loop
     for _ in range(8):
-        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        pending = asyncio.all_tasks(loop)  # the tasks of this loop not done yet
         if not pending:
             return
         for task in pending:
