@@ -369,6 +369,29 @@ async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_p
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_a_failed_export_removes_the_folder_it_created_and_nothing_else(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    from s3capture.errors import StoreError
+
+    missing = bucket_url.replace("s3://", "s3://no-such-bucket-", 1)
+    with pytest.raises(StoreError):
+        await export(missing, str(tmp_path / "new" / "out"), workers=0)
+    assert not (tmp_path / "new").exists()  # a failed run leaves no empty dataset (nor its parents) behind
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(StoreError):
+        await export(missing, str(tmp_path / "mine"), workers=0)
+    assert (tmp_path / "mine").is_dir()  # the user's own folder stays
+    writer = fresh()
+    await put_chain(writer, "r-1", 2)
+    await writer.freeze("r-1")
+    empty = await export(bucket_url, str(tmp_path / "none"), workers=0, ids=["nobody"])
+    assert empty.ok and (tmp_path / "none").is_dir()  # a run that succeeds keeps its folder, empty or not
+    done = await export(bucket_url, str(tmp_path / "done"), workers=0)
+    assert done.exported == 1 and [row["rollout_id"] for row in read_rows(str(tmp_path / "done"))] == ["r-1"]
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_token_ids_auto_is_int32_in_every_shard_and_fails_a_rollout_that_needs_int64(
     fresh: Any, bucket_url: str, tmp_path: Path
 ) -> None:

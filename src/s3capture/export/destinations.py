@@ -99,8 +99,8 @@ class _Destination:
     async def publish_bytes(self, name: str, body: bytes) -> None:
         raise NotImplementedError
 
-    async def close(self) -> None:
-        pass
+    async def close(self, *, failed: bool = False) -> None:
+        """Release the destination; ``failed``: the export ends with an error."""
 
 
 def _classify(files: Iterable[tuple[str, int]], existing: _Existing) -> list[str]:
@@ -147,11 +147,18 @@ class _LocalDestination(_Destination):
     def __init__(self, folder: str) -> None:
         self.folder = os.path.abspath(folder)
         self.requests = collections.Counter()
+        self._created: list[str] = []  # the folders this export made, innermost first
 
     def _make(self) -> None:
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise ValueError(f"--out {self.folder} exists and is not a folder")
-        os.makedirs(self.folder, exist_ok=True)
+        if not os.path.isdir(self.folder):
+            missing, path = [], self.folder
+            while not os.path.exists(path) and os.path.dirname(path) != path:
+                missing.append(path)
+                path = os.path.dirname(path)
+            os.makedirs(self.folder, exist_ok=True)
+            self._created = missing
 
     async def lock(self) -> None:
         """Take the folder for this export: an exclusive ``flock`` on ``.s3capture-export.lock``
@@ -182,10 +189,25 @@ class _LocalDestination(_Destination):
             _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
         self._lock = handle
 
-    async def close(self) -> None:
+    async def close(self, *, failed: bool = False) -> None:
+        """Release the folder. When the export failed, a folder it created that holds nothing
+        but its lock file (it failed before its first shard) is removed: a failed run leaves no
+        empty dataset behind. A run that succeeds keeps its folder, empty or not."""
         handle, self._lock = getattr(self, "_lock", None), None
         if handle is not None:
+            if failed and self._created:
+                self._remove_if_unused()  # still under the flock: no other export is writing here
             handle.close()  # releases the flock
+
+    def _remove_if_unused(self) -> None:
+        try:
+            if os.listdir(self.folder) != [_LOCK]:
+                return
+            os.unlink(os.path.join(self.folder, _LOCK))
+            for folder in self._created:
+                os.rmdir(folder)  # fails (and stops) at one that holds anything else
+        except OSError:
+            pass
 
     async def scan(self) -> _Existing:
         existing = _Existing()
@@ -395,7 +417,7 @@ class _S3Destination(_Destination):
     async def publish_bytes(self, name: str, body: bytes) -> None:
         await self.transport.put(self.prefix + name, body)
 
-    async def close(self) -> None:
+    async def close(self, *, failed: bool = False) -> None:
         renewal, claim = self._renewal, self._claim
         self._claim = self._renewal = None
         try:

@@ -341,7 +341,7 @@ async def export(
         summary.shards_existing = len(existing.manifests)
         next_shard = existing.highest + 1
     except BaseException:
-        await target.close()
+        await target.close(failed=True)
         raise
     finally:
         requests.update({f"dest:{k}": v for k, v in target.requests.items()})
@@ -508,6 +508,7 @@ async def export(
 
     hold_after = int(os.environ.get(HOLD_ENV) or 0)
     handled = 0
+    failed = True  # until the run completes: a failed run's empty new folder is removed at close
     try:
         async with contextlib.aclosing(
             ENGINES[engine](job, shard_tasks(), workers=workers, report=bar.add, **(engine_options or {}))
@@ -529,6 +530,7 @@ async def export(
         if wanted is not None:
             for rid in sorted(wanted - seen_ids):
                 skip(rid, "not_listed: no such rollout in the selected states and prefix")
+        failed = False
     finally:
         for task in list(drop_tasks):
             task.cancel()
@@ -537,7 +539,7 @@ async def export(
             await store.close()
         finally:
             requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
-            await target.close()  # releases the destination (a local folder's lock)
+            await target.close(failed=failed)  # releases the destination (a local folder's lock)
     summary.requests = dict(sorted(requests.items()))
     summary.wall_seconds = round(time.monotonic() - started, 3)
     return summary
