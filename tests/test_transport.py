@@ -259,3 +259,36 @@ async def test_an_explicit_session_s_keys_are_used_on_every_transport(s3_env, bu
     finally:
         await store.close()
     assert snapshot.reasons == ("dangling_intent:c1",)
+
+
+async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_retries(
+    transport_kind, monkeypatch, caplog
+):
+    """A wrong endpoint is retried like any connection error, but says so at the first retry
+    instead of after a quarter of a minute of silence; the warning names the endpoint."""
+    import logging
+    import socket
+
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config
+
+    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    config = default_botocore_config(
+        4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+    )
+    transport = make_transport(transport_kind, "bkt", endpoint_url=endpoint, botocore_config=config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="s3capture"):
+            with pytest.raises(StoreError):
+                await transport.list_page("p/")
+    finally:
+        await transport.close()
+    warnings = [r.getMessage() for r in caplog.records if "cannot connect" in r.getMessage()]
+    assert warnings and all(endpoint in message for message in warnings)
+    assert len(warnings) == 1  # at most once a minute per endpoint, whatever the number of retries

@@ -66,6 +66,32 @@ log = logging.getLogger("s3capture")
 
 T = TypeVar("T")
 
+_CONNECT_WARNED: dict[str, float] = {}
+_CONNECT_WARN_EVERY = 60.0  # seconds between two warnings for one endpoint
+
+
+def warn_connect_retry(endpoint: str | None, error: BaseException, attempt: int, attempts: int) -> None:
+    """Log (at most once a minute per endpoint) that a request could not connect and is retried.
+
+    Retries of connection errors are right for a store that blips, but with a wrong endpoint they
+    take a quarter of a minute of silence before the error; this warning says at once what is
+    happening. ``attempt`` is the attempt that failed (1-based) of ``attempts``.
+    """
+    where = endpoint or "the AWS S3 endpoint"
+    now = time.monotonic()
+    if now - _CONNECT_WARNED.get(where, -_CONNECT_WARN_EVERY) < _CONNECT_WARN_EVERY:
+        return
+    _CONNECT_WARNED[where] = now
+    reason = str(error).strip() or type(error).__name__
+    log.warning(
+        "cannot connect to %s (%s); retrying, attempt %d of %d (check the endpoint: --endpoint or AWS_ENDPOINT_URL)",
+        where,
+        reason,
+        attempt + 1,
+        attempts,
+    )
+
+
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
 _NOT_IMPLEMENTED = frozenset(
     {
@@ -121,7 +147,7 @@ def _body_errors() -> tuple[type[BaseException], ...]:
 def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) -> Any:
     """The botocore ``Config`` s3capture uses unless given one.
 
-    Standard retry mode (5 attempts, exponential backoff with jitter), connect/read timeouts of 5/30 s,
+    Standard retry mode (5 retries, so 6 attempts; exponential backoff with jitter), connect/read timeouts of 5/30 s,
     a pool of ``max_pool_connections``, and checksums only where an operation requires them
     (``when_required``), which S3-compatible stores such as GCS, R2, Ceph and older MinIO accept.
     Path-style addressing is chosen when an endpoint is configured.
@@ -764,6 +790,7 @@ class S3Transport(Transport):
             self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
         )
         client.meta.events.register("before-send.s3", self._count_request)
+        client.meta.events.register("needs-retry.s3", self._note_retry)
         client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
         # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
         # whole extra round trip before the body is sent; objects are small and every PUT
@@ -773,6 +800,18 @@ class S3Transport(Transport):
 
     def _count_request(self, event_name: str = "", **_: Any) -> None:
         self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
+
+    def _note_retry(self, attempts: int = 0, caught_exception: Any = None, **_: Any) -> None:
+        """Observes botocore's retry decision (returns nothing, so decides nothing): warns when
+        a request could not connect and attempts remain."""
+        from botocore.exceptions import ConnectionError as BotocoreConnectionError
+
+        if isinstance(caught_exception, BotocoreConnectionError):
+            retries = getattr(self._config, "retries", None) or {}
+            # botocore's max_attempts counts retries; total_max_attempts counts the first try too
+            limit = int(retries.get("total_max_attempts") or (int(retries.get("max_attempts") or 2) + 1))
+            if attempts < limit:
+                warn_connect_retry(self.endpoint_url, caught_exception, attempts, limit)
 
     async def _refresh(self, state: _LoopState, generation: int) -> bool:
         """After an expired-token answer: resolve the standard credential chain again and rebuild

@@ -46,7 +46,16 @@ from s3capture.errors import StoreError
 if TYPE_CHECKING:
     from obstore.store import S3Config
 
-from s3capture.transport import _NOT_FOUND, _NOT_IMPLEMENTED, Transport, _BodyFailed, _Got, _TooLarge, _Unverified
+from s3capture.transport import (
+    _NOT_FOUND,
+    _NOT_IMPLEMENTED,
+    Transport,
+    _BodyFailed,
+    _Got,
+    _TooLarge,
+    _Unverified,
+    warn_connect_retry,
+)
 
 __all__ = ["ObstoreTransport"]
 
@@ -123,10 +132,14 @@ class _S3HTTPError(Exception):
 def _settings(botocore_config: Any) -> tuple[int, float, float]:
     """``(max_attempts, connect_timeout, read_timeout)`` from a botocore ``Config`` (or defaults),
     so one configuration means the same on both transports."""
-    attempts, connect, read = 5, 5.0, 30.0
+    attempts, connect, read = 6, 5.0, 30.0  # default_botocore_config's: 5 retries
     if botocore_config is not None:
         retries = getattr(botocore_config, "retries", None) or {}
-        attempts = int(retries.get("total_max_attempts") or retries.get("max_attempts") or attempts)
+        # as botocore reads them: total_max_attempts counts the first try, max_attempts the retries
+        if retries.get("total_max_attempts"):
+            attempts = int(retries["total_max_attempts"])
+        elif retries.get("max_attempts") is not None:
+            attempts = int(retries["max_attempts"]) + 1
         connect = float(getattr(botocore_config, "connect_timeout", None) or connect)
         read = float(getattr(botocore_config, "read_timeout", None) or read)
     return max(attempts, 1), connect, read
@@ -137,7 +150,7 @@ class ObstoreTransport(Transport):
 
     Parameters (besides ``Transport``'s):
         botocore_config: a ``botocore.config.Config`` whose retry attempts and timeouts are
-            applied here too (``None``: 5 attempts, 5 s connect, 30 s read timeouts).
+            applied here too (``None``: 6 attempts, 5 s connect, 30 s read timeouts).
         session: an ``aioboto3.Session`` or ``botocore.session.Session`` whose profile and region
             are used; ``None``: the standard credential chain and ``AWS_REGION`` /
             ``AWS_DEFAULT_REGION`` (``us-east-1`` when unset).
@@ -472,8 +485,10 @@ class ObstoreTransport(Transport):
                     body = await response.read()
                     status = response.status
                     date = response.headers.get("Date", "")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
                 if attempt + 1 < self._attempts:
+                    if isinstance(error, aiohttp.ClientConnectorError):  # could not connect (refused, DNS)
+                        warn_connect_retry(self.endpoint_url, error, attempt + 1, self._attempts)
                     continue
                 raise
             if status == 200:
