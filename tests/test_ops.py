@@ -13,6 +13,7 @@ reads as unused (a put succeeds again, as after ``delete``).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import sys
 import time
@@ -24,7 +25,7 @@ from helpers import list_keys, simple_entry, split_bucket_url
 from s3capture.cli import main
 from s3capture.ops import GcAction, format_rollout_row, gc, status
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
-from s3capture.rollouts import FENCE_RETIRED
+from s3capture.rollouts import FENCE_RETIRED, RolloutInfo
 from s3capture.store import S3TokenStore
 
 FAR = 10.0  # seconds added to "now" so that everything already written counts as old
@@ -255,8 +256,21 @@ def test_cli_ls_status_gc(
         patch.setattr(sys.stdout, "isatty", lambda: True)
         assert main(["ls", bucket_url, "--state", "frozen"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["rollout_id", "state", "objects", "bytes", "last_write"]
-    assert len(table) == 2 and table[1].split()[:3] == ["masked", "frozen", "3"]
+    assert table[0].split() == ["state", "objects", "bytes", "last_write", "rollout_id"]
+    assert len(table) == 2 and table[1].split()[:2] == ["frozen", "3"] and table[1].split()[-1] == "masked"
+    # The id is the last column: ids of any length leave the other columns where the header has them.
+    long_id = "rollout-" + "x" * 120
+    when = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)
+    rows = [
+        format_rollout_row(
+            RolloutInfo(rollout_id=rid, state="open", objects=12, bytes=3000, last_write=when), table=True
+        )
+        for rid in ("a", long_id)
+    ]
+    header = format_rollout_row(None, table=True)
+    for row, rid in zip(rows, ("a", long_id)):
+        assert row.index(rid) == header.index("rollout_id") and row.endswith(rid)
+        assert row[: row.index(rid)] == rows[0][: rows[0].index("a")]
     assert format_rollout_row(None, table=False) == "rollout_id\tstate\tobjects\tbytes\tlast_write"
     # An empty listing still shows its columns; a listing that fails shows only its error.
     assert main(["ls", bucket_url, "--prefix", "no-such-"]) == 0

@@ -516,7 +516,8 @@ def _stamp(value: datetime.datetime | None) -> str:
 
 def format_rollout_row(info: RolloutInfo | None, *, table: bool) -> str:
     """One ``s3capture ls`` line (``None``: the header). ``table``: fixed-width columns with
-    human-readable sizes (a terminal); otherwise tab-separated exact values."""
+    human-readable sizes (a terminal), the rollout id last so that ids of any length keep the
+    columns aligned; otherwise tab-separated exact values in ``LS_HEADER`` order."""
     if info is None:
         cells = list(LS_HEADER)
     else:
@@ -524,9 +525,15 @@ def format_rollout_row(info: RolloutInfo | None, *, table: bool) -> str:
         cells = [info.rollout_id, info.state, str(info.objects), size, _stamp(info.last_write)]
     if not table:
         return "\t".join(cells)
-    left = cells[0].ljust(_LS_WIDTHS[0]) if len(cells[0]) <= _LS_WIDTHS[0] else cells[0]
+    rid, state, objects, size, last = cells
     return "  ".join(
-        [left, cells[1].ljust(_LS_WIDTHS[1]), cells[2].rjust(_LS_WIDTHS[2]), cells[3].rjust(_LS_WIDTHS[3]), cells[4]]
+        [
+            state.ljust(_LS_WIDTHS[1]),
+            objects.rjust(_LS_WIDTHS[2]),
+            size.rjust(_LS_WIDTHS[3]),
+            last.ljust(_LS_WIDTHS[4]),
+            rid,
+        ]
     )
 
 
