@@ -468,3 +468,48 @@ async def test_a_destination_written_before_the_manifest_rename_keeps_its_rows(
     again = await export(bucket_url, str(dest), workers=0, drop=True)
     assert again.ok and again.orphans_removed == 0 and again.shards_existing == 1, format_summary(again)
     assert sorted(row["rollout_id"] for row in rows_of(dest)) == ["old1", "old2"]
+
+
+@MOTO
+async def test_an_s3_destination_without_delete_permission_keeps_its_export_and_reports_the_refused_put(
+    fresh: Any, bucket_url: str, s3_server: Any, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Destination credentials that may PUT but not DELETE: the export's shards are durable, so
+    the claim's delete at the end warns instead of failing the run (it raised from ``close``, and
+    the summary of a finished export was lost), and its request is in the summary. Stale claims it
+    cannot delete are ignored after the lease. Without PUT either, the error is the refused PUT,
+    not the clean-up's refused DELETE."""
+    import s3capture.export.destinations as export_module
+    from faultproxy import FaultProxy, s3_error
+
+    from s3capture.errors import StoreError
+
+    await frozen_chains(fresh, ["n1", "n2"])
+    bucket = bucket_url[len("s3://") :].split("/")[0]
+    dest = bucket_url + "-exports/nodelete"
+    deny_put = False
+
+    async def refuse(request: Any) -> Any:
+        # DeleteObjects names its keys in the body: refuse every delete (this export drops nothing)
+        deleting = request.method == "DELETE" or (request.method == "POST" and "delete" in request.params)
+        if deleting or (deny_put and request.method == "PUT" and "-exports/nodelete" in request.path):
+            return s3_error(403, "AccessDenied", "no permission on the destination")
+        return None
+
+    async with FaultProxy.for_server(s3_server) as proxy:
+        proxy.rule = refuse
+        summary = await export(bucket_url, dest, endpoint_url=proxy.endpoint, workers=0)
+        assert summary.ok and summary.exported == 2, format_summary(summary)
+        assert summary.requests.get("dest:DeleteObjects", 0) >= 1  # the claim's delete, counted
+        assert len(await read_manifests(dest, endpoint_url=proxy.endpoint)) == 1
+        claims = f"t-exports/nodelete/{export_module._LOCK}/"
+        assert s3_client.list_objects_v2(Bucket=bucket, Prefix=claims).get("KeyCount", 0) == 1  # left to expire
+        with pytest.raises(ValueError, match="another export"):
+            await export(bucket_url, dest, endpoint_url=proxy.endpoint, workers=0)
+        monkeypatch.setattr(export_module, "CLAIM_LEASE", -1.0)  # the left claims are past the lease
+        again = await export(bucket_url, dest, endpoint_url=proxy.endpoint, workers=0)
+        assert again.ok and again.already_exported == 2, format_summary(again)
+        deny_put = True
+        with pytest.raises(StoreError) as refused:
+            await export(bucket_url, dest + "2", endpoint_url=proxy.endpoint, workers=0)
+        assert refused.value.operation == "PUT" and "AccessDenied" in str(refused.value)

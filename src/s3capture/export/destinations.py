@@ -331,7 +331,7 @@ class _S3Destination(_Destination):
         import socket
 
         self.tag = uuid.uuid4().hex[:16]
-        claim = self._claim = f"{self.prefix}{_LOCK}/{self.tag}"
+        claim = f"{self.prefix}{_LOCK}/{self.tag}"
         self._claim_body = msgspec.json.encode(
             {
                 "host": socket.gethostname(),
@@ -339,7 +339,10 @@ class _S3Destination(_Destination):
                 "started": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             }
         )
+        # A PUT that fails (no s3:PutObject, no bucket, the store down) raises its own error; the
+        # rare claim that landed all the same expires after CLAIM_LEASE.
         await self.transport.put(claim, self._claim_body)
+        self._claim = claim
         self._renewed = _awake_clock()
         try:
             claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[claim])
@@ -356,7 +359,10 @@ class _S3Destination(_Destination):
             stale = [c.key for c in others]
             if stale:
                 _log.warning("taking over %s: %d claim(s) of dead exports", self.prefix or "/", len(stale))
-                await self.transport.delete(stale)
+                try:
+                    await self.transport.delete(stale)
+                except StoreError as error:  # no s3:DeleteObject: stale claims are ignored all the same
+                    _log.warning("could not delete the stale claims under %s: %s", self.prefix or "/", error)
         except BaseException:
             self._claim = None
             try:
@@ -418,6 +424,10 @@ class _S3Destination(_Destination):
         await self.transport.put(self.prefix + name, body)
 
     async def close(self, *, failed: bool = False) -> None:
+        """Stop renewing and delete this export's claim. A claim that cannot be deleted (no
+        ``s3:DeleteObject`` on the destination, the store down) is logged and left to expire
+        after ``CLAIM_LEASE`` seconds: the shards are durable already, and an export's own error
+        must not be replaced by its clean-up's."""
         renewal, claim = self._renewal, self._claim
         self._claim = self._renewal = None
         try:
@@ -425,7 +435,18 @@ class _S3Destination(_Destination):
                 renewal.cancel()
                 await asyncio.gather(renewal, return_exceptions=True)
             if claim is not None:
-                await self.transport.delete([claim])
+                try:
+                    await self.transport.delete([claim])
+                except StoreError as error:
+                    _log.warning(
+                        "could not delete this export's claim %s (%s): another export into s3://%s/%s is refused "
+                        "until it expires, %.0f s after its last renewal",
+                        claim,
+                        error,
+                        self.bucket,
+                        self.prefix,
+                        CLAIM_LEASE,
+                    )
         finally:
             await self.transport.close()
 

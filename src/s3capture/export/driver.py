@@ -343,8 +343,6 @@ async def export(
     except BaseException:
         await target.close(failed=True)
         raise
-    finally:
-        requests.update({f"dest:{k}": v for k, v in target.requests.items()})
 
     drop_limit = asyncio.Semaphore(32)
     drop_tasks: set[asyncio.Task] = set()
@@ -540,6 +538,8 @@ async def export(
         finally:
             requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
             await target.close(failed=failed)  # releases the destination (a local folder's lock)
+            # the parent's own destination requests: claim, scan, renewals, the claim's delete
+            requests.update({f"dest:{k}": v for k, v in target.requests.items()})
     summary.requests = dict(sorted(requests.items()))
     summary.wall_seconds = round(time.monotonic() - started, 3)
     return summary
