@@ -775,3 +775,14 @@ async def test_an_interrupted_shard_leaves_its_thread_ready_for_the_next(
     assert not isinstance(second, str), second
     assert second.rows == 2 and not second.failed and not second.skipped
     assert sorted(path.name for path in out.iterdir()) == ["_part-00001.manifest.json", "part-00001.parquet"]
+
+
+def test_the_summary_prints_each_example_on_one_line_whatever_the_id() -> None:
+    from s3capture.export import ExportSummary
+
+    summary = ExportSummary(source="s3://bkt/p", dest="out", format="parquet")
+    summary.skipped, summary.skipped_reasons = 1, {"not_listed": 1}
+    summary.skipped_examples = {"not_listed": ["two\nlines\x1b[2J: not_listed: no such rollout"]}
+    text = format_summary(summary)
+    (line,) = [line for line in text.splitlines() if "not_listed: no such" in line]
+    assert line == "  skipped two\\nlines\\x1b[2J: not_listed: no such rollout" and "\x1b" not in text

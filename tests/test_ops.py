@@ -381,3 +381,41 @@ def test_ls_into_a_closed_pipe_ends_quietly(s3_env: Any, bucket_url: str) -> Non
             timeout=120,
         )
     assert (done.returncode, done.stderr.decode()) == (0, "")
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # output formatting: one server is enough
+def test_ids_with_control_characters_keep_one_row_each_and_read_back_in_a_shell(
+    s3_env: Any, bucket_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tab or newline in a rollout id is valid; printed as it is, it split a TSV row in two or
+    into six fields, and an escape sequence reached the terminal. Such ids are printed in bash's
+    ``$'...'`` quoting, which reads back as the id; ``--json`` keeps them unchanged."""
+    import subprocess
+
+    ids = ["tab\there", "new\nline", "esc\x1b[31mred", "plain-id"]
+
+    async def setup() -> None:
+        async with S3TokenStore(bucket_url) as writer:
+            for rid in ids:
+                await writer.put(simple_entry(rid, "c1"))
+
+    asyncio.run(setup())
+    assert main(["ls", bucket_url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(ids) and all(len(line.split("\t")) == 5 for line in lines)
+    assert not any("\x1b" in line for line in lines)
+    shown = [line.split("\t")[0] for line in lines[1:]]
+    assert "plain-id" in shown  # an ordinary id is printed as it is
+    back = subprocess.run(
+        ["bash", "-c", "for id in " + " ".join(shown) + '; do printf "%s\\0" "$id"; done'],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    assert sorted(back.split("\0")[:-1]) == sorted(ids)
+    with monkeypatch.context() as patch:  # a terminal: the same quoting in the table
+        patch.setattr(sys.stdout, "isatty", lambda: True)
+        assert main(["ls", bucket_url]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 1 + len(ids) and sorted(line.split()[-1] for line in table[1:]) == sorted(shown)
+    assert main(["ls", bucket_url, "--json"]) == 0
+    assert sorted(json.loads(line)["rollout_id"] for line in capsys.readouterr().out.splitlines()) == sorted(ids)

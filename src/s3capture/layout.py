@@ -57,6 +57,38 @@ def _unhex(match: re.Match[str]) -> str:
     return chr(int(match.group(1), 16))
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED_CONTROL = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with each control character (C0, DEL, C1, U+2028/U+2029) written as a backslash
+    escape (``\\t``, ``\\n``, ``\\r``, ``\\xHH``, ``\\uHHHH``): a line of human-readable output that
+    shows an id as it is without breaking the line, the columns or the terminal."""
+    if not _CONTROL.search(text):
+        return text
+    return _CONTROL.sub(lambda m: _NAMED_CONTROL.get(m.group(), _hex_escape(m.group())), text)
+
+
+def _hex_escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}"
+
+
+def printable_id(rollout_id: str) -> str:
+    """A rollout or call id as one cell of a table or of tab-separated output.
+
+    Unchanged when it holds no control character (nearly always); otherwise in bash's ANSI-C
+    quoting, ``$'...'`` with ``\\\\``, ``\\'`` and the escapes of ``escape_controls``, which a shell
+    reads back as the id itself. (An id with a tab or a newline is valid, and printed as it is it
+    would split a row.) ``--json`` output carries ids unchanged.
+    """
+    if not _CONTROL.search(rollout_id):
+        return rollout_id
+    quoted = rollout_id.replace("\\", "\\\\").replace("'", "\\'")
+    return "$'" + escape_controls(quoted) + "'"
+
+
 def escape_id(value: str) -> str:
     """Escape any string into one safe, reversible, non-empty key segment."""
     if value == "":

@@ -54,6 +54,7 @@ from typing import Any
 
 import msgspec
 
+from s3capture.layout import escape_controls, printable_id
 from s3capture.rollouts import ROLLOUT_STATES, RolloutInfo, RolloutObjects
 from s3capture.transport import ListedObject
 
@@ -517,12 +518,13 @@ def _stamp(value: datetime.datetime | None) -> str:
 def format_rollout_row(info: RolloutInfo | None, *, table: bool) -> str:
     """One ``s3capture ls`` line (``None``: the header). ``table``: fixed-width columns with
     human-readable sizes (a terminal), the rollout id last so that ids of any length keep the
-    columns aligned; otherwise tab-separated exact values in ``LS_HEADER`` order."""
+    columns aligned; otherwise tab-separated exact values in ``LS_HEADER`` order. An id with a
+    control character is quoted (``s3capture.layout.printable_id``) so that it cannot split a row."""
     if info is None:
         cells = list(LS_HEADER)
     else:
         size = _human_bytes(info.bytes) if table else str(info.bytes)
-        cells = [info.rollout_id, info.state, str(info.objects), size, _stamp(info.last_write)]
+        cells = [printable_id(info.rollout_id), info.state, str(info.objects), size, _stamp(info.last_write)]
     if not table:
         return "\t".join(cells)
     rid, state, objects, size, last = cells
@@ -555,7 +557,7 @@ def format_status(s: StoreStatus) -> str:
     if s.oldest_open is not None:
         o = s.oldest_open
         lines.append(
-            f"oldest open rollout: {o.rollout_id} (last write {_stamp(o.last_write)}, {_duration(o.age_seconds)} ago)"
+            f"oldest open rollout: {printable_id(o.rollout_id)} (last write {_stamp(o.last_write)}, {_duration(o.age_seconds)} ago)"
         )
     else:
         lines.append("oldest open rollout: none")
@@ -590,7 +592,7 @@ def format_action(action: GcAction, *, dry_run: bool) -> str:
     detail = f"{action.objects} objects, {_human_bytes(action.bytes)}"
     where = f"; last write {_stamp(action.last_write)}" if action.last_write is not None else ""
     suffix = f": {keys}" if keys else ""
-    return f"{verb} {action.rollout_id} ({detail}{where}; {action.reason}){suffix}"
+    return f"{verb} {printable_id(action.rollout_id)} ({detail}{where}; {escape_controls(action.reason)}){suffix}"
 
 
 def format_gc(r: GcReport) -> str:

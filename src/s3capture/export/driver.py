@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from s3capture.export.destinations import _is_s3, _open_destination, _S3Destination
+from s3capture.layout import escape_controls
 from s3capture.export.engines import ENGINES, ShardTask, _import_ray
 from s3capture.export.records import (
     _EXAMPLES,
@@ -601,16 +602,17 @@ def format_summary(summary: ExportSummary) -> str:
     for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
         if counts:
             lines.append(f"{title} by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
+    # Example lines name rollout ids, which may hold control characters: escaped, one line each.
     for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
         for _, kept in sorted(examples.items()):
-            lines.extend(f"  {title} {line}" for line in kept[:3])
+            lines.extend(f"  {title} {escape_controls(line)}" for line in kept[:3])
     if s.changed_since_export:
-        lines.extend(f"  changed {line}" for line in s.changed_examples[:3])
+        lines.extend(f"  changed {escape_controls(line)}" for line in s.changed_examples[:3])
     if s.dropped or s.drop_failed or s.not_dropped:
         lines.append(
             f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}"
         )
-        lines.extend(f"  {line}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
+        lines.extend(f"  {escape_controls(line)}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
     if s.shards_failed:
         lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")
     lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
