@@ -721,6 +721,14 @@ async def test_export_builds_with_the_requested_engine_and_builder(fresh: Any, b
         assert masked
         from_gym = [any(reason.startswith("gym_") for reason in row["mask_reasons"]) for row in masked]
         assert all(from_gym) if engine == "gym" else not any(from_gym), (engine, [r["mask_reasons"] for r in masked])
+        assert {m.build_with for m in await read_manifests(dest)} == {engine}  # the builder that ran
+    # One destination, one builder: "auto" (Gym is importable here) over a built-in export is
+    # refused, as another engine is; the same engine resumes.
+    for other in ("auto", "gym"):
+        with pytest.raises(ValueError, match="--build-with builtin"):
+            await export(bucket_url, str(tmp_path / "builtin"), workers=0, min_age=0, build_with=other)
+    again = await export(bucket_url, str(tmp_path / "builtin"), workers=0, min_age=0, build_with="builtin")
+    assert again.ok and again.exported == 0 and again.already_exported > 0
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

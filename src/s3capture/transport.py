@@ -67,6 +67,8 @@ log = logging.getLogger("s3capture")
 T = TypeVar("T")
 
 _CONNECT_WARNED: dict[str, float] = {}
+connect_log = logging.getLogger("s3capture.connect")
+"""The logger of ``warn_connect_retry`` (a start-up probe that reports its own error quiets it)."""
 _CONNECT_WARN_EVERY = 60.0  # seconds between two warnings for one endpoint
 
 
@@ -83,7 +85,7 @@ def warn_connect_retry(endpoint: str | None, error: BaseException, attempt: int,
         return
     _CONNECT_WARNED[where] = now
     reason = str(error).strip() or type(error).__name__
-    log.warning(
+    connect_log.warning(
         "cannot connect to %s (%s); retrying, attempt %d of %d (check the endpoint: --endpoint or AWS_ENDPOINT_URL)",
         where,
         reason,

@@ -217,6 +217,14 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         raise ValueError(f"--build-with {opts['build_with']}: {error}") from None
 
 
+def _resolved_engine(builder: str, build_with: str) -> str:
+    """``"gym"`` or ``"builtin"``: the engine ``build_with`` (``auto`` | ``gym`` | ``builtin``) picks here."""
+    from s3capture.store import FrozenSnapshot
+    from s3capture.trajectory import _choose_engine
+
+    return _choose_engine(FrozenSnapshot("s3capture-export-probe", (), False, "", 0), builder, build_with)
+
+
 async def export(
     url: str,
     dest: str,
@@ -287,6 +295,10 @@ async def export(
         fence_grace=fence_grace,
     )
     _check_options(url, dest, opts)
+    # "auto" is decided once, here, and the job carries the decision: every worker (a Ray node
+    # without NeMo Gym included) then builds with the same code or fails its rollouts loudly, and
+    # the shard manifests record which builder ran, so a re-run can refuse to mix the two.
+    build_with = _resolved_engine(builder, build_with)
     started = time.monotonic()
     job = ExportJob(
         url=url,
@@ -332,6 +344,13 @@ async def export(
             if manifest.builder and manifest.builder != builder:
                 raise ValueError(
                     f"--out {dest} was exported with --builder {manifest.builder}; re-run with it or use another destination"
+                )
+            if manifest.build_with in ("gym", "builtin") and manifest.build_with != build_with:
+                # ("auto" in a manifest of an older release: the builder that ran is unknown)
+                raise ValueError(
+                    f"--out {dest} was built with --build-with {manifest.build_with} (part-{manifest.shard:05d}); this "
+                    f"run builds with {build_with}: re-run with --build-with {manifest.build_with} or use another "
+                    "destination"
                 )
             for record in manifest.rollouts:
                 done[record.rollout_id] = record
