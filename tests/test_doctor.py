@@ -5,7 +5,9 @@ The per-server verdicts are what the probes measured on moto 5.2.5, SeaweedFS 4.
 16.2.15 (docs/doctor.md): SeaweedFS lists in directory order, collapses ``//``, refuses dot
 segments and verifies checksums; moto verifies neither Content-MD5 nor checksums; Ceph verifies
 Content-MD5 but ignores ``x-amz-checksum-*``. A fault proxy shows the failures (a listing that
-hides young keys) and notes (keys outside the prefix, a skewed ``Date``) on the wire.
+hides young keys) and notes (keys outside the prefix, a skewed ``Date``) on the wire. The full run
+and the ``transport-keys`` probe run on both transports (``all_transports``): a transport that
+changes a key in transit fails it, and the changed key is still cleaned up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,17 +23,22 @@ from typing import Any
 import msgspec
 import pytest
 from faultproxy import FaultProxy, ListHideYoung, ListSiblings, Request
+from test_transport import IDS, ROOTS
 
 from s3capture.cli import main
 from s3capture.doctor import (
+    KEY_IDS,
+    KEY_ROOTS,
     ORDER_KEYS,
     PROBES,
     DoctorReport,
     diagnose,
     format_report,
     grade_order,
+    layout_keys,
 )
 from s3capture.rollouts import _segment_after
+from s3capture.transport import Transport
 
 SAMPLES = "3"
 
@@ -54,15 +62,18 @@ def _keys(s3_client: Any, url: str) -> list[str]:
     return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 
+@pytest.mark.all_transports
 def test_doctor_json_verdicts_of_each_server(
-    s3_env: Any, bucket_url: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+    s3_env: Any, bucket_url: str, s3_client: Any, transport_kind: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = _run(capsys, bucket_url, "--samples", SAMPLES, "--json")  # endpoint from AWS_ENDPOINT_URL
+    # endpoint from AWS_ENDPOINT_URL, transport from S3CAPTURE_TRANSPORT (set by transport_kind)
+    code, out, err = _run(capsys, bucket_url, "--samples", SAMPLES, "--json")
     report = json.loads(out)
     assert code == 0, (out, err)
-    assert set(report) == {"url", "endpoint", "probe_prefix", "probes", "left_behind", "ok", "counts"}
+    assert set(report) == {"url", "endpoint", "transport", "probe_prefix", "probes", "left_behind", "ok", "counts"}
     assert report["ok"] is True and report["left_behind"] == []
     assert report["url"] == bucket_url and report["endpoint"] == s3_env.endpoint_url
+    assert report["transport"] == transport_kind
     assert report["probe_prefix"].startswith("t/_s3capture-doctor-") and report["probe_prefix"].endswith("/")
     assert [p["name"] for p in report["probes"]] == list(PROBES)
     for probe in report["probes"]:
@@ -80,21 +91,27 @@ def test_doctor_json_verdicts_of_each_server(
     elif s3_env.kind in ("moto", "ceph"):
         assert data["listing-order"]["order"] == "byte"
         assert data["double-slash"]["listed"] == ["a//x"]
-    assert data["latency"]["PUT"]["samples"] == int(SAMPLES)
+    assert data["latency"]["PUT"]["samples"] == int(SAMPLES) and data["latency"]["transport"] == transport_kind
+    keys = data["transport-keys"]
+    assert keys["transport"] == transport_kind and keys["keys"] == len(layout_keys()) == len(ROOTS) * len(IDS)
+    assert keys["refused"] == {} and keys["changed"] == keys["unread"] == keys["listed_instead"] == []
     # the table the command prints without --json, from the same report
     parsed = msgspec.convert({k: v for k, v in report.items() if k not in ("ok", "counts")}, DoctorReport)
     assert parsed.ok and parsed.probe("read-after-write").data["stale_reads"] == 0
     lines = format_report(parsed).splitlines()
-    assert lines[0].startswith(f"s3capture doctor: {bucket_url} on {s3_env.endpoint_url}")
+    assert lines[0].startswith(f"s3capture doctor: {bucket_url} on {s3_env.endpoint_url} (transport: {transport_kind};")
     for name in PROBES:
         assert any(line.split()[:2] == [name, verdicts[name].upper()] for line in lines), name
     assert lines[-1].startswith("verdict: OK")
     assert _keys(s3_client, bucket_url) == []  # nothing left behind, not even the probe prefix
 
 
-def test_doctor_missing_bucket(s3_env: Any, bucket_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.all_transports
+def test_doctor_missing_bucket(
+    s3_env: Any, bucket_url: str, transport_kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = bucket_url.replace("s3://", "s3://no-such-").split("/")[2]
-    code, out, err = _run(capsys, f"s3://{missing}/p", "--endpoint", s3_env.endpoint_url)
+    code, out, err = _run(capsys, f"s3://{missing}/p", "--endpoint", s3_env.endpoint_url, "--transport", transport_kind)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "s3capture doctor: error:" in err and "does not exist" in err, err
 
@@ -111,9 +128,73 @@ def test_doctor_refused_credentials(
 
 
 def test_doctor_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["http://b/p"], ["s3://b/p", "--samples", "0"], ["s3://b/p", "--endpoint", "ftp://x"]):
+    for argv in (
+        ["http://b/p"],
+        ["s3://b/p", "--samples", "0"],
+        ["s3://b/p", "--endpoint", "ftp://x"],
+        ["s3://bkt/p", "--transport", "curl"],
+    ):
         code, out, err = _run(capsys, *argv)
         assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
+
+
+def test_doctor_without_obstore_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "obstore", None)  # `import obstore` raises ImportError
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens: no request may be sent
+    code, out, err = _run(capsys, "s3://bkt/p", "--transport", "obstore")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--transport=obstore needs obstore: pip install 's3capture[obstore]'" in err, err
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", "obstore")  # the default comes from the environment
+    code, out, err = _run(capsys, "s3://bkt/p")
+    assert code == 2 and "S3CAPTURE_TRANSPORT=obstore needs obstore" in err and "s3capture[obstore]" in err, err
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", "curl")
+    code, out, err = _run(capsys, "s3://bkt/p")
+    assert code == 2 and "S3CAPTURE_TRANSPORT must be one of aioboto3, obstore" in err, err
+
+
+def test_transport_keys_are_the_transport_tests_keys() -> None:
+    """The probe writes the key shapes tests/test_transport.py checks on every server."""
+    assert KEY_ROOTS == tuple(ROOTS) and KEY_IDS == tuple(IDS)
+    assert len(set(layout_keys())) == len(ROOTS) * len(IDS)
+
+
+@pytest.mark.all_transports
+def test_transport_keys_fails_when_the_transport_changes_a_key(
+    s3_env: Any,
+    bucket_url: str,
+    s3_client: Any,
+    transport_kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A transport that percent-encodes non-ASCII characters of a key on PUT (as a client that
+    builds the URL path itself might): the keys under the root with 'ü' land elsewhere, the probe
+    fails naming them, every other probe is unaffected and the changed keys are still deleted."""
+    put = Transport.put
+
+    async def encoding_put(self: Transport, key: str, body: bytes) -> None:
+        await put(self, key.replace("\u00fc", "%C3%BC"), body)
+
+    monkeypatch.setattr(Transport, "put", encoding_put)
+    other = "obstore" if transport_kind == "aioboto3" else "aioboto3"
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", other)  # --transport wins over the environment
+    code, out, err = _run(capsys, bucket_url, "--samples", "1", "--transport", transport_kind, "--json")
+    report = json.loads(out)
+    probes = {p["name"]: p for p in report["probes"]}
+    assert code == 1 and report["transport"] == transport_kind, err
+    assert [name for name, p in probes.items() if p["verdict"] == "fail"] == ["transport-keys"]
+    odd = [k for k in layout_keys() if "\u00fc" in k]
+    assert len(odd) == len(IDS)
+    data = probes["transport-keys"]["data"]
+    assert data["changed"] == odd and data["unread"] == odd and data["refused"] == {}
+    assert sorted(data["listed_instead"]) == sorted(k.replace("\u00fc", "%C3%BC") for k in odd)
+    assert f"{len(odd)} stored under another key" in probes["transport-keys"]["detail"]
+    advice = probes["transport-keys"]["advice"]
+    assert ("aioboto3 transport" in advice) == (transport_kind == "obstore"), advice
+    assert probes["cleanup"]["verdict"] == "ok" and report["left_behind"] == []
+    assert _keys(s3_client, bucket_url) == []  # the changed keys were deleted as the server stored them
 
 
 @pytest.fixture

@@ -14,17 +14,22 @@ overwrite: the fence is rewritten in place), list-after-write and list-after-del
 listings whose rollout prefixes come in an order ``S3TokenStore.rollouts`` accepts (S3's byte
 order, or SeaweedFS's directory order), string-prefix semantics of ``Prefix`` (``rollouts(prefix=)``
 lists a prefix that is not a whole segment), working pagination, and nothing left behind.
+A key the chosen transport does not carry to the server byte for byte (``transport-keys``: obstore's
+``Path`` refuses empty and dot segments and could encode characters) fails too.
 Everything else (``//`` and dot-segment handling, checksum and Content-MD5 verification,
 DeleteObjects, conditional writes, clock skew, latency) is reported as ``ok`` or ``note``:
 the layout never builds ``//`` or dot segments, s3capture checks bodies itself (SHA-256 in keys,
 MD5 ETags on GET), falls back to one DELETE per key, never uses conditional writes and never
 compares two machines' clocks (except ``s3capture export --min-age``, which the skew probe notes).
 
-Requests go through the project's transport (``make_transport("aioboto3", ...)``) for timed
-PUT/GET/LIST/DELETE, and through its aiobotocore client directly where a probe needs what the
-transport deliberately hides: the raw listing (keys outside the prefix, the order), headers
+Requests go through the transport capture runs on (``transport=``: ``"aioboto3"`` or
+``"obstore"``; ``None`` reads ``S3CAPTURE_TRANSPORT``, default ``"aioboto3"``) for the timed
+PUT/GET/LIST/DELETE, and through an aioboto3 transport's aiobotocore client directly (the same
+transport when it is the one probed) where a probe needs what the transport deliberately hides:
+the raw listing (keys outside the prefix, the order, the keys as the server stored them), headers
 (``Date``, ``ETag``), wrong ``Content-MD5`` or checksum headers, ``If-None-Match: *`` and raw
-``//`` keys.
+``//`` keys. The clean-up deletes through that client too, so a key the probed transport changed
+in transit is still deleted as the server stored it.
 """
 
 from __future__ import annotations
@@ -43,10 +48,20 @@ from typing import Any
 import msgspec
 
 from s3capture.errors import StoreError
+from s3capture.layout import Layout
 from s3capture.rollouts import _segment_after, parse_s3_url
-from s3capture.transport import Transport, make_transport
+from s3capture.transport import TRANSPORT_ENV, TRANSPORTS, Transport, make_transport
 
-__all__ = ["PROBES", "VERDICTS", "DoctorReport", "Probe", "diagnose", "format_report", "grade_order"]
+__all__ = [
+    "PROBES",
+    "VERDICTS",
+    "DoctorReport",
+    "Probe",
+    "diagnose",
+    "format_report",
+    "grade_order",
+    "layout_keys",
+]
 
 VERDICTS = ("ok", "note", "fail")
 
@@ -58,6 +73,7 @@ PROBES = (
     "pagination",
     "double-slash",
     "dot-segments",
+    "transport-keys",
     "content-md5",
     "checksum-headers",
     "default-checksums",
@@ -77,6 +93,33 @@ SKEW_NOTE = 2.0
 """Seconds of clock skew (server ``Date`` against this machine) above which the skew is noted."""
 
 
+KEY_ROOTS = ("", "plain", "a b/c+d", "x%y/\u00fc/z*!()@$", "t~/a=b&c/semi;colon", "quote\"s'/<a>/{b}|^`[c]")
+KEY_IDS = ("r/with/slashes", "caf\u00e9 \u2603 ..", "~a%2Fb")
+"""Roots and rollout ids (``tests/test_transport.py``'s ``ROOTS`` and ``IDS``) whose layout keys the
+``transport-keys`` probe writes: characters a client could encode or refuse in the roots, escapes
+(``.HH``, ``~``) in the ids."""
+
+
+def layout_keys() -> list[str]:
+    """Keys shaped as ``Layout`` builds them under every root of ``KEY_ROOTS``, one per id of
+    ``KEY_IDS``: a fence, an entry (escaped fingerprint and call id) and a marker."""
+    keys = []
+    for root in KEY_ROOTS:
+        layout = Layout(root)
+        for rid, shape in zip(KEY_IDS, ("fence", "entry", "marker")):
+            prefix = layout.rollout(rid)
+            digest = hashlib.sha256(prefix.encode()).hexdigest()
+            if shape == "fence":
+                rel = "fence"
+            elif shape == "entry":
+                rel = layout.entry_rel(prefix, "fp \u2603", "c/1", digest)
+            else:
+                call = layout.marker_call_segment(prefix, "c:2 \u00e9")
+                rel = f"log/x/{call}/{digest[:32]}"
+            keys.append(prefix + rel)
+    return keys
+
+
 class Probe(msgspec.Struct, frozen=True):
     """One property probed: ``name`` (one of ``PROBES``), ``verdict`` (``"ok"``, ``"note"`` or
     ``"fail"``), ``detail`` (what was measured, one line), ``advice`` (what to change, or why
@@ -92,12 +135,15 @@ class Probe(msgspec.Struct, frozen=True):
 class DoctorReport(msgspec.Struct):
     """The result of ``diagnose``: the store probed and one ``Probe`` per property.
 
-    ``probe_prefix`` is the key prefix the throwaway objects were written under; ``left_behind``
-    the keys still listed under it after the clean-up (empty unless the ``cleanup`` probe failed).
+    ``transport`` is the transport the timed requests and ``transport-keys`` went through
+    (``"aioboto3"`` or ``"obstore"``); ``probe_prefix`` the key prefix the throwaway objects were
+    written under; ``left_behind`` the keys still listed under it after the clean-up (empty unless
+    the ``cleanup`` probe failed).
     """
 
     url: str
     endpoint: str | None
+    transport: str
     probe_prefix: str
     probes: list[Probe]
     left_behind: list[str] = []
@@ -231,8 +277,12 @@ def grade_order(listed: list[str], written: tuple[str, ...] = ORDER_KEYS) -> Pro
 
 
 class _Doctor:
-    def __init__(self, transport: Transport, root: str, samples: int, extra_client: Callable[[], Any]) -> None:
+    def __init__(
+        self, transport: Transport, raw: Transport, root: str, samples: int, extra_client: Callable[[], Any]
+    ) -> None:
         self.t = transport
+        self.raw_t = raw
+        """An aioboto3 transport (``transport`` itself when it is one): its client for raw requests."""
         self.bucket = transport.bucket
         self.root = root
         self.samples = samples
@@ -531,6 +581,80 @@ class _Doctor:
     async def dot_segments(self) -> Probe:
         return await self._odd_keys("dot-segments", self.k("dot/"), ("s/./x", "s/t/../y"), "'.' or '..' segments")
 
+    async def transport_keys(self) -> Probe:
+        base = self.k("keys/")
+        keys = layout_keys()
+        bodies = {rel: rel.encode() + os.urandom(8) for rel in keys}
+        refused: dict[str, str] = {}
+
+        async def put(rel: str) -> None:
+            try:
+                await self.t.put(base + rel, bodies[rel])
+            except Exception as error:  # noqa: BLE001 - a refused key is an outcome
+                refused[rel] = str(error).split("\n", 1)[0][:200]
+
+        await asyncio.gather(*(put(rel) for rel in keys))
+        unread = []
+        for rel in keys:
+            if rel not in refused:
+                try:
+                    got = await self.t.get(base + rel)
+                except StoreError:
+                    got = None
+                if got != bodies[rel]:
+                    unread.append(rel)
+        listed = [k[len(base) :] for k in await self.raw_list(base)]
+        changed = [rel for rel in keys if rel not in refused and rel not in listed]
+        instead = [rel for rel in listed if rel not in bodies]
+        name = self.t.name
+        data = {
+            "transport": name,
+            "keys": len(keys),
+            "refused": refused,
+            "changed": changed,
+            "unread": unread,
+            "listed_instead": instead,
+        }
+        if not (refused or changed or unread):
+            return Probe(
+                "transport-keys",
+                "ok",
+                f"{len(keys)} keys shaped like the layout's ({len(KEY_ROOTS)} roots with spaces, '%', '+', "
+                f"non-ASCII and punctuation; escaped ids) written through the {name} transport reached the "
+                "server byte for byte and read back through it",
+                "",
+                data,
+            )
+        problems = []
+        if refused:
+            rel = next(iter(refused))
+            problems.append(f"{len(refused)} refused (first: {rel!r}: {refused[rel]})")
+        if changed:
+            problems.append(f"{len(changed)} stored under another key (first: {changed[0]!r})")
+        if instead:
+            problems.append(f"listed instead: {', '.join(repr(k) for k in instead[:3])}")
+        if unread:
+            problems.append(f"{len(unread)} not read back with the bytes written (first: {unread[0]!r})")
+        if name == "aioboto3":
+            advice = (
+                "s3capture writes keys of these shapes and finds them again by listing: use a store (or a "
+                "proxy in front of it) that keeps keys byte for byte"
+            )
+        else:
+            advice = (
+                f"the {name} transport does not carry s3capture's keys to this store unchanged: use the "
+                "aioboto3 transport (S3CAPTURE_TRANSPORT=aioboto3, or transport='aioboto3'; check it with "
+                "s3capture doctor --transport aioboto3)"
+            )
+        return Probe(
+            "transport-keys",
+            "fail",
+            f"of {len(keys)} keys shaped like the layout's written through the {name} transport: "
+            + "; ".join(problems),
+            advice,
+            data,
+        )
+
     async def content_md5(self) -> Probe:
         key = self.k("md5/wrong")
         body = b"content-md5 probe"
@@ -796,7 +920,9 @@ class _Doctor:
             p = {f"p{q}": round(_percentile(values, q / 100) * 1000, 2) for q in (50, 90, 99)}
             data[what] = {**p, "samples": len(values)}
             parts.append(f"{what} p50 {p['p50']:.1f} / p90 {p['p90']:.1f} / p99 {p['p99']:.1f} ms")
-        return Probe("latency", "ok", "; ".join(parts) + f" (n={self.samples}, sequential, small objects)", "", data)
+        data["transport"] = self.t.name
+        detail = "; ".join(parts) + f" (n={self.samples}, sequential, small objects, {self.t.name} transport)"
+        return Probe("latency", "ok", detail, "", data)
 
 
 async def diagnose(
@@ -805,17 +931,22 @@ async def diagnose(
     endpoint_url: str | None = None,
     session: Any = None,
     samples: int = 20,
+    transport: str | None = None,
 ) -> DoctorReport:
     """Probe the store of ``url`` (``s3://bucket[/prefix]``) and return a ``DoctorReport``.
 
     Writes small throwaway objects under ``<prefix>/_s3capture-doctor-<uuid>/`` only, and deletes
     them all before returning (the ``cleanup`` probe fails, and ``left_behind`` names them, when a
     final listing still shows some). ``samples`` (1 to 1,000) is the number of PUT/GET/LIST
-    requests timed for the latency percentiles (the whole run sends about 4 x ``samples`` + 80
+    requests timed for the latency percentiles (the whole run sends about 4 x ``samples`` + 120
     requests). ``endpoint_url``: the S3 endpoint (``None``: AWS S3, or ``AWS_ENDPOINT_URL``);
     ``session``: an ``aioboto3.Session`` (``None``: the standard credential chain).
+    ``transport``: the transport probed, ``"aioboto3"`` or ``"obstore"`` (``None``:
+    ``S3CAPTURE_TRANSPORT``, else ``"aioboto3"``): the timed PUT/GET/LIST/DELETE and the
+    ``transport-keys`` probe go through it, raw requests through an aioboto3 transport's client.
 
-    Raises ``ValueError`` for a bad URL or sample count, and ``StoreError`` (one line) when the store
+    Raises ``ValueError`` for a bad URL, sample count or transport name, ``ImportError`` (with the
+    install command) for ``"obstore"`` without obstore, and ``StoreError`` (one line) when the store
     cannot be used at all: a missing bucket, refused credentials, an unreachable endpoint, or a
     refused PUT (no write permission).
     """
@@ -828,7 +959,11 @@ async def diagnose(
         import aioboto3
 
         session = aioboto3.Session()
-    transport = make_transport("aioboto3", bucket, endpoint_url=endpoint_url, session=session, max_concurrency=16)
+    probed = make_transport(transport, bucket, endpoint_url=endpoint_url, session=session, max_concurrency=16)
+    if probed.name == "aioboto3":
+        raw = probed
+    else:
+        raw = make_transport("aioboto3", bucket, endpoint_url=endpoint_url, session=session, max_concurrency=16)
 
     def extra_client(attempts: int = 2, connect_timeout: float = 5) -> Any:
         """A separate aiobotocore client with botocore's default (flexible) checksums."""
@@ -845,15 +980,15 @@ async def diagnose(
             settings["s3"] = {"addressing_style": "path"}
         return session.client("s3", endpoint_url=endpoint_url, config=Config(**settings))
 
-    doctor = _Doctor(transport, probe_root, samples, extra_client)
+    doctor = _Doctor(probed, raw, probe_root, samples, extra_client)
     probes: list[Probe] = []
     left: list[str] = []
     reached = False
     try:
-        await _preflight(transport, extra_client, probe_root)  # a missing bucket, refused credentials: StoreError
+        await _preflight(raw, extra_client, probe_root)  # a missing bucket, refused credentials: StoreError
         reached = True
-        doctor.client = await transport.client()
-        await transport.put(probe_root + "hello", b"s3capture doctor")  # no write permission: StoreError
+        doctor.client = await raw.client()
+        await probed.put(probe_root + "hello", b"s3capture doctor")  # no write permission: StoreError
 
         async def run(name: str, job: Callable[[], Awaitable[Probe]]) -> Probe:
             try:
@@ -891,6 +1026,7 @@ async def diagnose(
         await run("pagination", lambda: doctor.pagination(listed or list(ORDER_KEYS)))
         await run("double-slash", doctor.double_slash)
         await run("dot-segments", doctor.dot_segments)
+        await run("transport-keys", doctor.transport_keys)
         await run("content-md5", doctor.content_md5)
         await run("checksum-headers", doctor.checksum_headers)
         await run("default-checksums", doctor.default_checksums)
@@ -904,7 +1040,11 @@ async def diagnose(
             if reached:  # nothing was written before the store answered
                 left = await _clean(doctor, probe_root)
         finally:
-            await transport.close()
+            try:
+                await probed.close()
+            finally:
+                if raw is not probed:
+                    await raw.close()
     if probes:
         if left:
             probes.append(
@@ -927,7 +1067,14 @@ async def diagnose(
                     {"left": []},
                 )
             )
-    return DoctorReport(url=url, endpoint=endpoint_url, probe_prefix=probe_root, probes=probes, left_behind=left)
+    return DoctorReport(
+        url=url,
+        endpoint=endpoint_url,
+        transport=probed.name,
+        probe_prefix=probe_root,
+        probes=probes,
+        left_behind=left,
+    )
 
 
 async def _preflight(transport: Transport, extra_client: Callable[..., Any], probe_root: str) -> None:
@@ -948,10 +1095,11 @@ async def _preflight(transport: Transport, extra_client: Callable[..., Any], pro
 
 
 async def _clean(doctor: _Doctor, probe_root: str) -> list[str]:
-    """Delete everything under ``probe_root``; return what a final listing still shows."""
+    """Delete everything under ``probe_root`` (through the raw transport: a key the probed
+    transport changed in transit is deleted as listed); return what a final listing still shows."""
     if doctor.client is None:
         try:
-            doctor.client = await doctor.t.client()
+            doctor.client = await doctor.raw_t.client()
         except Exception:  # noqa: BLE001 - nothing was written without a client
             return []
     left: list[str] = []
@@ -966,11 +1114,11 @@ async def _clean(doctor: _Doctor, probe_root: str) -> list[str]:
         if attempt == 3:
             break
         try:
-            await doctor.t.delete(keys)
+            await doctor.raw_t.delete(keys)
         except StoreError:
             for key in keys:
                 try:
-                    await doctor.t.delete_one(key)
+                    await doctor.raw_t.delete_one(key)
                 except StoreError:
                     pass
         await asyncio.sleep(0.05 * attempt)
@@ -981,7 +1129,8 @@ def format_report(report: DoctorReport) -> str:
     """The report as a table (probe, verdict, detail), then the advice of every note and failure
     and a last line: ``verdict: OK`` or ``verdict: FAIL (<n> failed)``."""
     lines = [
-        f"s3capture doctor: {report.url} on {report.endpoint or 'AWS S3'} (probe prefix {report.probe_prefix})",
+        f"s3capture doctor: {report.url} on {report.endpoint or 'AWS S3'} "
+        f"(transport: {report.transport}; probe prefix {report.probe_prefix})",
         "",
     ]
     width = max((len(p.name) for p in report.probes), default=10)
@@ -1013,10 +1162,11 @@ def register(sub: Any) -> Any:
         help="probe a store for the properties s3capture relies on (consistency, listing order, paging, ...)",
         description="Write small throwaway objects under URL/_s3capture-doctor-<uuid>/, probe read-after-write, "
         "list-after-write, listing order, prefix semantics, pagination, '//' and dot-segment keys, Content-MD5 and "
-        "checksum verification, ETags, DeleteObjects, conditional writes, clock skew and latency, delete everything "
-        "again and print a verdict per property (ok, note, fail) with what to change. Exit status 0 when nothing "
-        "s3capture relies on is missing, 1 when something is, 2 for a usage error or a store that cannot be used "
-        "at all (missing bucket, refused credentials, unreachable endpoint). See docs/doctor.md.",
+        "checksum verification, whether the transport (--transport) carries s3capture's keys unchanged, ETags, "
+        "DeleteObjects, conditional writes, clock skew and latency, delete everything again and print a verdict "
+        "per property (ok, note, fail) with what to change. Exit status 0 when nothing s3capture relies on is "
+        "missing, 1 when something is, 2 for a usage error or a store that cannot be used at all (missing bucket, "
+        "refused credentials, unreachable endpoint, --transport obstore without obstore). See docs/doctor.md.",
     )
     doctor.add_argument("url", type=_argument(check_s3_url), help="s3://bucket[/prefix] to probe under")
     doctor.add_argument(
@@ -1029,6 +1179,11 @@ def register(sub: Any) -> Any:
         type=_int_in(1, 1000),
         default=20,
         help="PUT/GET/LIST requests timed for the latency percentiles, 1 to 1000 (default 20)",
+    )
+    doctor.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="the transport to probe, the one capture runs on (default: S3CAPTURE_TRANSPORT, else aioboto3)",
     )
     doctor.add_argument("--json", action="store_true", help="print the report as one JSON object")
     doctor.set_defaults(func=_command)
@@ -1063,7 +1218,19 @@ def _command(args: Any) -> int:
             if os.environ.get(name):
                 endpoint = os.environ[name]
                 break
-    report = asyncio.run(_until_signal(diagnose(args.url, endpoint_url=endpoint, samples=args.samples)))
+    transport = (args.transport or os.environ.get(TRANSPORT_ENV) or "aioboto3").strip().lower()
+    source = "--transport" if args.transport else TRANSPORT_ENV
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{source} must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport == "obstore":
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                f"{source}=obstore needs obstore: pip install 's3capture[obstore]' (or probe --transport aioboto3)"
+            ) from None
+    work = diagnose(args.url, endpoint_url=endpoint, samples=args.samples, transport=transport)
+    report = asyncio.run(_until_signal(work))
     if args.json:
         print(msgspec.json.encode(report.to_json()).decode())
     else:
