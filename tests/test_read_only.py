@@ -195,6 +195,11 @@ async def test_a_damaged_or_foreign_manifest_is_a_store_error(
     assert not isinstance(caught.value, SnapshotNotSealedError)
     assert caught.value.key == key and key in str(caught.value)
     assert_same(await fresh().read_snapshot("r", sealed=False), frozen)  # the listing alone still reads
+    if problem != "format":  # a damaged manifest (not one of another format): the remedy the error gives works
+        assert "delete that object and freeze the rollout again" in str(caught.value)
+        s3_client.delete_object(Bucket=bucket, Key=key)
+        assert_same(await fresh().freeze("r"), frozen)
+        assert_same(await fresh().read_snapshot("r"), frozen)
 
 
 async def test_read_snapshot_leaves_freeze_bookkeeping_alone(fresh: Any) -> None:

@@ -270,6 +270,11 @@ def _checkpoint_matches(rel: str, checkpoint: tuple[list[int], str], entry: Toke
     return tokens_digest == digest
 
 
+_MANIFEST_REMEDY = (
+    "a sealed manifest is derived data: delete that object and freeze the rollout again, which writes it anew"
+)
+
+
 class S3TokenStore(RolloutObjects):
     """NeMo Gym's ``TokenSink`` (plus ``begin_call``), ``TokenSource`` and ``LineageResolver`` on S3.
 
@@ -873,7 +878,8 @@ class S3TokenStore(RolloutObjects):
         if problem:
             raise StoreError(
                 f"sealed manifest {manifest_key} does not match the listing of rollout {rollout_id!r} "
-                f"(version {version}, snapshot {snapshot_id}): {problem}; it is damaged or not s3capture's",
+                f"(version {version}, snapshot {snapshot_id}): {problem}; it is damaged or not s3capture's "
+                f"({_MANIFEST_REMEDY})",
                 operation="GET",
                 key=manifest_key,
             )
@@ -885,7 +891,9 @@ class S3TokenStore(RolloutObjects):
         try:
             data = await self._get(key, limit)
         except RecordError as error:
-            raise StoreError(f"sealed manifest {key} is unreadable: {error}", operation="GET", key=key) from None
+            raise StoreError(
+                f"sealed manifest {key} is unreadable: {error} ({_MANIFEST_REMEDY})", operation="GET", key=key
+            ) from None
         if data is None:
             raise StoreError(
                 f"sealed manifest {key} was listed but vanished (the rollout is being dropped, retired or deleted)",
@@ -896,7 +904,9 @@ class S3TokenStore(RolloutObjects):
             return msgspec.json.decode(data, type=_Manifest)
         except msgspec.DecodeError as error:
             raise StoreError(
-                f"sealed manifest {key} is not an s3capture manifest: {error}", operation="GET", key=key
+                f"sealed manifest {key} is not an s3capture manifest: {error} ({_MANIFEST_REMEDY})",
+                operation="GET",
+                key=key,
             ) from None
 
     async def _snapshot_of(self, rollout_id: str, scan: RolloutScan) -> FrozenSnapshot:
