@@ -794,3 +794,13 @@ def test_the_summary_prints_each_example_on_one_line_whatever_the_id() -> None:
     text = format_summary(summary)
     (line,) = [line for line in text.splitlines() if "not_listed: no such" in line]
     assert line == "  skipped two\\nlines\\x1b[2J: not_listed: no such rollout" and "\x1b" not in text
+
+
+def test_an_out_folder_that_cannot_be_created_is_a_one_line_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "a-file").write_text("in the way")
+    assert main(["export", "s3://bkt/p", "--out", str(tmp_path / "a-file" / "sub"), "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "cannot be created: Not a directory" in err and "a-file" in err, err
+    assert "Errno" not in err

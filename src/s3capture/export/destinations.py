@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime as _dt
 import io
 import logging
@@ -157,7 +158,15 @@ class _LocalDestination(_Destination):
             while not os.path.exists(path) and os.path.dirname(path) != path:
                 missing.append(path)
                 path = os.path.dirname(path)
-            os.makedirs(self.folder, exist_ok=True)
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+            except OSError as error:  # a file in the way, no permission, a read-only file system
+                for folder in missing:  # the parents it did make, innermost first
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
+                raise ValueError(
+                    f"--out {self.folder} cannot be created: {error.strerror} ({error.filename})"
+                ) from None
             self._created = missing
 
     async def lock(self) -> None:
