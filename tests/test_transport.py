@@ -285,10 +285,12 @@ async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_
     transport = make_transport(transport_kind, "bkt", endpoint_url=endpoint, botocore_config=config)
     try:
         with caplog.at_level(logging.WARNING, logger="s3capture"):
-            with pytest.raises(StoreError):
+            with pytest.raises(StoreError) as failed:
                 await transport.list_page("p/")
     finally:
         await transport.close()
     warnings = [r.getMessage() for r in caplog.records if "cannot connect" in r.getMessage()]
     assert warnings and all(endpoint in message for message in warnings)
     assert len(warnings) == 1  # at most once a minute per endpoint, whatever the number of retries
+    assert str(failed.value).startswith(f"cannot connect to {endpoint} (LIST s3://bkt/p/)")
+    assert "check the endpoint" in str(failed.value)

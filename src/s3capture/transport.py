@@ -72,6 +72,21 @@ connect_log = logging.getLogger("s3capture.connect")
 _CONNECT_WARN_EVERY = 60.0  # seconds between two warnings for one endpoint
 
 
+def _cannot_connect(error: BaseException) -> bool:
+    """Whether ``error`` is a failure to connect at all (refused, unresolvable, connect timeout):
+    botocore's ``ConnectionError`` family, or aiohttp's ``ClientConnectorError`` (the obstore
+    transport's LIST)."""
+    from botocore.exceptions import ConnectionError as BotocoreConnectionError
+
+    if isinstance(error, BotocoreConnectionError):
+        return True
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiobotocore requires it
+        return False
+    return isinstance(error, aiohttp.ClientConnectorError)
+
+
 def warn_connect_retry(endpoint: str | None, error: BaseException, attempt: int, attempts: int) -> None:
     """Log (at most once a minute per endpoint) that a request could not connect and is retried.
 
@@ -495,6 +510,13 @@ class Transport:
             return StoreError(f"bucket {self.bucket!r} does not exist ({where})", operation=operation, key=key)
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", *_CREDENTIAL_ERRORS):
             return StoreError(f"access to s3://{self.bucket} refused: {code} ({where})", operation=operation, key=key)
+        if _cannot_connect(error):
+            return StoreError(
+                f"cannot connect to {self.endpoint_url or 'the AWS S3 endpoint'} ({where}): {type(error).__name__}: "
+                f"{error}; check the endpoint (--endpoint or AWS_ENDPOINT_URL) and the network",
+                operation=operation,
+                key=key,
+            )
         return StoreError(f"{where} failed: {type(error).__name__}: {error}", operation=operation, key=key)
 
     async def close(self, timeout: float = 30.0) -> None:
