@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -513,3 +517,107 @@ async def test_an_s3_destination_without_delete_permission_keeps_its_export_and_
         with pytest.raises(StoreError) as refused:
             await export(bucket_url, dest + "2", endpoint_url=proxy.endpoint, workers=0)
         assert refused.value.operation == "PUT" and "AccessDenied" in str(refused.value)
+
+
+def _spawn_children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+                if parent == pid:
+                    with open(f"/proc/{name}/cmdline", "rb") as handle:
+                        if b"spawn_main" in handle.read():
+                            out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@MOTO
+async def test_export_workers_die_with_an_export_killed_while_they_start(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    """A SIGKILL of ``s3capture export`` while its pool workers still start (spawn re-imports)
+    left them running for good: ``_init_worker`` read ``os.getppid()`` after the imports, already
+    1 when the parent had died, so the watchdog watched pid 1, and the workers published the shards
+    queued to them after the kill, over a re-run's files (a tester's repro: rollouts dropped by the
+    re-run ended in no shard). The parent now passes its own pid."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    writer = fresh()
+    for i in range(16):
+        await put_chain(writer, f"r{i:02d}", 3)
+        await writer.freeze(f"r{i:02d}")
+    dest = tmp_path / "dest"
+    command = [
+        sys.executable,
+        "-m",
+        "s3capture.cli",
+        "export",
+        bucket_url,
+        "--out",
+        str(dest),
+        "--workers",
+        "2",
+        "--shard-rollouts",
+        "2",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
+            workers = _spawn_children(proc.pid)
+            time.sleep(0.005)  # noqa: ASYNC251 - a tight poll, to kill while the workers start
+        os.kill(proc.pid, signal.SIGKILL)  # the export process alone (the OOM killer)
+        proc.wait()
+        before = set(os.listdir(dest))
+        await asyncio.sleep(5)
+        late = sorted(set(os.listdir(dest)) - before)
+        left = [pid for pid in workers if _alive(pid)]
+        assert not left and not [n for n in late if n.endswith(".manifest.json")], (
+            f"5 s after the export process was killed: workers alive {left}, shards published since: {late}"
+        )
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_worker_publishes_only_while_its_export_holds_the_folder(tmp_path: Path) -> None:
+    """The last guard against a worker that outlived its export (a Ray task, a worker that missed
+    its watchdog): a local shard is published only while the folder's lock is held under the
+    token of the export the worker works for."""
+    from s3capture.errors import StoreError
+    from s3capture.export import _LocalDestination
+
+    folder = tmp_path / "out"
+    parent = _LocalDestination(str(folder))
+    await parent.lock()
+    worker = _LocalDestination(str(folder), owner=parent.token)
+    await worker.publish_bytes("_part-00000.manifest.json", b"{}")  # its export holds the folder
+    assert (folder / "_part-00000.manifest.json").exists()
+    await parent.close()  # the export ended (a SIGKILL releases the flock the same way)
+    with pytest.raises(StoreError, match="shard not published"):
+        await worker.publish_bytes("_part-00001.manifest.json", b"{}")
+    rerun = _LocalDestination(str(folder))
+    await rerun.lock()  # another export took the folder over
+    try:
+        with pytest.raises(StoreError, match="shard not published"):
+            await worker.publish_bytes("_part-00001.manifest.json", b"{}")
+        assert sorted(os.listdir(folder)) == [".s3capture-export.lock", "_part-00000.manifest.json"]  # no temp left
+        await _LocalDestination(str(folder), owner=rerun.token).publish_bytes("_part-00001.manifest.json", b"{}")
+    finally:
+        await rerun.close()

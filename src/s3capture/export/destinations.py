@@ -145,8 +145,10 @@ def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
 
 
 class _LocalDestination(_Destination):
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, owner: str = "") -> None:
         self.folder = os.path.abspath(folder)
+        self.owner = owner  # a worker's: the lock token of the export it works for ("" unchecked)
+        self.token = ""  # the exporting process's: written into the lock file by ``lock``
         self.requests = collections.Counter()
         self._created: list[str] = []  # the folders this export made, innermost first
 
@@ -196,7 +198,43 @@ class _LocalDestination(_Destination):
             ) from None
         except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
             _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
+        self.token = uuid.uuid4().hex
+        handle.seek(0)
+        handle.truncate()
+        handle.write(self.token.encode())
+        handle.flush()
         self._lock = handle
+
+    def check_owner(self) -> None:
+        """Raise ``StoreError`` unless the export this worker works for still holds the folder:
+        its lock file holds ``owner`` and an exclusive ``flock`` is on it. Checked just before a
+        shard's file is published (a worker that outlived its export could otherwise replace the
+        files of a re-run that started since). No check without ``owner`` or ``fcntl``; on a file
+        system without locks only the token is compared."""
+        if not self.owner:
+            return
+        path = os.path.join(self.folder, _LOCK)
+        try:
+            with open(path, "rb") as handle:
+                held = handle.read(64).decode("ascii", "replace")
+                try:
+                    import fcntl
+
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # the exclusive lock of a live export: whose, the token says
+                except (ImportError, OSError):  # no locks here: the token alone decides
+                    pass
+                else:
+                    held = ""  # nobody holds the folder: the export that wrote the token is gone
+        except OSError:
+            held = ""
+        if held != self.owner:
+            raise StoreError(
+                f"the export writing {self.folder} ended (or another took the folder over): shard not published",
+                operation="PUT",
+                key=path,
+            )
 
     async def close(self, *, failed: bool = False) -> None:
         """Release the folder. When the export failed, a folder it created that holds nothing
@@ -204,6 +242,9 @@ class _LocalDestination(_Destination):
         empty dataset behind. A run that succeeds keeps its folder, empty or not."""
         handle, self._lock = getattr(self, "_lock", None), None
         if handle is not None:
+            with contextlib.suppress(OSError):  # the token goes first: no late worker publishes now
+                handle.truncate(0)
+                handle.flush()
             if failed and self._created:
                 self._remove_if_unused()  # still under the flock: no other export is writing here
             handle.close()  # releases the flock
@@ -261,6 +302,12 @@ class _LocalDestination(_Destination):
         with open(temp, "rb+") as handle:
             os.fsync(handle.fileno())
         size = os.path.getsize(temp)
+        try:
+            self.check_owner()
+        except StoreError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
         os.replace(temp, os.path.join(self.folder, name))
         self._fsync_folder()
         return size
@@ -272,6 +319,7 @@ class _LocalDestination(_Destination):
                 handle.write(body)
                 handle.flush()
                 os.fsync(handle.fileno())
+            self.check_owner()
             os.replace(temp, os.path.join(self.folder, name))
         except BaseException:
             try:
@@ -463,7 +511,7 @@ class _S3Destination(_Destination):
 def _open_destination(job: ExportJob, session: Any = None) -> _Destination:
     if _is_s3(job.dest):
         return _S3Destination(job.dest, endpoint_url=job.endpoint_url, transport=job.transport, session=session)
-    return _LocalDestination(job.dest)
+    return _LocalDestination(job.dest, owner=job.lock_token)
 
 
 async def read_manifests(

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from s3capture.export.destinations import _is_s3, _open_destination, _S3Destination
+from s3capture.export.destinations import _is_s3, _LocalDestination, _open_destination, _S3Destination
 from s3capture.layout import escape_controls
 from s3capture.export.engines import ENGINES, ShardTask, _import_ray
 from s3capture.export.records import (
@@ -327,6 +327,8 @@ async def export(
         await target.lock()  # held until the end: another export into it is refused
         if isinstance(target, _S3Destination) and target.tag:
             job = msgspec.structs.replace(job, run_tag=target.tag)
+        elif isinstance(target, _LocalDestination):
+            job = msgspec.structs.replace(job, lock_token=target.token)
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:

@@ -42,13 +42,16 @@ class _NoPandas:
         return None
 
 
-def _init_worker(queue: Any) -> None:
+def _init_worker(queue: Any, parent: int) -> None:
+    """``parent``: the export process's pid, taken by the parent itself. (Read here, after the
+    spawned interpreter's start-up, ``os.getppid()`` is already 1 when the export died meanwhile,
+    and a watchdog watching pid 1 never fires: such a worker ran its shards for good.)"""
+    if os.getppid() != parent:
+        os._exit(70)
     _shard._REPORT = queue.put
     if "pandas" not in sys.modules:  # the caller's __main__, re-imported by spawn, may have loaded it
         sys.meta_path.insert(0, _NoPandas())
-    threading.Thread(
-        target=_exit_with_parent, args=(os.getppid(),), name="s3capture-export-watchdog", daemon=True
-    ).start()
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="s3capture-export-watchdog", daemon=True).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -111,7 +114,9 @@ async def local_engine(
 
     drainer = threading.Thread(target=drain, name="s3capture-export-progress", daemon=True)
     drainer.start()
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_worker, initargs=(queue, os.getpid())
+    )
     pending: dict[asyncio.Future, ShardTask] = {}
     ahead = max(2, 2 * workers)
 

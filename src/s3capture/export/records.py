@@ -49,6 +49,12 @@ class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
     (``part-NNNNN-<run_tag>.parquet``): an export taken over after a pause can never replace a
     shard of the export that took over (both number shards from the highest one they found)."""
 
+    lock_token: str = ""
+    """On a local destination, the token this export wrote into the folder's lock file: a shard
+    is published only while the folder's lock is held under it (``_LocalDestination``), so a
+    worker that outlives its export (killed, or a Ray task still running) never replaces a
+    re-run's files."""
+
     def shard_name(self, shard: int) -> str:
         """The data file of ``shard``: ``part-NNNNN[-<run_tag>].parquet`` (or ``.jsonl``)."""
         tag = f"-{self.run_tag}" if self.run_tag else ""

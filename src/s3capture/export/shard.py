@@ -39,7 +39,7 @@ class _Clients:
     def get(self, job: ExportJob) -> tuple[Any, _Destination]:
         from s3capture.store import S3TokenStore
 
-        key = (job.url, job.dest, job.endpoint_url, job.transport, job.cache_bytes, job.concurrency)
+        key = (job.url, job.dest, job.endpoint_url, job.transport, job.cache_bytes, job.concurrency, job.lock_token)
         found = self.opened.get(key)
         if found is None:
             if (
