@@ -435,6 +435,44 @@ async def test_a_rollout_masked_after_an_unsealed_export_leaves_no_trainable_lat
 
 
 @MOTO
+async def test_a_frozen_rollout_masked_after_its_sealed_export_leaves_no_trainable_latest_row(
+    fresh: Any, tmp_path: Path, bucket_url: str
+) -> None:
+    """The same for a frozen rollout exported sealed, then changed (a tester's finding): every
+    re-run without --freeze skipped it ``not_sealed`` and its newest rows stayed trainable while its
+    state was masked. Now it is read unsealed and its masked rows written over (read-only: no
+    freeze); a change that masks nothing is still skipped ``not_sealed``."""
+    writer, builder = fresh(), fresh()
+    for rid in ("late-marker", "late-entry"):
+        await put_chain(writer, rid, 2)
+        await builder.freeze(rid)
+    dest = tmp_path / "o"
+    assert (await export(bucket_url, str(dest), workers=0)).exported == 2
+    # Writes after the freeze land (relaxed fence) and change the listed state.
+    from s3capture.protocols import TokenCaptureFrozenError
+
+    await writer.mark_incomplete("late-marker", "call-002")  # a failure report is always recorded
+    from helpers import build_conversation, turn_entry
+
+    turns = build_conversation("late-entry", 3)  # the chain's next call: a change that masks nothing
+    with pytest.raises(TokenCaptureFrozenError):  # the writer is told; its object landed all the same
+        await writer.put(turn_entry("late-entry", turns[2], delta=True, parent_cumulative=turns[1].cumulative))
+    again = await export(bucket_url, str(dest), workers=0)
+    assert again.changed_since_export == 2 and again.masked_written == 1, format_summary(again)
+    assert again.skipped_reasons == {"not_sealed": 1} and again.skipped_examples["not_sealed"][0].startswith(
+        "late-entry"
+    )
+    for rid, masked_now in (("late-marker", True), ("late-entry", False)):
+        rows = [row for row in rows_of(dest) if row["rollout_id"] == rid]
+        latest = max(row["version"] for row in rows)
+        assert all(row["masked"] == masked_now for row in rows if row["version"] == latest), rid
+    third = await export(bucket_url, str(dest), workers=0)
+    assert third.already_exported == 1 and third.shards_written == 0, format_summary(third)
+    sealed = await export(bucket_url, str(dest), workers=0, freeze=True)  # sealing again supersedes both
+    assert sealed.masked_written + sealed.exported + sealed.already_exported == 2, format_summary(sealed)
+
+
+@MOTO
 async def test_a_shard_that_decided_nothing_leaves_no_manifest(
     fresh: Any, tmp_path: Path, bucket_url: str, s3_client: Any
 ) -> None:

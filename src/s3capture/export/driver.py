@@ -34,7 +34,7 @@ from s3capture.export.records import (
     _note,
     _reason_class,
 )
-from s3capture.export.shard import ListedRollout
+from s3capture.export.shard import NOT_SEALED, ListedRollout
 from s3capture.ops import store_time
 
 _DROPS_AHEAD = 1024
@@ -491,14 +491,16 @@ async def export(
                     summary.changed_examples.append(
                         f"{rid}: exported at version {previous.version} ({previous.snapshot_id}), now version {info.version}"
                     )
+            mask_only = False
             if info.state == "frozen" and not info.sealed and not freeze:
-                # read_snapshot(sealed=True) would refuse it: say so without reading it.
-                skip(
-                    rid,
-                    "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); "
-                    "--freeze seals it again",
-                )
-                continue
+                if previous is None or not previous.written or previous.masked:
+                    # read_snapshot(sealed=True) would refuse it: say so without reading it.
+                    skip(rid, NOT_SEALED)
+                    continue
+                # Its trainable rows are in the destination and it changed since (a late marker,
+                # a dangling intent): read unsealed, it is written only if masked now, so that
+                # the newest rows of a rollout are never trainable while its state is masked.
+                mask_only = True
             if info.state == "open" and min_age > 0:
                 if info.last_write is None:  # the listing gave no LastModified: its age is unknown
                     skip(
@@ -514,7 +516,11 @@ async def export(
                     continue
             summary.selected += 1
             # the worker reads it without listing it again
-            batch.append(ListedRollout(info, tuple(listing), supersedes=previous is not None and previous.written))
+            batch.append(
+                ListedRollout(
+                    info, tuple(listing), supersedes=previous is not None and previous.written, mask_only=mask_only
+                )
+            )
             batch_bytes += int(info.bytes or 0)
             if len(batch) >= shard_rollouts or batch_bytes >= shard_bytes:
                 bar.planned(len(batch))

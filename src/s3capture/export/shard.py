@@ -127,6 +127,10 @@ def _verdict(build: Any, snapshot: Any) -> tuple[bool, list[str]]:
     return masked, reasons
 
 
+NOT_SEALED = "not_sealed: frozen, but changed since its freeze (or its freeze did not finish); --freeze seals it again"
+"""The skip reason of a frozen rollout that has no sealed manifest of its listed state."""
+
+
 class ListedRollout(msgspec.Struct, frozen=True):
     """A rollout of a shard task with the objects the parent's listing showed under its prefix
     (``S3TokenStore.rollouts``' own listing): ``export_shard`` reads its snapshot from them
@@ -138,13 +142,20 @@ class ListedRollout(msgspec.Struct, frozen=True):
     info: Any
     listing: tuple = ()
     supersedes: bool = False
+    mask_only: bool = False
+    """A frozen rollout changed since its freeze (unsealed, and no ``--freeze`` to seal it again)
+    whose trainable rows the destination holds: it is read unsealed and written only if that
+    state is masked (rows ``masked=true`` over the trainable ones); otherwise it is skipped
+    ``not_sealed`` as before."""
 
     @property
     def rollout_id(self) -> str:
         return self.info.rollout_id
 
 
-async def _read(store: Any, job: ExportJob, info: Any, listing: Any = None) -> tuple[Any, bool]:
+async def _read(
+    store: Any, job: ExportJob, info: Any, listing: Any = None, mask_only: bool = False
+) -> tuple[Any, bool]:
     """The snapshot to export and whether it is sealed (a ``drop`` can consume it). With
     ``listing`` (the parent's listing of the rollout) the snapshot is that listed state's, read
     without a LIST; when that read fails (the manifest vanished: a drop or retire since the
@@ -152,8 +163,8 @@ async def _read(store: Any, job: ExportJob, info: Any, listing: Any = None) -> t
     outcome is the one of its current state."""
     from s3capture.errors import SnapshotNotSealedError, StoreError
 
-    if info.state == "open":
-        if job.freeze:
+    if info.state == "open" or mask_only:
+        if job.freeze and not mask_only:
             return await store.freeze(info.rollout_id), True
         return await store.read_snapshot(info.rollout_id, sealed=False, listing=listing), False
     if listing is not None:
@@ -172,14 +183,16 @@ async def _read(store: Any, job: ExportJob, info: Any, listing: Any = None) -> t
         return await store.freeze(info.rollout_id), True
 
 
-async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = None) -> _Built:
+async def _read_and_build(
+    store: Any, job: ExportJob, info: Any, listing: Any = None, mask_only: bool = False
+) -> _Built:
     from s3capture.errors import SnapshotNotSealedError, StoreError
     from s3capture.protocols import TokenCaptureRetiredError
     from s3capture.trajectory import build_rollout_async
 
     built = _Built(info=info)
     try:
-        snapshot, built.sealed = await _read(store, job, info, listing)
+        snapshot, built.sealed = await _read(store, job, info, listing, mask_only)
     except SnapshotNotSealedError as error:
         built.skipped = f"not_sealed: {error}"
         return built
@@ -200,6 +213,8 @@ async def _read_and_build(store: Any, job: ExportJob, info: Any, listing: Any = 
         return built
     built.build = build
     built.masked, built.reasons = _verdict(build, snapshot)
+    if mask_only and not built.masked:
+        built.build, built.skipped = None, NOT_SEALED
     return built
 
 
@@ -253,7 +268,8 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
         for item in rollouts:
             info, listing = (item.info, item.listing) if isinstance(item, ListedRollout) else (item, None)
             supersedes = bool(getattr(item, "supersedes", False))
-            window.append((asyncio.create_task(_read_and_build(store, job, info, listing)), supersedes))
+            mask_only = bool(getattr(item, "mask_only", False))
+            window.append((asyncio.create_task(_read_and_build(store, job, info, listing, mask_only)), supersedes))
             if len(window) >= job.concurrency:
                 task, supersedes = window.popleft()
                 _consume(await task, writer, result, job, supersedes)
