@@ -659,3 +659,54 @@ async def test_a_worker_publishes_only_while_its_export_holds_the_folder(tmp_pat
         await _LocalDestination(str(folder), owner=rerun.token).publish_bytes("_part-00001.manifest.json", b"{}")
     finally:
         await rerun.close()
+
+
+@MOTO
+async def test_a_killed_worker_stops_the_export_with_a_run_failure_and_a_rerun_resumes(
+    fresh: Any, bucket_url: str, tmp_path: Path, s3_server: Any
+) -> None:
+    """A local-engine worker killed mid-export (as the out-of-memory killer does) stopped the run
+    with exit status 2 ("usage or setup error") and a hint about ``__main__`` guards irrelevant to
+    the command line. It is a failed run (1), says what happened and that a re-run resumes; the
+    re-run completes the export without a duplicate."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    from faultproxy import FaultProxy
+
+    ids = [f"w{i:02d}" for i in range(24)]
+    await frozen_chains(fresh, ids)
+    dest = tmp_path / "dest"
+    async with FaultProxy.for_server(s3_server) as proxy:
+
+        async def slow(request: Any) -> Any:
+            if request.method == "GET" and not request.is_list:
+                await asyncio.sleep(0.05)  # the export lasts long enough to lose a worker midway
+            return None
+
+        proxy.rule = slow
+        command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(dest)]
+        command += ["--endpoint", proxy.endpoint, "--workers", "2", "--shard-rollouts", "2", "--concurrency", "1"]
+        proc = subprocess.Popen(command + ["--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while not (dest.is_dir() and any(name.endswith(".manifest.json") for name in os.listdir(dest))):
+                assert proc.poll() is None and time.monotonic() < deadline, "no shard was published"
+                await asyncio.sleep(0.02)
+            workers = _spawn_children(proc.pid)
+            assert workers
+            os.kill(workers[0], signal.SIGKILL)
+            while proc.poll() is None:
+                assert time.monotonic() < deadline, "the export did not end after losing a worker"
+                await asyncio.sleep(0.05)
+            err = proc.stderr.read().decode() if proc.stderr else ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        assert proc.returncode == 1, err
+        assert "export worker process died" in err and "a re-run resumes" in err and "Traceback" not in err, err
+        assert "The shards published before are durable" in err
+        again = await export(bucket_url, str(dest), endpoint_url=proxy.endpoint, workers=0)
+    assert again.ok, format_summary(again)
+    rows = rows_of(dest)
+    assert sorted(row["rollout_id"] for row in rows) == ids  # every rollout once

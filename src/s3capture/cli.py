@@ -772,9 +772,16 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):
             pass  # stdout is not a file descriptor (an embedding, a test's capture)
         return 0
-    except (StoreError, BotoCoreError, ClientError, ValueError, OSError, RuntimeError) as error:
-        print(f"s3capture {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    except Exception as error:
+        from s3capture.errors import ExportWorkerDied
+
+        if isinstance(error, ExportWorkerDied):  # a run that failed, not a usage or setup error
+            print(f"s3capture {args.command}: error: {error}", file=sys.stderr)
+            return 1
+        if isinstance(error, (StoreError, BotoCoreError, ClientError, ValueError, OSError, RuntimeError)):
+            print(f"s3capture {args.command}: error: {error}", file=sys.stderr)
+            return 2
+        raise
     except KeyboardInterrupt:
         return 130
 

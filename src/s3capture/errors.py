@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["StoreError", "ListingError", "SnapshotNotSealedError"]
+__all__ = ["StoreError", "ListingError", "SnapshotNotSealedError", "ExportWorkerDied"]
 
 
 class StoreError(RuntimeError):
@@ -39,3 +39,9 @@ class SnapshotNotSealedError(StoreError):
     def __init__(self, message: str, *, state: str, key: str = "") -> None:
         super().__init__(message, operation="LIST", key=key)
         self.state = state
+
+
+class ExportWorkerDied(RuntimeError):
+    """A local-engine worker process of ``s3capture export`` ended abruptly (killed, out of
+    memory, a crash): the export stops (exit status 1); the shards published before are durable
+    and a re-run resumes from them."""

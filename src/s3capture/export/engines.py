@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from s3capture.errors import ExportWorkerDied
 from s3capture.export import shard as _shard
 from s3capture.export.records import ExportJob, ShardResult
 from s3capture.export.shard import _close_clients, export_shard
@@ -126,9 +127,11 @@ async def local_engine(
         if error is None:
             return future.result()
         if isinstance(error, concurrent.futures.process.BrokenProcessPool):
-            raise RuntimeError(
-                f"an export worker process died (shard part-{shard:05d}): {error} (workers are spawned, which "
-                "re-imports the calling script: call export() under `if __name__ == '__main__':`, or pass workers=0)"
+            raise ExportWorkerDied(
+                f"an export worker process died while it ran shard part-{shard:05d} (killed: out of memory? lower "
+                "--concurrency or --shard-rollouts). The shards published before are durable: a re-run resumes "
+                "from them. (Calling export() from a script: workers are spawned and re-import it, so call it "
+                "under `if __name__ == '__main__':`, or pass workers=0.)"
             ) from error
         return _failed_shard(shard, rollouts, error)
 
