@@ -690,6 +690,10 @@ def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
     ("args", "message"),
     [
         (["export", "s3://bkt/p"], "--out"),
+        (
+            ["export", "s3://bkt/p", "--ouf", "x"],
+            "unrecognized arguments: --ouf; the following arguments are required: --out",
+        ),
         (["export", "s3://bkt/p", "--out", "x", "--state", "open,thawed"], "open, frozen, retired"),
         (["export", "s3://bkt/p", "--out", "x", "--min-age", "ten minutes"], "duration"),
         (["export", "s3://bkt/p", "--out", "x", "--workers", "-1"], "must be from 0"),

@@ -46,7 +46,19 @@ class _Parser(argparse.ArgumentParser):
 
     commands: dict[str, argparse.ArgumentParser]
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> Any:
+        if message.startswith("the following arguments are required"):
+            # argparse reports a missing required option before an unknown one: a typo'd
+            # ``--ouf`` would read as a forgotten ``--out``. Name the unknown options first.
+            known = tuple(self._option_string_actions)
+            words = [word.split("=", 1)[0] for word in getattr(self, "_given", []) if word.startswith("--")]
+            unknown = [word for word in words if not any(option.startswith(word) for option in known)]
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
