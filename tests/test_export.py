@@ -808,3 +808,18 @@ def test_an_out_folder_that_cannot_be_created_is_a_one_line_usage_error(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "cannot be created: Not a directory" in err and "a-file" in err, err
     assert "Errno" not in err
+
+
+def test_an_interrupted_export_says_it_resumes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Ctrl-C ends a command with status 130 and one line; for an export, that a re-run resumes
+    (a tester's Ray export ended silently)."""
+    import s3capture.export as export_module
+
+    async def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "export", interrupted)
+    assert main(["export", "s3://bkt/p", "--out", "x"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "s3capture export: interrupted: shards published so far are durable; the same command resumes from them"
+    ]

@@ -795,6 +795,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     except KeyboardInterrupt:
+        hint = (
+            ": shards published so far are durable; the same command resumes from them"
+            if args.command == "export"
+            else ""
+        )
+        print(f"s3capture {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 
