@@ -369,6 +369,30 @@ async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_p
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_the_process_pool_reports_every_rollouts_progress_before_it_returns(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    # Two worker processes send progress through a multiprocessing queue; the engine ends on an
+    # end marker put after the workers exited (no fixed sleep), so nothing they sent may be lost.
+    from s3capture.export import _Progress
+
+    writer, builder = fresh(), fresh()
+    for index in range(6):
+        await put_chain(writer, f"pool-{index}", 2)
+        await builder.freeze(f"pool-{index}")
+    progress = _Progress(False)
+    summary = await export(bucket_url, str(tmp_path / "out"), workers=2, shard_rollouts=1, progress=progress)
+    assert summary.ok and summary.exported == 6 and summary.shards_written == 6, format_summary(summary)
+    assert (progress.rollouts, progress.trajectories, progress.tokens, progress.bytes) == (
+        6,
+        summary.trajectories,
+        summary.tokens,
+        summary.bytes_read,
+    )
+    assert progress.tokens > 0
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_a_failed_export_removes_the_folder_it_created_and_nothing_else(
     fresh: Any, bucket_url: str, tmp_path: Path
 ) -> None:

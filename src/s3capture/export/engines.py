@@ -110,6 +110,8 @@ async def local_engine(
                 continue
             except (EOFError, OSError):
                 return
+            if item is None:  # the parent's end marker: every worker's progress came before it
+                return
             if report is not None:
                 report(item)
 
@@ -151,10 +153,14 @@ async def local_engine(
         for future in pending:
             future.cancel()
         await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
-        # Progress the workers sent before they ended is in the queue: drain it, then stop.
-        await asyncio.sleep(0.3)
+        # The workers have exited, and a process flushes its queue's buffer into the pipe before
+        # it exits: their progress is all in the pipe, ahead of the end marker put now. (A fixed
+        # sleep here cost every export 0.3-0.5 s.) A worker killed while writing can leave the
+        # queue's lock held: then the drainer is stopped after 2 s and the marker abandoned.
+        queue.put(None)
+        await asyncio.to_thread(drainer.join, 2)
         stop.set()
-        drainer.join(timeout=2)
+        queue.cancel_join_thread()
         queue.close()
 
 
