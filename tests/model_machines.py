@@ -37,9 +37,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from helpers import assistant_output, build_conversation, canonical, make_commit, make_entry, user
 
 try:  # the extended proxy (branch h-faults), when merged
-    from faultproxy import DropResponse, FaultProxy, Respond  # type: ignore[import-not-found]
+    from faultproxy import ApplyLate, DropResponse, FaultProxy, Respond  # type: ignore[import-not-found]
 except ImportError:  # the proxy of the adversarial tests
-    from test_adversarial_faultproxy import DropResponse, FaultProxy, Respond
+    from test_adversarial_faultproxy import ApplyLate, DropResponse, FaultProxy, Respond
 
 from s3capture.errors import StoreError
 from s3capture.protocols import RolloutRetiredError, TokenCaptureFrozenError, TokenCaptureRetiredError
@@ -52,11 +52,14 @@ GRACE = 0.2
 ROLLOUTS = ("r0", "r1")
 TURNS = 3
 CLIENTS = 3
-FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow")
+FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow", "late")
 FAULT_SCOPES = ("PUT", "GET", "LIST", "DELETE", "ALL")
 RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3, 0.35, 0.45)
 SLOW = 0.3
 """Seconds the ``slow`` fault holds a request before forwarding it (it widens race windows)."""
+LATE = 0.6
+"""Seconds after which the ``late`` fault applies a request whose client already gave up on it
+(longer than a drop's wait, so a late fence PUT can land inside another operation's window)."""
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>injected by the model test</Message><RequestId>fault</RequestId></Error>"
@@ -129,7 +132,10 @@ class FaultSwitch:
     ``transient503`` / ``transientlost``: the same on a request's first attempt only (botocore's
     ``amz-sdk-request: attempt=N`` header), so botocore's retry succeeds;
     ``slow``: hold the request ``SLOW`` seconds, then forward it (applied late; this widens the
-    windows between an operation's requests, e.g. drop's retired fence and its decisive LIST).
+    windows between an operation's requests, e.g. drop's retired fence and its decisive LIST);
+    ``late``: on a request's first attempt, close the client's connection at once (so it retries
+    and moves on) and apply the request ``LATE`` seconds later, after its retry: a delayed
+    duplicate, such as a freeze's fence PUT landing inside a later drop.
     """
 
     def __init__(self, stats: Stats, name: str) -> None:
@@ -145,7 +151,7 @@ class FaultSwitch:
         op = _op_of(request)
         if self.scope != "ALL" and op != self.scope:
             return None
-        if kind.startswith("transient"):
+        if kind.startswith("transient") or kind == "late":
             attempt = request.headers.get("amz-sdk-request", "attempt=1").split(";")[0].strip()
             if attempt not in ("attempt=1", ""):
                 return None
@@ -155,6 +161,8 @@ class FaultSwitch:
             return None
         if kind.endswith("503"):
             return Respond(503, _SLOWDOWN, reason="Slow Down")
+        if kind == "late":
+            return ApplyLate(LATE)
         return DropResponse()
 
 

@@ -425,6 +425,49 @@ async def test_5_a_cancelled_marker_is_spilled_before_the_cancellation_propagate
     assert [(f["model_call_id"], f["reason"]) for f in failures] == [("call-7", "worker_capture_failed")]
 
 
+async def test_5_a_marker_acknowledged_after_a_late_fence_put_fails_the_drop(fresh, proxy, s3_client, bucket_url):
+    """A freeze's fence PUT that the network delivers late (the client timed out, retried and moved
+    on; the first attempt reaches the server seconds later) lands in the middle of the same
+    builder's drop, after its decisive LIST, and turns the retired fence back into "frozen". A
+    marker put then reads "frozen" twice and no retire tombstone, and is acknowledged: the drop
+    must not consume the trainable snapshot (a breaker's finding). The drop's retire tombstone PUT
+    is held until the late fence has landed and the marker has answered."""
+    from faultproxy import ApplyLate
+
+    writer = fresh(fence_grace=GRACE)
+    builder = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
+    await writer.put(simple_entry("r", "c0"))
+    await writer.put(simple_entry("r", "c1"))
+    late_sent = False
+    seen: dict[str, Any] = {}
+
+    async def rule(request: Any) -> Any:
+        nonlocal late_sent
+        if request.method == "PUT" and request.path.endswith("/fence") and b"frozen" in request.body and not late_sent:
+            late_sent = True
+            return ApplyLate(2.5)  # later than either transport's retry of it
+        if request.method == "PUT" and request.path.endswith("/r/retired") and "marker" not in seen:
+            deadline = time.monotonic() + 10
+            while b"frozen" not in await fence_body(s3_client, bucket_url, "r") and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            seen["fence"] = await fence_body(s3_client, bucket_url, "r")
+            seen["marker"] = await outcome(writer.mark_incomplete("r", "c1"))
+        return None
+
+    proxy.rule = rule
+    snapshot = ok(await outcome(builder.freeze("r")), "freeze")
+    assert not snapshot.incomplete and cids(snapshot) == ["c0", "c1"]
+    dropped = ok(await outcome(builder.drop("r", snapshot.snapshot_id, snapshot.version)), "drop")
+    proxy.rule = None
+    assert late_sent and b"frozen" in seen.get("fence", b""), f"the late fence PUT did not land in the window: {seen}"
+    marker = seen["marker"]
+    assert marker is None or isinstance(marker, TokenCaptureRetiredError), marker
+    if marker is None:  # acknowledged (the scenario): it must fail the drop and mask the rollout
+        assert dropped is False, "the drop consumed a trainable snapshot although a marker was acknowledged after it"
+        again = ok(await outcome(fresh(fence_grace=GRACE).freeze("r")), "freeze after the failed drop")
+        assert again.incomplete and any(reason.startswith("marked_incomplete") for reason in again.reasons), again
+
+
 # =========================================================================== 6
 async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered(fresh, s3_server, tmp_path):
     """ "Its file is keyed by bucket name only, so a marker for endpoint B is replayed into endpoint A

@@ -1053,13 +1053,16 @@ class S3TokenStore(RolloutObjects):
         this LIST showed the fence) — never by comparing timestamps of different machines. Then PUT
         a unique drop tombstone and the retired fence, and LIST again (the decisive LIST, which must
         show that tombstone): if the version or id changed, restore the frozen fence, delete only
-        its own tombstone and return False; else write the retire tombstone and delete the records.
+        its own tombstone and return False; else write the retire tombstone and the retired fence
+        and LIST once more (the confirming LIST): a marker acknowledged after the decisive LIST
+        (possible only when a late-delivered fence PUT of an earlier freeze overwrote the retired
+        fence) shows there, and the retire is undone and False returned; else delete the records.
         So every acknowledged put or marker is in the snapshot or fails the drop.
 
         Requests: one LIST page per 1,000 keys of the rollout; when it matches, a wait of up to
         ``fence_grace`` seconds, a PUT of the drop tombstone, a PUT of the fence, the decisive LIST;
         then either a PUT of the fence and a DELETE of the tombstone (False), or PUTs of the retire
-        tombstone and the fence and one DeleteObjects per 1,000 records (True).
+        tombstone and the fence, the confirming LIST and one DeleteObjects per 1,000 records (True).
 
         Returns True when the snapshot was retired (its records are deleted), False when the
         rollout is not frozen at exactly ``version`` and ``snapshot_id`` (changed, open, or retired
@@ -1095,7 +1098,19 @@ class S3TokenStore(RolloutObjects):
             await self._delete_one(prefix + tombstone)  # ours alone: a unique key
             return False
         await self._write_retired(prefix)
-        await self._delete_keys([i.key for i in after.records])
+        # The fence can be overwritten, the retire tombstone cannot: a fence PUT of an earlier
+        # freeze that the network delivered late (its client had retried it and moved on) can turn
+        # the retired fence back into "frozen" after the decisive LIST, and a marker whose re-read
+        # saw that fence before the tombstone existed was acknowledged. Its PUT came before that
+        # re-read, so a LIST after the tombstone shows it: then the retire is undone (fence, then
+        # tombstone, then our drop tombstone; nothing was deleted) and the drop fails.
+        confirm = await self._scan(rollout_id, require=["retired", tombstone])
+        if confirm.version_and_id() != (version, snapshot_id):
+            await self._put(prefix + "fence", FENCE_FROZEN)
+            await self._delete_one(prefix + "retired")
+            await self._delete_one(prefix + tombstone)
+            return False
+        await self._delete_keys([i.key for i in confirm.records])
         self._cache.discard_prefix(prefix)
         self._forget_rollout(rollout_id)
         return True
