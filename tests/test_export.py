@@ -368,6 +368,80 @@ async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_p
     assert by_ids.skipped_reasons == {"not_listed": 1} and by_ids.skipped_examples["not_listed"][0].startswith("nobody")
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [({"min_age": float("nan")}, ValueError, "min_age must be >= 0"), ({"ids": "r1"}, TypeError, "single str")],
+)
+async def test_export_refuses_a_nan_min_age_and_ids_given_as_one_str(
+    tmp_path: Path, options: dict, error: type, match: str
+) -> None:
+    # NaN compares false with every age (every open rollout would count as quiescent); a str of
+    # ids would be read as a set of one-character ids. Both are refused before any request.
+    with pytest.raises(error, match=match):
+        await export("s3://no-such-bucket/root", str(tmp_path / "out"), workers=0, **options)
+    assert not (tmp_path / "out").exists()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads worker pids from /proc")
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    # A terminal's Ctrl-C reaches the whole process group, the workers included, which spend
+    # seconds importing before they run anything (here: a script whose import as the workers'
+    # __mp_main__ takes 3 s). They used to print KeyboardInterrupt tracebacks from inside
+    # multiprocessing before the export's one-line message (a breaker's finding).
+    writer, builder = fresh(), fresh()
+    for index in range(2):
+        await put_chain(writer, f"int-{index}", 2)
+        await builder.freeze(f"int-{index}")
+    script = tmp_path / "run_export.py"
+    script.write_text(
+        "import sys, time\n"
+        "if __name__ == '__mp_main__':\n"
+        "    time.sleep(3)  # a worker's slow start-up\n"
+        "from s3capture.cli import main\n"
+        "if __name__ == '__main__':\n"
+        "    sys.exit(main(sys.argv[1:]))\n"
+    )
+    command = [sys.executable, str(script), "export", bucket_url, "--out", str(tmp_path / "out")]
+    command += ["--workers", "2", "--shard-rollouts", "1", "--no-progress", "--min-age", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 2:  # the two workers (and the resource tracker, maybe)
+            assert proc.poll() is None, f"the export ended early: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no workers within 60 s"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # inside the workers' 3 s start-up
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        line for line in err.splitlines() if "interrupted" in line
+    ], err
+    assert "resume" in err
+
+
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_the_process_pool_reports_every_rollouts_progress_before_it_returns(
     fresh: Any, bucket_url: str, tmp_path: Path

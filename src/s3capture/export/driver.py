@@ -172,8 +172,10 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
     for name, low in (("workers", 0), ("concurrency", 1), ("shard_rollouts", 1), ("row_group_rows", 1)):
         if not isinstance(opts[name], int) or opts[name] < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
-    if opts["min_age"] < 0:
-        raise ValueError("min_age must be >= 0 seconds")
+    if not opts["min_age"] >= 0:  # NaN too: no age compares below it, every open rollout would pass
+        raise ValueError(f"min_age must be >= 0 seconds, got {opts['min_age']!r}")
+    if isinstance(opts["ids"], (str, bytes)):
+        raise TypeError("ids must be a collection of rollout ids, not a single str")
     if not opts["fence_grace"] >= 0:
         raise ValueError(f"fence_grace must be >= 0 seconds, got {opts['fence_grace']!r}")
     if opts["engine"] == "ray":
@@ -273,8 +275,9 @@ async def export(
 
     Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
     ``ValueError`` for bad options or a destination holding another export (other format or
-    builder), ``StoreError`` when the source listing or the destination fails, ``RuntimeError``
-    when a worker process dies.
+    builder), ``TypeError`` for ``ids`` given as a single str, ``StoreError`` when the source
+    listing or the destination fails, ``ExportWorkerDied`` (a ``RuntimeError``) when a worker
+    process dies.
     """
     from s3capture.store import S3TokenStore
 
@@ -293,6 +296,7 @@ async def export(
         row_group_rows=row_group_rows,
         min_age=min_age,
         fence_grace=fence_grace,
+        ids=ids,
     )
     _check_options(url, dest, opts)
     # "auto" is decided once, here, and the job carries the decision: every worker (a Ray node

@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,12 +44,63 @@ class _NoPandas:
         return None
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Any:
+    """Block SIGINT in this thread while a pool worker is spawned. The worker inherits the mask,
+    so a Ctrl-C during its start-up (seconds of imports) stays pending instead of printing a
+    ``KeyboardInterrupt`` traceback from inside ``multiprocessing``; ``_init_worker`` discards it
+    and unblocks. Here a Ctrl-C meanwhile is not lost: it stays pending until the mask is restored
+    (or another thread takes it and Python raises it in the main thread as usual)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_BUSY = False
+"""In a pool worker: whether it is running a shard (``_pool_export_shard``)."""
+
+
+def _worker_sigint(signum: int, frame: Any) -> None:
+    """A pool worker's SIGINT handler: a Ctrl-C interrupts the shard it runs (``export_shard``
+    cancels its work and re-raises; the export process, which got the Ctrl-C too, stops the pool)
+    and is ignored while the worker waits for work, where a ``KeyboardInterrupt`` would only end
+    the worker with a traceback."""
+    if _BUSY:
+        raise KeyboardInterrupt
+
+
+def _pool_export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> ShardResult:
+    """``export_shard`` in a pool worker, marked busy for ``_worker_sigint``."""
+    global _BUSY
+    _BUSY = True
+    try:
+        return export_shard(job, shard, rollouts)
+    finally:
+        _BUSY = False
+
+
+def _take_sigint() -> None:
+    """In a worker spawned under ``_sigint_blocked``: drop a Ctrl-C that arrived during start-up
+    (the export process got it too and is stopping the pool) and take SIGINT with
+    ``_worker_sigint`` from now on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending signal that is ignored is discarded
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, _worker_sigint)
+
+
 def _init_worker(queue: Any, parent: int) -> None:
     """``parent``: the export process's pid, taken by the parent itself. (Read here, after the
     spawned interpreter's start-up, ``os.getppid()`` is already 1 when the export died meanwhile,
     and a watchdog watching pid 1 never fires: such a worker ran its shards for good.)"""
     if os.getppid() != parent:
         os._exit(70)
+    _take_sigint()
     _shard._REPORT = queue.put
     if "pandas" not in sys.modules:  # the caller's __main__, re-imported by spawn, may have loaded it
         sys.meta_path.insert(0, _NoPandas())
@@ -139,7 +191,8 @@ async def local_engine(
 
     try:
         async for task in shards:
-            future = asyncio.wrap_future(pool.submit(export_shard, job, task[0], task[1]))
+            with _sigint_blocked():  # a submit may spawn a worker
+                future = asyncio.wrap_future(pool.submit(_pool_export_shard, job, task[0], task[1]))
             pending[future] = task
             while len(pending) >= ahead:
                 done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
