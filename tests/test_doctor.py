@@ -133,6 +133,7 @@ def test_doctor_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         ["s3://b/p", "--samples", "0"],
         ["s3://b/p", "--endpoint", "ftp://x"],
         ["s3://bkt/p", "--transport", "curl"],
+        ["s3://bkt/run7/rollouts/r1"],  # its probes would be foreign objects of a live rollout
     ):
         code, out, err = _run(capsys, *argv)
         assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
@@ -246,7 +247,7 @@ def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(
 
 
 async def test_diagnose_refuses_bad_arguments_before_any_request() -> None:
-    for url, samples in (("s3://b/p", 0), ("s3://b/p", 1001), ("http://b/p", 1)):
+    for url, samples in (("s3://b/p", 0), ("s3://b/p", 1001), ("http://b/p", 1), ("s3://b/root/rollouts/r1", 1)):
         with pytest.raises(ValueError):
             await diagnose(url, endpoint_url="http://127.0.0.1:1", samples=samples)
 

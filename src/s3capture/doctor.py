@@ -945,12 +945,20 @@ async def diagnose(
     ``S3CAPTURE_TRANSPORT``, else ``"aioboto3"``): the timed PUT/GET/LIST/DELETE and the
     ``transport-keys`` probe go through it, raw requests through an aioboto3 transport's client.
 
-    Raises ``ValueError`` for a bad URL, sample count or transport name, ``ImportError`` (with the
+    Raises ``ValueError`` for a bad URL (one inside a root's ``rollouts/`` included), sample count
+    or transport name, ``ImportError`` (with the
     install command) for ``"obstore"`` without obstore, and ``StoreError`` (one line) when the store
     cannot be used at all: a missing bucket, refused credentials, an unreachable endpoint, or a
     refused PUT (no write permission).
     """
     bucket, prefix = parse_s3_url(url)
+    if "rollouts" in prefix.split("/"):
+        # Its probe objects would be foreign objects of a live rollout (masking a freeze that
+        # lists them, failing a drop) or of a root nested in another's rollouts.
+        raise ValueError(
+            f"{url} lies inside a root's rollouts (a 'rollouts' path segment): probe the root itself, "
+            "or a prefix beside it"
+        )
     if not isinstance(samples, int) or not 1 <= samples <= 1000:
         raise ValueError(f"samples must be an integer from 1 to 1000, got {samples!r}")
     root = f"{prefix}/" if prefix else ""
