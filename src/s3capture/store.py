@@ -679,8 +679,15 @@ class S3TokenStore(RolloutObjects):
         before this returns or the cancellation propagates, and is replayed after the next
         successful write or at ``close``, so ``put`` and ``mark_incomplete`` do not fail together.
 
+        After a freeze (the fence read said so) or when the PUT took longer than
+        ``fence_grace``, two more round trips: a LIST of the drop tombstones with a re-read of the
+        fence, then a GET of the retire tombstone (``docs/design.md``, race 2). A marker is
+        acknowledged only when it is in, or fails, every drop that could consume the rollout.
+
         Raises:
-            TokenCaptureRetiredError: the rollout is retired (there is no snapshot left to mask).
+            TokenCaptureRetiredError: the rollout is retired (there is no snapshot left to mask),
+                or a drop of it is deciding (or crashed): the marker landed and masks the rollout
+                unless that drop consumed it first, so it is not acknowledged.
             StoreError: the store failed and no ``spill_dir`` is configured.
             ValueError: an id that cannot be stored.
         """
@@ -704,13 +711,27 @@ class S3TokenStore(RolloutObjects):
                 raise stored
             return
         if state != "open" or time.monotonic() - started > self._fence_grace:
-            # After a freeze a drop may be racing: only a fence read after landing tells whether the
-            # marker could still invalidate the consumed snapshot. With it, the retire tombstone
-            # (immutable, never removed by a freeze): a freeze of a retired rollout rewrites its
-            # fence as "frozen" until its LIST shows it the tombstone, and a marker that read the
-            # fence then must still learn "retired". If this read fails, the marker landed but
-            # nothing says whether a drop already consumed the rollout: raise, never acknowledge.
-            fence, tombstone = await asyncio.gather(self._fence_state(prefix), self._get(prefix + "retired"))
+            # After a freeze a drop may be racing: only reads after landing tell whether the marker
+            # could still invalidate the consumed snapshot. The fence alone cannot: a freeze of a
+            # retired rollout rewrites it as "frozen" until its LIST shows it the tombstone, and a
+            # fence PUT the network delivers late (its client had retried and moved on) can turn a
+            # drop's retired fence back into "frozen" after that drop's decisive LIST. So the
+            # marker reads the keys nothing overwrites, in this order: the drop tombstones
+            # (``drop/<token>``: a drop writes its own before its decisive LIST and deletes it
+            # only when it fails, or, when it succeeds, after writing the retire tombstone), then
+            # the retire tombstone. Seeing no drop tombstone, the marker landed before every
+            # drop's decisive LIST (which then sees it and fails) or after a drop or retire wrote
+            # the retire tombstone (which the GET after the LIST then sees). One that sees a drop
+            # tombstone is not acknowledged: it landed, and masks the rollout unless that drop
+            # consumed it first. If these reads fail, nothing says whether a drop consumed the
+            # rollout: raise, never acknowledge.
+            fence, drops = await asyncio.gather(self._fence_state(prefix), self._list(prefix + "drop/"))
+            if drops and fence != "retired":
+                raise TokenCaptureRetiredError(
+                    f"rollout {rollout_id!r} is being dropped (or a drop of it crashed): the marker landed and masks "
+                    "the rollout unless the drop consumed it first, so it is not acknowledged"
+                )
+            tombstone = await self._get(prefix + "retired")
             state = "retired" if tombstone is not None else fence
         if state == "retired":
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
@@ -1053,16 +1074,15 @@ class S3TokenStore(RolloutObjects):
         this LIST showed the fence) — never by comparing timestamps of different machines. Then PUT
         a unique drop tombstone and the retired fence, and LIST again (the decisive LIST, which must
         show that tombstone): if the version or id changed, restore the frozen fence, delete only
-        its own tombstone and return False; else write the retire tombstone and the retired fence
-        and LIST once more (the confirming LIST): a marker acknowledged after the decisive LIST
-        (possible only when a late-delivered fence PUT of an earlier freeze overwrote the retired
-        fence) shows there, and the retire is undone and False returned; else delete the records.
+        its own tombstone and return False; else write the retire tombstone and delete the records
+        (drop tombstones included, all after the retire tombstone: ``mark_incomplete`` relies on
+        that order, as no fence read can be trusted once a late-delivered fence PUT may overwrite it).
         So every acknowledged put or marker is in the snapshot or fails the drop.
 
         Requests: one LIST page per 1,000 keys of the rollout; when it matches, a wait of up to
         ``fence_grace`` seconds, a PUT of the drop tombstone, a PUT of the fence, the decisive LIST;
         then either a PUT of the fence and a DELETE of the tombstone (False), or PUTs of the retire
-        tombstone and the fence, the confirming LIST and one DeleteObjects per 1,000 records (True).
+        tombstone and the fence and one DeleteObjects per 1,000 records (True).
 
         Returns True when the snapshot was retired (its records are deleted), False when the
         rollout is not frozen at exactly ``version`` and ``snapshot_id`` (changed, open, or retired
@@ -1097,20 +1117,8 @@ class S3TokenStore(RolloutObjects):
                 await self._put(prefix + "fence", FENCE_FROZEN)
             await self._delete_one(prefix + tombstone)  # ours alone: a unique key
             return False
-        await self._write_retired(prefix)
-        # The fence can be overwritten, the retire tombstone cannot: a fence PUT of an earlier
-        # freeze that the network delivered late (its client had retried it and moved on) can turn
-        # the retired fence back into "frozen" after the decisive LIST, and a marker whose re-read
-        # saw that fence before the tombstone existed was acknowledged. Its PUT came before that
-        # re-read, so a LIST after the tombstone shows it: then the retire is undone (fence, then
-        # tombstone, then our drop tombstone; nothing was deleted) and the drop fails.
-        confirm = await self._scan(rollout_id, require=["retired", tombstone])
-        if confirm.version_and_id() != (version, snapshot_id):
-            await self._put(prefix + "fence", FENCE_FROZEN)
-            await self._delete_one(prefix + "retired")
-            await self._delete_one(prefix + tombstone)
-            return False
-        await self._delete_keys([i.key for i in confirm.records])
+        await self._write_retired(prefix)  # before any delete: a drop tombstone goes only after it
+        await self._delete_keys([i.key for i in after.records])
         self._cache.discard_prefix(prefix)
         self._forget_rollout(rollout_id)
         return True
