@@ -366,6 +366,29 @@ async def test_ids_and_prefix_select_rollouts(fresh: Any, bucket_url: str, tmp_p
     by_ids = await export(bucket_url, str(tmp_path / "i"), workers=0, ids=["team-b-1", "team-a-2", "nobody"])
     assert sorted(row["rollout_id"] for row in read_rows(str(tmp_path / "i"))) == ["team-a-2", "team-b-1"]
     assert by_ids.skipped_reasons == {"not_listed": 1} and by_ids.skipped_examples["not_listed"][0].startswith("nobody")
+    # The CLI's --state repeats as well as taking a comma-separated list (a user who learnt it from
+    # `ls --state frozen --state open` once exported nothing: only the last one counted).
+    await put_chain(writer, "team-c-open", 2)
+    out = str(tmp_path / "states")
+    status = await asyncio.to_thread(
+        main,
+        [
+            "export",
+            bucket_url,
+            "--out",
+            out,
+            "--state",
+            "frozen",
+            "--state",
+            "open",
+            "--min-age",
+            "0",
+            "--workers",
+            "0",
+        ],
+    )
+    assert status == 0
+    assert sorted(row["rollout_id"] for row in read_rows(out)) == ["team-a-1", "team-a-2", "team-b-1", "team-c-open"]
 
 
 @pytest.mark.parametrize(
@@ -440,6 +463,47 @@ async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
         line for line in err.splitlines() if "interrupted" in line
     ], err
     assert "resume" in err
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads worker pids from /proc")
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_an_export_that_ignores_sigint_is_not_stopped_by_its_workers(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    # Started with SIGINT ignored (a shell's `&`, a supervisor), the export carries on through a
+    # Ctrl-C to its process group; its workers must too, instead of failing their shards.
+    writer, builder = fresh(), fresh()
+    for index in range(6):
+        await put_chain(writer, f"ign-{index}", 3)
+        await builder.freeze(f"ign-{index}")
+    script = tmp_path / "run_export.py"
+    script.write_text(
+        "import signal, sys\n"
+        "if __name__ == '__main__':\n"
+        "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "    from s3capture.cli import main\n"
+        "    sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "out"
+    command = [sys.executable, str(script), "export", bucket_url, "--out", str(out)]
+    command += ["--workers", "2", "--shard-rollouts", "1", "--no-progress", "--min-age", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 2:
+            assert proc.poll() is None, f"the export ended early: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no workers within 60 s"
+            await asyncio.sleep(0.05)
+        while proc.poll() is None and time.monotonic() < deadline:  # Ctrl-C, again and again
+            os.killpg(proc.pid, signal.SIGINT)
+            await asyncio.sleep(0.02)
+        out_text, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, (proc.returncode, out_text, err)
+    assert sorted({row["rollout_id"] for row in read_rows(str(out))}) == [f"ign-{i}" for i in range(6)]
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

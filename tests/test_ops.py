@@ -252,6 +252,12 @@ def test_cli_ls_status_gc(
         ("open-1", "open", 1),
     ]
     assert all({"bytes", "last_write", "version", "snapshot_id", "sealed"} <= set(row) for row in rows)
+    # --state takes comma-separated names and repeats (export's --state alike); both forms add up.
+    assert main(["ls", bucket_url, "--json", "--state", "retired,open", "--state", "open"]) == 0
+    picked = [json.loads(line)["rollout_id"] for line in capsys.readouterr().out.splitlines()]
+    assert picked == ["dropped", "open-1"]
+    assert main(["ls", bucket_url, "--state", "opne"]) == 2
+    assert "comma-separated list of open, frozen, retired" in capsys.readouterr().err
     with monkeypatch.context() as patch:  # a terminal: the table
         patch.setattr(sys.stdout, "isatty", lambda: True)
         assert main(["ls", bucket_url, "--state", "frozen"]) == 0

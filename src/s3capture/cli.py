@@ -425,7 +425,7 @@ def _export(args: argparse.Namespace) -> int:
         export(
             args.url,
             args.out,
-            states=args.state,
+            states=tuple(dict.fromkeys(name for group in args.state for name in group)) if args.state else None,
             ids=ids,
             prefix=args.prefix,
             min_age=args.min_age,
@@ -616,8 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--state",
         type=_states,
+        action="append",
         metavar="STATES",
-        help="comma-separated states to export among open, frozen, retired (default: frozen, and open "
+        help="comma-separated (and repeatable) states to export among open, frozen, retired (default: frozen, and open "
         "ones quiescent for --min-age)",
     )
     export.add_argument(

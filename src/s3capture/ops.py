@@ -613,6 +613,19 @@ def format_gc(r: GcReport) -> str:
 
 
 # --------------------------------------------------------------------------- command line
+def _state_list(text: str) -> tuple[str, ...]:
+    """``--state`` of ``ls``: comma-separated state names (the option also repeats)."""
+    import argparse
+
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [name for name in names if name not in ROLLOUT_STATES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(ROLLOUT_STATES)}, got {text!r}"
+        )
+    return names
+
+
 def register(sub: Any) -> dict[str, Any]:
     """Add ``ls``, ``status`` and ``gc`` to an argparse subparsers object; returns name -> parser."""
     from s3capture.cli import _argument, check_endpoint, check_s3_url
@@ -654,7 +667,13 @@ def register(sub: Any) -> dict[str, Any]:
         )
         parser.add_argument("--prefix", default="", help="only rollout ids starting with this text")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.add_argument("--state", choices=ROLLOUT_STATES, action="append", help="only this state (repeatable)")
+    ls.add_argument(
+        "--state",
+        type=_state_list,
+        action="append",
+        metavar="STATES",
+        help=f"only these states: comma-separated and repeatable, among {', '.join(ROLLOUT_STATES)}",
+    )
     for parser in (st, g):
         parser.add_argument("--no-progress", action="store_true", help="no progress counter on stderr")
     st.add_argument("--no-manifests", action="store_true", help="LIST only: skip the masked counts")
@@ -705,7 +724,8 @@ def _ls_command(args: Any) -> int:
         # The header comes with the first row (or alone, for an empty listing): a listing that
         # fails at once (no credentials, no bucket) prints its error without a table above it.
         header = not args.json
-        async with contextlib.aclosing(store.rollouts(args.state, prefix=args.prefix)) as rollouts:
+        states = None if not args.state else list(dict.fromkeys(name for group in args.state for name in group))
+        async with contextlib.aclosing(store.rollouts(states, prefix=args.prefix)) as rollouts:
             async for info in rollouts:
                 if header:
                     print(format_rollout_row(None, table=table))

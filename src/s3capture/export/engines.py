@@ -84,23 +84,26 @@ def _pool_export_shard(job: ExportJob, shard: int, rollouts: list[Any]) -> Shard
         _BUSY = False
 
 
-def _take_sigint() -> None:
+def _take_sigint(ignored: bool) -> None:
     """In a worker spawned under ``_sigint_blocked``: drop a Ctrl-C that arrived during start-up
     (the export process got it too and is stopping the pool) and take SIGINT with
-    ``_worker_sigint`` from now on."""
+    ``_worker_sigint`` from now on, or keep ignoring it when the export process ignores it
+    (started in the background by a shell, or by a caller that handles Ctrl-C itself): the
+    workers then never stop on a Ctrl-C their export carries on through."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending signal that is ignored is discarded
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, _worker_sigint)
+    if not ignored:
+        signal.signal(signal.SIGINT, _worker_sigint)
 
 
-def _init_worker(queue: Any, parent: int) -> None:
+def _init_worker(queue: Any, parent: int, sigint_ignored: bool = False) -> None:
     """``parent``: the export process's pid, taken by the parent itself. (Read here, after the
     spawned interpreter's start-up, ``os.getppid()`` is already 1 when the export died meanwhile,
     and a watchdog watching pid 1 never fires: such a worker ran its shards for good.)"""
     if os.getppid() != parent:
         os._exit(70)
-    _take_sigint()
+    _take_sigint(sigint_ignored)
     _shard._REPORT = queue.put
     if "pandas" not in sys.modules:  # the caller's __main__, re-imported by spawn, may have loaded it
         sys.meta_path.insert(0, _NoPandas())
@@ -170,7 +173,10 @@ async def local_engine(
     drainer = threading.Thread(target=drain, name="s3capture-export-progress", daemon=True)
     drainer.start()
     pool = concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_init_worker, initargs=(queue, os.getpid())
+        workers,
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(queue, os.getpid(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN),
     )
     pending: dict[asyncio.Future, ShardTask] = {}
     ahead = max(2, 2 * workers)
