@@ -12,14 +12,24 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 import zstandard
 
+
 from s3capture.fingerprint import stamp_continuation
 from s3capture.layout import Layout
 from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry, stamp_lineage, store_prompt_as_delta
+
+EXAMPLE_DATA = Path(
+    os.environ.get("S3CAPTURE_EXAMPLE_DATA")
+    or os.environ.get("S3CAPTURE_BENCH_DATA")
+    or Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+)
+"""The shared NeMo Gym example rollouts the tests replay: ``<checkout>/../shared/data/gym-example-rollouts``
+unless ``S3CAPTURE_EXAMPLE_DATA`` (or the tools' ``S3CAPTURE_BENCH_DATA``) names another folder."""
 
 FIXED_CREATED_AT = 1700000000.0
 """A fixed ``created_at`` so that an identical retry re-sends byte-identical payloads."""

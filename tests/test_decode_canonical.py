@@ -10,7 +10,6 @@ encode) and must give exactly the reference's answer for every input: the same e
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -30,7 +29,9 @@ from s3capture.records import (
 )
 
 MEDIUM = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA  # noqa: E402
+
+DATA = EXAMPLE_DATA
 
 
 def _reference(data: bytes) -> TokenEntry:
@@ -147,7 +148,10 @@ def test_the_scan_for_msgspec_spelled_floats() -> None:
     assert not _has_msgspec_only_float(b'{"digest":"0a5e2f7e9"}')
 
 
-@pytest.mark.skipif(not (DATA / "competitive_coding.jsonl").exists(), reason="shared example rollouts not present")
+@pytest.mark.skipif(
+    not (DATA / "competitive_coding.jsonl").exists(),
+    reason=f"shared example rollouts not found at {DATA} (set S3CAPTURE_EXAMPLE_DATA)",
+)
 def test_real_entries_decode_like_the_reference() -> None:
     from helpers import example_entries
 

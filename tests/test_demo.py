@@ -31,14 +31,16 @@ from s3capture.demo_common import PlainProgress, open_progress
 from s3capture.replay import synthetic_rollouts
 
 # The example data lives beside the checkout, in ../shared (never copied into the repository).
-ROLLOUTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA
+
+ROLLOUTS = EXAMPLE_DATA
 
 
 def example_file(name: str, folder: Path = ROLLOUTS) -> Path:
     """``folder/name``; when it is missing the test is skipped, or fails under CI (``CI=true``)."""
     path = folder / name
     if not path.is_file():
-        message = f"{path} is missing (tests read ../shared/data/gym-example-rollouts beside the checkout)"
+        message = f"{path} is missing (tests read ../shared/data/gym-example-rollouts beside the checkout, or S3CAPTURE_EXAMPLE_DATA)"
         if running_under_ci():
             pytest.fail(f"{message}; under CI the example data must be there", pytrace=False)
         pytest.skip(message)

@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import threading
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -38,7 +37,9 @@ from s3capture.records import (
 from s3capture.store import S3TokenStore
 
 MEDIUM = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA  # noqa: E402
+
+DATA = EXAMPLE_DATA
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,10 @@ async def test_mutating_the_callers_entry_after_put_changes_neither_cache_nor_st
             assert json.loads(again) == {**json.loads(expected), "rollout_id": rollout}, kind
 
 
-@pytest.mark.skipif(not (DATA / "competitive_coding.jsonl").exists(), reason="shared example rollouts not present")
+@pytest.mark.skipif(
+    not (DATA / "competitive_coding.jsonl").exists(),
+    reason=f"shared example rollouts not found at {DATA} (set S3CAPTURE_EXAMPLE_DATA)",
+)
 def test_real_competitive_coding_entries_take_the_fast_path_and_match_gym(gym: Any) -> None:
     from helpers import example_entries
 

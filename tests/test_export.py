@@ -45,7 +45,9 @@ from s3capture.export import (  # noqa: E402
     read_manifests,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA  # noqa: E402
+
+DATA = EXAMPLE_DATA
 EXAMPLES = ("competitive_coding.jsonl", "hermes_math.jsonl")
 MASKED = {"bad-conflict": "conflicting_payloads", "bad-intent": "dangling_intent", "bad-marker": "marked_incomplete"}
 
@@ -54,7 +56,7 @@ def example_paths() -> list[Path]:
     paths = [DATA / name for name in EXAMPLES]
     missing = [p for p in paths if not p.is_file()]
     if missing:
-        message = f"{missing[0]} is missing (tests read ../shared/data/gym-example-rollouts beside the checkout)"
+        message = f"{missing[0]} is missing (tests read ../shared/data/gym-example-rollouts beside the checkout, or S3CAPTURE_EXAMPLE_DATA)"
         if running_under_ci():
             pytest.fail(message, pytrace=False)
         pytest.skip(message)

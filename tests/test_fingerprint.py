@@ -41,7 +41,9 @@ def gym() -> Any:
 GOLDEN = Path(__file__).parent / "golden" / "fingerprints.json"
 ROOT = Path(__file__).resolve().parent.parent
 # The shared example data sits beside the checkout: <checkout>/../shared/data/gym-example-rollouts.
-EXAMPLE_ROLLOUTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA  # noqa: E402
+
+EXAMPLE_ROLLOUTS = EXAMPLE_DATA
 
 PROPERTY = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -594,9 +596,7 @@ def test_golden_tool_regenerates_the_same_file(tmp_path: Path) -> None:
     require_gym()
     rollouts = EXAMPLE_ROLLOUTS / "anyterminal_hermes.jsonl"
     if not rollouts.exists():
-        message = (
-            f"{rollouts} (the source of the rollout-prefix vectors; ../shared beside the checkout) is not available"
-        )
+        message = f"{rollouts} (the source of the rollout-prefix vectors; ../shared beside the checkout, or S3CAPTURE_EXAMPLE_DATA) is not available"
         if running_under_ci():
             pytest.fail(f"{message}; CI must provide it", pytrace=False)
         pytest.skip(message)

@@ -22,7 +22,9 @@ from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry
 from s3capture.store import S3TokenStore
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA  # noqa: E402
+
+DATA = EXAMPLE_DATA
 sys.path.insert(0, str(ROOT / "tools"))
 
 

@@ -20,7 +20,9 @@ from s3capture.replay import (
 )
 
 # The shared example data sits beside the checkout: <checkout>/../shared/data/gym-example-rollouts.
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+from helpers import EXAMPLE_DATA
+
+DATA_DIR = EXAMPLE_DATA
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -29,9 +31,7 @@ def _require_data(path: Path) -> Path:
     """``path`` (shared example data); skip when it is missing, but fail under ``CI`` like ``require_gym``."""
     if path.exists():
         return path
-    message = (
-        f"example rollouts not found at {path} (expected ../shared/data/gym-example-rollouts next to the checkout)"
-    )
+    message = f"example rollouts not found at {path} (expected ../shared/data/gym-example-rollouts next to the checkout, or S3CAPTURE_EXAMPLE_DATA)"
     if running_under_ci():
         pytest.fail(f"{message}; CI must provide them", pytrace=False)
     pytest.skip(message)

@@ -18,10 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
 # The shared example data sits beside the checkout (<checkout>/../shared/...) unless
 # S3CAPTURE_BENCH_DATA names another directory; the tools are always told which one to use.
-DATA = Path(
-    os.environ.get("S3CAPTURE_BENCH_DATA")
-    or Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
-)
+from helpers import EXAMPLE_DATA as DATA  # noqa: E402
 
 
 def _skip_or_fail(message: str) -> None:

@@ -7,6 +7,8 @@ characters); a key written one way and listed another would be a lost entry.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from helpers import make_entry, split_bucket_url
@@ -78,6 +80,12 @@ def test_a_root_with_a_backslash_is_refused():
     # SeaweedFS lists "a\\b/..." under another key than the one written: the fence would vanish.
     with pytest.raises(ValueError, match="backslash"):
         S3TokenStore("s3://bkt/a\\b")
+
+
+def test_entry_type_gym_without_nemo_gym_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nemo_gym.token_id_capture.records", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"s3capture\[gym\].*nemo-gym==0.7.0"):
+        S3TokenStore("s3://bkt/p", entry_type="gym")
 
 
 def test_transport_is_chosen_by_argument_then_environment(monkeypatch, transport_kind):

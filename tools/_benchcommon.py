@@ -32,7 +32,11 @@ except ImportError:  # pragma: no cover - depends on how the tool is run
 from s3capture.fingerprint import stamp_continuation  # noqa: E402 - after the sys.path fallback
 from s3capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage, store_prompt_as_delta  # noqa: E402
 
-DATA_DIR = Path(os.environ.get("S3CAPTURE_BENCH_DATA", "/work/shared/data/gym-example-rollouts"))
+DATA_DIR = Path(
+    os.environ.get("S3CAPTURE_BENCH_DATA")
+    or os.environ.get("S3CAPTURE_EXAMPLE_DATA")
+    or Path(__file__).resolve().parents[2] / "shared" / "data" / "gym-example-rollouts"
+)
 CREATED_AT = 1_700_000_000.0
 VOCAB = 151_643  # Qwen-style vocabulary size; the real competitive_coding ids are Qwen's
 

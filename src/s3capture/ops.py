@@ -118,7 +118,9 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     frozen_without_manifest: int = 0
     """Frozen rollouts with no manifest at all (a freeze that did not finish, or a bare fence)."""
     trainable: int = 0
-    """Frozen rollouts whose newest manifest is complete."""
+    """Frozen rollouts whose newest manifest is complete (not masked by the snapshot). A builder
+    can still mask one (a chain with a missing parent decision, no generated token): what
+    ``export`` writes as trainable is at most this many."""
     masked: int = 0
     """Frozen rollouts whose newest manifest is ``incomplete`` (masked, not trainable)."""
     masked_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
@@ -567,7 +569,10 @@ def format_status(s: StoreStatus) -> str:
             f"frozen: {s.frozen_sealed} sealed, {s.frozen_changed} changed since freeze, "
             f"{s.frozen_without_manifest} without a manifest"
         )
-        lines.append(f"newest manifests: {s.trainable} trainable, {s.masked} masked, {s.manifest_errors} unreadable")
+        lines.append(
+            f"newest manifests: {s.trainable} complete, {s.masked} masked, {s.manifest_errors} unreadable "
+            "(complete: the snapshot masks nothing; the builder may still mask)"
+        )
         for code, count in s.masked_by_reason.items():
             lines.append(f"  masked by {code}: {count}")
     retired = s.states["retired"].rollouts

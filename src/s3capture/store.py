@@ -333,7 +333,13 @@ class S3TokenStore(RolloutObjects):
         if entry_type not in ("s3capture", "gym"):
             raise ValueError(f"entry_type must be 's3capture' or 'gym', got {entry_type!r}")
         if entry_type == "gym":
-            import nemo_gym.token_id_capture.records  # noqa: F401 - fail early with ImportError
+            try:
+                import nemo_gym.token_id_capture.records  # noqa: F401 - fail early, before any request
+            except ImportError as error:
+                raise ImportError(
+                    f"entry_type='gym' needs NeMo Gym's records ({error}): pip install 's3capture[gym]' && "
+                    "pip install --no-deps --ignore-requires-python nemo-gym==0.7.0"
+                ) from None
         self.entry_type = entry_type
         self._call_keys = CallKeys()
         """(rollout, call id) -> keys of its entries; bounded by rows and bytes, forgotten when the
