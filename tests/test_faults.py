@@ -468,6 +468,53 @@ async def test_5_a_marker_acknowledged_after_a_late_fence_put_fails_the_drop(fre
         assert again.incomplete and any(reason.startswith("marked_incomplete") for reason in again.reasons), again
 
 
+async def test_5_a_retire_racing_a_drop_stays_retired(fresh, proxy, s3_server):
+    """A retire that writes its tombstone while a drop of the same rollout is deciding (after the
+    drop's tombstone, before its retire tombstone), and the drop that then finishes: once the
+    retire returned, every write and freeze says retired (a second breaker session reopened the
+    rollout this way with a drop that undid its retire, a fix withdrawn before it landed)."""
+    retire_proxy = await FaultProxy.for_server(s3_server).start()
+    try:
+        writer = fresh(fence_grace=GRACE)
+        dropper = fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE)
+        retirer = fresh(endpoint_url=retire_proxy.endpoint, fence_grace=GRACE)
+        await writer.put(simple_entry("r", "c0"))
+        snapshot = await writer.freeze("r")
+        at_tombstone, retire_listed, drop_decided, retire_done = (asyncio.Event() for _ in range(4))
+
+        async def drop_rule(request: Any) -> Any:
+            if request.method == "PUT" and "/rollouts/r/drop/" in request.path and not at_tombstone.is_set():
+                at_tombstone.set()
+                await retire_listed.wait()
+            elif request.method == "PUT" and request.path.endswith("/rollouts/r/retired") and not drop_decided.is_set():
+                drop_decided.set()
+                await retire_done.wait()
+            return None
+
+        async def retire_rule(request: Any) -> Any:
+            if request.method == "PUT" and request.path.endswith("/rollouts/r/retired") and not retire_listed.is_set():
+                retire_listed.set()
+                await drop_decided.wait()
+            return None
+
+        proxy.rule, retire_proxy.rule = drop_rule, retire_rule
+        dropping = asyncio.ensure_future(outcome(dropper.drop("r", snapshot.snapshot_id, snapshot.version)))
+        await asyncio.wait_for(at_tombstone.wait(), 30)
+        ok(await outcome(asyncio.wait_for(retirer.retire(["r"]), 30)), "retire")
+        retire_done.set()
+        dropped = await asyncio.wait_for(dropping, 30)
+        assert dropped is True or dropped is False, dropped
+        for name, call in (
+            ("mark_incomplete", lambda store: store.mark_incomplete("r", "c9")),
+            ("put", lambda store: store.put(simple_entry("r", "c1"))),
+            ("freeze", lambda store: store.freeze("r")),
+        ):
+            result = await outcome(call(fresh(fence_grace=GRACE)))
+            assert isinstance(result, TokenCaptureRetiredError), f"{name} after retire returned: {result!r}"
+    finally:
+        await retire_proxy.stop()
+
+
 # =========================================================================== 6
 async def test_6_the_spill_is_keyed_by_endpoint_and_crashed_claims_are_recovered(fresh, s3_server, tmp_path):
     """ "Its file is keyed by bucket name only, so a marker for endpoint B is replayed into endpoint A
