@@ -421,6 +421,22 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+async def _export_with_workers_started(script: Path, source: str, out: Path) -> subprocess.Popen:
+    """Start ``script`` (which runs the CLI's ``main``) as ``export SOURCE --out OUT`` with two
+    worker processes, in a session of its own; return once both workers exist."""
+    command = [sys.executable, str(script), "export", source, "--out", str(out)]
+    command += ["--workers", "2", "--shard-rollouts", "1", "--no-progress", "--min-age", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(_children(proc.pid)) < 2:  # the two workers (and the resource tracker, maybe)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no two workers within 60 s: {proc.communicate(timeout=30)}")
+        await asyncio.sleep(0.05)
+    return proc
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads worker pids from /proc")
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
@@ -443,15 +459,8 @@ async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
         "if __name__ == '__main__':\n"
         "    sys.exit(main(sys.argv[1:]))\n"
     )
-    command = [sys.executable, str(script), "export", bucket_url, "--out", str(tmp_path / "out")]
-    command += ["--workers", "2", "--shard-rollouts", "1", "--no-progress", "--min-age", "0"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = await _export_with_workers_started(script, bucket_url, tmp_path / "out")
     try:
-        deadline = time.monotonic() + 60
-        while len(_children(proc.pid)) < 2:  # the two workers (and the resource tracker, maybe)
-            assert proc.poll() is None, f"the export ended early: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no workers within 60 s"
-            await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # inside the workers' 3 s start-up
         os.killpg(proc.pid, signal.SIGINT)
         out, err = await asyncio.to_thread(proc.communicate, timeout=60)
@@ -487,15 +496,9 @@ async def test_an_export_that_ignores_sigint_is_not_stopped_by_its_workers(
         "    sys.exit(main(sys.argv[1:]))\n"
     )
     out = tmp_path / "out"
-    command = [sys.executable, str(script), "export", bucket_url, "--out", str(out)]
-    command += ["--workers", "2", "--shard-rollouts", "1", "--no-progress", "--min-age", "0"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = await _export_with_workers_started(script, bucket_url, out)
     try:
         deadline = time.monotonic() + 60
-        while len(_children(proc.pid)) < 2:
-            assert proc.poll() is None, f"the export ended early: {proc.communicate()}"
-            assert time.monotonic() < deadline, "no workers within 60 s"
-            await asyncio.sleep(0.05)
         while proc.poll() is None and time.monotonic() < deadline:  # Ctrl-C, again and again
             os.killpg(proc.pid, signal.SIGINT)
             await asyncio.sleep(0.02)

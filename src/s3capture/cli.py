@@ -387,13 +387,10 @@ def _duration(text: str) -> float:
 
 
 def _states(text: str) -> tuple[str, ...]:
-    from s3capture.export import STATES
+    """``--state`` of ``export``: the same names, parsed the same way, as ``ls --state``."""
+    from s3capture.ops import _state_list
 
-    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    bad = [name for name in names if name not in STATES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(STATES)}, got {text!r}")
-    return names
+    return _state_list(text)
 
 
 def _export(args: argparse.Namespace) -> int:
