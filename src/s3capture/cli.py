@@ -399,6 +399,7 @@ def _export(args: argparse.Namespace) -> int:
     import msgspec
 
     from s3capture.export import export, format_summary, read_ids
+    from s3capture.ops import _given_states
     from s3capture.store import parse_s3_url
 
     parse_s3_url(args.url)  # ValueError (exit 2, one line) before any request
@@ -422,7 +423,7 @@ def _export(args: argparse.Namespace) -> int:
         export(
             args.url,
             args.out,
-            states=tuple(dict.fromkeys(name for group in args.state for name in group)) if args.state else None,
+            states=_given_states(args.state),
             ids=ids,
             prefix=args.prefix,
             min_age=args.min_age,

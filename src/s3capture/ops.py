@@ -631,6 +631,12 @@ def _state_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _given_states(groups: list[tuple[str, ...]] | None) -> list[str] | None:
+    """The states of every ``--state`` given (``action="append"`` of ``_state_list``), in order,
+    each once; ``None`` when none was given."""
+    return list(dict.fromkeys(name for group in groups for name in group)) if groups else None
+
+
 def register(sub: Any) -> dict[str, Any]:
     """Add ``ls``, ``status`` and ``gc`` to an argparse subparsers object; returns name -> parser."""
     from s3capture.cli import _argument, check_endpoint, check_s3_url
@@ -729,8 +735,7 @@ def _ls_command(args: Any) -> int:
         # The header comes with the first row (or alone, for an empty listing): a listing that
         # fails at once (no credentials, no bucket) prints its error without a table above it.
         header = not args.json
-        states = None if not args.state else list(dict.fromkeys(name for group in args.state for name in group))
-        async with contextlib.aclosing(store.rollouts(states, prefix=args.prefix)) as rollouts:
+        async with contextlib.aclosing(store.rollouts(_given_states(args.state), prefix=args.prefix)) as rollouts:
             async for info in rollouts:
                 if header:
                     print(format_rollout_row(None, table=table))

@@ -732,7 +732,7 @@ class S3TokenStore(RolloutObjects):
             # consumed it first. If these reads fail, nothing says whether a drop consumed the
             # rollout: raise, never acknowledge.
             fence, drops = await asyncio.gather(self._fence_state(prefix), self._list(prefix + "drop/"))
-            if drops and fence != "retired":
+            if drops:
                 raise TokenCaptureRetiredError(
                     f"rollout {rollout_id!r} is being dropped (or a drop of it crashed): the marker landed and masks "
                     "the rollout unless the drop consumed it first, so it is not acknowledged"
