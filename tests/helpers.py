@@ -18,7 +18,6 @@ from urllib.parse import unquote, urlparse
 
 import zstandard
 
-
 from s3capture.fingerprint import stamp_continuation
 from s3capture.layout import Layout
 from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry, stamp_lineage, store_prompt_as_delta
