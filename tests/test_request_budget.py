@@ -25,6 +25,7 @@ from helpers import (
     get_bytes,
     make_entry,
     next_request,
+    put_bytes,
     round_trips,
     system,
     turn_entry,
@@ -351,3 +352,13 @@ async def test_freeze_rewrites_the_manifest_when_the_entries_add_reasons(fresh, 
         snapshot.version,
         snapshot.reasons,
     )
+
+    # A freeze that crashed between its two PUTs (or whose first PUT landed late) left the
+    # manifest without the entries' reasons: the next freeze of that state writes it complete.
+    key = f"{freezer.layout.rollout('r')}snap/{snapshot.version:020d}-{snapshot.snapshot_id}"
+    put_bytes(s3_client, freezer.bucket, key, json.dumps({**manifest, "incomplete": False, "reasons": []}).encode())
+    refreezer = fresh()
+    rec = await RequestRecorder.attach(refreezer)
+    assert (await refreezer.freeze("r")).reasons == snapshot.reasons
+    assert rec.counts() == {PUT: 2, LIST: 1, GET: 2}  # the fence, then the manifest after the GETs
+    assert sealed_manifest(s3_client, freezer, "r", snapshot)["reasons"] == ["missing_parent:c2"]

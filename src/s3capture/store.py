@@ -849,14 +849,13 @@ class S3TokenStore(RolloutObjects):
         version, snapshot_id = scan.version_and_id()
         manifest_key = _manifest_key(prefix, version, snapshot_id)
         written: asyncio.Future[None] | None = None
-        listed_reasons: tuple[str, ...] = ()
+        listed_reasons = tuple(sorted(_listing_judgement(scan)[2]))
         if all(item.key != manifest_key for item in scan.snaps):
             # The manifest PUT runs beside the entry GETs, holding the reasons the listing alone
             # shows; only when the GETs add reasons (unreadable, vanished or misfiled objects, a
             # hole in a chain: the failure paths) is it written again, complete, after them. It is
             # always awaited before freeze returns: a PUT left running could land after another
             # client's retire or delete of the rollout and leave a stray object (docs/design.md).
-            listed_reasons = tuple(sorted(_listing_judgement(scan)[2]))
             body = _manifest_bytes(rollout_id, scan, version, snapshot_id, listed_reasons)
             written = asyncio.ensure_future(self._put(manifest_key, body))
         try:
@@ -870,9 +869,13 @@ class S3TokenStore(RolloutObjects):
         self._call_keys.forget(rollout_id)
         if written is not None:
             await written
-            if snapshot.reasons != listed_reasons:
-                body = _manifest_bytes(rollout_id, scan, version, snapshot_id, snapshot.reasons)
-                await self._put(manifest_key, body)
+        added = set(snapshot.reasons) - set(listed_reasons)
+        # The entries added reasons: write the manifest complete. Also when it existed (a freeze
+        # that crashed between its two PUTs, or whose first PUT was delivered late, left it without
+        # them), except for ``vanished`` alone: a drop, retire or delete is removing the rollout,
+        # and a PUT now could land after it.
+        if (written is not None and added) or any(not r.startswith("vanished:") for r in added):
+            await self._put(manifest_key, _manifest_bytes(rollout_id, scan, version, snapshot_id, snapshot.reasons))
         if snapshot.incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(snapshot.reasons[:5]))
         return snapshot
