@@ -205,68 +205,6 @@ def _manifest_key(prefix: str, version: int, snapshot_id: str) -> str:
     return f"{prefix}snap/{version:020d}-{snapshot_id}"
 
 
-def _manifest_bytes(
-    rollout_id: str, scan: RolloutScan, version: int, snapshot_id: str, reasons: Sequence[str]
-) -> bytes:
-    """The sealed manifest of a scanned state (``docs/design.md``): its objects and ``reasons``."""
-    plen = len(scan.prefix)
-    manifest = {
-        "format": _MANIFEST_FORMAT,
-        "rollout_id": rollout_id,
-        "version": version,
-        "snapshot_id": snapshot_id,
-        "incomplete": bool(reasons),
-        "reasons": list(reasons),
-        "objects": [
-            {"key": i.key[plen:], "etag": i.etag, "size": i.size}
-            for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
-        ],
-    }
-    return msgspec.json.encode(manifest)
-
-
-def _listing_judgement(
-    scan: RolloutScan,
-) -> tuple[dict[str, dict[str, list[tuple[ListedObject, str]]]], set[str], list[str]]:
-    """What the listing alone says of a rollout: call id -> SHA-256 -> every listed key holding
-    those bytes (with its fingerprint: a copy under another fingerprint's key has the same SHA-256
-    and must be read and judged too), the call ids with an intent, and the reasons no entry's bytes
-    are needed for (markers, foreign objects, conflicting payloads, dangling intents; unsorted).
-    Each key was parsed once, by the scan."""
-    plen = len(scan.prefix)
-    reasons: list[str] = []
-    by_call: dict[str, dict[str, list[tuple[ListedObject, str]]]] = {}
-    intents: set[str] = set()
-    for item, (kind, cid, fp, sha) in zip(scan.log, scan.parsed):
-        if kind == "e":
-            by_call.setdefault(cid, {}).setdefault(sha, []).append((item, fp))
-        elif kind == "i":
-            intents.add(cid)
-        else:
-            reasons.append(f"marked_incomplete:{cid}")
-    reasons.extend(f"foreign_object:{item.key[plen:]}" for item in scan.foreign)
-    reasons.extend(f"conflicting_payloads:{cid}" for cid, variants in by_call.items() if len(variants) > 1)
-    reasons.extend(f"dangling_intent:{cid}" for cid in intents - by_call.keys())
-    return by_call, intents, reasons
-
-
-async def _settle(request: asyncio.Future[Any], *, cancel: bool) -> None:
-    """End a request task another step of an operation started beside it, after that step raised:
-    cancelled with it (``cancel``), else awaited so that no request outlives the operation. The
-    request's own outcome is retrieved and dropped: the step's error is the one raised."""
-    if not request.done():
-        if cancel:
-            request.cancel()
-        else:
-            try:
-                await asyncio.wait([request])
-            except asyncio.CancelledError:
-                request.cancel()
-                raise
-    if request.done() and not request.cancelled():
-        request.exception()
-
-
 class _Link(msgspec.Struct):
     """Where a new delta entry hangs: its envelope's chain and base checkpoint, and its parent."""
 
@@ -846,38 +784,31 @@ class S3TokenStore(RolloutObjects):
         # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
-        version, snapshot_id = scan.version_and_id()
-        manifest_key = _manifest_key(prefix, version, snapshot_id)
-        written: asyncio.Future[None] | None = None
-        listed_reasons = tuple(sorted(_listing_judgement(scan)[2]))
-        if all(item.key != manifest_key for item in scan.snaps):
-            # The manifest PUT runs beside the entry GETs, holding the reasons the listing alone
-            # shows; only when the GETs add reasons (unreadable, vanished or misfiled objects, a
-            # hole in a chain: the failure paths) is it written again, complete, after them. It is
-            # always awaited before freeze returns: a PUT left running could land after another
-            # client's retire or delete of the rollout and leave a stray object (docs/design.md).
-            body = _manifest_bytes(rollout_id, scan, version, snapshot_id, listed_reasons)
-            written = asyncio.ensure_future(self._put(manifest_key, body))
-        try:
-            snapshot = await self._snapshot_of(rollout_id, scan)
-        except BaseException as error:
-            if written is not None:
-                await _settle(written, cancel=not isinstance(error, Exception))
-            raise
+        snapshot = await self._snapshot_of(rollout_id, scan)
+        version, snapshot_id, reasons = snapshot.version, snapshot.snapshot_id, snapshot.reasons
         self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
         # A frozen rollout takes no more writes: its call-key map is not needed again.
         self._call_keys.forget(rollout_id)
-        if written is not None:
-            await written
-        added = set(snapshot.reasons) - set(listed_reasons)
-        # The entries added reasons: write the manifest complete. Also when it existed (a freeze
-        # that crashed between its two PUTs, or whose first PUT was delivered late, left it without
-        # them), except for ``vanished`` alone: a drop, retire or delete is removing the rollout,
-        # and a PUT now could land after it.
-        if (written is not None and added) or any(not r.startswith("vanished:") for r in added):
-            await self._put(manifest_key, _manifest_bytes(rollout_id, scan, version, snapshot_id, snapshot.reasons))
+        manifest_key = _manifest_key(prefix, version, snapshot_id)
+        if all(item.key != manifest_key for item in scan.snaps):
+            # Awaited, not written in the background: a background PUT could land after another
+            # client's retire or delete of the rollout and leave a stray object there (docs/design.md).
+            plen = len(prefix)
+            manifest = {
+                "format": _MANIFEST_FORMAT,
+                "rollout_id": rollout_id,
+                "version": version,
+                "snapshot_id": snapshot_id,
+                "incomplete": snapshot.incomplete,
+                "reasons": list(reasons),
+                "objects": [
+                    {"key": i.key[plen:], "etag": i.etag, "size": i.size}
+                    for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
+                ],
+            }
+            await self._put(manifest_key, msgspec.json.encode(manifest))
         if snapshot.incomplete:
-            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(snapshot.reasons[:5]))
+            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         return snapshot
 
     async def read_snapshot(
@@ -1015,8 +946,22 @@ class S3TokenStore(RolloutObjects):
         bookkeeping. Raises ``StoreError`` when the store fails.
         """
         prefix = scan.prefix
+        reasons: list[str] = []
         plen = len(prefix)
-        by_call, _, reasons = _listing_judgement(scan)
+        # call id -> SHA-256 -> every listed key holding those bytes, with its fingerprint (a copy
+        # under another fingerprint's key has the same SHA-256 and must be read and judged too).
+        # Each key was parsed once, by the scan.
+        by_call: dict[str, dict[str, list[tuple[ListedObject, str]]]] = {}
+        intents: set[str] = set()
+        for item, (kind, cid, fp, sha) in zip(scan.log, scan.parsed):
+            if kind == "e":
+                by_call.setdefault(cid, {}).setdefault(sha, []).append((item, fp))
+            elif kind == "i":
+                intents.add(cid)
+            else:
+                reasons.append(f"marked_incomplete:{cid}")
+        for item in scan.foreign:
+            reasons.append(f"foreign_object:{item.key[plen:]}")
 
         wanted = [
             (item, cid, fp, sha)
@@ -1062,10 +1007,14 @@ class S3TokenStore(RolloutObjects):
             payloads.setdefault(cid, {})[sha] = (item.key, stored)
         chosen: list[tuple[str, str, _Stored]] = []
         for cid in sorted(by_call):
-            # More than one payload for a call: none is chosen (``_listing_judgement`` gave the reason).
-            if len(by_call[cid]) == 1 and cid in payloads and len(payloads[cid]) == 1:
+            if len(by_call[cid]) > 1:
+                reasons.append(f"conflicting_payloads:{cid}")
+                continue
+            if cid in payloads and len(payloads[cid]) == 1:
                 ((sha, (key, stored)),) = payloads[cid].items()
                 chosen.append((key, sha, stored))
+        for cid in sorted(intents - by_call.keys()):
+            reasons.append(f"dangling_intent:{cid}")
         present = {stored.entry.model_call_id for _, _, stored in chosen}
         for _, _, stored in chosen:
             entry = stored.entry
