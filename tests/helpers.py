@@ -230,6 +230,26 @@ class RequestRecorder:
         return [key for op, key, _ in self.sent if op == operation]
 
 
+def round_trips(rec: RequestRecorder) -> int:
+    """Sequential round trips in what ``rec`` saw: the largest set of requests each sent after the
+    previous one's response arrived (requests in flight together count once)."""
+    spans: list[list[Any]] = []
+    for position, (kind, operation) in enumerate(rec.sequence):
+        if kind == "send":
+            spans.append([operation, position, None])
+            continue
+        for span in spans:
+            if span[2] is None and span[0] == operation:
+                span[2] = position
+                break
+    count, last_end = 0, -1
+    for _, start, end in sorted(spans, key=lambda s: s[2] if s[2] is not None else s[1]):
+        if start > last_end:
+            count += 1
+            last_end = end if end is not None else start
+    return count
+
+
 # --------------------------------------------------------------------------- process workers
 def forkserver_context() -> Any:
     """A ``multiprocessing`` context whose forkserver has imported ``killworkers`` (and so this

@@ -27,6 +27,7 @@ from helpers import (
     put_bytes,
     put_chain,
     read_envelope,
+    round_trips,
     rollout_prefix,
     turn_entry,
     write_envelope,
@@ -40,26 +41,6 @@ K = CHECKPOINT_EVERY
 RESOLVED = ParentResolutionStatus.RESOLVED
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
 GET, LIST = "GetObject", "ListObjectsV2"
-
-
-def round_trips(rec: RequestRecorder) -> int:
-    """Sequential round trips in what ``rec`` saw: the largest set of requests each sent after the
-    previous one's response arrived (requests in flight together count once)."""
-    spans: list[list[Any]] = []
-    for position, (kind, operation) in enumerate(rec.sequence):
-        if kind == "send":
-            spans.append([operation, position, None])
-            continue
-        for span in spans:
-            if span[2] is None and span[0] == operation:
-                span[2] = position
-                break
-    count, last_end = 0, -1
-    for _, start, end in sorted(spans, key=lambda s: s[2] if s[2] is not None else s[1]):
-        if start > last_end:
-            count += 1
-            last_end = end if end is not None else start
-    return count
 
 
 def assert_resolved_to(resolution: Any, turn: Any) -> None:

@@ -23,6 +23,7 @@ from helpers import (
     build_conversation,
     make_entry,
     next_request,
+    round_trips,
     system,
     turn_entry,
     user,
@@ -285,10 +286,20 @@ async def test_freeze_budget_small_rollout(fresh):
     snapshot = await freezer.freeze("r")
     assert len(snapshot.entries) == 5
     assert rec.counts() == {PUT: 2, LIST: 1, GET: 5}
+    # In sequence: the fence PUT, the LIST, the GETs (together), the manifest PUT.
+    assert round_trips(rec) == 4, rec.sequence
 
     rec.reset()
     await freezer.freeze("r")
     assert rec.counts() == {PUT: 1, LIST: 1}
+    assert round_trips(rec) == 2, rec.sequence  # the fence PUT, the LIST (cached; the manifest exists)
+
+    # A read-only reader: the LIST, then the entry GETs beside the sealed manifest's GET.
+    reader = fresh()
+    rec = await RequestRecorder.attach(reader)
+    assert len((await reader.read_snapshot("r")).entries) == 5
+    assert rec.counts() == {LIST: 1, GET: 6}
+    assert round_trips(rec) == 2, rec.sequence
 
     # The writer cached its own entries: its first freeze GETs nothing (the manifest exists).
     rec = await RequestRecorder.attach(writer)
