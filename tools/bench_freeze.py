@@ -29,6 +29,7 @@ Usage::
     python tools/bench_freeze.py                        # moto, 100 and 1,000 entries, ~2 minutes
     python tools/bench_freeze.py --servers moto,seaweedfs --repeats 9
     python tools/bench_freeze.py --quick                # a few seconds (smoke test)
+    python tools/bench_freeze.py --servers seaweedfs --rtt-ms 10   # behind a 10 ms round trip
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 import msgspec
 from _benchcommon import (
     BareOps,
+    DelayProxy,
     bare_session,
     load_average,
     machine_summary,
@@ -145,14 +147,18 @@ async def run_size(
     repeats: int,
     tokens: int,
     transport: str = "aioboto3",
+    endpoint: str | None = None,
 ) -> list[list[Any]]:
+    """One size's rows. ``endpoint``: where the store and its bare peer send requests (the server,
+    or a delay proxy in front of it); the rollout is written and cleaned up directly."""
+    endpoint = endpoint or server.endpoint_url
     url = f"s3://{bucket}/bench"
     # obstore takes a session's profile, not its keys: the server's credentials are in this
     # process's environment (``_benchcommon.start_server``).
     store_kwargs: dict[str, Any] = (
         {"transport": transport} if transport == "obstore" else {"session": session, "transport": transport}
     )
-    writer = S3TokenStore(url, endpoint_url=server.endpoint_url, **store_kwargs)
+    writer = S3TokenStore(url, endpoint_url=endpoint, **store_kwargs)
     rollout_id = f"frz-{n}-{uuid.uuid4().hex[:6]}"
     objects = await write_rollout(bare, bucket, writer, rollout_id, n, tokens)
     warm_rollout = f"warm-{uuid.uuid4().hex[:6]}"
@@ -165,7 +171,7 @@ async def run_size(
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(repeats + 1):  # the first repeat is a warm-up, not counted
-        store = S3TokenStore(url, endpoint_url=server.endpoint_url, max_concurrency=CONCURRENCY, **store_kwargs)
+        store = S3TokenStore(url, endpoint_url=endpoint, max_concurrency=CONCURRENCY, **store_kwargs)
         peer = await BareOps.of(store.transport)  # bare requests on the store's own client
         client = bare  # the tool's own aioboto3 client, for clean-up outside the timings
         await peer.list(store.layout.rollout(warm_rollout))
@@ -276,7 +282,12 @@ HEADERS = ["entries", "operation", "wall ms (median)", "client CPU ms (median)",
 
 async def run_server(kind: str, args: argparse.Namespace) -> str:
     server = start_server(kind)
+    proxy = None
     try:
+        endpoint = server.endpoint_url
+        if args.rtt_ms > 0:
+            proxy = DelayProxy(server.port, args.rtt_ms)
+            endpoint = proxy.endpoint_url
         session, config = bare_session(server)
         async with session.client("s3", endpoint_url=server.endpoint_url, config=config) as bare:
             bucket = f"s3capture-bench-{uuid.uuid4().hex[:8]}"
@@ -284,13 +295,18 @@ async def run_server(kind: str, args: argparse.Namespace) -> str:
             rows: list[list[Any]] = []
             for n in args.sizes:
                 rows.extend(
-                    await run_size(server, session, config, bare, bucket, n, args.repeats, args.tokens, args.transport)
+                    await run_size(
+                        server, session, config, bare, bucket, n, args.repeats, args.tokens, args.transport, endpoint
+                    )
                 )
+        where = f"{kind} behind a {args.rtt_ms:g} ms round-trip delay proxy" if proxy else kind
         return (
-            f"### freeze vs its floor on {kind} ({args.transport} transport, {args.repeats} repeats, entries of {args.tokens} tokens)\n\n"
+            f"### freeze vs its floor on {where} ({args.transport} transport, {args.repeats} repeats, entries of {args.tokens} tokens)\n\n"
             + table(HEADERS, rows)
         )
     finally:
+        if proxy is not None:
+            proxy.stop()
         server.stop()
 
 
@@ -303,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", type=int, default=64, help="tokens per entry (default 64: small objects, so the requests dominate)"
     )
     parser.add_argument("--quick", action="store_true", help="one repeat of 50 entries")
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=0.0,
+        help="send the store's and the floor's requests through tools/_delayproxy.py, which adds this "
+        "round-trip time to every exchange, as a store off loopback does (default 0: loopback)",
+    )
     parser.add_argument(
         "--transport",
         default="aioboto3",
