@@ -3,8 +3,9 @@
 
     python tools/chaos.py --server moto --examples 200 --steps 40 --seed 1
     python tools/chaos.py --server seaweedfs --machine ledger --examples 100 --verbose
+    python tools/chaos.py --server ceph --machine store --examples 40   # the Ceph RADOS Gateway (radosgw installed)
 
-Starts its own local S3 server (``s3capture.localserver``: moto or SeaweedFS), then runs the
+Starts its own local S3 server (``s3capture.localserver``: moto, SeaweedFS or the Ceph gateway), then runs the
 token-store machine and/or the ledger machine of ``tests/model_machines.py`` (the same machines
 ``tests/test_model.py`` runs in CI with a small fixed budget) for ``--examples`` runs of up to
 ``--steps`` operations each. Every run gets a fresh bucket, three clients (two behind a fault
@@ -33,7 +34,7 @@ sys.path.append(str(HERE.parent / "src"))  # only when s3capture is not installe
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See docs/reliability.md.")
-    parser.add_argument("--server", choices=("moto", "seaweedfs"), default="moto")
+    parser.add_argument("--server", choices=("moto", "seaweedfs", "ceph"), default="moto")
     parser.add_argument("--machine", choices=("store", "ledger", "both"), default="both")
     parser.add_argument("--examples", type=int, default=200, help="runs per machine (default 200)")
     parser.add_argument("--steps", type=int, default=40, help="operations per run, at most (default 40)")
@@ -48,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from hypothesis.stateful import run_state_machine_as_test
 
     from model_machines import Stats, ci_settings, ledger_machine, store_machine
-    from s3capture.localserver import start_moto, start_seaweedfs
+    from s3capture.localserver import start_ceph_rgw, start_moto, start_seaweedfs
 
-    server = (start_moto if args.server == "moto" else start_seaweedfs)()
+    server = {"moto": start_moto, "seaweedfs": start_seaweedfs, "ceph": start_ceph_rgw}[args.server]()
     for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
         os.environ.pop(name, None)
     os.environ.update(server.env())
