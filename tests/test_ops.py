@@ -327,6 +327,30 @@ class _ClockAhead:
 
 
 @pytest.mark.all_transports
+async def test_status_counts_rollouts_a_drop_is_deciding_or_crashed_on(fresh: Any) -> None:
+    """A drop's own tombstone without the retire tombstone: a drop deciding, or one that crashed
+    (markers on the rollout are not acknowledged until it is dropped again). status names them; a
+    drop that finished leaves none."""
+    writer, builder = fresh(fence_grace=0.0), fresh(fence_grace=0.0)
+    for rid in ("crashed", "fine", "done"):
+        await writer.put(simple_entry(rid, "c1"))
+        snap = await builder.freeze(rid)
+    assert await builder.drop("done", snap.snapshot_id, snap.version)
+    await writer._put(writer.layout.rollout("crashed") + "drop/0123abcd", b"")  # what a drop that died leaves
+    with pytest.raises(TokenCaptureRetiredError):
+        await writer.mark_incomplete("crashed", "c1")
+    result = await status(fresh())
+    assert result.dropping == 1
+    assert result.states["frozen"].rollouts == 2 and result.states["retired"].rollouts == 1
+    from s3capture.ops import format_status
+
+    assert "frozen with a drop deciding or crashed (a drop/ tombstone, no retire): 1" in format_status(result)
+    # Frozen and dropped again by a builder: nothing is left deciding.
+    snap = await builder.freeze("crashed")
+    assert await builder.drop("crashed", snap.snapshot_id, snap.version)
+    assert (await status(fresh())).dropping == 0
+
+
 async def test_a_clock_running_ahead_does_not_age_what_gc_and_status_see(
     fresh: Any, s3_client: Any, bucket_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

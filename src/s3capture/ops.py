@@ -134,6 +134,11 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     retired_leftover_bytes: int = 0
     bare_fences: int = 0
     """Rollout prefixes holding only a fence (a delete or gc that crashed midway)."""
+    dropping: int = 0
+    """Frozen rollouts holding a drop's own tombstone (``drop/<token>``) and no retire tombstone: a
+    drop deciding now, or one that crashed. Such a rollout stays fenced and nothing of it is gone;
+    ``mark_incomplete`` on it lands but raises ``TokenCaptureRetiredError`` (not acknowledged) until a
+    builder freezes and drops it again, or it is retired or deleted (``docs/design.md``, race 10)."""
 
 
 class GcAction(msgspec.Struct, kw_only=True):
@@ -299,6 +304,8 @@ async def status(
                 elif info.state == "frozen":
                     if rels == ["fence"]:
                         result.bare_fences += 1
+                    if any(rel.startswith("drop/") for rel in rels):
+                        result.dropping += 1
                     snaps = sorted(rel for rel in rels if rel.startswith("snap/"))
                     if not snaps:
                         result.frozen_without_manifest += 1
@@ -582,6 +589,11 @@ def format_status(s: StoreStatus) -> str:
     )
     if s.bare_fences:
         lines.append(f"bare fences (an interrupted delete or gc): {s.bare_fences}")
+    if s.dropping:
+        lines.append(
+            f"frozen with a drop deciding or crashed (a drop/ tombstone, no retire): {s.dropping}; "
+            "markers on them are not acknowledged until a builder freezes and drops them again"
+        )
     return "\n".join(lines)
 
 
