@@ -14,6 +14,8 @@ local engine, are one-line usage errors.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -26,6 +28,7 @@ import pytest
 from gymcompat import running_under_ci
 from s3capture.cli import main
 from s3capture.export import _Progress, export, format_summary
+from helpers import put_chain
 from test_export import MASKED, capture_all
 
 RAY_PROCESS_WORDS = ("ray", "raylet", "gcs_server", "plasma")
@@ -166,6 +169,92 @@ async def test_the_ray_engine_writes_the_local_engines_files(
             assert _manifest_without_time(a[name]) == _manifest_without_time(b[name]), name
         else:
             assert a[name] == b[name], f"{name} differs between the local and the Ray engine"
+
+
+def _family(root: int) -> dict[int, tuple[int, str]]:
+    """``pid -> (start time, command)`` of the live descendants of ``root`` whose command line names Ray."""
+    parents = _children()
+    family = {root}
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    family.discard(root)
+    out = {}
+    for pid in family:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as handle:
+                started = int(handle.read().rsplit(")", 1)[1].split()[19])
+        except (OSError, ValueError, IndexError):
+            continue
+        if any(word in command for word in RAY_PROCESS_WORDS):
+            out[pid] = (started, command[:120])
+    return out
+
+
+def _still_running(processes: dict[int, tuple[int, str]]) -> dict[int, str]:
+    left = {}
+    for pid, (started, command) in processes.items():
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[19]) == started:
+            left[pid] = command
+    return left
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+async def test_a_sigkilled_ray_export_leaves_no_process_of_its_runtime(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    """``s3capture export --engine ray`` starts a local Ray runtime of its own. SIGKILLed (or killed
+    by the OOM killer), it cannot shut it down: Ray ends its GCS and raylet with the driver, but
+    left the raylet's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) running for good.
+    The export's watchdog (``s3capture.export.raywatch``) ends them."""
+    import signal
+    import subprocess
+
+    from s3capture.export import HOLD_ENV
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the process check reads /proc")
+    _import_ray()
+    writer, builder = fresh(), fresh()
+    for rid in ("k1", "k2", "k3"):
+        await put_chain(writer, rid, 2)
+        await builder.freeze(rid)
+    env = {**os.environ, HOLD_ENV: "1"}
+    env.pop("RAY_ADDRESS", None)  # a runtime of its own, not this process's
+    command = [sys.executable, "-m", "s3capture.cli", "export", bucket_url, "--out", str(tmp_path / "out")]
+    command += ["--engine", "ray", "--workers", "1", "--shard-rollouts", "1", "--min-age", "0", "--no-progress"]
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    runtime: dict[int, tuple[int, str]] = {}
+    try:
+        line, deadline = "", time.monotonic() + 180
+        while "holding after" not in line:
+            line = await asyncio.to_thread(proc.stderr.readline)  # type: ignore[union-attr]
+            assert (line or proc.poll() is None) and time.monotonic() < deadline, f"no hold: {line!r}"
+        runtime = _family(proc.pid)
+        commands = " | ".join(command for _, command in runtime.values())
+        assert "raylet" in commands and "ray::" in commands, f"no local Ray runtime under the export: {commands}"
+        os.kill(proc.pid, signal.SIGKILL)  # the export process alone, as the OOM killer does
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _still_running(runtime) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert not _still_running(runtime), f"Ray processes outlived the killed export: {_still_running(runtime)}"
+    finally:
+        for pid in _still_running(runtime):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stderr.close()  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- without Ray or a server

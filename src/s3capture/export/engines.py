@@ -337,15 +337,17 @@ async def ray_engine(
         endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
         transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
     )
-    started_here = False
+    started_here = local_runtime = False
     if not ray.is_initialized():
         import logging
 
         options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
         if address is None and not os.environ.get("RAY_ADDRESS"):
             options["include_dashboard"] = False  # a local runtime for this export only
+            local_runtime = True
         ray.init(address=address, **options)
         started_here = True
+    watchdog = _start_ray_watchdog() if local_runtime else None
     sink: Any = None
     pending: dict[Any, ShardTask] = {}
     try:
@@ -415,6 +417,37 @@ async def ray_engine(
                 ray.kill(sink)
         if started_here:
             ray.shutdown()
+        if watchdog is not None:
+            with contextlib.suppress(OSError):
+                watchdog.stdin.close()  # it ends whatever of the runtime outlived the shutdown
+            threading.Thread(target=watchdog.wait, daemon=True).start()  # reaped without waiting here
+
+
+def _start_ray_watchdog() -> Any:
+    """Start ``s3capture.export.raywatch`` for the local Ray runtime this process just started, so
+    that a SIGKILL of the export (or the OOM killer) does not leave Ray's agents running; ``None``
+    where it cannot run (not Linux, or no session directory to recognise the runtime by)."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
+        return None
+    try:
+        import ray._private.worker as ray_worker  # the session directory has no public accessor
+
+        node: Any = ray_worker._global_node
+        session_dir = str(node.get_session_dir_path())
+    except Exception:  # noqa: BLE001 - a Ray without it: no watchdog, as before
+        return None
+    import subprocess
+
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), session_dir],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C or SIGTERM to the export's group is not for it
+        )
+    except OSError:
+        return None
 
 
 ENGINES: dict[str, Callable[..., AsyncGenerator[ShardResult, None]]] = {"local": local_engine, "ray": ray_engine}
