@@ -7,9 +7,11 @@ runtime for this export alone::
 
 While the export lives, it notes every descendant of ``PARENT_PID`` that is Ray's (its command line
 names ``SESSION_DIR`` or starts with ``ray::``), as ``(pid, start time)`` so that a reused pid is
-never mistaken for one of them, every 2 seconds. When its stdin closes (the export ended, or was
-killed: SIGKILL and the OOM killer included), it gives those processes ``GRACE`` seconds to exit
-by themselves, then sends SIGTERM, and SIGKILL to what is left 3 seconds later. Ray ends its GCS
+never mistaken for one of them: every 2 seconds for 30 seconds (the runtime starts its agents
+then), every 30 seconds afterwards (a scan of ``/proc`` costs milliseconds on a busy node). When
+its stdin closes (the export ended, or was killed: SIGKILL and the OOM killer included), it gives
+those processes ``GRACE`` seconds to exit by themselves, then sends SIGTERM, and SIGKILL to what
+is left 3 seconds later. Ray ends its GCS
 and raylet when the driver dies, but not the agents the raylet started (``ray::DashboardAgent``,
 ``ray::RuntimeEnvAgent``, seen with Ray 2.60.0): this is what ends them. After a normal end
 (``ray.shutdown()`` first) nothing is left to end.
@@ -26,7 +28,9 @@ import sys
 import time
 
 SCAN_EVERY = 2.0
-"""Seconds between two notes of the export's Ray descendants."""
+"""Seconds between two notes of the export's Ray descendants during its first ``SETTLED`` seconds
+(the runtime starts its agents then), and ``SETTLED`` seconds between two notes afterwards."""
+SETTLED = 30.0
 GRACE = 3.0
 """Seconds Ray's processes get to exit by themselves after the export ended."""
 
@@ -105,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     root, session_dir = int(args[0]), args[1]
     seen: dict[int, int] = {}
     stdin = sys.stdin.fileno()
+    started = time.monotonic()
     while True:
         seen.update(ray_descendants(root, session_dir))
-        ready, _, _ = select.select([stdin], [], [], SCAN_EVERY)
+        early = time.monotonic() - started < SETTLED
+        ready, _, _ = select.select([stdin], [], [], SCAN_EVERY if early else SETTLED)
         if ready:
             try:
                 data = os.read(stdin, 4096)
