@@ -241,6 +241,18 @@ def test_demo_keep_leaves_frozen_rollouts_that_export_reads(s3_server, bucket_ur
     assert sorted(table.column("num_calls").to_pylist()) == [3, 3, 3, 3]
 
 
+def test_demo_export_into_a_folder_that_is_not_empty_is_refused_before_the_capture(tmp_path):
+    """Every demo captures into a new root, and an export refuses a folder holding another root's
+    export: so a second ``--export DEST`` is refused at once, not after the whole capture."""
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "part-00000.parquet").write_bytes(b"")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="not empty: the demo exports into a new or empty folder"):
+        run_workload(synthetic_rollouts(2, 2, seed=1), "s3://no-such-bucket/d", {}, export_dest=str(dest))
+    assert time.monotonic() - started < 5
+
+
 def test_plain_progress_writes_whole_lines_every_tenth_and_every_few_seconds():
     clock = [100.0]
     out = io.StringIO()

@@ -281,6 +281,10 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     await put_chain(writer, "open-b", 2)
     young = await export(bucket_url, str(tmp_path / "young"), workers=0, min_age=3600)
     assert young.skipped == 2 and young.skipped_reasons == {"not_quiescent": 2} and young.exported == 0
+    # Nothing to read in the destination (pyarrow fails on it): the summary says so, and what to do.
+    text = format_summary(young)
+    assert "nothing to read: this run wrote no trajectory" in text, text
+    assert "2 open rollouts have not been quiet for --min-age: --freeze freezes and exports them now" in text
 
     # A frozen rollout written to after its freeze (a late marker) is not sealed: skipped, unread,
     # until --freeze seals it again (then masked, by the marker).
@@ -291,6 +295,7 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     assert unsealed_frozen.skipped_reasons == {"not_sealed": 1} and "source:GetObject" not in unsealed_frozen.requests
     resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
     assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
+    assert "1 masked rollouts were left out: --masked include writes them too" in format_summary(resealed)
     await fresh().delete(["late"])
 
     # Quiescent and read unsealed: exported, but a drop could not consume it (no fence): not dropped.
@@ -405,6 +410,38 @@ async def test_export_refuses_a_nan_min_age_and_ids_given_as_one_str(
     with pytest.raises(error, match=match):
         await export("s3://no-such-bucket/root", str(tmp_path / "out"), workers=0, **options)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_a_destination_takes_one_source_root(
+    fresh: Any, bucket_url: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Resume keys rows by rollout id. Two roots' exports in one folder (every run's ids alike:
+    "r-0", ...) mixed silently, and the second root's rollouts read as "changed since their export".
+    Another root is refused before anything is written; the same root (a trailing slash aside) resumes."""
+    from s3capture.store import S3TokenStore
+
+    other_url = bucket_url + "-other"
+    for url in (bucket_url, other_url):
+        writer = S3TokenStore(url)
+        try:
+            await put_chain(writer, "r-0", 2)
+            await writer.freeze("r-0")
+        finally:
+            await writer.close()
+    out = tmp_path / "out"
+    first = await export(bucket_url, str(out), workers=0)
+    assert first.ok and first.exported == 1
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match="holds an export of .* one destination takes one source root"):
+        await export(other_url, str(out), workers=0)
+    assert sorted(p.name for p in out.iterdir()) == before
+    again = await export(bucket_url + "/", str(out), workers=0)
+    assert again.ok and again.exported == 0 and again.already_exported == 1, format_summary(again)
+    # The CLI: one line, exit status 2.
+    code = await asyncio.to_thread(main, ["export", other_url, "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds an export of" in err and "Traceback" not in err, err
 
 
 def _children(pid: int) -> list[int]:

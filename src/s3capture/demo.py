@@ -464,6 +464,10 @@ def run_workload(
         parse_s3_url(staging_url)
     if export_dest is not None and capture != "store":
         raise ValueError("export_dest applies only with capture='store' (the ledger holds no token ids)")
+    if export_dest is not None and "://" not in export_dest and os.path.isdir(export_dest) and os.listdir(export_dest):
+        # Refused before the capture, not after it: an export refuses a folder holding another
+        # source's export, and every demo captures into a new root.
+        raise ValueError(f"export_dest {export_dest!r} is not empty: the demo exports into a new or empty folder")
     if keep and capture != "store":
         raise ValueError("keep applies only with capture='store'")
     if not any(r.calls for r in rollouts):

@@ -227,6 +227,16 @@ def _resolved_engine(builder: str, build_with: str) -> str:
     return _choose_engine(FrozenSnapshot("s3capture-export-probe", (), False, "", 0), builder, build_with)
 
 
+def _root_of(url: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of a source URL, so that ``s3://b/run`` and ``s3://b/run/`` compare equal."""
+    from s3capture.rollouts import parse_s3_url
+
+    try:
+        return parse_s3_url(url)
+    except ValueError:
+        return url, ""
+
+
 async def export(
     url: str,
     dest: str,
@@ -336,6 +346,14 @@ async def export(
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:
+            if manifest.source and _root_of(manifest.source) != _root_of(url):
+                # Resume keys rows by rollout id: two roots' rollouts (ids reused, as every run's
+                # "r-0") in one dataset would be mistaken for one another, or duplicated.
+                raise ValueError(
+                    f"--out {dest} holds an export of {manifest.source} (part-{manifest.shard:05d}); this run "
+                    f"exports {url}: one destination takes one source root (a re-run resumes it), so use "
+                    "another destination"
+                )
             if manifest.data_format != format:
                 raise ValueError(
                     f"--out {dest} holds a {manifest.data_format} export (part-{manifest.shard:05d}); "
@@ -646,6 +664,18 @@ def format_summary(summary: ExportSummary) -> str:
         lines.extend(f"  {escape_controls(line)}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
     if s.shards_failed:
         lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")
+    if s.trajectories == 0 and not s.already_exported and not s.shards_existing:
+        # Reading such a folder fails in pyarrow ("No match for FieldRef.Name(masked)"): say why.
+        hints = []
+        waiting = s.skipped_reasons.get("not_quiescent", 0)
+        if waiting:
+            hints.append(
+                f"{waiting:,} open rollouts have not been quiet for --min-age: --freeze freezes and exports them now"
+            )
+        if s.masked_excluded:
+            hints.append(f"{s.masked_excluded:,} masked rollouts were left out: --masked include writes them too")
+        lines.append("nothing to read: this run wrote no trajectory, so the destination holds no data file")
+        lines.extend(f"  {hint}" for hint in hints)
     lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
     lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {'OK' if s.ok else 'FAILED'}")
     return "\n".join(lines)
