@@ -283,8 +283,8 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     assert young.skipped == 2 and young.skipped_reasons == {"not_quiescent": 2} and young.exported == 0
     # Nothing to read in the destination (pyarrow fails on it): the summary says so, and what to do.
     text = format_summary(young)
-    assert "nothing to read: this run wrote no trajectory" in text, text
-    assert "2 open rollouts have not been quiet for --min-age: --freeze freezes and exports them now" in text
+    assert "nothing to read: the destination holds no data file" in text, text
+    assert "2 open rollouts have not been quiet for --min-age: --min-age 0 takes them now" in text, text
 
     # A frozen rollout written to after its freeze (a late marker) is not sealed: skipped, unread,
     # until --freeze seals it again (then masked, by the marker).
@@ -296,20 +296,26 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
     assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
     assert "1 masked rollouts were left out: --masked include writes them too" in format_summary(resealed)
+    # A re-run finds that rollout recorded (a manifest, no data file): still nothing to read.
+    rerun = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
+    assert rerun.already_exported == 1 and rerun.data_files == 0
+    assert "nothing to read" in format_summary(rerun)
     await fresh().delete(["late"])
 
     # Quiescent and read unsealed: exported, but a drop could not consume it (no fence): not dropped.
-    unsealed = await export(bucket_url, str(tmp_path / "unsealed"), workers=0, min_age=0, drop=True)
+    # (What the hint above says: --min-age 0 takes them, into the same folder.)
+    unsealed = await export(bucket_url, str(tmp_path / "young"), workers=0, min_age=0, drop=True)
     assert unsealed.exported == 2 and unsealed.dropped == 0 and unsealed.not_dropped == 2
+    assert unsealed.data_files == 1 and "nothing to read" not in format_summary(unsealed)
     assert {"source:PutObject", "source:DeleteObject", "source:DeleteObjects"}.isdisjoint(unsealed.requests)
-    assert all(not r.sealed for m in await read_manifests(str(tmp_path / "unsealed")) for r in m.rollouts)
+    assert all(not r.sealed for m in await read_manifests(str(tmp_path / "young")) for r in m.rollouts)
 
     # --freeze: frozen first, exported from the sealed snapshot, then dropped.
     frozen = await export(bucket_url, str(tmp_path / "frozen"), workers=0, min_age=0, freeze=True, drop=True)
     assert frozen.exported == 2 and frozen.dropped == 2, format_summary(frozen)
     states = {info.rollout_id: info.state async for info in fresh().rollouts()}
     assert states == {"open-a": "retired", "open-b": "retired"}
-    assert read_rows(str(tmp_path / "frozen")) == read_rows(str(tmp_path / "unsealed"))
+    assert read_rows(str(tmp_path / "frozen")) == read_rows(str(tmp_path / "young"))
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
@@ -442,6 +448,17 @@ async def test_a_destination_takes_one_source_root(
     code = await asyncio.to_thread(main, ["export", other_url, "--out", str(out), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "holds an export of" in err and "Traceback" not in err, err
+
+    # The same bucket and prefix on another endpoint (self-hosted stores reuse bucket names) is
+    # another root too; a manifest written before the endpoint was recorded is taken at its word.
+    (manifest_path,) = out.glob("_part-*.manifest.json")
+    recorded = json.loads(manifest_path.read_text())
+    assert recorded["source_endpoint"] == os.environ["AWS_ENDPOINT_URL"].rstrip("/").lower()
+    manifest_path.write_text(json.dumps({**recorded, "source_endpoint": "http://other-s3.example:9000"}))
+    with pytest.raises(ValueError, match="at http://other-s3.example:9000 .* one destination takes one source root"):
+        await export(bucket_url, str(out), workers=0)
+    manifest_path.write_text(json.dumps({k: v for k, v in recorded.items() if k != "source_endpoint"}))
+    assert (await export(bucket_url, str(out), workers=0)).already_exported == 1
 
 
 def _children(pid: int) -> list[int]:

@@ -257,6 +257,60 @@ async def test_a_sigkilled_ray_export_leaves_no_process_of_its_runtime(
         proc.stderr.close()  # type: ignore[union-attr]
 
 
+def test_the_watchdog_ends_only_its_runtime_and_exits_when_told_though_a_fork_holds_its_pipe(tmp_path: Path) -> None:
+    """Found by a breaker: the watchdog first noted every ``ray::`` descendant of the export's
+    process, so a normal export ended another Ray runtime the same program ran (an actor died); it
+    watched a cluster the export had only joined; and a child the export forked kept its pipe open,
+    so it lingered and later ended the program's next runtime. Now it notes only the runtime's roots
+    (the export's direct children naming the session directory) and their descendants, and ends on
+    an explicit ``done``. No Ray needed: ``exec -a`` gives ``sleep`` a runtime's command lines."""
+    import multiprocessing
+    import signal
+    import subprocess
+
+    from s3capture.export import raywatch
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the watchdog reads /proc")
+    session = str(tmp_path / "session_2026-12-01_00-00-00_000000_1")
+    root = subprocess.Popen(["bash", "-c", f"(exec -a ray::Agent sleep 300) & exec -a '{session}/raylet' sleep 300"])
+    other = subprocess.Popen(["bash", "-c", "exec -a ray::OtherRuntimeActor sleep 300"])
+    forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    dog = None
+    runtime: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 10
+        while len(raywatch.runtime_processes(os.getpid(), session)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        runtime = raywatch.runtime_processes(os.getpid(), session)
+        assert root.pid in runtime and len(runtime) == 2, runtime  # the root and its agent, not "other"
+        assert raywatch.runtime_roots(os.getpid(), str(tmp_path / "another_session")) == set()
+        started = raywatch.start_time(os.getpid())
+        command = [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), str(started), session]
+        dog = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+        time.sleep(1.0)  # its first note
+        forked.start()  # holds the pipe's write end from now on
+        dog.stdin.write(raywatch.DONE)  # type: ignore[union-attr]
+        dog.stdin.flush()  # type: ignore[union-attr]
+        dog.stdin.close()  # type: ignore[union-attr]
+        assert dog.wait(timeout=20) == 0, "the watchdog did not exit on done while a fork held its pipe"
+        assert root.wait(timeout=5) is not None
+        assert not any(raywatch.start_time(pid) == st for pid, st in runtime.items()), "the runtime survived"
+        assert other.poll() is None, "the watchdog ended a process of another runtime"
+    finally:
+        for proc in (root, other, dog):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if forked.pid is not None:
+            forked.kill()
+            forked.join()
+        for pid, st in runtime.items():
+            if raywatch.start_time(pid) == st:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- without Ray or a server
 def test_engine_ray_without_ray_is_a_one_line_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path

@@ -33,6 +33,7 @@ from s3capture.export.records import (
     ShardResult,
     _note,
     _reason_class,
+    source_endpoint_of,
 )
 from s3capture.export.shard import NOT_SEALED, ListedRollout
 from s3capture.ops import store_time
@@ -345,14 +346,18 @@ async def export(
             job = msgspec.structs.replace(job, lock_token=target.token)
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
+        endpoint = source_endpoint_of(endpoint_url)
         for manifest in existing.manifests:
-            if manifest.source and _root_of(manifest.source) != _root_of(url):
+            other_endpoint = manifest.source_endpoint is not None and manifest.source_endpoint != endpoint
+            if manifest.source and (_root_of(manifest.source) != _root_of(url) or other_endpoint):
                 # Resume keys rows by rollout id: two roots' rollouts (ids reused, as every run's
                 # "r-0") in one dataset would be mistaken for one another, or duplicated.
+                where = f" at {manifest.source_endpoint or 'AWS'}" if other_endpoint else ""
+                here = f" at {endpoint or 'AWS'}" if other_endpoint else ""
                 raise ValueError(
-                    f"--out {dest} holds an export of {manifest.source} (part-{manifest.shard:05d}); this run "
-                    f"exports {url}: one destination takes one source root (a re-run resumes it), so use "
-                    "another destination"
+                    f"--out {dest} holds an export of {manifest.source}{where} (part-{manifest.shard:05d}); this "
+                    f"run exports {url}{here}: one destination takes one source root (a re-run resumes it), so "
+                    "use another destination"
                 )
             if manifest.data_format != format:
                 raise ValueError(
@@ -383,6 +388,7 @@ async def export(
         await target.remove(existing.broken + orphans)
         summary.orphans_removed = len(existing.broken) + len(orphans)
         summary.shards_existing = len(existing.manifests)
+        summary.data_files = len(durable_data)
         next_shard = existing.highest + 1
     except BaseException:
         await target.close(failed=True)
@@ -601,6 +607,8 @@ def _account(summary: ExportSummary, result: ShardResult, requests: collections.
         summary.shards_failed += 1
     elif result.manifest:
         summary.shards_written += 1
+        if result.data:
+            summary.data_files += 1
     for rid, reason in result.skipped:
         summary.skipped += 1
         _note(summary.skipped_reasons, summary.skipped_examples, rid, reason)
@@ -664,17 +672,18 @@ def format_summary(summary: ExportSummary) -> str:
         lines.extend(f"  {escape_controls(line)}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
     if s.shards_failed:
         lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")
-    if s.trajectories == 0 and not s.already_exported and not s.shards_existing:
+    if not s.data_files and not s.shards_failed:
         # Reading such a folder fails in pyarrow ("No match for FieldRef.Name(masked)"): say why.
         hints = []
         waiting = s.skipped_reasons.get("not_quiescent", 0)
         if waiting:
             hints.append(
-                f"{waiting:,} open rollouts have not been quiet for --min-age: --freeze freezes and exports them now"
+                f"{waiting:,} open rollouts have not been quiet for --min-age: --min-age 0 takes them now "
+                "(with --freeze they are frozen first, and a write still coming to one of them fails)"
             )
         if s.masked_excluded:
             hints.append(f"{s.masked_excluded:,} masked rollouts were left out: --masked include writes them too")
-        lines.append("nothing to read: this run wrote no trajectory, so the destination holds no data file")
+        lines.append("nothing to read: the destination holds no data file (no row was written)")
         lines.extend(f"  {hint}" for hint in hints)
     lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
     lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {'OK' if s.ok else 'FAILED'}")

@@ -337,17 +337,16 @@ async def ray_engine(
         endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
         transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
     )
-    started_here = local_runtime = False
+    started_here = False
     if not ray.is_initialized():
         import logging
 
         options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
         if address is None and not os.environ.get("RAY_ADDRESS"):
             options["include_dashboard"] = False  # a local runtime for this export only
-            local_runtime = True
         ray.init(address=address, **options)
         started_here = True
-    watchdog = _start_ray_watchdog() if local_runtime else None
+    watchdog = _start_ray_watchdog() if started_here else None
     sink: Any = None
     pending: dict[Any, ShardTask] = {}
     try:
@@ -418,29 +417,36 @@ async def ray_engine(
         if started_here:
             ray.shutdown()
         if watchdog is not None:
-            with contextlib.suppress(OSError):
-                watchdog.stdin.close()  # it ends whatever of the runtime outlived the shutdown
-            threading.Thread(target=watchdog.wait, daemon=True).start()  # reaped without waiting here
+            _stop_ray_watchdog(watchdog)  # it ends whatever of the runtime outlived the shutdown
 
 
 def _start_ray_watchdog() -> Any:
     """Start ``s3capture.export.raywatch`` for the local Ray runtime this process just started, so
     that a SIGKILL of the export (or the OOM killer) does not leave Ray's agents running; ``None``
-    where it cannot run (not Linux, or no session directory to recognise the runtime by)."""
+    where it cannot run (not Linux, no session directory to recognise the runtime by) or where
+    ``ray.init`` joined a cluster instead of starting a runtime of this process (``address=None``
+    joins the machine's latest ``ray start`` cluster when there is one)."""
     if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
         return None
+    from s3capture.export import raywatch
+
     try:
         import ray._private.worker as ray_worker  # the session directory has no public accessor
 
         node: Any = ray_worker._global_node
         session_dir = str(node.get_session_dir_path())
+        if not raywatch.runtime_roots(os.getpid(), session_dir):
+            return None  # joined: the runtime's processes are not this process's children
+        started = raywatch.start_time(os.getpid())
     except Exception:  # noqa: BLE001 - a Ray without it: no watchdog, as before
+        return None
+    if started is None:
         return None
     import subprocess
 
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), session_dir],
+            [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), str(started), session_dir],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -448,6 +454,19 @@ def _start_ray_watchdog() -> Any:
         )
     except OSError:
         return None
+
+
+def _stop_ray_watchdog(watchdog: Any) -> None:
+    """After ``ray.shutdown()``: tell the watchdog the export ended (a child this process forked
+    may hold the pipe open, so closing it is not enough), and reap it without waiting here."""
+    from s3capture.export import raywatch
+
+    with contextlib.suppress(OSError, ValueError):
+        watchdog.stdin.write(raywatch.DONE)
+        watchdog.stdin.flush()
+    with contextlib.suppress(OSError, ValueError):
+        watchdog.stdin.close()
+    threading.Thread(target=watchdog.wait, daemon=True).start()
 
 
 ENGINES: dict[str, Callable[..., AsyncGenerator[ShardResult, None]]] = {"local": local_engine, "ray": ray_engine}

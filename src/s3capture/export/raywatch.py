@@ -1,22 +1,27 @@
 """A watchdog that ends the local Ray runtime an export started, when the export dies with it.
 
 ``ray_engine`` starts it (Linux only: it reads ``/proc``) right after ``ray.init`` started a local
-runtime for this export alone::
+runtime of this process (``runtime_roots`` finds one)::
 
-    python -m s3capture.export.raywatch PARENT_PID SESSION_DIR    # stdin: a pipe from the export
+    python -m s3capture.export.raywatch PARENT_PID PARENT_START SESSION_DIR   # stdin: a pipe from the export
 
-While the export lives, it notes every descendant of ``PARENT_PID`` that is Ray's (its command line
-names ``SESSION_DIR`` or starts with ``ray::``), as ``(pid, start time)`` so that a reused pid is
-never mistaken for one of them: every 2 seconds for 30 seconds (the runtime starts its agents
-then), every 30 seconds afterwards (a scan of ``/proc`` costs milliseconds on a busy node). When
-its stdin closes (the export ended, or was killed: SIGKILL and the OOM killer included), it gives
-those processes ``GRACE`` seconds to exit by themselves, then sends SIGTERM, and SIGKILL to what
-is left 3 seconds later. Ray ends its GCS
-and raylet when the driver dies, but not the agents the raylet started (``ray::DashboardAgent``,
-``ray::RuntimeEnvAgent``, seen with Ray 2.60.0): this is what ends them. After a normal end
-(``ray.shutdown()`` first) nothing is left to end.
+The runtime's processes are the *roots* ``ray.init`` started as direct children of the export
+process with ``SESSION_DIR`` in their command line (GCS, raylet, monitors), and every descendant
+of those (the raylet's agents ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, its workers).
+No other process is ever noted: not another Ray runtime of the same program (its roots name another
+session directory), not a cluster the export only joined (its roots are not the export's
+children), not anything else the program runs. Each is noted as ``(pid, start time)``, so that a
+reused pid is never mistaken for one of them: every 2 seconds for 30 seconds (the runtime starts
+its agents then), every 30 seconds afterwards (a scan of ``/proc`` costs milliseconds on a busy
+node).
 
-It never touches a process it did not see descend from the export, nor one that is not Ray's.
+The export writes ``done`` to the pipe after ``ray.shutdown()``: the watchdog then ends whatever
+of the runtime is still running and exits. When the export dies instead (SIGKILL, the OOM killer),
+the watchdog sees it gone (its pid no longer has its start time, checked every second, or the
+pipe closed), gives the runtime's processes ``GRACE`` seconds to exit by themselves (Ray ends its
+GCS and raylet when the driver dies, but not the raylet's agents: seen with Ray 2.60.0), then
+sends SIGTERM, and SIGKILL to what is left 3 seconds later. A child the export forked keeps the
+pipe open, which is why neither ending relies on the pipe closing.
 """
 
 from __future__ import annotations
@@ -28,15 +33,28 @@ import sys
 import time
 
 SCAN_EVERY = 2.0
-"""Seconds between two notes of the export's Ray descendants during its first ``SETTLED`` seconds
-(the runtime starts its agents then), and ``SETTLED`` seconds between two notes afterwards."""
+"""Seconds between two notes of the runtime's processes during its first ``SETTLED`` seconds,
+and ``SETTLED`` seconds between two notes afterwards."""
 SETTLED = 30.0
+POLL = 1.0
+"""Seconds between two checks that the export is still alive."""
 GRACE = 3.0
-"""Seconds Ray's processes get to exit by themselves after the export ended."""
+"""Seconds the runtime's processes get to exit by themselves after the export died."""
+DONE = b"done"
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """``pid -> (parent pid, start time in clock ticks)`` of every live process (zombies left out)."""
+    table: dict[int, tuple[int, int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            found = _stat(int(name))
+            if found is not None:
+                table[int(name)] = found
+    return table
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """``(parent pid, start time in clock ticks)`` of a live process, ``None`` for a gone or zombie one."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             fields = handle.read().rsplit(b")", 1)[1].split()
@@ -50,38 +68,45 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def ray_descendants(root: int, session_dir: str) -> dict[int, int]:
-    """``pid -> start time`` of the live descendants of ``root`` that are Ray's processes."""
-    table: dict[int, tuple[int, int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            found = _stat(int(name))
-            if found is not None:
-                table[int(name)] = found
-    family = {root}
+def start_time(pid: int) -> int | None:
+    """The start time (clock ticks after boot) of a live process, ``None`` when it is gone."""
+    found = _stat(pid)
+    return None if found is None else found[1]
+
+
+def _command(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def runtime_roots(parent: int, session_dir: str, table: dict[int, tuple[int, int]] | None = None) -> set[int]:
+    """The direct children of ``parent`` whose command line names ``session_dir``: the processes
+    ``ray.init`` started for a local runtime of ``parent`` (none when it joined a cluster)."""
+    if not session_dir:
+        return set()
+    table = process_table() if table is None else table
+    marker = session_dir.encode()
+    return {pid for pid, (ppid, _) in table.items() if ppid == parent and marker in _command(pid)}
+
+
+def runtime_processes(parent: int, session_dir: str) -> dict[int, int]:
+    """``pid -> start time`` of the runtime's roots and all their live descendants."""
+    table = process_table()
+    family = runtime_roots(parent, session_dir, table)
     grew = True
     while grew:
-        more = {pid for pid, (parent, _) in table.items() if parent in family} - family
+        more = {pid for pid, (ppid, _) in table.items() if ppid in family} - family
         family |= more
         grew = bool(more)
-    family.discard(root)
     family.discard(os.getpid())
-    marker = session_dir.encode()
-    out: dict[int, int] = {}
-    for pid in family:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                command = handle.read()
-        except OSError:
-            continue
-        if command.startswith(b"ray::") or (marker and marker in command):
-            out[pid] = table[pid][1]
-    return out
+    return {pid: table[pid][1] for pid in family}
 
 
 def _alive(pid: int, started: int) -> bool:
-    found = _stat(pid)
-    return found is not None and found[1] == started
+    return start_time(pid) == started
 
 
 def end(processes: dict[int, int], grace: float = GRACE) -> None:
@@ -103,25 +128,34 @@ def end(processes: dict[int, int], grace: float = GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or not args[0].isdigit():
-        print("usage: python -m s3capture.export.raywatch PARENT_PID SESSION_DIR", file=sys.stderr)
+    if len(args) != 3 or not args[0].isdigit() or not args[1].isdigit():
+        print("usage: python -m s3capture.export.raywatch PARENT_PID PARENT_START SESSION_DIR", file=sys.stderr)
         return 2
-    root, session_dir = int(args[0]), args[1]
+    parent, parent_start, session_dir = int(args[0]), int(args[1]), args[2]
     seen: dict[int, int] = {}
     stdin = sys.stdin.fileno()
-    started = time.monotonic()
+    began = time.monotonic()
+    next_scan = began
+    grace = GRACE
     while True:
-        seen.update(ray_descendants(root, session_dir))
-        early = time.monotonic() - started < SETTLED
-        ready, _, _ = select.select([stdin], [], [], SCAN_EVERY if early else SETTLED)
+        now = time.monotonic()
+        if now >= next_scan:
+            seen.update(runtime_processes(parent, session_dir))
+            next_scan = now + (SCAN_EVERY if now - began < SETTLED else SETTLED)
+        if start_time(parent) != parent_start:
+            break  # the export died (or ended without saying so)
+        ready, _, _ = select.select([stdin], [], [], min(POLL, max(0.0, next_scan - time.monotonic())))
         if ready:
             try:
                 data = os.read(stdin, 4096)
             except OSError:
                 data = b""
+            if DONE in data:
+                grace = 1.0  # ray.shutdown() has run: what is left of the runtime is left over
+                break
             if not data:
-                break  # the export closed the pipe, or died
-    end(seen)
+                break  # the pipe closed: the export died
+    end(seen, grace)
     return 0
 
 

@@ -106,6 +106,9 @@ class ShardManifest(msgspec.Struct, kw_only=True):
     builder: str = ""
     build_with: str = ""
     source: str = ""
+    source_endpoint: str | None = None
+    """The S3 endpoint the source was read from (``source_endpoint_of``: ``""`` for AWS itself);
+    ``None`` in manifests written before the field."""
     created_at: str = ""
     rollouts: list[RolloutRecord] = []
     token_ids: str = ""
@@ -172,6 +175,9 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     shards_written: int = 0
     shards_failed: int = 0
     shards_existing: int = 0
+    data_files: int = 0
+    """Data files in the destination after this run: durable ones found plus the ones it wrote (a
+    shard whose rollouts were all masked and left out has a manifest and no data file)."""
     orphans_removed: int = 0
     dropped: int = 0
     drop_failed: int = 0
@@ -200,3 +206,17 @@ def _note(counts: dict[str, int], examples: dict[str, list[str]], rollout_id: st
     kept = examples.setdefault(kind, [])
     if len(kept) < _EXAMPLES:
         kept.append(f"{rollout_id}: {reason}")
+
+
+def source_endpoint_of(endpoint_url: str | None) -> str:
+    """The endpoint an export's source store talks to, as its manifests record it: ``endpoint_url``,
+    else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (the store's own order), without a
+    trailing slash and with its scheme and host in lower case; ``""`` for AWS itself."""
+    import os
+    from urllib.parse import urlsplit, urlunsplit
+
+    raw = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    if not raw:
+        return ""
+    parts = urlsplit(raw.strip())
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path.rstrip("/"), parts.query, ""))

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from s3capture.export.destinations import _Destination, _open_destination
-from s3capture.export.records import ExportJob, RolloutRecord, ShardManifest, ShardResult
+from s3capture.export.records import ExportJob, RolloutRecord, ShardManifest, ShardResult, source_endpoint_of
 from s3capture.export.writers import _Built, _open_writer, _Writer
 
 _REPORT: Callable[[tuple[int, int, int, int]], Any] | None = None
@@ -288,6 +288,7 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
             builder=job.builder,
             build_with=job.build_with,
             source=job.url,
+            source_endpoint=source_endpoint_of(job.endpoint_url),
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             rollouts=result.records,
             token_ids=job.parquet_token_ids(),
