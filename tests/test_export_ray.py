@@ -285,8 +285,12 @@ def test_the_watchdog_ends_only_its_runtime_and_exits_when_told_though_a_fork_ho
         runtime = raywatch.runtime_processes(os.getpid(), session)
         assert root.pid in runtime and len(runtime) == 2, runtime  # the root and its agent, not "other"
         assert raywatch.runtime_roots(os.getpid(), str(tmp_path / "another_session")) == set()
+        # Processes started before ray.init was called are no roots of its runtime (a PID 1 that
+        # adopted a `ray start` cluster's processes, then joined that cluster).
+        assert raywatch.runtime_roots(os.getpid(), session, since=raywatch.now_ticks() + 100) == set()
         started = raywatch.start_time(os.getpid())
-        command = [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), str(started), session]
+        since = str(raywatch.start_time(root.pid))
+        command = [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), str(started), since, session]
         dog = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
         time.sleep(1.0)  # its first note
         forked.start()  # holds the pipe's write end from now on

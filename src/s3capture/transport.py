@@ -27,6 +27,7 @@ Fault injection for tests wraps the wire (``tests/faultproxy.py``), never this m
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 import base64
 import builtins
 import collections
@@ -381,6 +382,13 @@ class Transport:
                 self._server_time = (email.utils.parsedate_to_datetime(value).timestamp(), time.monotonic())
             except (TypeError, ValueError):
                 pass  # a malformed Date: keep the previous one
+
+    async def effective_endpoint(self) -> str:
+        """The endpoint URL this transport's requests go to, ``""`` for AWS S3 itself (whatever
+        its region). The configured ``endpoint_url`` here; the aioboto3 transport also resolves
+        what botocore takes from the AWS config (a profile's ``endpoint_url``). Opens no
+        connection."""
+        return self.endpoint_url or ""
 
     # ------------------------------------------------------------------ hooks
     def add_hook(self, before: RequestHook | None = None, after: RequestHook | None = None) -> None:
@@ -799,6 +807,13 @@ class S3Transport(Transport):
 
     def _counted(self, operation: str) -> None:
         pass  # counted per HTTP attempt by the before-send event (_count_request)
+
+    async def effective_endpoint(self) -> str:
+        if self.endpoint_url:
+            return self.endpoint_url
+        url = str((await self.client()).meta.endpoint_url or "")
+        host = (urlsplit(url).hostname or "").lower()
+        return "" if host == "amazonaws.com" or host.endswith(".amazonaws.com") else url
 
     def _forked(self, states: Any) -> None:
         # A forked child must not share the parent's sockets: start afresh, never close the

@@ -337,8 +337,15 @@ async def export(
     bar = progress if isinstance(progress, _Progress) else _Progress(bool(progress))
 
     # -- the destination: durable shards, orphans of an interrupted run
+    store = S3TokenStore(
+        url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace
+    )
     target = _open_destination(job)
     try:
+        # The endpoint the source client resolved (an AWS profile's endpoint_url included), which
+        # every shard manifest records: the same bucket and prefix elsewhere is another root.
+        endpoint = source_endpoint_of(await store.transport.effective_endpoint())
+        job = msgspec.structs.replace(job, source_endpoint=endpoint)
         await target.lock()  # held until the end: another export into it is refused
         if isinstance(target, _S3Destination) and target.tag:
             job = msgspec.structs.replace(job, run_tag=target.tag)
@@ -346,9 +353,12 @@ async def export(
             job = msgspec.structs.replace(job, lock_token=target.token)
         existing = await target.scan()
         done: dict[str, RolloutRecord] = {}
-        endpoint = source_endpoint_of(endpoint_url)
         for manifest in existing.manifests:
-            other_endpoint = manifest.source_endpoint is not None and manifest.source_endpoint != endpoint
+            # (Not for an s3:// destination: the job reads it through the same endpoint as the
+            # source, so another spelling of the endpoint there can only be an alias of it.)
+            other_endpoint = (
+                manifest.source_endpoint is not None and manifest.source_endpoint != endpoint and not _is_s3(dest)
+            )
             if manifest.source and (_root_of(manifest.source) != _root_of(url) or other_endpoint):
                 # Resume keys rows by rollout id: two roots' rollouts (ids reused, as every run's
                 # "r-0") in one dataset would be mistaken for one another, or duplicated.
@@ -391,14 +401,14 @@ async def export(
         summary.data_files = len(durable_data)
         next_shard = existing.highest + 1
     except BaseException:
-        await target.close(failed=True)
+        try:
+            await store.close()
+        finally:
+            await target.close(failed=True)
         raise
 
     drop_limit = asyncio.Semaphore(32)
     drop_tasks: set[asyncio.Task] = set()
-    store = S3TokenStore(
-        url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace
-    )
 
     async def drop_one(record: RolloutRecord) -> None:
         async with drop_limit:

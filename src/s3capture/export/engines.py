@@ -337,16 +337,17 @@ async def ray_engine(
         endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
         transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
     )
-    started_here = False
+    started_here, before = False, 0
     if not ray.is_initialized():
         import logging
 
         options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
         if address is None and not os.environ.get("RAY_ADDRESS"):
             options["include_dashboard"] = False  # a local runtime for this export only
+        before = _ticks_now()
         ray.init(address=address, **options)
         started_here = True
-    watchdog = _start_ray_watchdog() if started_here else None
+    watchdog = _start_ray_watchdog(before) if started_here else None
     sink: Any = None
     pending: dict[Any, ShardTask] = {}
     try:
@@ -420,7 +421,17 @@ async def ray_engine(
             _stop_ray_watchdog(watchdog)  # it ends whatever of the runtime outlived the shutdown
 
 
-def _start_ray_watchdog() -> Any:
+def _ticks_now() -> int:
+    """``raywatch.now_ticks()`` where ``/proc`` exists, else 0."""
+    from s3capture.export import raywatch
+
+    try:
+        return raywatch.now_ticks()
+    except (OSError, ValueError):
+        return 0
+
+
+def _start_ray_watchdog(since: int) -> Any:
     """Start ``s3capture.export.raywatch`` for the local Ray runtime this process just started, so
     that a SIGKILL of the export (or the OOM killer) does not leave Ray's agents running; ``None``
     where it cannot run (not Linux, no session directory to recognise the runtime by) or where
@@ -435,7 +446,7 @@ def _start_ray_watchdog() -> Any:
 
         node: Any = ray_worker._global_node
         session_dir = str(node.get_session_dir_path())
-        if not raywatch.runtime_roots(os.getpid(), session_dir):
+        if not raywatch.runtime_roots(os.getpid(), session_dir, since):
             return None  # joined: the runtime's processes are not this process's children
         started = raywatch.start_time(os.getpid())
     except Exception:  # noqa: BLE001 - a Ray without it: no watchdog, as before
@@ -446,7 +457,15 @@ def _start_ray_watchdog() -> Any:
 
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), str(started), session_dir],
+            [
+                sys.executable,
+                "-m",
+                "s3capture.export.raywatch",
+                str(os.getpid()),
+                str(started),
+                str(since),
+                session_dir,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -3,14 +3,15 @@
 ``ray_engine`` starts it (Linux only: it reads ``/proc``) right after ``ray.init`` started a local
 runtime of this process (``runtime_roots`` finds one)::
 
-    python -m s3capture.export.raywatch PARENT_PID PARENT_START SESSION_DIR   # stdin: a pipe from the export
+    python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE SESSION_DIR   # stdin: a pipe from the export
 
 The runtime's processes are the *roots* ``ray.init`` started as direct children of the export
-process with ``SESSION_DIR`` in their command line (GCS, raylet, monitors), and every descendant
-of those (the raylet's agents ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, its workers).
+process with ``SESSION_DIR`` in their command line (GCS, raylet, monitors), started at ``SINCE``
+(clock ticks after boot, taken just before ``ray.init``) or later, and every descendant of those (the raylet's agents ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, its workers).
 No other process is ever noted: not another Ray runtime of the same program (its roots name another
 session directory), not a cluster the export only joined (its roots are not the export's
-children), not anything else the program runs. Each is noted as ``(pid, start time)``, so that a
+children, or were started before ``ray.init``, as when the export is PID 1 of a container and
+adopted a ``ray start`` cluster's processes), not anything else the program runs. Each is noted as ``(pid, start time)``, so that a
 reused pid is never mistaken for one of them: every 2 seconds for 30 seconds (the runtime starts
 its agents then), every 30 seconds afterwards (a scan of ``/proc`` costs milliseconds on a busy
 node).
@@ -82,20 +83,33 @@ def _command(pid: int) -> bytes:
         return b""
 
 
-def runtime_roots(parent: int, session_dir: str, table: dict[int, tuple[int, int]] | None = None) -> set[int]:
-    """The direct children of ``parent`` whose command line names ``session_dir``: the processes
-    ``ray.init`` started for a local runtime of ``parent`` (none when it joined a cluster)."""
+def now_ticks() -> int:
+    """This moment in the clock ticks after boot that ``/proc/<pid>/stat`` gives start times in."""
+    with open("/proc/uptime") as handle:
+        return int(float(handle.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def runtime_roots(
+    parent: int, session_dir: str, since: int = 0, table: dict[int, tuple[int, int]] | None = None
+) -> set[int]:
+    """The direct children of ``parent`` started at ``since`` (clock ticks after boot) or later
+    whose command line names ``session_dir``: the processes ``ray.init`` started for a local
+    runtime of ``parent``. None when it joined a cluster: that cluster's processes are not
+    ``parent``'s children, or (a ``parent`` that adopts orphans: PID 1 in a container, a subreaper)
+    they were started before ``ray.init`` was called."""
     if not session_dir:
         return set()
     table = process_table() if table is None else table
     marker = session_dir.encode()
-    return {pid for pid, (ppid, _) in table.items() if ppid == parent and marker in _command(pid)}
+    return {
+        pid for pid, (ppid, started) in table.items() if ppid == parent and started >= since and marker in _command(pid)
+    }
 
 
-def runtime_processes(parent: int, session_dir: str) -> dict[int, int]:
+def runtime_processes(parent: int, session_dir: str, since: int = 0) -> dict[int, int]:
     """``pid -> start time`` of the runtime's roots and all their live descendants."""
     table = process_table()
-    family = runtime_roots(parent, session_dir, table)
+    family = runtime_roots(parent, session_dir, since, table)
     grew = True
     while grew:
         more = {pid for pid, (ppid, _) in table.items() if ppid in family} - family
@@ -128,10 +142,10 @@ def end(processes: dict[int, int], grace: float = GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 3 or not args[0].isdigit() or not args[1].isdigit():
-        print("usage: python -m s3capture.export.raywatch PARENT_PID PARENT_START SESSION_DIR", file=sys.stderr)
+    if len(args) != 4 or not all(arg.isdigit() for arg in args[:3]):
+        print("usage: python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE SESSION_DIR", file=sys.stderr)
         return 2
-    parent, parent_start, session_dir = int(args[0]), int(args[1]), args[2]
+    parent, parent_start, since, session_dir = int(args[0]), int(args[1]), int(args[2]), args[3]
     seen: dict[int, int] = {}
     stdin = sys.stdin.fileno()
     began = time.monotonic()
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         now = time.monotonic()
         if now >= next_scan:
-            seen.update(runtime_processes(parent, session_dir))
+            seen.update(runtime_processes(parent, session_dir, since))
             next_scan = now + (SCAN_EVERY if now - began < SETTLED else SETTLED)
         if start_time(parent) != parent_start:
             break  # the export died (or ended without saying so)

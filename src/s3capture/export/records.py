@@ -43,6 +43,9 @@ class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
     token_type: str = "auto"
     endpoint_url: str | None = None
     transport: str | None = None
+    source_endpoint: str | None = None
+    """The endpoint the source store resolved (``source_endpoint_of`` of the client's endpoint),
+    recorded in every shard manifest; ``None``: recorded from ``endpoint_url`` and the environment."""
     cache_bytes: int = 32 * 1024 * 1024
     run_tag: str = ""
     """On an ``s3://`` destination, this export's claim id, in the name of every shard it writes

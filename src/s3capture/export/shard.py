@@ -288,7 +288,9 @@ async def _export_shard(job: ExportJob, shard: int, rollouts: list[Any], store: 
             builder=job.builder,
             build_with=job.build_with,
             source=job.url,
-            source_endpoint=source_endpoint_of(job.endpoint_url),
+            source_endpoint=(
+                job.source_endpoint if job.source_endpoint is not None else source_endpoint_of(job.endpoint_url)
+            ),
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             rollouts=result.records,
             token_ids=job.parquet_token_ids(),
