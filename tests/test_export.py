@@ -475,6 +475,14 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+async def _frozen_chains(fresh: Any, prefix: str, *, count: int, calls: int) -> None:
+    """Rollouts ``<prefix>-0`` .. ``<prefix>-<count - 1>`` of ``calls`` chained calls each, frozen."""
+    writer, builder = fresh(), fresh()
+    for index in range(count):
+        await put_chain(writer, f"{prefix}-{index}", calls)
+        await builder.freeze(f"{prefix}-{index}")
+
+
 async def _export_with_workers_started(script: Path, source: str, out: Path) -> subprocess.Popen:
     """Start ``script`` (which runs the CLI's ``main``) as ``export SOURCE --out OUT`` with two
     worker processes, in a session of its own; return once both workers exist."""
@@ -500,10 +508,7 @@ async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
     # seconds importing before they run anything (here: a script whose import as the workers'
     # __mp_main__ takes 3 s). They used to print KeyboardInterrupt tracebacks from inside
     # multiprocessing before the export's one-line message (a breaker's finding).
-    writer, builder = fresh(), fresh()
-    for index in range(2):
-        await put_chain(writer, f"int-{index}", 2)
-        await builder.freeze(f"int-{index}")
+    await _frozen_chains(fresh, "int", count=2, calls=2)
     script = tmp_path / "run_export.py"
     script.write_text(
         "import sys, time\n"
@@ -537,10 +542,7 @@ async def test_an_export_that_ignores_sigint_is_not_stopped_by_its_workers(
 ) -> None:
     # Started with SIGINT ignored (a shell's `&`, a supervisor), the export carries on through a
     # Ctrl-C to its process group; its workers must too, instead of failing their shards.
-    writer, builder = fresh(), fresh()
-    for index in range(6):
-        await put_chain(writer, f"ign-{index}", 3)
-        await builder.freeze(f"ign-{index}")
+    await _frozen_chains(fresh, "ign", count=6, calls=3)
     script = tmp_path / "run_export.py"
     script.write_text(
         "import signal, sys\n"
