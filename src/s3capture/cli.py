@@ -324,7 +324,9 @@ def _conformance(args: argparse.Namespace) -> int:
     if unknown:  # before any server starts or any request is sent; main() maps ValueError to exit 2
         raise ValueError(f"unknown check {', '.join(unknown)}; known: {', '.join(name for name, _, _ in CHECKS)}")
     server = None
-    endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    from s3capture.transport import configured_endpoint
+
+    endpoint = configured_endpoint(args.endpoint)
     url = args.url
     if url is not None:
         from s3capture.store import parse_s3_url

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -183,8 +182,9 @@ async def probe_store(url: str) -> None:
     botocore's five attempts each. Raises ``StoreError`` (or ``ValueError`` for a bad URL).
     """
     from s3capture.store import S3TokenStore, default_botocore_config
+    from s3capture.transport import configured_endpoint
 
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = configured_endpoint()
     extra = {"s3": {"addressing_style": "path"}} if endpoint else {}
     config = default_botocore_config(10, retries={"mode": "standard", "max_attempts": 2}, **extra)
     from s3capture.transport import connect_log

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import collections
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from s3capture.staging import (
     stage_call,
 )
 from s3capture.store import default_botocore_config, parse_s3_url
+from s3capture.transport import configured_endpoint
 
 __all__ = [
     "LedgerDemoReport",
@@ -104,7 +104,7 @@ class StagingArea:
         self.url = url
         self.bucket, prefix = parse_s3_url(url)
         self.prefix = f"{prefix}/" if prefix else ""
-        self.endpoint_url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint_url = configured_endpoint()
         extra = {"s3": {"addressing_style": "path"}} if self.endpoint_url else {}
         self._config = default_botocore_config(max(max_concurrency, 10), **extra)
         self._sem = asyncio.Semaphore(max_concurrency)

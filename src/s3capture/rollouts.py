@@ -36,7 +36,7 @@ from s3capture.errors import ListingError, StoreError
 from s3capture.layout import MAX_KEY_BYTES, Layout, escape_id, is_checkpoint_rel, parse_log_key, unescape_id
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.spill import Spill
-from s3capture.transport import ListedObject, ListPage, Transport, make_transport
+from s3capture.transport import ListedObject, ListPage, Transport, configured_endpoint, make_transport
 
 __all__ = [
     "RolloutObjects",
@@ -247,7 +247,7 @@ class RolloutObjects:
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
         self.layout = Layout(prefix)
-        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint_url = configured_endpoint(endpoint_url)
         self.transport = make_transport(
             transport,
             self.bucket,

@@ -27,7 +27,6 @@ Fault injection for tests wraps the wire (``tests/faultproxy.py``), never this m
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
 import base64
 import builtins
 import collections
@@ -45,6 +44,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from botocore import handlers as botocore_handlers
 from botocore.exceptions import ClientError
@@ -86,6 +86,13 @@ def _cannot_connect(error: BaseException) -> bool:
     except ImportError:  # pragma: no cover - aiobotocore requires it
         return False
     return isinstance(error, aiohttp.ClientConnectorError)
+
+
+def configured_endpoint(endpoint_url: str | None = None) -> str | None:
+    """The S3 endpoint a client of this process uses: ``endpoint_url``, else ``AWS_ENDPOINT_URL_S3``,
+    else ``AWS_ENDPOINT_URL`` (botocore's order for S3); ``None`` for AWS S3 itself (or what an AWS
+    profile's ``endpoint_url`` configures: ``Transport.effective_endpoint`` resolves that)."""
+    return endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 def warn_connect_retry(endpoint: str | None, error: BaseException, attempt: int, attempts: int) -> None:

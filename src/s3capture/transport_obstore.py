@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from obstore.store import S3Config
 
 from s3capture.transport import (
+    configured_endpoint,
     _NOT_FOUND,
     _NOT_IMPLEMENTED,
     Transport,
@@ -177,7 +178,7 @@ class ObstoreTransport(Transport):
             raise ImportError("transport='obstore' needs obstore: pip install 's3capture[obstore]'") from None
         # As botocore does: object_store would otherwise read AWS_ENDPOINT_URL on its own while the
         # LIST requests signed here went to AWS.
-        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint_url = configured_endpoint(endpoint_url)
         super().__init__(
             bucket,
             endpoint_url=endpoint_url,

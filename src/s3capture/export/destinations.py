@@ -333,11 +333,11 @@ class _LocalDestination(_Destination):
 class _S3Destination(_Destination):
     def __init__(self, url: str, *, endpoint_url: str | None, transport: str | None, session: Any = None) -> None:
         from s3capture.rollouts import parse_s3_url
-        from s3capture.transport import make_transport
+        from s3capture.transport import configured_endpoint, make_transport
 
         self.bucket, prefix = parse_s3_url(url)
         self.prefix = f"{prefix}/" if prefix else ""
-        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = configured_endpoint(endpoint_url)
         self.transport = make_transport(
             transport, self.bucket, endpoint_url=endpoint, session=session, max_concurrency=8
         )

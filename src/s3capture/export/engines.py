@@ -22,6 +22,7 @@ from s3capture.errors import ExportWorkerDied
 from s3capture.export import shard as _shard
 from s3capture.export.records import ExportJob, ShardResult
 from s3capture.export.shard import _close_clients, export_shard
+from s3capture.transport import configured_endpoint
 
 ShardTask = tuple[int, list[Any]]
 """``(shard number, ListedRollout list)``: one unit of work for an engine."""
@@ -335,7 +336,7 @@ async def ray_engine(
         raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {workers}")
     job = msgspec.structs.replace(
         job,
-        endpoint_url=job.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        endpoint_url=configured_endpoint(job.endpoint_url),
         transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
     )
     started_here, before = False, 0

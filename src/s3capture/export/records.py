@@ -215,10 +215,11 @@ def source_endpoint_of(endpoint_url: str | None) -> str:
     """The endpoint an export's source store talks to, as its manifests record it: ``endpoint_url``,
     else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (the store's own order), without a
     trailing slash and with its scheme and host in lower case; ``""`` for AWS itself."""
-    import os
     from urllib.parse import urlsplit, urlunsplit
 
-    raw = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    from s3capture.transport import configured_endpoint
+
+    raw = configured_endpoint(endpoint_url) or ""
     if not raw:
         return ""
     parts = urlsplit(raw.strip())
