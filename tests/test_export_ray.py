@@ -294,7 +294,7 @@ def test_the_watchdog_ends_only_its_runtime_and_exits_when_told_though_a_fork_ho
         dog = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
         time.sleep(1.0)  # its first note
         forked.start()  # holds the pipe's write end from now on
-        dog.stdin.write(raywatch.DONE)  # type: ignore[union-attr]
+        dog.stdin.write(raywatch.DONE + b"\n")  # type: ignore[union-attr]
         dog.stdin.flush()  # type: ignore[union-attr]
         dog.stdin.close()  # type: ignore[union-attr]
         assert dog.wait(timeout=20) == 0, "the watchdog did not exit on done while a fork held its pipe"
@@ -313,6 +313,61 @@ def test_the_watchdog_ends_only_its_runtime_and_exits_when_told_though_a_fork_ho
             if raywatch.start_time(pid) == st:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_an_export_killed_while_ray_init_starts_the_runtime_leaves_none_of_it(tmp_path: Path) -> None:
+    """Found by a breaker: the watchdog used to start when ``ray.init`` returned, so an export
+    killed during ``ray.init`` (its first seconds, longer on a busy node) left the agents the raylet
+    had started. It now starts before ``ray.init`` and, until told the session, takes any Ray
+    session's roots the export started since. Here a process starts it as ``ray_engine`` does, then
+    a fake runtime (``exec -a`` names) as ``ray.init`` would, and is SIGKILLed before naming it."""
+    import signal
+    import subprocess
+
+    from s3capture.export import raywatch
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the watchdog reads /proc")
+    session = tmp_path / "ray" / "session_2026-12-01_00-00-00_000000_1"
+    script = tmp_path / "export_in_init.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from s3capture.export.engines import _start_ray_watchdog\n"
+        "dog = _start_ray_watchdog()\n"
+        "time.sleep(0.2)\n"
+        f"raylet = subprocess.Popen(['bash', '-c', \"(exec -a ray::DashboardAgent sleep 300) & exec -a '{session}/raylet' sleep 300\"])\n"
+        "print(dog.pid, raylet.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    runtime: dict[int, int] = {}
+    try:
+        dog_pid, raylet_pid = map(int, proc.stdout.readline().split())  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while len(runtime) < 2 and time.monotonic() < deadline:
+            runtime = raywatch.runtime_processes(proc.pid, str(session))
+            time.sleep(0.1)
+        assert raylet_pid in runtime and len(runtime) == 2, runtime
+        time.sleep(2.5)  # the watchdog's second note (every 2 s at first)
+        os.kill(proc.pid, signal.SIGKILL)  # during "ray.init": the session was never named
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(raywatch.start_time(pid) == st for pid, st in runtime.items()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid, st in runtime.items() if raywatch.start_time(pid) == st]
+        assert not left, f"the fake runtime outlived the export killed in ray.init: {left}"
+        deadline = time.monotonic() + 10
+        while raywatch.start_time(dog_pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert raywatch.start_time(dog_pid) is None, "the watchdog did not exit"
+    finally:
+        for pid, st in runtime.items():
+            if raywatch.start_time(pid) == st:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stdout.close()  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- without Ray or a server

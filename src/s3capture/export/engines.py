@@ -339,17 +339,24 @@ async def ray_engine(
         endpoint_url=configured_endpoint(job.endpoint_url),
         transport=job.transport or os.environ.get("S3CAPTURE_TRANSPORT") or None,
     )
-    started_here, before = False, 0
+    started_here, watchdog = False, None
     if not ray.is_initialized():
         import logging
 
         options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
         if address is None and not os.environ.get("RAY_ADDRESS"):
             options["include_dashboard"] = False  # a local runtime for this export only
-        before = _ticks_now()
-        ray.init(address=address, **options)
+            # Started before ray.init, so that a kill while ray.init starts the runtime is covered.
+            watchdog = _start_ray_watchdog()
+        try:
+            ray.init(address=address, **options)
+        except BaseException:
+            if watchdog is not None:
+                _stop_ray_watchdog(watchdog)  # ends what the failed ray.init left running
+            raise
         started_here = True
-    watchdog = _start_ray_watchdog(before) if started_here else None
+        if watchdog is not None:
+            watchdog = _name_ray_session(watchdog)
     sink: Any = None
     pending: dict[Any, ShardTask] = {}
     try:
@@ -423,24 +430,36 @@ async def ray_engine(
             _stop_ray_watchdog(watchdog)  # it ends whatever of the runtime outlived the shutdown
 
 
-def _ticks_now() -> int:
-    """``raywatch.now_ticks()`` where ``/proc`` exists, else 0."""
+def _start_ray_watchdog() -> Any:
+    """Start ``s3capture.export.raywatch`` for the local Ray runtime ``ray.init`` is about to start,
+    so that a SIGKILL of the export (or the OOM killer) does not leave Ray's agents running; ``None``
+    where it cannot run (not Linux). ``_name_ray_session`` tells it the session once ``ray.init``
+    returned, ``_stop_ray_watchdog`` that the export ended."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
+        return None
+    import subprocess
+
     from s3capture.export import raywatch
 
     try:
-        return raywatch.now_ticks()
+        since, started = raywatch.now_ticks(), raywatch.start_time(os.getpid())
+        if started is None:
+            return None
+        return subprocess.Popen(
+            [sys.executable, "-m", "s3capture.export.raywatch", str(os.getpid()), str(started), str(since)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C or SIGTERM to the export's group is not for it
+        )
     except (OSError, ValueError):
-        return 0
-
-
-def _start_ray_watchdog(since: int) -> Any:
-    """Start ``s3capture.export.raywatch`` for the local Ray runtime this process just started, so
-    that a SIGKILL of the export (or the OOM killer) does not leave Ray's agents running; ``None``
-    where it cannot run (not Linux, no session directory to recognise the runtime by) or where
-    ``ray.init`` joined a cluster instead of starting a runtime of this process (``address=None``
-    joins the machine's latest ``ray start`` cluster when there is one)."""
-    if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
         return None
+
+
+def _name_ray_session(watchdog: Any) -> Any:
+    """After ``ray.init``: tell the watchdog the runtime's session directory, or, when ``ray.init``
+    joined a cluster (``address=None`` joins the machine's latest ``ray start`` cluster when there
+    is one), to forget it all. Returns the watchdog, or ``None`` when it was told to forget."""
     from s3capture.export import raywatch
 
     try:
@@ -448,42 +467,30 @@ def _start_ray_watchdog(since: int) -> Any:
 
         node: Any = ray_worker._global_node
         session_dir = str(node.get_session_dir_path())
-        if not raywatch.runtime_roots(os.getpid(), session_dir, since):
-            return None  # joined: the runtime's processes are not this process's children
-        started = raywatch.start_time(os.getpid())
-    except Exception:  # noqa: BLE001 - a Ray without it: no watchdog, as before
+    except Exception:  # noqa: BLE001 - unknown: the watchdog keeps every Ray root this ray.init started
+        session_dir = ""
+    joined = bool(session_dir) and not raywatch.runtime_roots(os.getpid(), session_dir)
+    with contextlib.suppress(OSError, ValueError):
+        if joined:
+            watchdog.stdin.write(raywatch.FORGET + b"\n")
+        elif session_dir and "\n" not in session_dir:
+            watchdog.stdin.write(raywatch.SESSION + session_dir.encode(errors="surrogateescape") + b"\n")
+        watchdog.stdin.flush()
+    if joined:
+        _stop_ray_watchdog(watchdog, done=False)
         return None
-    if started is None:
-        return None
-    import subprocess
-
-    try:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "s3capture.export.raywatch",
-                str(os.getpid()),
-                str(started),
-                str(since),
-                session_dir,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C or SIGTERM to the export's group is not for it
-        )
-    except OSError:
-        return None
+    return watchdog
 
 
-def _stop_ray_watchdog(watchdog: Any) -> None:
-    """After ``ray.shutdown()``: tell the watchdog the export ended (a child this process forked
-    may hold the pipe open, so closing it is not enough), and reap it without waiting here."""
+def _stop_ray_watchdog(watchdog: Any, *, done: bool = True) -> None:
+    """After ``ray.shutdown()`` (or a ``ray.init`` that raised): tell the watchdog the export ended
+    (a child this process forked may hold the pipe open, so closing it is not enough), and reap it
+    without waiting here."""
     from s3capture.export import raywatch
 
     with contextlib.suppress(OSError, ValueError):
-        watchdog.stdin.write(raywatch.DONE)
+        if done:
+            watchdog.stdin.write(raywatch.DONE + b"\n")
         watchdog.stdin.flush()
     with contextlib.suppress(OSError, ValueError):
         watchdog.stdin.close()

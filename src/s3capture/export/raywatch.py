@@ -1,23 +1,26 @@
 """A watchdog that ends the local Ray runtime an export started, when the export dies with it.
 
-``ray_engine`` starts it (Linux only: it reads ``/proc``) right after ``ray.init`` started a local
-runtime of this process (``runtime_roots`` finds one)::
+``ray_engine`` starts it (Linux only: it reads ``/proc``) just before it calls ``ray.init`` to start a
+local runtime, so that a kill during ``ray.init`` is covered too, and tells it the runtime's session
+directory when ``ray.init`` returns (or ``forget`` when it joined a cluster instead)::
 
-    python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE SESSION_DIR   # stdin: a pipe from the export
+    python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE [SESSION_DIR]   # stdin: a pipe from the export
 
 The runtime's processes are the *roots* ``ray.init`` started as direct children of the export
-process with ``SESSION_DIR`` in their command line (GCS, raylet, monitors), started at ``SINCE``
-(clock ticks after boot, taken just before ``ray.init``) or later, and every descendant of those (the raylet's agents ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, its workers).
-No other process is ever noted: not another Ray runtime of the same program (its roots name another
-session directory), not a cluster the export only joined (its roots are not the export's
-children, or were started before ``ray.init``, as when the export is PID 1 of a container and
-adopted a ``ray start`` cluster's processes), not anything else the program runs. Each is noted as ``(pid, start time)``, so that a
-reused pid is never mistaken for one of them: every 2 seconds for 30 seconds (the runtime starts
-its agents then), every 30 seconds afterwards (a scan of ``/proc`` costs milliseconds on a busy
-node).
+process, started at ``SINCE`` (clock ticks after boot, taken just before ``ray.init``) or later,
+with the session directory in their command line (GCS, raylet, monitors; until the export names
+the session, any Ray session directory), and every descendant of those (the raylet's agents
+``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``, its workers). No other process is ever
+noted: not another Ray runtime of the same program (its roots name another session directory),
+not a cluster the export only joined (its roots are not the export's children, or were started
+before ``ray.init``, as when the export is PID 1 of a container and adopted a ``ray start``
+cluster's processes), not anything else the program runs. Each is noted as ``(pid, start
+time)``, so that a reused pid is never mistaken for one of them: every 2 seconds for 30 seconds
+(the runtime starts its agents then), every 30 seconds afterwards (a scan of ``/proc`` costs
+milliseconds on a busy node).
 
-The export writes ``done`` to the pipe after ``ray.shutdown()``: the watchdog then ends whatever
-of the runtime is still running and exits. When the export dies instead (SIGKILL, the OOM killer),
+The export writes ``done`` to the pipe after ``ray.shutdown()`` (or after a ``ray.init`` that
+raised): the watchdog then ends whatever of the runtime is still running and exits. When the export dies instead (SIGKILL, the OOM killer),
 the watchdog sees it gone (its pid no longer has its start time, checked every second, or the
 pipe closed), gives the runtime's processes ``GRACE`` seconds to exit by themselves (Ray ends its
 GCS and raylet when the driver dies, but not the raylet's agents: seen with Ray 2.60.0), then
@@ -42,6 +45,11 @@ POLL = 1.0
 GRACE = 3.0
 """Seconds the runtime's processes get to exit by themselves after the export died."""
 DONE = b"done"
+"""A line the export writes after ``ray.shutdown()`` (or after a ``ray.init`` that failed)."""
+SESSION = b"session "
+"""``session <dir>``: the line the export writes when ``ray.init`` returned with a runtime of its own."""
+FORGET = b"forget"
+"""The line the export writes when ``ray.init`` joined a cluster instead: the watchdog exits."""
 
 
 def process_table() -> dict[int, tuple[int, int]]:
@@ -96,11 +104,10 @@ def runtime_roots(
     whose command line names ``session_dir``: the processes ``ray.init`` started for a local
     runtime of ``parent``. None when it joined a cluster: that cluster's processes are not
     ``parent``'s children, or (a ``parent`` that adopts orphans: PID 1 in a container, a subreaper)
-    they were started before ``ray.init`` was called."""
-    if not session_dir:
-        return set()
+    they were started before ``ray.init`` was called. ``session_dir=""`` (while ``ray.init`` runs
+    and its session is not known yet): any Ray session directory (``.../session_<time>_<pid>``)."""
     table = process_table() if table is None else table
-    marker = session_dir.encode()
+    marker = session_dir.encode() if session_dir else b"/session_"
     return {
         pid for pid, (ppid, started) in table.items() if ppid == parent and started >= since and marker in _command(pid)
     }
@@ -142,15 +149,17 @@ def end(processes: dict[int, int], grace: float = GRACE) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4 or not all(arg.isdigit() for arg in args[:3]):
-        print("usage: python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE SESSION_DIR", file=sys.stderr)
+    if len(args) not in (3, 4) or not all(arg.isdigit() for arg in args[:3]):
+        print("usage: python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE [SESSION_DIR]", file=sys.stderr)
         return 2
-    parent, parent_start, since, session_dir = int(args[0]), int(args[1]), int(args[2]), args[3]
+    parent, parent_start, since = int(args[0]), int(args[1]), int(args[2])
+    session_dir = args[3] if len(args) == 4 else ""
     seen: dict[int, int] = {}
     stdin = sys.stdin.fileno()
     began = time.monotonic()
     next_scan = began
     grace = GRACE
+    pending = b""
     while True:
         now = time.monotonic()
         if now >= next_scan:
@@ -159,16 +168,26 @@ def main(argv: list[str] | None = None) -> int:
         if start_time(parent) != parent_start:
             break  # the export died (or ended without saying so)
         ready, _, _ = select.select([stdin], [], [], min(POLL, max(0.0, next_scan - time.monotonic())))
-        if ready:
-            try:
-                data = os.read(stdin, 4096)
-            except OSError:
-                data = b""
-            if DONE in data:
-                grace = 1.0  # ray.shutdown() has run: what is left of the runtime is left over
-                break
-            if not data:
-                break  # the pipe closed: the export died
+        if not ready:
+            continue
+        try:
+            data = os.read(stdin, 4096)
+        except OSError:
+            data = b""
+        if not data:
+            break  # the pipe closed: the export died
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.startswith(SESSION):
+                # ray.init returned: from now on only this session's roots are the runtime's
+                session_dir = line[len(SESSION) :].decode(errors="surrogateescape")
+                seen = runtime_processes(parent, session_dir, since)
+            elif line == FORGET:
+                return 0  # ray.init joined a cluster: nothing here is the export's to end
+            elif line == DONE:
+                end(seen, 1.0)  # ray.shutdown() has run: what is left of the runtime is left over
+                return 0
     end(seen, grace)
     return 0
 
