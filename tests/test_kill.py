@@ -75,6 +75,11 @@ KILL_DELAY = {"drop": 0.45, "freeze": 0.05, "drop/PutObject:fence": 0.06}
 """Longest delay between the start message and the kill (drop waits ``fence_grace`` + 0.1 s first);
 0.03 s when not named. A kill after the retired fence of a drop that has not decided yet leaves that
 fence up until the builder is back."""
+REQUIRED_PHASES = ("put", "freeze", "drop")
+"""Operations every run must kill at least once in (the test's closing assertion)."""
+FORCE_AFTER = 4
+"""Operations of a required phase started without a kill in that phase, after which the next one
+is killed for certain."""
 BUILDER_RESTART = 0.5
 """Longest pause before a killed builder is restarted (seconds)."""
 RUN_TIMEOUT = 90.0
@@ -95,6 +100,9 @@ class Fleet:
         }
         self.kills: list[tuple[float, str, Any, str]] = []  # (when, name, process, operation)
         self.killed: list[tuple[str, str]] = []
+        self.unkilled: collections.Counter = collections.Counter()
+        """Operations of each phase the test requires a kill in (put, freeze, drop) started since
+        that phase's last scheduled kill; past ``FORCE_AFTER`` the next one is killed for certain."""
         self.finished: set[str] = set()
         self.notes: collections.Counter = collections.Counter()
         self.log: list[str] = []
@@ -126,6 +134,13 @@ class Fleet:
         if self.kills_left[budget] <= 0:
             return
         odds = KILL_ODDS.get(op, KILL_ODDS.get(op.split("/")[0] + "/", 0.0))
+        phase = op if op in REQUIRED_PHASES else ""
+        if phase and not any(o.split("/")[0] == phase for _, o in self.killed + [(k[1], k[3]) for k in self.kills]):
+            # The test requires a kill in each of these phases: a run whose timing kept dodging
+            # one (say, every drop finished before its kill) gets it on a later operation.
+            self.unkilled[phase] += 1
+            if self.unkilled[phase] > FORCE_AFTER:
+                odds = 1.0
         if self.rng.random() < odds:
             self.kills_left[budget] -= 1
             when = time.monotonic() + self.rng.uniform(0, KILL_DELAY.get(op, 0.03))
