@@ -59,34 +59,42 @@ def _children() -> dict[int, int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _ray_descendants() -> dict[int, str]:
-    """This process's descendants whose command line names Ray: the runtime ``ray.init`` started."""
+def _family(root: int) -> dict[int, tuple[int, str]]:
+    """``pid -> (start time, command)`` of the live descendants of ``root`` whose command line names Ray."""
     parents = _children()
-    mine = {os.getpid()}
+    family = {root}
     grew = True
     while grew:
-        found = {pid for pid, parent in parents.items() if parent in mine} - mine
-        grew = bool(found)
-        mine |= found
-    mine.discard(os.getpid())
+        more = {pid for pid, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    family.discard(root)
     out = {}
-    for pid in mine:
+    for pid in family:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
                 command = handle.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            with open(f"/proc/{pid}/stat") as handle:
+                started = int(handle.read().rsplit(")", 1)[1].split()[19])
+        except (OSError, ValueError, IndexError):
             continue
         if any(word in command for word in RAY_PROCESS_WORDS):
-            out[pid] = command[:120]
+            out[pid] = (started, command[:120])
     return out
+
+
+def _still_running(processes: dict[int, tuple[int, str]]) -> dict[int, str]:
+    """``pid -> command`` of those of ``processes`` still running (the same pid and start time)."""
+    left = {}
+    for pid, (started, command) in processes.items():
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[19]) == started:
+            left[pid] = command
+    return left
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +108,12 @@ def ray_runtime() -> Any:
     try:
         yield ray
     finally:
-        started = _ray_descendants()
+        started = _family(os.getpid())  # the runtime ray.init started
         ray.shutdown()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(pid) for pid in started):
+        while time.monotonic() < deadline and _still_running(started):
             time.sleep(0.2)
-        left = {pid: command for pid, command in started.items() if _alive(pid)}
+        left = _still_running(started)
         assert not left, f"Ray processes still running after ray.shutdown(): {left}"
 
 
@@ -169,43 +177,6 @@ async def test_the_ray_engine_writes_the_local_engines_files(
             assert _manifest_without_time(a[name]) == _manifest_without_time(b[name]), name
         else:
             assert a[name] == b[name], f"{name} differs between the local and the Ray engine"
-
-
-def _family(root: int) -> dict[int, tuple[int, str]]:
-    """``pid -> (start time, command)`` of the live descendants of ``root`` whose command line names Ray."""
-    parents = _children()
-    family = {root}
-    grew = True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in family} - family
-        family |= more
-        grew = bool(more)
-    family.discard(root)
-    out = {}
-    for pid in family:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as handle:
-                started = int(handle.read().rsplit(")", 1)[1].split()[19])
-        except (OSError, ValueError, IndexError):
-            continue
-        if any(word in command for word in RAY_PROCESS_WORDS):
-            out[pid] = (started, command[:120])
-    return out
-
-
-def _still_running(processes: dict[int, tuple[int, str]]) -> dict[int, str]:
-    left = {}
-    for pid, (started, command) in processes.items():
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[19]) == started:
-            left[pid] = command
-    return left
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)

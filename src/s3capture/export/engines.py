@@ -317,9 +317,10 @@ async def ray_engine(
 
     Ray: ``ray.init(address=address)`` unless this process is connected already (then that
     connection is used and left open): ``None`` starts a local Ray runtime (or joins
-    ``RAY_ADDRESS``, or the machine's latest ``ray start`` cluster), ``"auto"`` joins the cluster of this machine, ``"ray://host:10001"`` a
-    remote one through Ray Client. A runtime the engine started is shut down when it ends, and
-    on Linux watched by ``s3capture.export.raywatch``, which ends it if this process is killed.
+    ``RAY_ADDRESS``, or the machine's latest ``ray start`` cluster), ``"auto"`` joins the cluster of
+    this machine, ``"ray://host:10001"`` a remote one through Ray Client. A runtime the engine
+    started is shut down when it ends, and on Linux watched by ``s3capture.export.raywatch``, which
+    ends it if this process is killed.
     ``runtime_env`` (e.g. ``{"env_vars": {...}}``) is applied to every task: workers read the S3
     credentials from their own environment, as ``export_shard`` does anywhere; the job carries the
     source and destination URLs, the endpoint (``job.endpoint_url``, else this process's

@@ -1,10 +1,11 @@
 """A watchdog that ends the local Ray runtime an export started, when the export dies with it.
 
-``ray_engine`` starts it (Linux only: it reads ``/proc``) just before it calls ``ray.init`` to start a
-local runtime, so that a kill during ``ray.init`` is covered too, and tells it the runtime's session
-directory when ``ray.init`` returns (or ``forget`` when it joined a cluster instead)::
+``ray_engine`` starts it (Linux only: it reads ``/proc``) just before it calls ``ray.init`` to
+start a local runtime, so that a kill during ``ray.init`` is covered too, and tells it the
+runtime's session directory when ``ray.init`` returns (or ``forget`` when it joined a cluster
+instead). Its stdin is a pipe from the export::
 
-    python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE [SESSION_DIR]   # stdin: a pipe from the export
+    python -m s3capture.export.raywatch PARENT_PID PARENT_START SINCE [SESSION_DIR]
 
 The runtime's processes are the *roots* ``ray.init`` started as direct children of the export
 process, started at ``SINCE`` (clock ticks after boot, taken just before ``ray.init``) or later,
@@ -20,12 +21,12 @@ time)``, so that a reused pid is never mistaken for one of them: every 2 seconds
 milliseconds on a busy node).
 
 The export writes ``done`` to the pipe after ``ray.shutdown()`` (or after a ``ray.init`` that
-raised): the watchdog then ends whatever of the runtime is still running and exits. When the export dies instead (SIGKILL, the OOM killer),
-the watchdog sees it gone (its pid no longer has its start time, checked every second, or the
-pipe closed), gives the runtime's processes ``GRACE`` seconds to exit by themselves (Ray ends its
-GCS and raylet when the driver dies, but not the raylet's agents: seen with Ray 2.60.0), then
-sends SIGTERM, and SIGKILL to what is left 3 seconds later. A child the export forked keeps the
-pipe open, which is why neither ending relies on the pipe closing.
+raised): the watchdog then ends whatever of the runtime is still running and exits. When the export
+dies instead (SIGKILL, the OOM killer), the watchdog sees it gone (its pid no longer has its start
+time, checked every second, or the pipe closed), gives the runtime's processes ``GRACE`` seconds to
+exit by themselves (Ray ends its GCS and raylet when the driver dies, but not the raylet's agents:
+seen with Ray 2.60.0), then sends SIGTERM, and SIGKILL to what is left 3 seconds later. A child the
+export forked keeps the pipe open, which is why neither ending relies on the pipe closing.
 """
 
 from __future__ import annotations
