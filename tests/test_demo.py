@@ -253,6 +253,28 @@ def test_demo_export_into_a_folder_that_is_not_empty_is_refused_before_the_captu
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_demo_export_to_an_s3_prefix_that_is_not_empty_is_refused_before_the_capture(
+    s3_server, s3_client, bucket_url, monkeypatch
+):
+    """The same for an ``s3://`` destination: one LIST of one key, with the demo's endpoint and
+    credentials (``env``), before any worker starts; nothing is captured into the source root."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    bucket = bucket_url[len("s3://") :].split("/", 1)[0]
+    s3_client.put_object(Bucket=bucket, Key="exports/part-00000.parquet", Body=b"x")
+    source = f"s3://{bucket}/captured"
+    with pytest.raises(ValueError, match=rf"not empty \(it holds s3://{bucket}/exports/part-00000.parquet\)"):
+        run_workload(synthetic_rollouts(2, 2, seed=1), source, s3_server.env(), export_dest=f"s3://{bucket}/exports")
+    assert not s3_client.list_objects_v2(Bucket=bucket, Prefix="captured/").get("KeyCount")
+    assert not [k for k in os.environ if k.startswith("AWS_")], "the demo's env leaked into the environment"
+    # An empty prefix (a sibling of the used one: "exports" is not "exports-2") passes the check.
+    from s3capture.demo import _refuse_used_export_dest
+
+    _refuse_used_export_dest(f"s3://{bucket}/exports-2", s3_server.env())
+    _refuse_used_export_dest(f"s3://{bucket}/export", s3_server.env())
+
+
 def test_plain_progress_writes_whole_lines_every_tenth_and_every_few_seconds():
     clock = [100.0]
     out = io.StringIO()

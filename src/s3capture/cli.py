@@ -543,8 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DEST",
         default=None,
         help="with --capture store: export the frozen rollouts as training trajectories to DEST "
-        "(a local folder or s3:// prefix; Parquet, as 's3capture export' writes) before they "
-        "are dropped",
+        "(a new or empty local folder or s3:// prefix, checked before the capture; Parquet, as "
+        "'s3capture export' writes) before they are dropped",
     )
     demo.add_argument(
         "--keep",

@@ -409,6 +409,50 @@ async def _build(
         report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
 
 
+def _refuse_used_export_dest(dest: str, env: dict[str, str]) -> None:
+    """Refuse a non-empty export destination before the capture, not after it: an export refuses a
+    destination holding another source root's export, and every demo captures into a new root.
+
+    A local folder: any file in it. An ``s3://bucket/prefix``: any object under ``prefix/`` (one
+    LIST of one key, with the demo's endpoint and credentials, ``env`` over the environment).
+
+    Raises:
+        ValueError: the destination is not empty.
+        StoreError: the destination's bucket cannot be listed (missing, or no permission).
+    """
+    if "://" not in dest:
+        if os.path.isdir(dest) and os.listdir(dest):
+            raise ValueError(f"export_dest {dest!r} is not empty: the demo exports into a new or empty folder")
+        return
+    from s3capture.rollouts import parse_s3_url
+    from s3capture.transport import configured_endpoint, make_transport
+
+    bucket, prefix = parse_s3_url(dest)
+
+    async def first_key() -> str | None:
+        transport = make_transport(None, bucket, endpoint_url=configured_endpoint(None), max_concurrency=1)
+        try:
+            page = await transport.list_page(f"{prefix}/" if prefix else "", 1)
+        finally:
+            await transport.close()
+        return page.objects[0].key if page.objects else None
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        key = asyncio.run(first_key())
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+    if key is not None:
+        raise ValueError(
+            f"export_dest {dest!r} is not empty (it holds s3://{bucket}/{key}): the demo exports into a new or empty prefix"
+        )
+
+
 def run_workload(
     rollouts: list[ReplayRollout],
     url: str,
@@ -464,10 +508,8 @@ def run_workload(
         parse_s3_url(staging_url)
     if export_dest is not None and capture != "store":
         raise ValueError("export_dest applies only with capture='store' (the ledger holds no token ids)")
-    if export_dest is not None and "://" not in export_dest and os.path.isdir(export_dest) and os.listdir(export_dest):
-        # Refused before the capture, not after it: an export refuses a folder holding another
-        # source's export, and every demo captures into a new root.
-        raise ValueError(f"export_dest {export_dest!r} is not empty: the demo exports into a new or empty folder")
+    if export_dest is not None:
+        _refuse_used_export_dest(export_dest, env)
     if keep and capture != "store":
         raise ValueError("keep applies only with capture='store'")
     if not any(r.calls for r in rollouts):
