@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers import build_conversation, canonical, next_request, simple_entry, turn_entry
+from helpers import RequestRecorder, build_conversation, canonical, next_request, simple_entry, turn_entry
 from s3capture.cache import LRU, CallKeys, entry_heap_estimate
 from s3capture.records import ParentResolutionStatus, TokenEntry, encode_entry
 from s3capture.store import S3TokenStore
@@ -201,3 +201,12 @@ async def test_snapshot_entries_share_nothing_the_clients_readers_use(fresh):
     third = await store.freeze("r-lend")
     third.entries[0].output_items.clear()
     assert canonical(again.entries[0]) == expected[again.entries[0].model_call_id]
+    # A copy handed out to a repeat freeze (nested parts decoded from their checked encoding) shares
+    # nothing with the cache either: mutating its nested items changes no later snapshot, and the
+    # cache keeps serving (no GET: its nested parts were never lent out).
+    third.entries[1].output_items[0]["content"][0]["text"] = "mutated again"
+    third.entries[1].extra_fields["added"] = 2
+    rec = await RequestRecorder.attach(store)
+    fourth = await store.freeze("r-lend")
+    assert {e.model_call_id: canonical(e) for e in fourth.entries} == expected
+    assert rec.counts() == {"GetObject": 1, "ListObjectsV2": 1}, rec.counts()  # the fence, the LIST

@@ -50,9 +50,10 @@ class Stored:
     nbytes: int
     cumulative: tuple[int, ...] | None = None
     """Memo of the entry's cumulative tokens once rebuilt (counted in ``nbytes``)."""
-    lent: bool = False
-    """``freeze`` handed out a copy sharing this entry's nested items (``output_items``,
-    ``routed_experts``, extra fields); a later hand-out must check them against the key's SHA-256."""
+    lent: bytes = b""
+    """Set when ``freeze`` handed out a copy sharing this entry's nested items (``output_items``,
+    ``routed_experts``, extra fields): a 16-byte digest of their encoding then, which a later
+    hand-out checks them against (``S3TokenStore._hand_out``)."""
     cum_base: str = ""
     """Envelope hint: key (relative to the rollout) of the checkpoint of ``chain[0]``'s tokens."""
     cum_self: str = ""

@@ -72,7 +72,6 @@ from s3capture.records import (
     _DIGEST_DOMAIN,
     compute_digest,
     decode_canonical_entry,
-    encode_entry,
     encode_token_ids,
     prepare_entry,
     to_gym,
@@ -163,6 +162,34 @@ def _shallow_copy(entry: TokenEntry) -> TokenEntry:
     if extra:
         out.__dict__["_extra"] = dict(extra)
     return out
+
+
+def _nested_encoding(entry: TokenEntry) -> bytes | None:
+    """JSON of the parts of a cached entry that ``_shallow_copy`` shares (``routed_experts``, the
+    items of ``output_items``, the extra fields); None when a caller made them unencodable."""
+    try:
+        return _nested_encoder.encode((entry.routed_experts, entry.output_items, entry.__dict__.get("_extra")))
+    except (TypeError, ValueError, OverflowError, UnicodeError):
+        return None
+
+
+def _nested_digest(nested: bytes) -> bytes:
+    return hashlib.blake2b(nested, digest_size=16).digest()
+
+
+def _detached_copy(entry: TokenEntry, nested: bytes) -> TokenEntry:
+    """A copy of a cached entry sharing nothing mutable with it: ``_shallow_copy`` with its nested
+    parts decoded from ``nested`` (``_nested_encoding`` of ``entry``)."""
+    out = _shallow_copy(entry)
+    routed, items, extra = _nested_decoder.decode(nested)
+    out.routed_experts, out.output_items = routed, items
+    if extra:
+        out.__dict__["_extra"] = extra
+    return out
+
+
+_nested_encoder = msgspec.json.Encoder()
+_nested_decoder = msgspec.json.Decoder()
 
 
 class _Envelope(msgspec.Struct, kw_only=True):
@@ -1072,25 +1099,27 @@ class S3TokenStore(RolloutObjects):
         scalar fields and its token-id lists. So the first hand-out of a cached entry is a shallow
         copy with its own token-id and log-probability lists (microseconds, not a validated
         re-decode); its nested ``output_items``, ``routed_experts`` and extra fields are shared with
-        the cache, which marks the entry ``lent``. A later hand-out of a lent entry re-encodes it and
-        checks the SHA-256 in its key: unchanged, it hands out an independent decode of those bytes;
-        changed (a caller mutated a nested part in place), it drops the cached object and GETs the
-        entry again. No caller ever sees another caller's mutations.
+        the cache, which marks the entry ``lent`` with a digest of their encoding (usually a few
+        hundred bytes: no token lists). A later hand-out of a lent entry encodes those nested parts
+        again: unchanged, it hands out a shallow copy whose nested parts are an independent decode
+        of that encoding; changed or unencodable (a caller mutated a nested part in place), it
+        drops the cached object and GETs the entry again. No caller ever sees another caller's
+        mutations.
         """
         out: list[TokenEntry] = []
         refetch: list[tuple[int, str, str]] = []
         for key, sha, stored in chosen:
             if not stored.lent:
-                stored.lent = True
-                out.append(_shallow_copy(stored.entry))
-                continue
-            try:
-                payload = encode_entry(stored.entry)
-            except (RecordError, TypeError, ValueError, OverflowError, UnicodeError):
-                payload = b""  # a caller put something unencodable into a shared nested part
-            if payload and hashlib.sha256(payload).hexdigest() == sha:
-                out.append(decode_canonical_entry(payload))
-                continue
+                nested = _nested_encoding(stored.entry)
+                if nested is not None:
+                    stored.lent = _nested_digest(nested)
+                    out.append(_shallow_copy(stored.entry))
+                    continue
+            else:
+                nested = _nested_encoding(stored.entry)
+                if nested is not None and _nested_digest(nested) == stored.lent:
+                    out.append(_detached_copy(stored.entry, nested))
+                    continue
             self._cache.discard(key)
             refetch.append((len(out), key, sha))
             out.append(stored.entry)  # placeholder, replaced below
