@@ -775,10 +775,7 @@ class S3TokenStore(RolloutObjects):
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
         Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
-        cached (in parallel), and one PUT of the sealed manifest unless it already exists. A
-        freeze of a rollout this client froze before GETs the fence beside the LIST instead and
-        writes it only if it is not frozen (then the PUT and LIST follow): one round trip when
-        nothing changed.
+        cached (in parallel), and one PUT of the sealed manifest unless it already exists.
         ``version`` is the number of log objects and ``snapshot_id`` a digest of their sorted keys
         and ETags, so two clients freezing the same state agree. The snapshot is ``incomplete`` when
         any call id has conflicting payloads, an intent has no entry, a marker exists, or any object
@@ -801,18 +798,14 @@ class S3TokenStore(RolloutObjects):
                 listing that does not show the fence this freeze wrote, after retries.
         """
         prefix = self.layout.rollout(rollout_id)
-        refrozen = await self._refreeze_scan(rollout_id) if rollout_id in self._fence_seen else None
-        if refrozen is not None:
-            scan, fenced_at = refrozen
-        else:
-            await self._put(prefix + "fence", FENCE_FROZEN)
-            fenced_at = time.monotonic()
-            # A listing that does not show the fence just written is stale or incomplete: never build
-            # a snapshot on it (retried, then ListingError).
-            scan = await self._scan(rollout_id, require=["fence"])
-            if scan.retired:
-                await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
-                raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
+        await self._put(prefix + "fence", FENCE_FROZEN)
+        fenced_at = time.monotonic()
+        # A listing that does not show the fence just written is stale or incomplete: never build a
+        # snapshot on it (retried, then ListingError).
+        scan = await self._scan(rollout_id, require=["fence"])
+        if scan.retired:
+            await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
+            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
         # A drop's own tombstone (``drop/<token>``) without the retire tombstone means that drop had
         # not decided to succeed (it writes ``retired`` before deleting anything): nothing is gone.
         # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
@@ -844,30 +837,6 @@ class S3TokenStore(RolloutObjects):
         if snapshot.incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         return snapshot
-
-    async def _refreeze_scan(self, rollout_id: str) -> tuple[RolloutScan, float] | None:
-        """A freeze of a rollout this client froze before: the fence is probably in place already,
-        so read it beside the LIST instead of writing it before the LIST (one round trip, not two).
-
-        Returns the scan and the monotonic time by which the fence is known to have existed, when
-        the GET read exactly the frozen fence and the listing shows the fence, no retire tombstone
-        and no drop tombstone. Otherwise None, and the freeze writes the fence as usual: the fence
-        was deleted or retired meanwhile, a drop is deciding, or the listing lags the fence.
-
-        Why this is as safe as writing the fence first (``docs/design.md``, race 1 and 2): the GET,
-        a strongly consistent read, proves the frozen fence existed when it was served, before the
-        returned time; every put whose fence read came later raises. A put that read "open" did so
-        before the fence existed and, if acknowledged, landed within ``fence_grace`` of its start;
-        if the listing missed it, it moved the version, and the drop, which waits ``fence_grace``
-        from the returned time, sees that in its decisive LIST and fails.
-        """
-        prefix = self.layout.rollout(rollout_id)
-        body, listing = await asyncio.gather(self._get(prefix + "fence"), self._list(prefix))
-        known_at = time.monotonic()
-        scan = scan_listing(prefix, listing, seen_at=known_at)
-        if body != FENCE_FROZEN or not scan.fence or scan.retired or scan.drops:
-            return None
-        return scan, known_at
 
     async def read_snapshot(
         self, rollout_id: str, *, sealed: bool = True, listing: Sequence[ListedObject] | None = None
