@@ -209,4 +209,4 @@ async def test_snapshot_entries_share_nothing_the_clients_readers_use(fresh):
     rec = await RequestRecorder.attach(store)
     fourth = await store.freeze("r-lend")
     assert {e.model_call_id: canonical(e) for e in fourth.entries} == expected
-    assert rec.counts() == {"GetObject": 1, "ListObjectsV2": 1}, rec.counts()  # the fence, the LIST
+    assert rec.counts() == {"PutObject": 1, "ListObjectsV2": 1}, rec.counts()  # the fence, the LIST
