@@ -173,6 +173,21 @@ async def test_freeze_forgets_the_rollouts_call_keys_and_drop_forgets_its_fence_
     assert store._call_keys.get(("r-other", "c0")) is None
 
 
+async def test_a_snapshot_item_made_to_contain_itself_is_read_again(fresh):
+    """A caller may turn a handed-out nested item into a cycle; the next hand-out cannot encode it
+    to check it, so it GETs the entry again instead of raising or handing out the cycle."""
+    store = fresh()
+    await store.put(simple_entry("r-cycle", "c1"))
+    expected = canonical(simple_entry("r-cycle", "c1"))
+    first = await store.freeze("r-cycle")
+    item = first.entries[0].output_items[0]
+    item["self"] = item
+    rec = await RequestRecorder.attach(store)
+    again = await store.freeze("r-cycle")
+    assert canonical(again.entries[0]) == expected
+    assert rec.counts()["GetObject"] == 1  # the entry, read again
+
+
 async def test_snapshot_entries_share_nothing_the_clients_readers_use(fresh):
     """Freeze hands out cheap copies; mutating every part of them in place changes neither a later
     resolve (tokens, lineage) nor a later snapshot of the same client."""

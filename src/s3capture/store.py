@@ -169,7 +169,7 @@ def _nested_encoding(entry: TokenEntry) -> bytes | None:
     items of ``output_items``, the extra fields); None when a caller made them unencodable."""
     try:
         return _nested_encoder.encode((entry.routed_experts, entry.output_items, entry.__dict__.get("_extra")))
-    except (TypeError, ValueError, OverflowError, UnicodeError):
+    except (TypeError, ValueError, OverflowError, UnicodeError, RecursionError):  # e.g. an item made to contain itself
         return None
 
 
