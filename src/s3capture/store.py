@@ -1263,6 +1263,8 @@ class S3TokenStore(RolloutObjects):
             reason = "ambiguous" if candidates else "no_match"
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
         key, stored = candidates[0]
+        if stored.entry.prompt_is_delta and not stored.entry.digest:
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unverifiable_parent")
         try:
             tokens = await self._cumulative(prefix, key, stored)
             digest = compute_digest(tokens)
@@ -1292,12 +1294,20 @@ class S3TokenStore(RolloutObjects):
         walk goes on window by window, stopping at the nearest ancestor whose cumulative tokens are
         memoized or at a full-prompt anchor. Every parent link is checked, a key seen twice (a
         forged cycle) or a chain over 100,000 calls is refused, and the rebuilt tokens must match
-        the entry's digest. Raises ``RecordError`` for a missing or broken chain.
+        the entry's digest. Raises ``RecordError`` for a missing or broken chain, and for a delta
+        entry without a digest (nothing could verify its rebuilt tokens).
         """
         if stored.cumulative is not None:
             return list(stored.cumulative)
         if not stored.entry.prompt_is_delta:
             return [*stored.entry.prompt_token_ids, *stored.entry.generation_token_ids]
+        if not stored.entry.digest:
+            # Nothing could prove the rebuilt tokens: the envelope's chain is a hint outside the
+            # key's SHA-256, and its writer may have named a conflicting payload, another
+            # attempt's key or a forged copy. Gym stamps a digest on every delta it writes.
+            raise RecordError(
+                f"delta entry {stored.entry.model_call_id!r} carries no digest, so its rebuilt tokens cannot be verified"
+            )
         if stored.cum_self:
             own = await self._load_checkpoint(prefix, stored.cum_self)
             if own is not None and _checkpoint_matches(stored.cum_self, own, stored.entry):
@@ -1328,7 +1338,10 @@ class S3TokenStore(RolloutObjects):
                     raise RecordError(f"ancestor {ancestor_key} of {stored.entry.model_call_id!r} is missing")
                 window.append((ancestor_key, ancestor))
             for nearer, farther in zip([current, *(a for _, a in reversed(window))], [a for _, a in reversed(window)]):
-                if nearer.entry.parent_call_id != farther.entry.model_call_id:
+                if (
+                    nearer.entry.parent_call_id != farther.entry.model_call_id
+                    or farther.entry.rollout_id != stored.entry.rollout_id
+                ):
                     raise RecordError(
                         f"ancestor chain of {stored.entry.model_call_id!r} is broken at {farther.entry.model_call_id!r}"
                     )
