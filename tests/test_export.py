@@ -461,6 +461,78 @@ async def test_a_destination_takes_one_source_root(
     assert (await export(bucket_url, str(out), workers=0)).already_exported == 1
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_a_destination_holding_files_no_export_wrote_is_refused(
+    fresh: Any, bucket_url: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A new user exported into a folder holding an unrelated ``old.parquet``: "result: OK", and
+    ``pq.read_table(DEST)`` then returned old.parquet's rows and column only. Files (and folders) a
+    dataset reader would read that no export wrote are refused before anything is written; hidden
+    and ``_``-prefixed names, which those readers skip, are not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from s3capture.store import S3TokenStore
+
+    writer = S3TokenStore(bucket_url)
+    try:
+        await put_chain(writer, "r-0", 2)
+        await writer.freeze("r-0")
+    finally:
+        await writer.close()
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.table({"x": [1, 2]}), out / "old.parquet")
+    with pytest.raises(ValueError, match=r"holds files no export wrote \(old\.parquet\)"):
+        await export(bucket_url, str(out), workers=0)
+    assert not list(out.glob("part-*"))
+    (out / "old.parquet").unlink()
+    (out / "more").mkdir()
+    with pytest.raises(ValueError, match=r"holds files no export wrote \(more/\)"):
+        await export(bucket_url, str(out), workers=0)
+    (out / "more").rmdir()
+    (out / ".DS_Store").write_bytes(b"")
+    (out / "_SUCCESS").write_bytes(b"")
+    done = await export(bucket_url, str(out), workers=0)
+    assert done.ok and done.exported == 1
+    assert pq.read_table(out).num_rows == 1
+
+    # An s3:// destination: any key under the prefix, at any depth, that a reader would read.
+    bucket = bucket_url[len("s3://") :].split("/", 1)[0]
+    s3_client.put_object(Bucket=bucket, Key="exports/notes/readme.txt", Body=b"x")
+    with pytest.raises(ValueError, match=r"holds files no export wrote \(notes/\)"):
+        await export(bucket_url, f"s3://{bucket}/exports", workers=0)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="exports/").get("Contents", [])
+    assert [item["Key"] for item in listed if "part-" in item["Key"]] == []
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
+    """A new user's typo'd or too-short root URL printed "exported 0 ... result: OK" with no reason,
+    and a root whose rollouts were all dropped likewise. The summary now names the roots found
+    inside the URL, and counts the rollouts left out by state."""
+    from s3capture.store import S3TokenStore
+
+    writer = S3TokenStore(bucket_url)
+    try:
+        await put_chain(writer, "r-0", 2)
+        snapshot = await writer.freeze("r-0")
+        assert await writer.drop("r-0", snapshot.snapshot_id, snapshot.version)
+    finally:
+        await writer.close()
+    parent = bucket_url.rsplit("/", 1)[0]
+    summary = await export(parent, str(tmp_path / "a"), workers=0)
+    assert summary.ok and summary.listed == 0 and summary.roots_below == [bucket_url]
+    assert f"no rollouts under {parent} (nothing under its rollouts/ prefix); roots inside this URL: {bucket_url}" in (
+        format_summary(summary)
+    )
+    summary = await export(bucket_url, str(tmp_path / "b"), workers=0)
+    assert summary.ok and summary.exported == 0 and summary.not_selected == {"retired": 1}
+    text = format_summary(summary)
+    assert "1 retired rollouts were not selected (dropped or retired: their entries are gone)" in text
+    assert "no rollouts under" not in text
+
+
 def _children(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (from /proc)."""
     found = []

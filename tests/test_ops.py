@@ -285,6 +285,16 @@ def test_cli_ls_status_gc(
     out, err = capsys.readouterr()
     assert out == "" and "does not exist" in err
 
+    # A URL one level above the root (the bucket, here) lists nothing and names the root inside it.
+    parent = bucket_url.rsplit("/", 1)[0]
+    assert parent.count("/") >= 2 and bucket_url.startswith(parent + "/")
+    assert main(["ls", parent]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [format_rollout_row(None, table=False)]
+    assert f"no rollouts here; roots inside this URL: {bucket_url}" in err
+    assert main(["status", parent]) == 0
+    assert f"roots inside this URL: {bucket_url}" in capsys.readouterr().err
+
     assert main(["status", bucket_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["states"]["retired"]["rollouts"] == 1 and data["masked_by_reason"] == {"dangling_intent": 1}

@@ -71,6 +71,7 @@ __all__ = [
     "format_gc",
     "format_rollout_row",
     "format_action",
+    "roots_below",
     "register",
     "LS_HEADER",
 ]
@@ -556,6 +557,28 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+async def roots_below(store: RolloutObjects, limit: int = 5) -> list[str]:
+    """``s3://`` URLs of s3capture roots inside ``store``'s root: prefixes under it that hold a
+    ``rollouts/`` folder, from one LIST page (the first 1,000 keys under the root).
+
+    A hint for a URL that names a parent of the root its user meant (``s3://b/capture`` for
+    ``s3://b/capture/run-42``), whose own listing of rollouts is empty. At most ``limit`` URLs, in
+    key order; empty when nothing under the root looks like another root. Raises ``StoreError``
+    when the LIST fails.
+    """
+    root = store.layout.root
+    page = await store._list_page(root, 1000)
+    found: dict[str, None] = {}
+    for item in page.objects:
+        rel = item.key[len(root) :]
+        cut = rel.find("/rollouts/")
+        if cut > 0:
+            found.setdefault(rel[:cut], None)
+            if len(found) >= limit:
+                break
+    return [f"s3://{store.bucket}/{root}{rel}" for rel in found]
+
+
 def format_status(s: StoreStatus) -> str:
     """``StoreStatus`` as the lines ``s3capture status`` prints."""
     lines = [f"rollouts under {s.url}:"]
@@ -759,6 +782,8 @@ def _ls_command(args: Any) -> int:
             print(format_rollout_row(None, table=table))
         if table:
             print(f"{count} rollouts", file=sys.stderr)
+        if not count and not args.json:
+            _hint_empty_root(await roots_below(store))
         return 0
 
     return asyncio.run(_close_after(store, run()))
@@ -771,7 +796,16 @@ def _status_command(args: Any) -> int:
         _close_after(store, status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress))
     )
     print(msgspec.json.encode(result).decode() if args.json else format_status(result))
+    if not args.json and not any(counts.rollouts for counts in result.states.values()):
+        probe = _open_store(args)
+        _hint_empty_root(asyncio.run(_close_after(probe, roots_below(probe))))
     return 0
+
+
+def _hint_empty_root(roots: list[str]) -> None:
+    """On stderr, for a root with no rollout: the roots found inside it (a URL one level too high)."""
+    if roots:
+        print(f"no rollouts here; roots inside this URL: {', '.join(roots)}", file=sys.stderr)
 
 
 def _gc_command(args: Any) -> int:

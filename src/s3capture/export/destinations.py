@@ -70,6 +70,15 @@ class _Existing(msgspec.Struct, kw_only=True):
     sizes: dict[str, int] = {}
     """Size in bytes of every data file found."""
     highest: int = -1
+    foreign: list[str] = []
+    """Files (and folders, with a trailing ``/``) no export writes, which a dataset reader of the
+    destination would read too (names starting with ``.`` or ``_`` are skipped by those readers)."""
+
+
+def _foreign(name: str) -> bool:
+    """A top-level name in a destination that no export writes and that dataset readers (pyarrow,
+    pandas, Spark, Ray Data: they skip names starting with ``.`` or ``_``) would read."""
+    return not name.startswith((".", "_")) and not _PART.match(name)
 
 
 class _Destination:
@@ -264,8 +273,15 @@ class _LocalDestination(_Destination):
         self._make()
         files = []
         for name in sorted(os.listdir(self.folder)):
+            path = os.path.join(self.folder, name)
+            if os.path.isdir(path):
+                if _foreign(name):
+                    existing.foreign.append(name + "/")
+                continue
+            if _foreign(name):
+                existing.foreign.append(name)
             try:
-                files.append((name, os.path.getsize(os.path.join(self.folder, name))))
+                files.append((name, os.path.getsize(path)))
             except FileNotFoundError:
                 continue
         found = []
@@ -358,6 +374,11 @@ class _S3Destination(_Destination):
         files = [
             (item.key[len(self.prefix) :], item.size) for item in listed if "/" not in item.key[len(self.prefix) :]
         ]
+        tops = dict.fromkeys(
+            rel if "/" not in rel else rel.split("/", 1)[0] + "/"
+            for rel in (item.key[len(self.prefix) :] for item in listed)
+        )
+        existing.foreign = [name for name in tops if _foreign(name.rstrip("/"))]
         manifest_names = _classify(sorted(files), existing)
         found = []
         for name in manifest_names:

@@ -36,7 +36,7 @@ from s3capture.export.records import (
     source_endpoint_of,
 )
 from s3capture.export.shard import NOT_SEALED, ListedRollout
-from s3capture.ops import store_time
+from s3capture.ops import roots_below, store_time
 
 _DROPS_AHEAD = 1024
 """Drops started and not finished at most (32 of them run at once); the listing and the shard results
@@ -352,6 +352,17 @@ async def export(
         elif isinstance(target, _LocalDestination):
             job = msgspec.structs.replace(job, lock_token=target.token)
         existing = await target.scan()
+        if existing.foreign:
+            # A dataset reader of the destination would read them as part of the export (another
+            # schema fails the read, or its columns silently replace the export's).
+            shown = ", ".join(existing.foreign[:3]) + (
+                f" and {len(existing.foreign) - 3} more" if len(existing.foreign) > 3 else ""
+            )
+            raise ValueError(
+                f"--out {dest} holds files no export wrote ({shown}): a Parquet or JSONL reader of the "
+                "destination would read them as part of the dataset; export into a new or empty "
+                "destination, or move them away"
+            )
         done: dict[str, RolloutRecord] = {}
         for manifest in existing.manifests:
             # (Not for an s3:// destination: the job reads it through the same endpoint as the
@@ -497,15 +508,16 @@ async def export(
             common = os.path.commonprefix(sorted(wanted))
             if common.startswith(prefix):
                 listed_prefix = common
-        async for info, listing in store.rollouts_listed(states, prefix=listed_prefix):
+        async for info, listing in store.rollouts_listed(None, prefix=listed_prefix):
             rid = info.rollout_id
+            if wanted is not None and rid not in wanted:
+                continue
+            if info.state not in states:  # listed for the summary's count only
+                summary.not_selected[info.state] = summary.not_selected.get(info.state, 0) + 1
+                continue
             if wanted is not None:
-                if rid not in wanted:
-                    continue
                 seen_ids.add(rid)
             summary.listed += 1
-            if info.state not in states:
-                continue
             previous = done.get(rid)
             if (
                 previous is not None
@@ -594,6 +606,8 @@ async def export(
         if wanted is not None:
             for rid in sorted(wanted - seen_ids):
                 skip(rid, "not_listed: no such rollout in the selected states and prefix")
+        elif not summary.listed and not summary.not_selected:
+            summary.roots_below = await roots_below(store)
         failed = False
     finally:
         for task in list(drop_tasks):
@@ -693,6 +707,14 @@ def format_summary(summary: ExportSummary) -> str:
             )
         if s.masked_excluded:
             hints.append(f"{s.masked_excluded:,} masked rollouts were left out: --masked include writes them too")
+        for state, count in sorted(s.not_selected.items()):
+            why = " (dropped or retired: their entries are gone)" if state == "retired" else ""
+            hints.append(f"{count:,} {state} rollouts were not selected{why}")
+        if not s.listed and not s.not_selected and not s.skipped:
+            where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
+            if s.roots_below:
+                where += "; roots inside this URL: " + ", ".join(s.roots_below)
+            hints.append(where)
         lines.append("nothing to read: the destination holds no data file (no row was written)")
         lines.extend(f"  {hint}" for hint in hints)
     lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))

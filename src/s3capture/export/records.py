@@ -160,6 +160,11 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     format: str
     listed: int = 0
     selected: int = 0
+    not_selected: dict[str, int] = {}
+    """Listed rollouts in a state the run did not select, by state (``retired``, ...)."""
+    roots_below: list[str] = []
+    """When the source root holds no rollout: ``s3://`` URLs of roots found inside it (a URL one
+    level too high), from one LIST page."""
     exported: int = 0
     masked_written: int = 0
     masked_excluded: int = 0
