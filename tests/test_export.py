@@ -533,6 +533,46 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     assert "no rollouts under" not in text
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+@pytest.mark.parametrize("how", ["file", "stdin"])
+async def test_a_script_without_a_main_guard_is_told_so(
+    s3_server: Any, fresh: Any, bucket_url: str, tmp_path: Path, how: str
+) -> None:
+    """Workers are spawned and re-import the calling script. A script that calls export() at top
+    level (or one read from stdin, which cannot be re-imported) failed with "killed: out of
+    memory?" first; it is now told what to do, and the re-imported copy starts no export."""
+    from s3capture.store import S3TokenStore
+
+    writer = S3TokenStore(bucket_url)
+    try:
+        await put_chain(writer, "r-0", 2)
+        await writer.freeze("r-0")
+    finally:
+        await writer.close()
+    out = tmp_path / "out"
+    script = (
+        "import asyncio\n"
+        "from s3capture.export import export\n"
+        f"asyncio.run(export({bucket_url!r}, {str(out)!r}, workers=1))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env())
+    if how == "file":
+        path = tmp_path / "unguarded.py"
+        path.write_text(script)
+        command, stdin = [sys.executable, str(path)], None
+    else:
+        command, stdin = [sys.executable, "-"], script
+    proc = await asyncio.to_thread(
+        subprocess.run, command, input=stdin, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+    )
+    assert proc.returncode != 0
+    assert "no export worker process could start" in proc.stderr and "out of memory" not in proc.stderr, proc.stderr
+    if how == "file":
+        assert "export() was called while a spawned export worker re-imported the calling script" in proc.stderr
+    assert not list(out.glob("part-*"))
+
+
 def _children(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (from /proc)."""
     found = []

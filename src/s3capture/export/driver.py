@@ -238,6 +238,19 @@ def _root_of(url: str) -> tuple[str, str]:
         return url, ""
 
 
+def _called_by_a_reimported_script() -> bool:
+    """Whether this call comes from the top-level code of a script that a ``spawn`` child is
+    re-importing as ``__mp_main__`` (a script that calls ``export`` without a ``__main__`` guard):
+    left to run, it would start an export of its own inside the worker."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        # (spawn runs the script through runpy under the name __mp_main__, in a namespace of its own)
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 async def export(
     url: str,
     dest: str,
@@ -310,6 +323,12 @@ async def export(
         ids=ids,
     )
     _check_options(url, dest, opts)
+    if engine == "local" and workers and _called_by_a_reimported_script():
+        raise RuntimeError(
+            "export() was called while a spawned export worker re-imported the calling script: call it "
+            "under `if __name__ == '__main__':` (workers are spawned and re-import the script), or pass "
+            "workers=0"
+        )
     # "auto" is decided once, here, and the job carries the decision: every worker (a Ray node
     # without NeMo Gym included) then builds with the same code or fails its rollouts loudly, and
     # the shard manifests record which builder ran, so a re-run can refuse to mix the two.

@@ -98,12 +98,16 @@ def _take_sigint(ignored: bool) -> None:
         signal.signal(signal.SIGINT, _worker_sigint)
 
 
-def _init_worker(queue: Any, parent: int, sigint_ignored: bool = False) -> None:
+def _init_worker(queue: Any, parent: int, sigint_ignored: bool = False, started: Any = None) -> None:
     """``parent``: the export process's pid, taken by the parent itself. (Read here, after the
     spawned interpreter's start-up, ``os.getppid()`` is already 1 when the export died meanwhile,
-    and a watchdog watching pid 1 never fires: such a worker ran its shards for good.)"""
+    and a watchdog watching pid 1 never fires: such a worker ran its shards for good.)
+    ``started``: an event set once a worker got this far (its start-up, the re-import of the
+    caller's script included, succeeded)."""
     if os.getppid() != parent:
         os._exit(70)
+    if started is not None:
+        started.set()
     _take_sigint(sigint_ignored)
     _shard._REPORT = queue.put
     if "pandas" not in sys.modules:  # the caller's __main__, re-imported by spawn, may have loaded it
@@ -173,11 +177,12 @@ async def local_engine(
 
     drainer = threading.Thread(target=drain, name="s3capture-export-progress", daemon=True)
     drainer.start()
+    started = ctx.Event()
     pool = concurrent.futures.ProcessPoolExecutor(
         workers,
         mp_context=ctx,
         initializer=_init_worker,
-        initargs=(queue, os.getpid(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN),
+        initargs=(queue, os.getpid(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN, started),
     )
     pending: dict[asyncio.Future, ShardTask] = {}
     ahead = max(2, 2 * workers)
@@ -187,6 +192,13 @@ async def local_engine(
         error = future.exception()
         if error is None:
             return future.result()
+        if isinstance(error, concurrent.futures.process.BrokenProcessPool) and not started.is_set():
+            raise ExportWorkerDied(
+                "no export worker process could start (its error is printed above). Calling export() from "
+                "a script: workers are spawned and re-import it, so call it under `if __name__ == "
+                "'__main__':` (a script read from stdin cannot be re-imported: save it to a file), or pass "
+                "workers=0. Nothing was exported by this run."
+            ) from error
         if isinstance(error, concurrent.futures.process.BrokenProcessPool):
             raise ExportWorkerDied(
                 f"an export worker process died while it ran shard part-{shard:05d} (killed: out of memory? lower "
