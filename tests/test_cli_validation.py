@@ -132,6 +132,8 @@ MODES = [
     (["--staging-url", "s3://bkt/staging"], "--staging-url applies only with --capture ledger"),
     (["--capture", "store", "--staging-url", "s3://bkt/staging"], "--staging-url applies only with --capture ledger"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    # No abbreviations: "--roll 3" would otherwise run as --rollouts 3, and a typo could pass.
+    (["--roll", "3"], "unrecognized arguments: --roll"),
     # The embedded server stops with the demo: what --keep kept would be gone with it.
     (["--keep"], "--keep needs --url or --endpoint"),
 ]
@@ -418,3 +420,32 @@ def test_worker_that_cannot_start_ends_the_run_at_once(capture: str):
     assert " failed at start-up: StoreError: " in lines[0] and "http://127.0.0.1:1/s3capture-unreachable" in lines[0]
     assert proc.stdout == ""
     assert seconds < 60, f"the run took {seconds:.1f} s to give up"
+
+
+def test_other_commands_take_no_abbreviated_options_and_the_tool_has_a_version(capsys: pytest.CaptureFixture[str]):
+    # "ls URL --stat frozen" ran as --state (a typo passing unnoticed): refused before any request.
+    assert main(["ls", "s3://bucket-x/root", "--stat", "frozen"]) == 2
+    assert "unrecognized arguments: --stat frozen" in capsys.readouterr().err
+    assert main(["export", "s3://bucket-x/root", "--ou", "/tmp/never"]) == 2
+    assert "unrecognized arguments: --ou" in capsys.readouterr().err
+    assert main(["--version"]) == 0
+    from s3capture import __version__
+
+    assert capsys.readouterr().out.strip() == f"s3capture {__version__}"
+
+
+@pytest.mark.parametrize("transport", ["aioboto3", "obstore"])
+def test_missing_credentials_name_the_variables(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, transport: str
+):
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: signing fails first
+    monkeypatch.setenv("S3CAPTURE_TRANSPORT", transport)
+    assert main(["ls", "s3://bucket-x/root"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no AWS credentials found" in err, err
+    if transport == "aioboto3":
+        assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in err

@@ -213,7 +213,8 @@ def test_demo_keep_leaves_frozen_rollouts_that_export_reads(s3_server, bucket_ur
     import pyarrow.parquet as pq
 
     out = _run_demo(["--rollouts", "4", "--calls", "3", "--keep", "--url", bucket_url], s3_server.env())
-    assert "trainable 4, masked 0" in out and "kept frozen (not dropped): 4 rollouts" in out and "result: OK" in out
+    assert "trainable 4, masked 0; kept frozen 4/4 (--keep: none dropped)" in out and "result: OK" in out
+    assert "kept frozen (not dropped): 4 rollouts" in out and "dropped after consumption" not in out
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(s3_server.env())
     dest = tmp_path / "out"

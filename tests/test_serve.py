@@ -186,3 +186,14 @@ def test_serve_rejects_a_bad_bucket_name_before_starting(capsys):
     err = capsys.readouterr().err
     assert "s3capture serve: error: 'no'" in err and "not a bucket name" in err
     assert "starting a local" not in err
+
+
+@pytest.mark.parametrize(("prefix", "why"), [("a/rollouts", "'rollouts' segment"), ("a/../b", "'..' path segment")])
+def test_serve_rejects_a_prefix_no_store_would_take_before_starting(capsys, prefix, why):
+    """It printed s3://s3capture/a/rollouts, which every other command then refused."""
+    from s3capture.cli import main
+
+    assert main(["serve", "--prefix", prefix]) == 2
+    err = capsys.readouterr().err
+    assert "s3capture serve: error:" in err and why in err
+    assert "starting a local" not in err

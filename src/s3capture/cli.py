@@ -46,6 +46,11 @@ class _Parser(argparse.ArgumentParser):
 
     commands: dict[str, argparse.ArgumentParser]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: ``ls --stat frozen`` ran as ``--state``, so a typo passed unnoticed.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
@@ -56,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
             # ``--ouf`` would read as a forgotten ``--out``. Name the unknown options first.
             known = tuple(self._option_string_actions)
             words = [word.split("=", 1)[0] for word in getattr(self, "_given", []) if word.startswith("--")]
-            unknown = [word for word in words if not any(option.startswith(word) for option in known)]
+            unknown = [word for word in words if word not in known]
             if unknown:
                 message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -486,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'s3capture demo' runs a capture workload end to end; 's3capture conformance' checks a store; "
         "'s3capture export' turns captured rollouts into training trajectories.",
     )
+    from s3capture import __version__
+
+    parser.add_argument("--version", action="version", version=f"s3capture {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",

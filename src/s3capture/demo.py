@@ -422,7 +422,9 @@ def _refuse_used_export_dest(dest: str, env: dict[str, str]) -> None:
     """
     if "://" not in dest:
         if os.path.isdir(dest) and os.listdir(dest):
-            raise ValueError(f"export_dest {dest!r} is not empty: the demo exports into a new or empty folder")
+            raise ValueError(
+                f"the export destination {dest!r} (--export) is not empty: the demo exports into a new or empty folder"
+            )
         return
     from s3capture.rollouts import parse_s3_url
     from s3capture.transport import configured_endpoint, make_transport
@@ -449,7 +451,8 @@ def _refuse_used_export_dest(dest: str, env: dict[str, str]) -> None:
                 os.environ[name] = old
     if key is not None:
         raise ValueError(
-            f"export_dest {dest!r} is not empty (it holds s3://{bucket}/{key}): the demo exports into a new or empty prefix"
+            f"the export destination {dest!r} (--export) is not empty (it holds s3://{bucket}/{key}): the demo "
+            "exports into a new or empty prefix"
         )
 
 
@@ -669,7 +672,12 @@ def format_report(report: DemoReport, *, where: str) -> str:
         f"  rollouts {report.rollouts}, model calls {report.calls}",
         *timing_lines(report, build_desc),
         *resolution_lines(report),
-        f"  snapshots: trainable {report.trainable}, masked {report.masked}; dropped after consumption {report.dropped}/{report.rollouts}",
+        f"  snapshots: trainable {report.trainable}, masked {report.masked}; "
+        + (
+            f"kept frozen {report.kept}/{report.rollouts} (--keep: none dropped)"
+            if report.kept
+            else f"dropped after consumption {report.dropped}/{report.rollouts}"
+        ),
         f"  chains checked {report.chains_checked}, broken {len(report.chains_broken)}",
         f"  put     latency: {percentiles(report.put_ms)}",
         f"  resolve latency: {percentiles(report.resolve_ms)}",

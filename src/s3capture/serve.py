@@ -97,10 +97,12 @@ def serve(kind: str = "moto", bucket: str = "s3capture", prefix: str = "capture"
     Must run in the main thread (it installs SIGINT and SIGTERM handlers, restored on return).
     """
     from s3capture.cli import check_s3_url
+    from s3capture.layout import Layout
 
     if kind not in SERVER_KINDS:
         raise ValueError(f"unknown server {kind!r}; choose from {', '.join(SERVER_KINDS)}")
     url = check_s3_url(f"s3://{bucket}/{prefix.strip('/')}" if prefix.strip("/") else f"s3://{bucket}")
+    Layout(prefix)  # the prefix every store takes: no '.', '..', '//', backslash or 'rollouts' segment
     out = sys.stdout if out is None else out
     stop = threading.Event()
     received: list[int] = []

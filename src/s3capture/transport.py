@@ -525,6 +525,13 @@ class Transport:
             return StoreError(f"bucket {self.bucket!r} does not exist ({where})", operation=operation, key=key)
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", *_CREDENTIAL_ERRORS):
             return StoreError(f"access to s3://{self.bucket} refused: {code} ({where})", operation=operation, key=key)
+        if type(error).__name__ == "NoCredentialsError":  # botocore's; obstore raises its own errors
+            return StoreError(
+                f"no AWS credentials found ({where}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                "AWS_PROFILE, or configure them in ~/.aws/credentials",
+                operation=operation,
+                key=key,
+            )
         if _cannot_connect(error):
             return StoreError(
                 f"cannot connect to {self.endpoint_url or 'the AWS S3 endpoint'} ({where}): {type(error).__name__}: "
