@@ -88,8 +88,9 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
         await builder.freeze(rid)
     # Below the lease, as CLAIM_HOLD < CLAIM_LEASE; wide enough that the second export's own
     # renewals (every 0.1 s) keep its hold under a loaded machine's slow round trips.
-    monkeypatch.setattr(export_module, "CLAIM_LEASE", 2.0)
-    monkeypatch.setattr(export_module, "CLAIM_HOLD", 1.5)
+    # (A CI run under heavy load once starved the second export's renewals past a 1.5 s hold.)
+    monkeypatch.setattr(export_module, "CLAIM_LEASE", 3.0)
+    monkeypatch.setattr(export_module, "CLAIM_HOLD", 2.5)
     monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.1)
     real_renew = export_module._S3Destination._renew
     renewing: list[Any] = []
@@ -119,7 +120,7 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
             break
         await asyncio.sleep(0.05)
     assert first_publish.is_set()
-    await asyncio.sleep(3.2)  # the first export's claim is stale by the store's clock (1 s resolution)
+    await asyncio.sleep(4.2)  # the first export's claim is stale by the store's clock (1 s resolution)
     try:
         second = await export(bucket_url, dest, workers=0, ids=["b1"], drop=True, fence_grace=0.0)
     finally:

@@ -182,12 +182,15 @@ def _envelope(payload: bytes, chain: list[str]) -> bytes:
     return zstandard.ZstdCompressor().compress(body + b',"format":"s3capture.entry/1"}')
 
 
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "no-digest"])
 @pytest.mark.parametrize("link", ["parent", "other-call"])
-async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(fresh, s3_client, bucket_url, link):
+async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(
+    fresh, s3_client, bucket_url, link, digest
+):
     from helpers import build_conversation, next_request, turn_entry
     from s3capture.records import encode_entry
 
-    rid = f"r-chain-{link}"
+    rid = f"r-chain-{link}-{digest}"
     parent_turn, child_turn = build_conversation(rid, 2)
     parent = turn_entry(rid, parent_turn)
     other = simple_entry(rid, "call-other", prompt=[900, 901], generation=[902], text="unrelated")
@@ -195,8 +198,9 @@ async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(fre
     await writer.put(parent)
     await writer.put(other)
     child = turn_entry(rid, child_turn, delta=True, parent_cumulative=parent_turn.cumulative)
-    child.digest = None  # an entry without a digest: the parent links are all that tie its chain
-    child.validate()
+    if not digest:
+        child.digest = None  # an entry without a digest: nothing could check a rebuilt chain
+        child.validate()
     payload = encode_entry(child)
     bucket = _Bucket(s3_client, bucket_url, writer)
     prefix = writer.layout.rollout(rid)
@@ -213,7 +217,9 @@ async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(fre
     assert all(key.startswith(prefix) for key in bucket.entry_keys(rid))
 
     resolution = await fresh().resolve(rid, next_request(child_turn))
-    if link == "parent":  # control: the honest link rebuilds the child's full sequence
+    if not digest:  # even the honest link: a digest-less delta is never rebuilt (tests/test_resolve_unverifiable.py)
+        assert (resolution.status, resolution.reason) == (UNRESOLVED, "unverifiable_parent"), resolution
+    elif link == "parent":  # control: the honest link rebuilds the child's full sequence
         assert resolution.status == RESOLVED, resolution
         assert resolution.match.model_call_id == child_turn.call_id
         assert list(resolution.match.cumulative_token_ids) == child_turn.cumulative
