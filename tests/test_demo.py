@@ -272,8 +272,14 @@ def test_demo_export_to_an_s3_prefix_that_is_not_empty_is_refused_before_the_cap
     # An empty prefix (a sibling of the used one: "exports" is not "exports-2") passes the check.
     from s3capture.demo import _refuse_used_export_dest
 
-    _refuse_used_export_dest(f"s3://{bucket}/exports-2", s3_server.env())
-    _refuse_used_export_dest(f"s3://{bucket}/export", s3_server.env())
+    _refuse_used_export_dest(source, f"s3://{bucket}/exports-2", s3_server.env())
+    _refuse_used_export_dest(source, f"s3://{bucket}/export", s3_server.env())
+    # A console's folder marker is the destination itself, not an object in it.
+    s3_client.put_object(Bucket=bucket, Key="marked/", Body=b"")
+    _refuse_used_export_dest(source, f"s3://{bucket}/marked", s3_server.env())
+    # The top of the source's bucket holds the capture's rollouts: refused before any request.
+    with pytest.raises(ValueError, match="contains the rollouts of"):
+        _refuse_used_export_dest(source, f"s3://{bucket}", {})
 
 
 def test_plain_progress_writes_whole_lines_every_tenth_and_every_few_seconds():

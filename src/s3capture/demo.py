@@ -409,15 +409,17 @@ async def _build(
         report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
 
 
-def _refuse_used_export_dest(dest: str, env: dict[str, str]) -> None:
+def _refuse_used_export_dest(url: str, dest: str, env: dict[str, str]) -> None:
     """Refuse a non-empty export destination before the capture, not after it: an export refuses a
     destination holding another source root's export, and every demo captures into a new root.
 
-    A local folder: any file in it. An ``s3://bucket/prefix``: any object under ``prefix/`` (one
-    LIST of one key, with the demo's endpoint and credentials, ``env`` over the environment).
+    A local folder: any file in it. An ``s3://bucket/prefix``: any object under ``prefix/`` but the
+    prefix's own folder marker (one LIST of two keys, with the demo's endpoint and credentials,
+    ``env`` over the environment), and a prefix that holds or lies inside ``url``'s rollouts
+    (``s3capture.export``'s own check, before any request).
 
     Raises:
-        ValueError: the destination is not empty.
+        ValueError: the destination is not empty, or holds the capture's rollouts.
         StoreError: the destination's bucket cannot be listed (missing, or no permission).
     """
     if "://" not in dest:
@@ -426,18 +428,22 @@ def _refuse_used_export_dest(dest: str, env: dict[str, str]) -> None:
                 f"the export destination {dest!r} (--export) is not empty: the demo exports into a new or empty folder"
             )
         return
+    from s3capture.export.driver import check_destination
     from s3capture.rollouts import parse_s3_url
     from s3capture.transport import configured_endpoint, make_transport
 
+    check_destination(url, dest)
     bucket, prefix = parse_s3_url(dest)
+    folder = f"{prefix}/" if prefix else ""
 
     async def first_key() -> str | None:
         transport = make_transport(None, bucket, endpoint_url=configured_endpoint(None), max_concurrency=1)
         try:
-            page = await transport.list_page(f"{prefix}/" if prefix else "", 1)
+            page = await transport.list_page(folder, 2)
         finally:
             await transport.close()
-        return page.objects[0].key if page.objects else None
+        keys = [item.key for item in page.objects if item.key != folder]  # not the folder marker
+        return keys[0] if keys else None
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -512,7 +518,7 @@ def run_workload(
     if export_dest is not None and capture != "store":
         raise ValueError("export_dest applies only with capture='store' (the ledger holds no token ids)")
     if export_dest is not None:
-        _refuse_used_export_dest(export_dest, env)
+        _refuse_used_export_dest(url, export_dest, env)
     if keep and capture != "store":
         raise ValueError("keep applies only with capture='store'")
     if not any(r.calls for r in rollouts):

@@ -563,14 +563,21 @@ async def roots_below(store: RolloutObjects, limit: int = 5) -> list[str]:
 
     A hint for a URL that names a parent of the root its user meant (``s3://b/capture`` for
     ``s3://b/capture/run-42``), whose own listing of rollouts is empty. At most ``limit`` URLs, in
-    key order; empty when nothing under the root looks like another root. Raises ``StoreError``
-    when the LIST fails.
+    key order; empty when nothing under the root looks like another root, and when the LIST fails
+    (a hint: a role allowed to list only ``ROOT/rollouts/`` gets none, and no error).
     """
+    from s3capture.errors import StoreError
+
     root = store.layout.root
-    page = await store._list_page(root, 1000)
+    try:
+        page = await store._list_page(root, 1000)
+    except StoreError:
+        return []
     found: dict[str, None] = {}
     for item in page.objects:
         rel = item.key[len(root) :]
+        if rel.startswith("rollouts/"):
+            continue  # the root's own rollouts (an id or call id named "rollouts" included)
         cut = rel.find("/rollouts/")
         if cut > 0:
             found.setdefault(rel[:cut], None)

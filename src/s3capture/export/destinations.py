@@ -188,6 +188,7 @@ class _LocalDestination(_Destination):
         ``ValueError`` when another export holds the folder or it is not writable."""
         self._make()
         path = os.path.join(self.folder, _LOCK)
+        self._made_lock = not os.path.exists(path)
         try:
             handle = open(path, "a+b")
         except OSError as error:
@@ -248,7 +249,8 @@ class _LocalDestination(_Destination):
     async def close(self, *, failed: bool = False) -> None:
         """Release the folder. When the export failed, a folder it created that holds nothing
         but its lock file (it failed before its first shard) is removed: a failed run leaves no
-        empty dataset behind. A run that succeeds keeps its folder, empty or not."""
+        empty dataset behind; and a lock file it created is removed (a refused run leaves a folder
+        as it found it). A run that succeeds keeps its folder, empty or not."""
         handle, self._lock = getattr(self, "_lock", None), None
         if handle is not None:
             with contextlib.suppress(OSError):  # the token goes first: no late worker publishes now
@@ -256,6 +258,10 @@ class _LocalDestination(_Destination):
                 handle.flush()
             if failed and self._created:
                 self._remove_if_unused()  # still under the flock: no other export is writing here
+            if failed and getattr(self, "_made_lock", False):
+                # A refused or failed run leaves a folder it did not create as it found it.
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.folder, _LOCK))
             handle.close()  # releases the flock
 
     def _remove_if_unused(self) -> None:
@@ -377,6 +383,7 @@ class _S3Destination(_Destination):
         tops = dict.fromkeys(
             rel if "/" not in rel else rel.split("/", 1)[0] + "/"
             for rel in (item.key[len(self.prefix) :] for item in listed)
+            if rel  # the prefix's own folder marker ("exports/", from a console's "Create folder")
         )
         existing.foreign = [name for name in tops if _foreign(name.rstrip("/"))]
         manifest_names = _classify(sorted(files), existing)

@@ -146,10 +146,31 @@ def read_ids(path: str | os.PathLike) -> list[str]:
     return ids
 
 
-def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
+def check_destination(url: str, dest: str) -> None:
+    """Refuse an ``s3://`` destination inside the source root's rollouts, or one that contains
+    them (its scan would list every captured object). ``ValueError``; a local folder passes."""
     from s3capture.rollouts import parse_s3_url
 
     bucket, root = parse_s3_url(url)
+    if _is_s3(dest):
+        dest_bucket, dest_prefix = parse_s3_url(dest)
+        inside = f"{root}/rollouts" if root else "rollouts"
+        if dest_bucket == bucket and (
+            dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
+        ):
+            raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
+        if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
+            # The destination scan lists every key under DEST: here every captured object, each run.
+            raise ValueError(
+                f"--out {dest} contains the rollouts of {url}: reading the destination would list every captured "
+                "object; choose a prefix beside them"
+            )
+
+
+def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
+    from s3capture.rollouts import parse_s3_url
+
+    parse_s3_url(url)
     for name, allowed in (
         ("format", FORMATS),
         ("masked", MASKED_CHOICES),
@@ -185,19 +206,7 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
             raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {opts['workers']}")
     if not dest:
         raise ValueError("no destination (--out)")
-    if _is_s3(dest):
-        dest_bucket, dest_prefix = parse_s3_url(dest)
-        inside = f"{root}/rollouts" if root else "rollouts"
-        if dest_bucket == bucket and (
-            dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
-        ):
-            raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
-        if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
-            # The destination scan lists every key under DEST: here every captured object, each run.
-            raise ValueError(
-                f"--out {dest} contains the rollouts of {url}: reading the destination would list every captured "
-                "object; choose a prefix beside them"
-            )
+    check_destination(url, dest)
     if opts["format"] == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -625,7 +634,8 @@ async def export(
         if wanted is not None:
             for rid in sorted(wanted - seen_ids):
                 skip(rid, "not_listed: no such rollout in the selected states and prefix")
-        elif not summary.listed and not summary.not_selected:
+        elif not prefix and not summary.listed and not summary.not_selected:
+            summary.root_empty = True
             summary.roots_below = await roots_below(store)
         failed = False
     finally:
@@ -729,7 +739,7 @@ def format_summary(summary: ExportSummary) -> str:
         for state, count in sorted(s.not_selected.items()):
             why = " (dropped or retired: their entries are gone)" if state == "retired" else ""
             hints.append(f"{count:,} {state} rollouts were not selected{why}")
-        if not s.listed and not s.not_selected and not s.skipped:
+        if s.root_empty:
             where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
             if s.roots_below:
                 where += "; roots inside this URL: " + ", ".join(s.roots_below)

@@ -162,6 +162,8 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     selected: int = 0
     not_selected: dict[str, int] = {}
     """Listed rollouts in a state the run did not select, by state (``retired``, ...)."""
+    root_empty: bool = False
+    """No rollout in any state under the source root (no ``--prefix`` or ids given)."""
     roots_below: list[str] = []
     """When the source root holds no rollout: ``s3://`` URLs of roots found inside it (a URL one
     level too high), from one LIST page."""

@@ -1,0 +1,101 @@
+"""An export destination's foreign-file check and the empty-selection hints, from a breaker session
+of 2026-12-02 on that day's changes: a folder marker is not a foreign file, a refused folder keeps
+no lock file, a hint never fails a command or names the root's own rollouts, and ``--prefix``
+matching nothing is not "an empty root"."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import put_chain
+from s3capture.cli import main
+from s3capture.errors import StoreError
+from s3capture.transport import Transport
+
+pytest.importorskip("pyarrow")
+
+from s3capture.export import export, format_summary
+
+MOTO = pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+
+
+async def _capture(bucket_url: str, ids: tuple[str, ...] = ("r-0",), frozen: bool = True) -> None:
+    from s3capture.store import S3TokenStore
+
+    writer = S3TokenStore(bucket_url)
+    try:
+        for rid in ids:
+            await put_chain(writer, rid, 2)
+            if frozen:
+                await writer.freeze(rid)
+    finally:
+        await writer.close()
+
+
+@pytest.mark.parametrize("s3_server", ["moto", "seaweedfs"], indirect=True)
+async def test_an_s3_folder_marker_is_the_destination_not_a_foreign_file(
+    fresh: Any, bucket_url: str, s3_client: Any
+) -> None:
+    """A console's "Create folder" (and rclone or s3fs mkdir) writes the zero-byte key 'exports/'."""
+    await _capture(bucket_url)
+    bucket = bucket_url[len("s3://") :].split("/", 1)[0]
+    s3_client.put_object(Bucket=bucket, Key="exports/", Body=b"")
+    summary = await export(bucket_url, f"s3://{bucket}/exports", workers=0)
+    assert summary.ok and summary.exported == 1, format_summary(summary)
+
+
+@MOTO
+async def test_a_refused_folder_is_left_as_it_was(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
+    """Refused before anything is written: the user's folder keeps no lock file either."""
+    await _capture(bucket_url)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="no export wrote"):
+        await export(bucket_url, str(out), workers=0)
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+@MOTO
+def test_a_rollout_id_named_rollouts_is_not_a_root_inside(s3_env: Any, bucket_url: str, capsys: Any) -> None:
+    """A root may not contain a 'rollouts' segment, so no key of this root's own rollouts/ is another
+    root's: an empty selection of ``ls`` names none."""
+    asyncio.run(_capture(bucket_url, ("rollouts",), frozen=False))
+    assert main(["ls", bucket_url, "--prefix", "zzz"]) == 0
+    assert "roots inside this URL" not in capsys.readouterr().err
+
+
+@MOTO
+def test_a_listing_narrowed_to_the_rollouts_gets_no_hint_and_no_error(
+    s3_env: Any, bucket_url: str, capsys: Any, monkeypatch: Any, tmp_path: Path
+) -> None:
+    """docs/permissions.md narrows a role's s3:ListBucket to ROOT/rollouts/*: the hint's LIST of
+    ROOT/ is refused there, which must not fail an empty selection."""
+    asyncio.run(_capture(bucket_url, ("r-0",), frozen=False))
+    root = bucket_url.split("/", 3)[3] + "/"
+    original = Transport.list_page
+
+    async def narrowed(self: Any, prefix: str, max_keys: int = 1000, token: Any = None) -> Any:
+        if prefix.startswith(root) and not prefix.startswith(root + "rollouts/"):
+            raise StoreError(f"access refused: AccessDenied (LIST {prefix})", operation="LIST", key=prefix)
+        return await original(self, prefix, max_keys, token)
+
+    monkeypatch.setattr(Transport, "list_page", narrowed)
+    assert main(["ls", bucket_url, "--state", "frozen"]) == 0
+    assert main(["status", bucket_url, "--prefix", "zzz", "--no-manifests"]) == 0
+    capsys.readouterr()
+    summary = asyncio.run(export(bucket_url, str(tmp_path / "o"), states=["frozen"], workers=0))
+    assert summary.ok and summary.exported == 0 and summary.not_selected == {"open": 1}
+
+
+@MOTO
+def test_a_prefix_matching_nothing_is_not_an_empty_root(s3_env: Any, bucket_url: str, tmp_path: Path) -> None:
+    asyncio.run(_capture(bucket_url, ("r-0",)))
+    summary = asyncio.run(export(bucket_url, str(tmp_path / "o"), prefix="zzz", workers=0))
+    assert summary.ok and not summary.root_empty
+    assert "no rollouts under" not in format_summary(summary)
