@@ -563,6 +563,24 @@ async def put_chain(writer: Any, rollout_id: str, depth: int) -> tuple[list[Any]
     return turns, entries
 
 
+async def capture_chains(url: str, ids: Any = ("r-0",), depth: int = 2, *, frozen: bool = True) -> dict[str, Any]:
+    """``put_chain`` of each id through a new ``S3TokenStore`` at ``url``, then a freeze of each
+    when ``frozen``; the store is closed. Returns ``{rollout_id: FrozenSnapshot}`` (empty when not
+    frozen)."""
+    from s3capture.store import S3TokenStore
+
+    snapshots = {}
+    writer = S3TokenStore(url)
+    try:
+        for rollout_id in ids:
+            await put_chain(writer, rollout_id, depth)
+            if frozen:
+                snapshots[rollout_id] = await writer.freeze(rollout_id)
+    finally:
+        await writer.close()
+    return snapshots
+
+
 def example_entries(path: Any) -> list[TokenEntry]:
     """One ``simple_entry`` per model call of a shared Gym example file (its real token ids and
     log probabilities, when it has them)."""

@@ -31,7 +31,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from gymcompat import running_under_ci  # noqa: E402
-from helpers import put_chain, simple_entry, split_bucket_url  # noqa: E402
+from helpers import capture_chains, put_chain, simple_entry, split_bucket_url  # noqa: E402
 from test_read_only import read_only  # noqa: E402,F401 - the fixture: a bucket whose reader may only GET and LIST
 from s3capture.cli import main  # noqa: E402
 from s3capture.export import (  # noqa: E402
@@ -425,16 +425,10 @@ async def test_a_destination_takes_one_source_root(
     """Resume keys rows by rollout id. Two roots' exports in one folder (every run's ids alike:
     "r-0", ...) mixed silently, and the second root's rollouts read as "changed since their export".
     Another root is refused before anything is written; the same root (a trailing slash aside) resumes."""
-    from s3capture.store import S3TokenStore
 
     other_url = bucket_url + "-other"
     for url in (bucket_url, other_url):
-        writer = S3TokenStore(url)
-        try:
-            await put_chain(writer, "r-0", 2)
-            await writer.freeze("r-0")
-        finally:
-            await writer.close()
+        await capture_chains(url)
     out = tmp_path / "out"
     first = await export(bucket_url, str(out), workers=0)
     assert first.ok and first.exported == 1
@@ -472,14 +466,7 @@ async def test_a_destination_holding_files_no_export_wrote_is_refused(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from s3capture.store import S3TokenStore
-
-    writer = S3TokenStore(bucket_url)
-    try:
-        await put_chain(writer, "r-0", 2)
-        await writer.freeze("r-0")
-    finally:
-        await writer.close()
+    await capture_chains(bucket_url)
     out = tmp_path / "out"
     out.mkdir()
     pq.write_table(pa.table({"x": [1, 2]}), out / "old.parquet")
@@ -513,13 +500,12 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     inside the URL, and counts the rollouts left out by state."""
     from s3capture.store import S3TokenStore
 
-    writer = S3TokenStore(bucket_url)
+    (snapshot,) = (await capture_chains(bucket_url)).values()
+    dropper = S3TokenStore(bucket_url)
     try:
-        await put_chain(writer, "r-0", 2)
-        snapshot = await writer.freeze("r-0")
-        assert await writer.drop("r-0", snapshot.snapshot_id, snapshot.version)
+        assert await dropper.drop("r-0", snapshot.snapshot_id, snapshot.version)
     finally:
-        await writer.close()
+        await dropper.close()
     parent = bucket_url.rsplit("/", 1)[0]
     summary = await export(parent, str(tmp_path / "a"), workers=0)
     assert summary.ok and summary.listed == 0 and summary.roots_below == [bucket_url]
@@ -541,14 +527,8 @@ async def test_a_script_without_a_main_guard_is_told_so(
     """Workers are spawned and re-import the calling script. A script that calls export() at top
     level (or one read from stdin, which cannot be re-imported) failed with "killed: out of
     memory?" first; it is now told what to do, and the re-imported copy starts no export."""
-    from s3capture.store import S3TokenStore
 
-    writer = S3TokenStore(bucket_url)
-    try:
-        await put_chain(writer, "r-0", 2)
-        await writer.freeze("r-0")
-    finally:
-        await writer.close()
+    await capture_chains(bucket_url)
     out = tmp_path / "out"
     script = (
         "import asyncio\n"

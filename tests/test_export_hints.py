@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from helpers import put_chain
+from helpers import capture_chains
 from s3capture.cli import main
 from s3capture.errors import StoreError
 from s3capture.transport import Transport
@@ -24,25 +24,12 @@ from s3capture.export import export, format_summary
 MOTO = pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
 
 
-async def _capture(bucket_url: str, ids: tuple[str, ...] = ("r-0",), frozen: bool = True) -> None:
-    from s3capture.store import S3TokenStore
-
-    writer = S3TokenStore(bucket_url)
-    try:
-        for rid in ids:
-            await put_chain(writer, rid, 2)
-            if frozen:
-                await writer.freeze(rid)
-    finally:
-        await writer.close()
-
-
 @pytest.mark.parametrize("s3_server", ["moto", "seaweedfs"], indirect=True)
 async def test_an_s3_folder_marker_is_the_destination_not_a_foreign_file(
     fresh: Any, bucket_url: str, s3_client: Any
 ) -> None:
     """A console's "Create folder" (and rclone or s3fs mkdir) writes the zero-byte key 'exports/'."""
-    await _capture(bucket_url)
+    await capture_chains(bucket_url)
     bucket = bucket_url[len("s3://") :].split("/", 1)[0]
     s3_client.put_object(Bucket=bucket, Key="exports/", Body=b"")
     summary = await export(bucket_url, f"s3://{bucket}/exports", workers=0)
@@ -52,7 +39,7 @@ async def test_an_s3_folder_marker_is_the_destination_not_a_foreign_file(
 @MOTO
 async def test_a_refused_folder_is_left_as_it_was(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
     """Refused before anything is written: the user's folder keeps no lock file either."""
-    await _capture(bucket_url)
+    await capture_chains(bucket_url)
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("x")
@@ -65,7 +52,7 @@ async def test_a_refused_folder_is_left_as_it_was(fresh: Any, bucket_url: str, t
 def test_a_rollout_id_named_rollouts_is_not_a_root_inside(s3_env: Any, bucket_url: str, capsys: Any) -> None:
     """A root may not contain a 'rollouts' segment, so no key of this root's own rollouts/ is another
     root's: an empty selection of ``ls`` names none."""
-    asyncio.run(_capture(bucket_url, ("rollouts",), frozen=False))
+    asyncio.run(capture_chains(bucket_url, ("rollouts",), frozen=False))
     assert main(["ls", bucket_url, "--prefix", "zzz"]) == 0
     assert "roots inside this URL" not in capsys.readouterr().err
 
@@ -76,7 +63,7 @@ def test_a_listing_narrowed_to_the_rollouts_gets_no_hint_and_no_error(
 ) -> None:
     """docs/permissions.md narrows a role's s3:ListBucket to ROOT/rollouts/*: the hint's LIST of
     ROOT/ is refused there, which must not fail an empty selection."""
-    asyncio.run(_capture(bucket_url, ("r-0",), frozen=False))
+    asyncio.run(capture_chains(bucket_url, frozen=False))
     root = bucket_url.split("/", 3)[3] + "/"
     original = Transport.list_page
 
@@ -95,7 +82,7 @@ def test_a_listing_narrowed_to_the_rollouts_gets_no_hint_and_no_error(
 
 @MOTO
 def test_a_prefix_matching_nothing_is_not_an_empty_root(s3_env: Any, bucket_url: str, tmp_path: Path) -> None:
-    asyncio.run(_capture(bucket_url, ("r-0",)))
+    asyncio.run(capture_chains(bucket_url))
     summary = asyncio.run(export(bucket_url, str(tmp_path / "o"), prefix="zzz", workers=0))
     assert summary.ok and not summary.root_empty
     assert "no rollouts under" not in format_summary(summary)

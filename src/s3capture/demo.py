@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -28,7 +29,7 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from s3capture.demo_common import (
@@ -409,6 +410,22 @@ async def _build(
         report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` over ``os.environ`` (the workers' endpoint and credentials) for the parent's own
+    requests, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def _refuse_used_export_dest(url: str, dest: str, env: dict[str, str]) -> None:
     """Refuse a non-empty export destination before the capture, not after it: an export refuses a
     destination holding another source root's export, and every demo captures into a new root.
@@ -445,16 +462,8 @@ def _refuse_used_export_dest(url: str, dest: str, env: dict[str, str]) -> None:
         keys = [item.key for item in page.objects if item.key != folder]  # not the folder marker
         return keys[0] if keys else None
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with _environment(env):
         key = asyncio.run(first_key())
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
     if key is not None:
         raise ValueError(
             f"the export destination {dest!r} (--export) is not empty (it holds s3://{bucket}/{key}): the demo "
@@ -613,20 +622,12 @@ def run_workload(
     if report.errors and not report.captured:
         first = report.errors[0].split(": ", 1)[-1].splitlines()[0]
         raise RuntimeError(f"every model call failed ({len(report.errors)} errors); the first: {first}")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with _environment(env):
         build_bar = open_progress(len(rollouts), build_desc, "rollout", enabled=progress)
         build_started = time.perf_counter()
         asyncio.run(build(build_bar))
         report.build_seconds = time.perf_counter() - build_started
         build_bar.close()
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
     report.wall_seconds = time.perf_counter() - wall_started
     return report
 
