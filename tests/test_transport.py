@@ -269,6 +269,29 @@ async def test_an_explicit_session_s_keys_are_used_on_every_transport(s3_env, bu
     assert snapshot.reasons == ("dangling_intent:c1",)
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+async def test_https_to_a_plain_http_server_says_to_use_http(s3_server, transport_kind, monkeypatch):
+    """A new user's https:// endpoint for a local server ended in the SSL library's
+    WRONG_VERSION_NUMBER with "check the endpoint and the network"; it now says what to change."""
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config
+
+    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    endpoint = s3_server.endpoint_url.replace("http://", "https://")
+    config = default_botocore_config(
+        4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+    )
+    transport = make_transport(transport_kind, "bkt", endpoint_url=endpoint, botocore_config=config)
+    try:
+        with pytest.raises(StoreError) as failed:
+            await transport.list_page("p/")
+    finally:
+        await transport.close()
+    assert "the server answers plain HTTP: use http:// in the endpoint" in str(failed.value), failed.value
+
+
 async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_retries(
     transport_kind, monkeypatch, caplog
 ):

@@ -533,9 +533,12 @@ class Transport:
                 key=key,
             )
         if _cannot_connect(error):
+            check = "check the endpoint (--endpoint or AWS_ENDPOINT_URL) and the network"
+            if "WRONG_VERSION_NUMBER" in str(error) and (self.endpoint_url or "").startswith("https://"):
+                check = "the server answers plain HTTP: use http:// in the endpoint (--endpoint or AWS_ENDPOINT_URL)"
             return StoreError(
                 f"cannot connect to {self.endpoint_url or 'the AWS S3 endpoint'} ({where}): {type(error).__name__}: "
-                f"{error}; check the endpoint (--endpoint or AWS_ENDPOINT_URL) and the network",
+                f"{error}; {check}",
                 operation=operation,
                 key=key,
             )
