@@ -799,13 +799,15 @@ def _ls_command(args: Any) -> int:
 def _status_command(args: Any) -> int:
     store = _open_store(args)
     progress = not args.no_progress and sys.stderr.isatty()
-    result = asyncio.run(
-        _close_after(store, status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress))
-    )
+
+    async def run() -> tuple[StoreStatus, list[str]]:
+        result = await status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress)
+        empty = not any(counts.rollouts for counts in result.states.values())
+        return result, await roots_below(store) if empty and not args.json else []
+
+    result, roots = asyncio.run(_close_after(store, run()))
     print(msgspec.json.encode(result).decode() if args.json else format_status(result))
-    if not args.json and not any(counts.rollouts for counts in result.states.values()):
-        probe = _open_store(args)
-        _hint_empty_root(asyncio.run(_close_after(probe, roots_below(probe))))
+    _hint_empty_root(roots)
     return 0
 
 

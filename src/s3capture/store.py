@@ -1078,15 +1078,13 @@ class S3TokenStore(RolloutObjects):
         out: list[TokenEntry] = []
         refetch: list[tuple[int, str, str]] = []
         for key, sha, stored in chosen:
-            if not stored.lent:
-                nested = _nested_encoding(stored.entry)
-                if nested is not None:
+            nested = _nested_encoding(stored.entry)
+            if nested is not None:
+                if not stored.lent:
                     stored.lent = _nested_digest(nested)
                     out.append(_shallow_copy(stored.entry))
                     continue
-            else:
-                nested = _nested_encoding(stored.entry)
-                if nested is not None and _nested_digest(nested) == stored.lent:
+                if _nested_digest(nested) == stored.lent:
                     out.append(_detached_copy(stored.entry, nested))
                     continue
             self._cache.discard(key)

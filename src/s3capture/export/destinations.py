@@ -160,6 +160,7 @@ class _LocalDestination(_Destination):
         self.token = ""  # the exporting process's: written into the lock file by ``lock``
         self.requests = collections.Counter()
         self._created: list[str] = []  # the folders this export made, innermost first
+        self._made_lock = False  # whether ``lock`` created the lock file (a refused run removes it)
 
     def _make(self) -> None:
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
@@ -258,7 +259,7 @@ class _LocalDestination(_Destination):
                 handle.flush()
             if failed and self._created:
                 self._remove_if_unused()  # still under the flock: no other export is writing here
-            if failed and getattr(self, "_made_lock", False):
+            if failed and self._made_lock:
                 # A refused or failed run leaves a folder it did not create as it found it.
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.folder, _LOCK))
