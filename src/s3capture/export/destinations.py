@@ -164,7 +164,7 @@ class _LocalDestination(_Destination):
 
     def _make(self) -> None:
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
-            raise ValueError(f"--out {self.folder} exists and is not a folder")
+            raise ValueError(f"destination {self.folder} exists and is not a folder")
         if not os.path.isdir(self.folder):
             missing, path = [], self.folder
             while not os.path.exists(path) and os.path.dirname(path) != path:
@@ -177,7 +177,7 @@ class _LocalDestination(_Destination):
                     with contextlib.suppress(OSError):
                         os.rmdir(folder)
                 raise ValueError(
-                    f"--out {self.folder} cannot be created: {error.strerror} ({error.filename})"
+                    f"destination {self.folder} cannot be created: {error.strerror} ({error.filename})"
                 ) from None
             self._created = missing
 
@@ -193,7 +193,7 @@ class _LocalDestination(_Destination):
         try:
             handle = open(path, "a+b")
         except OSError as error:
-            raise ValueError(f"--out {self.folder} is not writable: {error}") from None
+            raise ValueError(f"destination {self.folder} is not writable: {error}") from None
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
@@ -204,7 +204,7 @@ class _LocalDestination(_Destination):
         except BlockingIOError:
             handle.close()
             raise ValueError(
-                f"--out {self.folder} is being written by another export (it holds {_LOCK}); "
+                f"destination {self.folder} is being written by another export (it holds {_LOCK}); "
                 "one export at a time per destination"
             ) from None
         except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
@@ -438,7 +438,7 @@ class _S3Destination(_Destination):
             if live:
                 age = max(0.0, mine.modified - max(c.modified for c in live))
                 raise ValueError(
-                    f"--out s3://{self.bucket}/{self.prefix} is being written by another export (its claim "
+                    f"destination s3://{self.bucket}/{self.prefix} is being written by another export (its claim "
                     f"{live[0].key.rsplit('/', 1)[-1]} was renewed {age:.0f} s ago); one export at a time per "
                     f"destination (a claim not renewed for {CLAIM_LEASE:.0f} s is taken over)"
                 )

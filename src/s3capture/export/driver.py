@@ -158,11 +158,11 @@ def check_destination(url: str, dest: str) -> None:
         if dest_bucket == bucket and (
             dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
         ):
-            raise ValueError(f"--out {dest} lies inside the rollouts of {url}; choose a prefix outside it")
+            raise ValueError(f"destination {dest} lies inside the rollouts of {url}; choose a prefix outside it")
         if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
             # The destination scan lists every key under DEST: here every captured object, each run.
             raise ValueError(
-                f"--out {dest} contains the rollouts of {url}: reading the destination would list every captured "
+                f"destination {dest} contains the rollouts of {url}: reading the destination would list every captured "
                 "object; choose a prefix beside them"
             )
 
@@ -205,7 +205,7 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         if opts["workers"] < 1:
             raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {opts['workers']}")
     if not dest:
-        raise ValueError("no destination (--out)")
+        raise ValueError("no destination (dest, or --out on the command line)")
     check_destination(url, dest)
     if opts["format"] == "parquet":
         try:
@@ -387,7 +387,7 @@ async def export(
                 f" and {len(existing.foreign) - 3} more" if len(existing.foreign) > 3 else ""
             )
             raise ValueError(
-                f"--out {dest} holds files no export wrote ({shown}): a Parquet or JSONL reader of the "
+                f"destination {dest} holds files no export wrote ({shown}): a Parquet or JSONL reader of the "
                 "destination would read them as part of the dataset; export into a new or empty "
                 "destination, or move them away"
             )
@@ -404,30 +404,30 @@ async def export(
                 where = f" at {manifest.source_endpoint or 'AWS'}" if other_endpoint else ""
                 here = f" at {endpoint or 'AWS'}" if other_endpoint else ""
                 raise ValueError(
-                    f"--out {dest} holds an export of {manifest.source}{where} (part-{manifest.shard:05d}); this "
+                    f"destination {dest} holds an export of {manifest.source}{where} (part-{manifest.shard:05d}); this "
                     f"run exports {url}{here}: one destination takes one source root (a re-run resumes it), so "
                     "use another destination"
                 )
             if manifest.data_format != format:
                 raise ValueError(
-                    f"--out {dest} holds a {manifest.data_format} export (part-{manifest.shard:05d}); "
+                    f"destination {dest} holds a {manifest.data_format} export (part-{manifest.shard:05d}); "
                     f"this run writes {format}: use another destination"
                 )
             if manifest.token_ids and manifest.token_ids != job.parquet_token_ids():
                 raise ValueError(
-                    f"--out {dest} holds list<{manifest.token_ids}> token ids (part-{manifest.shard:05d}); this run "
+                    f"destination {dest} holds list<{manifest.token_ids}> token ids (part-{manifest.shard:05d}); this run "
                     f"writes list<{job.parquet_token_ids()}>, and one folder must read as one dataset: re-run with "
                     f"--token-ids {'int64' if manifest.token_ids == 'int64' else 'auto'} or use another destination"
                 )
             if manifest.builder and manifest.builder != builder:
                 raise ValueError(
-                    f"--out {dest} was exported with --builder {manifest.builder}; re-run with it or use another destination"
+                    f"destination {dest} was exported with builder {manifest.builder!r}; re-run with it (--builder / builder=) or use another destination"
                 )
             if manifest.build_with in ("gym", "builtin") and manifest.build_with != build_with:
                 # ("auto" in a manifest of an older release: the builder that ran is unknown)
                 raise ValueError(
-                    f"--out {dest} was built with --build-with {manifest.build_with} (part-{manifest.shard:05d}); this "
-                    f"run builds with {build_with}: re-run with --build-with {manifest.build_with} or use another "
+                    f"destination {dest} was built with --build-with {manifest.build_with} (part-{manifest.shard:05d}); this "
+                    f"run builds with {build_with}: re-run with --build-with {manifest.build_with} (build_with=) or use another "
                     "destination"
                 )
             for record in manifest.rollouts:

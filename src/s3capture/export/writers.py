@@ -233,8 +233,8 @@ class _ParquetWriter(_Writer):
             # Data, pandas), which a shard of list<int64> among list<int32> ones would break.
             raise OverflowError(
                 f"a token id of {built.info.rollout_id} ({highest}) does not fit int32, the token_ids type of "
-                "every shard under --token-ids auto; re-run with --token-ids int64 (into a new --out, so that "
-                "every shard has the same schema)"
+                "every shard under --token-ids auto (token_type='auto'); re-run with --token-ids int64 (token_type='int64') into a new destination, so that "
+                "every shard has the same schema"
             )
         tokens = 0
         for row in rows:
