@@ -41,8 +41,13 @@ def _left(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:
     return list_keys(s3_client, bucket, Layout(root.rstrip("/")).rollout(rollout_id))
 
 
+@pytest.mark.all_transports
 async def test_delete_objects_not_implemented_falls_back_to_single_deletes(s3_server, fresh, s3_client, bucket_url):
-    """Holds: a store answering 501 NotImplemented to POST ?delete (GCS XML API) still retires."""
+    """Holds: a store answering 501 NotImplemented to POST ?delete (GCS XML API) still retires and
+    deletes, on both transports: one DeleteObjects is tried, never retried (a 501 is no transient
+    error), and after it the transport sends single DELETEs only. (The obstore transport retried
+    the 501 for object_store's whole backoff, then failed: its delete of one key is a DeleteObjects
+    too. Found by a breaker session, 2026-12-02.)"""
 
     async def rule(request: Any) -> Any:
         if _is_delete_objects(request):
@@ -54,8 +59,13 @@ async def test_delete_objects_not_implemented_falls_back_to_single_deletes(s3_se
         await _fill(store, "r-501")
         assert (await store.retire(["r-501"]))["removed"] == ["r-501"]
         assert sorted(k.rsplit("/", 1)[-1] for k in _left(s3_client, bucket_url, "r-501")) == ["fence", "retired"]
-        assert (await store.delete(["r-501"]))["removed"] == ["r-501"]
+        await _fill(store, "r-501b")
+        assert (await store.retire(["r-501b"]))["removed"] == ["r-501b"]
+        assert (await store.delete(["r-501", "r-501b"]))["removed"] == ["r-501", "r-501b"]
         assert _left(s3_client, bucket_url, "r-501") == []
+        assert _left(s3_client, bucket_url, "r-501b") == []
+        assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 1
+        assert sum(1 for r in proxy.requests if r.method == "DELETE") == 5 + 5 + 4  # records, then fences
     finally:
         await proxy.stop()
 

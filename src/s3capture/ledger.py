@@ -310,7 +310,8 @@ class S3CaptureLedger(RolloutObjects):
 
     # ------------------------------------------------------------------ reads
     async def _retired(self, prefix: str) -> bool:
-        # The tombstone is written before the retired fence and removed after it by delete.
+        # The tombstone, not the fence: it is written before the retired fence, and delete removes
+        # it (after the rows) before the fence.
         return await self._get(prefix + "retired") is not None
 
     async def _load(self, key: str, sha: str, kind: type) -> Any:
@@ -588,8 +589,8 @@ class S3CaptureLedger(RolloutObjects):
 
         Delete only once nothing of those attempts can still write: a late ``record`` after the
         delete starts a new ledger. Returns ``{"removed": [...], "absent": [...]}``. Requests per
-        rollout: one LIST page per 1,000 keys, one DeleteObjects per 1,000 records, then one for
-        the fence and tombstone.
+        rollout: one LIST page per 1,000 keys, one DeleteObjects per 1,000 records, then a DELETE
+        of the tombstone and one of the fence, in that order.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

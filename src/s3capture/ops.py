@@ -135,6 +135,11 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     retired_leftover_bytes: int = 0
     bare_fences: int = 0
     """Rollout prefixes holding only a fence (a delete or gc that crashed midway)."""
+    unfinished_retires: int = 0
+    """Retired rollouts (a retire tombstone) without a fence: a retire that failed or crashed before
+    its fence PUT. Writers read only the fence, so they take these for open and their writes are
+    acknowledged, while ``freeze`` and ``export`` refuse them as retired; retire or delete them to
+    finish (``gc`` leaves them alone)."""
     dropping: int = 0
     """Frozen rollouts holding a drop's own tombstone (``drop/<token>``) and no retire tombstone: a
     drop deciding now, or one that crashed. Such a rollout stays fenced and nothing of it is gone;
@@ -177,6 +182,10 @@ class GcReport(msgspec.Struct, kw_only=True):
     deleted_bytes: int = 0
     skipped: int = 0
     """Rollouts left alone because the re-check listing differed from the streaming one."""
+    unfinished: int = 0
+    """Retired rollouts left alone because they hold objects and a retire tombstone but no fence (a
+    retire that failed or crashed before its fence PUT): writers take them for open, so their
+    objects may be acknowledged writes; retire or delete them to finish (``docs/operations.md``)."""
     too_young: int = 0
     """Retired rollouts (or bare fences) with a key newer than ``older_than``."""
     abandoned: int = 0
@@ -297,6 +306,8 @@ async def status(
                 if info.state == "retired":
                     result.retired_leftover_objects += len(items)
                     result.retired_leftover_bytes += sum(item.size for item in items)
+                    if "fence" not in rels:
+                        result.unfinished_retires += 1
                 elif info.state == "open":
                     if info.last_write is not None:
                         stamp = info.last_write.timestamp()
@@ -463,6 +474,28 @@ async def _collect_one(
                 )
             )
             return
+    listed = {item.key for item in items}
+    if records and rollout_prefix + "fence" not in listed:
+        # A retire tombstone without a fence: a retire that failed or crashed before its fence PUT
+        # (or a delete of an older release that removed the fence first). Writers read only the
+        # fence, so to them the rollout is open and their puts since were acknowledged; whether
+        # those are wanted is the owner's call (retire again discards them), never gc's.
+        report.unfinished += 1
+        emit(
+            GcAction(
+                rollout_id=info.rollout_id,
+                action="skipped",
+                keys=[],
+                objects=len(records),
+                bytes=sum(item.size for item in records),
+                last_write=_when(_newest(items)),
+                reason=(
+                    "a retire that did not finish: a retire tombstone and no fence, so writers still take the "
+                    "rollout for open; retire it again to discard its objects, or delete it"
+                ),
+            )
+        )
+        return
     if records:
         # Retire again: the fence stays, rewritten, so every straggler retrying one of these keys
         # keeps reading "retired"; tombstone first, as retire writes it.
@@ -496,9 +529,11 @@ async def _collect_one(
         if not dry_run:
             # Tombstone first, fence last: a crash in between leaves a bare fence, which still
             # refuses writes and which the next gc removes.
-            if rollout_prefix + "retired" in {item.key for item in present}:
+            # Only listed keys are deleted (rule 3).
+            if rollout_prefix + "retired" in listed:
                 await store._delete_one(rollout_prefix + "retired")
-            await store._delete_one(rollout_prefix + "fence")
+            if rollout_prefix + "fence" in listed:
+                await store._delete_one(rollout_prefix + "fence")
             store._cache.discard_prefix(rollout_prefix)
             store._forget_rollout(info.rollout_id)
         report.deleted_rollouts += 1
@@ -619,6 +654,11 @@ def format_status(s: StoreStatus) -> str:
     )
     if s.bare_fences:
         lines.append(f"bare fences (an interrupted delete or gc): {s.bare_fences}")
+    if s.unfinished_retires:
+        lines.append(
+            f"retired without a fence (a retire that did not finish; writers still take them for open): "
+            f"{s.unfinished_retires}; retire or delete them again"
+        )
     if s.dropping:
         lines.append(
             f"frozen with a drop deciding or crashed (a drop/ tombstone, no retire): {s.dropping}; "
@@ -653,6 +693,14 @@ def format_gc(r: GcReport) -> str:
             f"  {would} {r.deleted_objects} objects ({_human_bytes(r.deleted_bytes)}): fences of {r.deleted_rollouts} "
             f"rollouts, stragglers of {r.retired_again} (retired again, fence kept)",
             f"  skipped (changed since the listing): {r.skipped}",
+            *(
+                [
+                    f"  skipped (a retire that did not finish: tombstone, no fence; retire or delete them): "
+                    f"{r.unfinished}"
+                ]
+                if r.unfinished
+                else []
+            ),
             f"  abandoned open rollouts (quiet > {_duration(r.abandoned_after)}, not deleted): {r.abandoned} "
             f"({_human_bytes(r.abandoned_bytes)})",
         ]

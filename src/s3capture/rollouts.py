@@ -602,10 +602,13 @@ class RolloutObjects:
         """Remove rollouts' records and fences, after which an id reads as unused (idempotent).
 
         Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing was stored for the id).
-        Records go first and the fence and tombstone last, so a crash mid-delete leaves a fenced
-        rollout that a second ``delete`` finishes. Requests per rollout (up to 8 at a time): one
-        LIST page per 1,000 keys, one DeleteObjects per 1,000 records, then one for the fence and
-        tombstone.
+        Records go first, then the retire tombstone, then the fence, each after the previous
+        request answered: a crash or a failed request mid-delete leaves a fenced rollout, which
+        refuses writes, and which a second ``delete`` finishes. (Never a tombstone without a fence:
+        writers read only the fence, so they would take such a rollout for open while ``freeze``,
+        ``ls`` and ``gc`` read it retired.) Requests per rollout (up to 8 at a time): one LIST page
+        per 1,000 keys, one DeleteObjects per 1,000 records, then a DELETE of the tombstone and one
+        of the fence.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.
@@ -619,9 +622,11 @@ class RolloutObjects:
             scan = await self._scan(rollout_id)
             keys = scan.all_keys
             if keys:
-                fences = [scan.prefix + "fence", scan.prefix + "retired"]
-                await self._delete_keys([k for k in keys if k not in fences])
-                await self._delete_keys([k for k in keys if k in fences])
+                last = [scan.prefix + "retired", scan.prefix + "fence"]  # in this order, one by one
+                await self._delete_keys([k for k in keys if k not in last])
+                for key in last:
+                    if key in keys:
+                        await self._delete_one(key)
                 removed.add(rollout_id)
             self._cache.discard_prefix(scan.prefix)
             self._forget_rollout(rollout_id)

@@ -370,6 +370,7 @@ class Transport:
         self.request_counts: collections.Counter[str] = collections.Counter()
         """HTTP requests sent, by S3 operation (see each transport for whether retries count)."""
         self._server_time: tuple[float, float] | None = None  # (Date of the last LIST answer, monotonic then)
+        self._bulk_delete = True  # False once the store answered DeleteObjects "not implemented"
 
     def store_now(self) -> float | None:
         """The store's clock now, in seconds since the epoch: the ``Date`` header of the newest
@@ -751,9 +752,13 @@ class Transport:
 
     async def delete(self, keys: builtins.list[str]) -> None:  # `list` here is the method above
         """Delete ``keys`` with DeleteObjects in batches of 1,000, or one DELETE each where the store
-        does not implement it. Missing keys are not an error. Raises ``StoreError``."""
+        does not implement it (remembered: after the first such answer this transport sends single
+        DELETEs only). Missing keys are not an error. Raises ``StoreError``."""
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
+            if not self._bulk_delete:
+                await asyncio.gather(*(self.delete_one(k) for k in batch))
+                continue
 
             async def run(client: Any, batch: list[str] = batch) -> bool:
                 errors = await self._send("DeleteObjects", batch[0], lambda: self._delete_batch_once(client, batch))
@@ -769,6 +774,7 @@ class Transport:
                 return True
 
             if not await self._call("DeleteObjects", batch[0], run):
+                self._bulk_delete = False
                 await asyncio.gather(*(self.delete_one(k) for k in batch))
 
     async def delete_one(self, key: str) -> None:

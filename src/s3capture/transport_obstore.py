@@ -5,10 +5,14 @@ by ``S3CAPTURE_TRANSPORT=obstore``. Everything the stores rely on (bounds, hooks
 re-reads of failed GET bodies, the verified listing) is ``s3capture.transport.Transport``'s, shared
 with the aioboto3 transport; this module supplies only the single requests.
 
-- **PUT, GET, DeleteObjects, DELETE** go through ``obstore`` (the Python binding of ``object_store``),
-  which spends about a seventh of botocore's client CPU per request. Its own retry policy
-  (exponential backoff on 5xx, throttling and connection errors) retries them; ``request_counts``
-  counts one request per call (object_store's internal retries are not visible).
+- **PUT and GET** go through ``obstore`` (the Python binding of ``object_store``), which spends
+  about a seventh of botocore's client CPU per request. Its own retry policy (exponential backoff
+  on 5xx, throttling and connection errors) retries them; ``request_counts`` counts one request per
+  call (object_store's internal retries are not visible).
+- **DeleteObjects and DELETE** are signed HTTP requests of this module, as the LIST is:
+  ``object_store`` retries a 501 NotImplemented (a store without DeleteObjects, such as GCS's XML
+  API) for its whole backoff, and its delete of one key is itself a DeleteObjects, so the fallback
+  to single DELETEs that such a store needs could not work through it.
 - **LIST** is one signed HTTP request per page (aiohttp, SigV4 from botocore), parsed with the
   standard library's XML parser, because ``object_store`` hides what the verified listing must see:
   it ends a listing at a page without a continuation token even when the page says it is truncated,
@@ -29,7 +33,9 @@ with the aioboto3 transport; this module supplies only the single requests.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as _dt
+import hashlib
 import logging
 import os
 import random
@@ -40,6 +46,7 @@ from contextlib import AsyncExitStack
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote_plus
+from xml.sax.saxutils import escape as xml_escape
 
 from s3capture.errors import StoreError
 
@@ -124,7 +131,7 @@ class _S3HTTPError(Exception):
 
     def __init__(self, operation: str, status: int, code: str, message: str) -> None:
         super().__init__(f"{operation} answered HTTP {status} {code}: {message[:200]}")
-        self.response = {
+        self.response: dict[str, Any] = {
             "Error": {"Code": code or str(status), "Message": message},
             "ResponseMetadata": {"HTTPStatusCode": status},
         }
@@ -422,23 +429,33 @@ class ObstoreTransport(Transport):
         return _Got(data, int(size) if size is not None else None, etag)
 
     async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
-        import obstore
-
+        # DeleteObjects as this module's own signed POST, like the listing: object_store retries a
+        # 501 NotImplemented (GCS's XML API has no DeleteObjects) as it retries any 5xx, for up to
+        # its whole backoff (about 15-30 s) before the fallback to single DELETEs could start.
+        body = _delete_body(keys)
+        headers = {
+            "Content-MD5": base64.b64encode(hashlib.md5(body).digest()).decode(),
+            "Content-Type": "application/xml",
+        }
         try:
-            await obstore.delete_async(client[0], keys)
-        except Exception as error:
-            if self._error_code(error) in _NOT_IMPLEMENTED:
+            answer, _ = await self._signed_request(
+                client[1], "DeleteObjects", f"{self._base}?delete", method="POST", body=body, headers=headers
+            )
+        except _S3HTTPError as error:
+            if error.response["Error"]["Code"] in _NOT_IMPLEMENTED:
                 return None
             raise
-        return []
+        return _delete_errors(answer)
 
     async def _delete_one_once(self, client: Any, key: str) -> None:
-        import obstore
-
+        # A plain DELETE (object_store's delete of one path is a DeleteObjects of one key, which a
+        # store without DeleteObjects refuses: the fallback would fail as the batch did).
         try:
-            await obstore.delete_async(client[0], key)
-        except Exception as error:
-            if self._error_code(error) not in _NOT_FOUND:
+            await self._signed_request(
+                client[1], "DeleteObject", f"{self._base}/{quote(key, safe='/')}", method="DELETE", ok=(200, 204)
+            )
+        except _S3HTTPError as error:
+            if error.response["Error"]["Code"] not in _NOT_FOUND:
                 raise
 
     async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
@@ -448,29 +465,46 @@ class ObstoreTransport(Transport):
         if token:
             query = f"continuation-token={quote(token, safe='-_.~')}&{query}"
         url = f"{self._base}?{query}"
-        body, date = await self._signed_get(client[1], "ListObjectsV2", url)
+        body, date = await self._signed_request(client[1], "ListObjectsV2", url)
         page = _parse_list(body, prefix)
         if date:
             page["ResponseMetadata"] = {"HTTPHeaders": {"date": date}}
         return page
 
-    def _sign(self, url: str) -> dict[str, str]:
-        """The headers of a SigV4-signed, body-less GET of ``url`` (botocore's S3 signer, kept
-        for as long as the credentials do not change; see ``_ListSigner``)."""
+    def _sign(
+        self, url: str, method: str = "GET", body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """The headers of a SigV4-signed request for ``url`` (botocore's S3 signer, kept for as
+        long as the credentials do not change; see ``_ListSigner``): a body-less GET or DELETE,
+        or a POST of ``body`` with ``headers``, which are signed too."""
         from botocore.awsrequest import AWSRequest
 
         frozen = self._frozen()
         signer = self._signer
         if signer is None or signer[0] != frozen:
             signer = self._signer = (frozen, _list_signer_class()(frozen, "s3", self.region))
-        request = AWSRequest(method="GET", url=url, headers={"host": self._host} if self._host else None)
+        given = dict(headers or {})
+        if self._host:
+            given["host"] = self._host
+        request = AWSRequest(method=method, url=url, headers=given or None, data=body or None)
         signer[1].add_auth(request)
         return dict(request.headers.items())
 
-    async def _signed_get(self, http: Any, operation: str, url: str) -> tuple[bytes, str]:
-        """One SigV4-signed GET, retried on 5xx, throttling and connection errors (up to the
-        configured attempts, exponential backoff with full jitter); other answers raise. Returns
-        the body and the answer's ``Date`` header (``""`` when absent: ``Transport.store_now``)."""
+    async def _signed_request(
+        self,
+        http: Any,
+        operation: str,
+        url: str,
+        *,
+        method: str = "GET",
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> tuple[bytes, str]:
+        """One SigV4-signed request, retried on 500, 502, 503, 504, throttling and connection
+        errors (up to the configured attempts, exponential backoff with full jitter); other answers
+        raise ``_S3HTTPError`` (a 501 NotImplemented at once). Returns the body and the answer's
+        ``Date`` header (``""`` when absent: ``Transport.store_now``)."""
         import aiohttp
         import yarl
 
@@ -480,10 +514,11 @@ class ObstoreTransport(Transport):
                 # botocore's standard mode: full jitter over 2**(attempt-1) seconds, at most 20 s
                 await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
                 self.request_counts[operation] += 1  # a retry is one more HTTP request
-            headers = self._sign(url)  # signed again per attempt: X-Amz-Date is part of the signature
+            # signed again per attempt: X-Amz-Date is part of the signature
+            signed = self._sign(url, method, body, headers)
             try:
-                async with http.get(target, headers=headers) as response:
-                    body = await response.read()
+                async with http.request(method, target, headers=signed, data=body or None) as response:
+                    answer = await response.read()
                     status = response.status
                     date = response.headers.get("Date", "")
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
@@ -492,15 +527,42 @@ class ObstoreTransport(Transport):
                         warn_connect_retry(self.endpoint_url, error, attempt + 1, self._attempts)
                     continue
                 raise
-            if status == 200:
-                return body, date
-            text = body.decode("utf-8", "replace")
+            if status in ok:
+                return answer, date
+            text = answer.decode("utf-8", "replace")
             match = _XML_CODE.search(text)
             code = match.group(1) if match else str(status)
             if (status in _RETRY_STATUS or code in _RETRY_CODES) and attempt + 1 < self._attempts:
                 continue
             raise _S3HTTPError(operation, status, code, text)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _delete_body(keys: list[str]) -> bytes:
+    """The XML body of a quiet DeleteObjects of ``keys`` (each key XML-escaped)."""
+    parts = ['<?xml version="1.0" encoding="UTF-8"?><Delete><Quiet>true</Quiet>']
+    parts.extend(f"<Object><Key>{xml_escape(key)}</Key></Object>" for key in keys)
+    parts.append("</Delete>")
+    return "".join(parts).encode("utf-8")
+
+
+def _delete_errors(body: bytes) -> list[dict]:
+    """The ``Error`` elements of a DeleteObjects answer as botocore shapes them (``Key``, ``Code``,
+    ``Message``); a body that is not a ``DeleteResult`` raises ``StoreError``: the keys' fate is
+    unknown, and the caller's retry (or a second retire) settles it."""
+    try:
+        root = ET.fromstring(body) if body.strip() else None
+    except ET.ParseError:
+        root = None
+    ns = root.tag[: root.tag.index("}") + 1] if root is not None and root.tag.startswith("{") else ""
+    if root is None or root.tag != ns + "DeleteResult":
+        raise StoreError(
+            f"DeleteObjects answered with a body that is not a DeleteResult: {body[:200]!r}", operation="DeleteObjects"
+        )
+    return [
+        {name: child.findtext(ns + name) or "" for name in ("Key", "Code", "Message")}
+        for child in root.findall(ns + "Error")
+    ]
 
 
 def _host_header(base: str) -> str | None:
@@ -519,12 +581,12 @@ _LIST_SIGNER: Any = None
 
 
 def _list_signer_class() -> Any:
-    """``_ListSigner``: botocore's ``S3SigV4Auth`` for this module's own body-less GETs, made
-    cheap where it may be. The canonical request, the string to sign and the signature are
-    botocore's; two things are worked out once instead of per request:
+    """``_ListSigner``: botocore's ``S3SigV4Auth`` for this module's own requests (the LIST, and
+    DeleteObjects and DELETE), made cheap where it may be. The canonical request, the string to
+    sign and the signature are botocore's; two things are worked out once instead of per request:
 
-    - the payload hash is SHA-256 of the empty body (a GET has none), so the signer never
-      prepares the request to find its body;
+    - the payload hash is SHA-256 of the request's bytes (of the empty body for a GET or a DELETE),
+      so the signer never prepares the request to find its body;
     - the signing key (four HMACs over the secret key, the day, region and service, as
       ``SigV4Auth.signature`` derives it) is kept for the day it was derived for.
 
@@ -539,7 +601,8 @@ def _list_signer_class() -> Any:
             _key: tuple[str, bytes] | None = None
 
             def payload(self, request: Any) -> str:
-                return str(EMPTY_SHA256_HASH)
+                body = request.data
+                return hashlib.sha256(body).hexdigest() if body else str(EMPTY_SHA256_HASH)
 
             def signature(self, string_to_sign: str, request: Any) -> str:
                 day = request.context["timestamp"][0:8]

@@ -1,0 +1,172 @@
+"""A retire tombstone without a fence: writers take the rollout for open, readers for retired.
+
+Writers (``put``, ``begin_call``, ``mark_incomplete``) read only the fence; ``freeze``, ``ls``,
+``status`` and ``gc`` read the retire tombstone. A breaker session (2026-12-02) reached the state
+where the two disagree, on the wire:
+
+- ``delete`` sent the fence and the tombstone in one DeleteObjects (or as two concurrent DELETEs
+  where the store lacks DeleteObjects); a failed DELETE of the tombstone left it without a fence,
+  the reusing attempt's puts were acknowledged, and ``gc --yes`` deleted them as stragglers;
+- a ``retire`` whose fence PUT fails after its tombstone PUT leaves the same state.
+
+``delete`` now removes the tombstone, then the fence, one request after the other, so a failure
+leaves a fenced rollout (writes refused) that a second ``delete`` finishes. ``gc`` leaves a
+tombstone without a fence alone and ``status`` counts it. Faults are injected by ``FaultProxy`` in
+front of the real test server; every test runs on both transports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from faultproxy import FaultProxy, Respond, internal_error, not_implemented_xml
+from helpers import list_keys, simple_entry, split_bucket_url
+
+from s3capture.layout import Layout
+from s3capture.ops import gc, status
+from s3capture.protocols import TokenCaptureRetiredError
+from s3capture.store import StoreError, default_botocore_config
+
+pytestmark = pytest.mark.all_transports
+
+# One attempt per request, so an injected 500 fails the call at once on either transport (the
+# obstore transport takes its attempts from the same botocore Config).
+NO_RETRIES = default_botocore_config(
+    16, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+)
+
+
+def _left(s3_client: Any, bucket_url: str, rollout_id: str) -> list[str]:
+    bucket, root = split_bucket_url(bucket_url)
+    prefix = Layout(root.rstrip("/")).rollout(rollout_id)
+    return sorted(key[len(prefix) :] for key in list_keys(s3_client, bucket, prefix))
+
+
+async def _proxy(s3_server: Any) -> FaultProxy:
+    return await FaultProxy(s3_server.port, credentials=(s3_server.access_key, s3_server.secret_key)).start()
+
+
+async def _retired_rollout(store: Any, rollout_id: str) -> None:
+    """A rollout captured, frozen and dropped: its fence and tombstone are all that is left."""
+    await store.put(simple_entry(rollout_id, "old-1"))
+    snapshot = await store.freeze(rollout_id)
+    assert await store.drop(rollout_id, snapshot.snapshot_id, snapshot.version)
+
+
+@pytest.mark.parametrize("failing", ["retired", "fence"])
+async def test_a_delete_that_fails_midway_leaves_the_rollout_fenced(
+    s3_server, fresh, s3_client, bucket_url, failing
+) -> None:
+    """Whichever of the two DELETEs fails, the rollout keeps its fence: a reusing attempt's put
+    raises (nothing is acknowledged), and a second delete finishes."""
+    proxy = await _proxy(s3_server)
+    try:
+        store = fresh(endpoint_url=proxy.endpoint, botocore_config=NO_RETRIES)
+        await _retired_rollout(store, "reused")
+        assert _left(s3_client, bucket_url, "reused") == ["fence", "retired"]
+
+        async def rule(request: Any) -> Any:
+            # A store without DeleteObjects (GCS's XML API), where one DELETE fails: the old code
+            # sent the fence's and the tombstone's DELETEs together, so the fence could go alone.
+            if request.method == "POST" and "delete" in request.params:
+                return Respond(501, not_implemented_xml(), "Not Implemented")
+            if request.method == "DELETE" and request.key.endswith("/reused/" + failing):
+                return internal_error()
+            return None
+
+        proxy.rule = rule
+        with pytest.raises(StoreError):
+            await store.delete(["reused"])
+        left = _left(s3_client, bucket_url, "reused")
+        assert "fence" in left, left  # never a tombstone without a fence
+        with pytest.raises(TokenCaptureRetiredError):
+            await fresh().put(simple_entry("reused", "new-1"))
+        proxy.rule = None
+        assert (await store.delete(["reused"]))["removed"] == ["reused"]
+        assert _left(s3_client, bucket_url, "reused") == []
+        await fresh().put(simple_entry("reused", "new-1"))  # the id now reads as unused
+    finally:
+        await proxy.stop()
+
+
+async def test_delete_removes_the_tombstone_before_the_fence(s3_server, fresh, s3_client, bucket_url) -> None:
+    """The order on the wire: the tombstone's DELETE is answered before the fence's is sent."""
+    proxy = await _proxy(s3_server)
+    try:
+        store = fresh(endpoint_url=proxy.endpoint)
+        await _retired_rollout(store, "ordered")
+        proxy.requests.clear()
+        assert (await store.delete(["ordered"]))["removed"] == ["ordered"]
+        deletes = [r for r in proxy.requests if r.method == "DELETE"]
+        assert [r.key.rsplit("/", 1)[-1] for r in deletes] == ["retired", "fence"]
+        # the fence's DELETE arrived after the tombstone's had been forwarded (and answered)
+        assert deletes[1].arrived >= (deletes[0].forwarded or 0)
+        assert not any(r.method == "POST" and b"/ordered/fence" in r.body for r in proxy.requests)
+    finally:
+        await proxy.stop()
+
+
+async def test_gc_leaves_a_retire_that_did_not_finish_alone(s3_server, fresh, s3_client, bucket_url) -> None:
+    """A retire whose fence PUT failed: a later put is acknowledged (writers read the fence, which
+    is absent), so gc must not delete it as a straggler; status counts the rollout; a second
+    retire finishes (and discards it, as retire does)."""
+    proxy = await _proxy(s3_server)
+    try:
+        store = fresh(endpoint_url=proxy.endpoint, botocore_config=NO_RETRIES)
+        await store.put(simple_entry("half", "c1"))
+
+        async def rule(request: Any) -> Any:
+            if request.method == "PUT" and request.key.endswith("/half/fence"):
+                return internal_error()
+            return None
+
+        proxy.rule = rule
+        with pytest.raises(StoreError):
+            await store.retire(["half"])
+        proxy.rule = None
+        assert _left(s3_client, bucket_url, "half")[-1] == "retired"
+        assert "fence" not in _left(s3_client, bucket_url, "half")
+        writer = fresh()
+        await writer.put(simple_entry("half", "c2"))  # acknowledged: the fence is absent
+        acknowledged = [k for k in _left(s3_client, bucket_url, "half") if "/c2/" in k]
+        assert len(acknowledged) == 1
+
+        reader = fresh()
+        report = await status(reader)
+        assert report.unfinished_retires == 1
+        actions: list[Any] = []
+        done = await gc(reader, 0.0, dry_run=False, on_action=actions.append)
+        assert done.unfinished == 1 and done.retired_again == 0 and done.deleted_rollouts == 0
+        assert [a.action for a in actions if a.rollout_id == "half"] == ["skipped"]
+        assert "did not finish" in actions[0].reason
+        assert acknowledged[0] in _left(s3_client, bucket_url, "half")  # gc deleted nothing
+
+        # The owner's call: a second retire finishes (fence written, objects discarded).
+        assert (await fresh().retire(["half"]))["removed"] == ["half"]
+        assert _left(s3_client, bucket_url, "half") == ["fence", "retired"]
+        assert (await status(fresh())).unfinished_retires == 0
+        with pytest.raises(TokenCaptureRetiredError):
+            await writer.put(simple_entry("half", "c3"))
+    finally:
+        await proxy.stop()
+
+
+async def test_gc_deletes_only_listed_keys_of_a_bare_tombstone(s3_server, fresh, s3_client, bucket_url) -> None:
+    """A tombstone alone (no fence, no records): gc deletes the tombstone and sends no DELETE for
+    the fence it did not list (rule 3)."""
+    proxy = await _proxy(s3_server)
+    try:
+        store = fresh(endpoint_url=proxy.endpoint)
+        await _retired_rollout(store, "bare")
+        bucket, root = split_bucket_url(bucket_url)
+        s3_client.delete_object(Bucket=bucket, Key=Layout(root.rstrip("/")).rollout("bare") + "fence")
+        assert _left(s3_client, bucket_url, "bare") == ["retired"]
+        proxy.requests.clear()
+        done = await gc(store, 0.0, dry_run=False)
+        assert done.deleted_rollouts == 1
+        assert _left(s3_client, bucket_url, "bare") == []
+        deleted = [r.key.rsplit("/", 1)[-1] for r in proxy.requests if r.method == "DELETE"]
+        assert deleted == ["retired"]
+    finally:
+        await proxy.stop()
