@@ -1138,3 +1138,32 @@ def test_an_interrupted_export_says_it_resumes(monkeypatch: pytest.MonkeyPatch, 
     assert capsys.readouterr().err.strip().splitlines() == [
         "s3capture export: interrupted: shards published so far are durable; the same command resumes from them"
     ]
+
+
+@pytest.mark.parametrize("builder_masks", [False, True], ids=["builder-says-trainable", "builder-masks"])
+def test_an_incomplete_snapshot_is_masked_whatever_the_builder_says(builder_masks: bool) -> None:
+    """The exporter's own guarantee, not the builder's: a rollout whose snapshot is incomplete is
+    never written as trainable, even when a builder (another Gym release, a user's) returns it
+    unmasked. Both of today's engines mask it themselves, so only this test kills the mutant
+    ``export-verdict-ignores-incomplete`` (``docs/mutation.md``)."""
+    from s3capture.export.shard import _verdict
+    from s3capture.trajectory import RolloutBuild, Trajectory
+
+    trajectory = Trajectory(
+        chain_id="c2", call_ids=["c1", "c2"], token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -0.5, -0.25]
+    )
+    build = RolloutBuild(
+        rollout_id="r",
+        snapshot_id="s",
+        version=3,
+        trajectories=[trajectory],
+        masked=builder_masks,
+        mask_reasons=["gym_mask_sample"] if builder_masks else [],
+        metrics={},
+    )
+    holed = SimpleNamespace(incomplete=True, reasons=("dangling_intent:c3",))
+    masked, reasons = _verdict(build, holed)
+    assert masked
+    assert "dangling_intent:c3" in reasons
+    complete = SimpleNamespace(incomplete=False, reasons=())
+    assert _verdict(build, complete) == (builder_masks, ["gym_mask_sample"] if builder_masks else [])

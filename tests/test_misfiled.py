@@ -168,9 +168,10 @@ async def test_misfiled_entry_is_flagged_by_a_client_that_has_it_cached(fresh, s
 # --------------------------------------------------------------------------- misfiled chain links
 # A delta entry's envelope names the keys of its ancestors; that list is not covered by the key's
 # SHA-256. A link naming another call's object must make the rebuild fail (UNRESOLVED), not splice
-# that call's tokens in. With the entry's digest present the final digest check would also catch
-# wrong tokens, so the entry here carries none (digest is optional in the record contract): only the
-# parent-link check stands between the forged link and a wrong RESOLVED answer.
+# that call's tokens in. Two checks stand there: the parent link of every ancestor (which stops the
+# walk at the forged link and names it in the reason) and the final digest check (the rebuilt tokens
+# must match the entry's digest). A delta entry without a digest is never rebuilt at all
+# (``unverifiable_parent``, tests/test_resolve_unverifiable.py).
 
 
 def _envelope(payload: bytes, chain: list[str]) -> bytes:
@@ -227,3 +228,6 @@ async def test_a_delta_chain_link_naming_another_calls_object_never_resolves(
         assert resolution.status == UNRESOLVED, resolution
         assert resolution.match is None
         assert resolution.reason.startswith("unreadable_parent"), resolution.reason
+        # The parent-link check names the forged link (without it only the digest check would
+        # notice, after splicing, and the reason could not say where the chain broke).
+        assert "is broken at 'call-other'" in resolution.reason, resolution.reason

@@ -85,15 +85,20 @@ async def test_A_stale_call_keys_of_a_writer_build_a_wrong_chain(fresh, with_dig
 
 
 # --------------------------------------------------------------------------- B: foreign chain hint
-async def test_B_forged_chain_names_a_misfiled_copy_of_another_rollout(fresh, s3_client, bucket_url):
+@pytest.mark.parametrize("with_digest", [False, True], ids=["no-digest", "digest"])
+async def test_B_forged_chain_names_a_misfiled_copy_of_another_rollout(fresh, s3_client, bucket_url, with_digest):
     """An object of rollout "other" (same call id, other tokens) copied under r's prefix at an
-    entry-shaped key with a valid SHA-256; the digest-less delta's envelope chain (a hint outside the
-    key's SHA) is rewritten to name it. Ancestors' rollout_id is never checked."""
-    rid = "r-b"
+    entry-shaped key with a valid SHA-256; the delta's envelope chain (a hint outside the key's SHA)
+    is rewritten to name it. Ancestors' rollout_id was never checked. Without a digest the delta is
+    never rebuilt; with one, the walk stops at the other rollout's object and names it (the digest
+    check would also refuse the spliced tokens, but could not say why)."""
+    rid = f"r-b-{with_digest}"
     turns = build_conversation(rid, 3)
     writer = fresh()
     await writer.put(turn_entry(rid, turns[0]))
-    child = digestless(turn_entry(rid, turns[1], delta=True, parent_cumulative=turns[0].cumulative))
+    child = turn_entry(rid, turns[1], delta=True, parent_cumulative=turns[0].cumulative)
+    if not with_digest:
+        digestless(child)
     await writer.put(child)
     bucket, prefix = rollout_prefix(bucket_url, rid)
     foreign = make_entry("other", turns[0].call_id, turns[0].request_items, turns[0].output_items, [5, 5, 5], [6, 6, 6])
@@ -109,6 +114,9 @@ async def test_B_forged_chain_names_a_misfiled_copy_of_another_rollout(fresh, s3
     write_envelope(s3_client, bucket, child_key, envelope)
     resolution = await fresh().resolve(rid, next_request(turns[1]))
     assert_not_wrong(resolution, turns[1].call_id, turns[1].cumulative)
+    if with_digest:
+        assert resolution.status == UNRESOLVED, resolution
+        assert f"is broken at {turns[0].call_id!r}" in resolution.reason, resolution.reason
 
 
 # --------------------------------------------------------------------------- D: budget

@@ -74,14 +74,18 @@ TRANSPORT = "src/s3capture/transport.py"
 SPILL = "src/s3capture/spill.py"
 LEDGER = "src/s3capture/ledger.py"
 RECORDS = "src/s3capture/records.py"
+EXPORT_SHARD = "src/s3capture/export/shard.py"
+OPS = "src/s3capture/ops.py"
+TRANSPORT_OBSTORE = "src/s3capture/transport_obstore.py"
+EXPORT_WRITERS = "src/s3capture/export/writers.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ layout
     _m(
         "escape-percent-2E-collides",
         LAYOUT,
-        'for byte in value.encode("utf-8", errors="surrogatepass"):',
-        'for byte in value.replace("%2E", ".").encode("utf-8", errors="surrogatepass"):',
+        'return value.encode("utf-8", errors="surrogatepass").decode("latin-1").translate(_ESCAPE_TABLE)',
+        'return value.replace("%2E", ".").encode("utf-8", errors="surrogatepass").decode("latin-1").translate(_ESCAPE_TABLE)',
         "escape_id is injective: the ids '%2E' and '.' get different segments",
         "tests/test_layout.py",
     ),
@@ -136,8 +140,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "freeze-misfiled-call-id",
         STORE,
-        "if stored.entry.rollout_id != rollout_id or stored.entry.model_call_id != cid or (",
-        "if stored.entry.rollout_id != rollout_id or (",
+        "if entry.rollout_id != rollout_id or entry.model_call_id != cid or entry.continuation_fingerprint != fp:",
+        "if entry.rollout_id != rollout_id or entry.continuation_fingerprint != fp:",
         "freeze flags an entry stored under another call id's key as misfiled",
         "tests/test_store_source.py",
         "-k",
@@ -146,16 +150,16 @@ MUTANTS: list[Mutant] = [
     _m(
         "freeze-misfiled-fingerprint",
         STORE,
-        "                stored.entry.continuation_fingerprint != fp\n            ):",
-        "                False\n            ):",
+        "if entry.rollout_id != rollout_id or entry.model_call_id != cid or entry.continuation_fingerprint != fp:",
+        "if entry.rollout_id != rollout_id or entry.model_call_id != cid:",
         "freeze flags an entry stored under another fingerprint's key as misfiled",
         "tests/test_misfiled.py",
     ),
     _m(
         "freeze-reads-one-copy-per-sha",
         STORE,
-        "by_call[cid].setdefault(sha, []).append(item)",
-        "by_call[cid][sha] = [item]",
+        "by_call.setdefault(cid, {}).setdefault(sha, []).append((item, fp))",
+        "by_call.setdefault(cid, {})[sha] = [(item, fp)]",
         "freeze reads and judges every listed key of an entry's bytes: a copy under another fingerprint's key is "
         "misfiled in either LIST order",
         "tests/test_misfiled.py",
@@ -206,7 +210,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "snapshot-id-ignores-log-keys",
         ROLLOUTS,
-        'hasher.update(f"{item.key[len(self.prefix):]}\\n".encode())',
+        'hasher.update(f"{item.key[len(self.prefix) :]}\\n".encode())',
         "pass",
         "snapshot_id is a digest of the sorted log keys: another state with as many objects has another id",
         "tests/test_store_source.py",
@@ -295,8 +299,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "delta-chain-skips-parent-check",
         STORE,
-        "if nearer.entry.parent_call_id != farther.entry.model_call_id:",
-        "if False:",
+        "nearer.entry.parent_call_id != farther.entry.model_call_id\n",
+        "False\n",
         "rebuilding a delta prompt checks every parent link of the ancestor chain",
         "tests/test_misfiled.py",
         "tests/test_adversarial_chains.py",
@@ -375,7 +379,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "drop-skips-fence-grace",
         STORE,
-        "wait = self._fence_seen[rollout_id] + self._fence_grace + _CLOCK_SLACK - time.monotonic()",
+        "wait = seen_at + self._fence_grace + _CLOCK_SLACK - time.monotonic()",
         "wait = 0.0",
         "drop waits fence_grace on this client's monotonic clock since it knew the fence existed",
         "tests/test_faults.py",
@@ -396,13 +400,105 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "decode-accepts-non-canonical-bytes",
-        STORE,
-        "if encode_entry(entry) != payload:",
+        RECORDS,
+        "if encode_entry(entry) != data:",
         "if False:",
         "a reader accepts only entry bytes equal to the canonical re-encoding of what it decoded",
         "tests/test_faults.py",
         "-k",
         "test_10_non_canonical",
+    ),
+    _m(
+        "decode-fast-path-skips-canonical-check",
+        RECORDS,
+        "if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:",
+        "if entry is not None and not entry.__dict__:",
+        "the typed fast path of decode_canonical_entry accepts only bytes equal to its own encoding of the entry",
+        "tests/test_faults.py",
+        "tests/test_records.py",
+        "-k",
+        "test_10_non_canonical or canonical",
+    ),
+    # ------------------------------------------------------------------ later contracts (2026-12-02)
+    _m(
+        "resolve-rebuilds-digestless-delta",
+        STORE,
+        "if stored.entry.prompt_is_delta and not stored.entry.digest:",
+        "if False:",
+        "resolve never rebuilds a delta winner without a digest: UNRESOLVED unverifiable_parent (its chain is a "
+        "hint outside the key's SHA-256)",
+        "tests/test_resolve_unverifiable.py",
+    ),
+    _m(
+        "delta-chain-accepts-another-rollouts-ancestor",
+        STORE,
+        "or farther.entry.rollout_id != stored.entry.rollout_id",
+        "or False",
+        "every ancestor of a delta rebuild belongs to the winner's rollout",
+        "tests/test_resolve_unverifiable.py",
+        "tests/test_misfiled.py",
+    ),
+    _m(
+        "export-verdict-ignores-incomplete",
+        EXPORT_SHARD,
+        "    if snapshot.incomplete:\n        masked = True",
+        "    if False:\n        masked = True",
+        "export never writes a rollout whose snapshot is incomplete as trainable",
+        "tests/test_export.py",
+        "-k",
+        "masked or incomplete or hole",
+    ),
+    _m(
+        "export-skip-writes-masked",
+        EXPORT_SHARD,
+        'written = not built.masked or job.masked == "include" or supersedes',
+        "written = True",
+        "masked='skip' (the default) leaves every masked rollout out of the data files",
+        "tests/test_export.py",
+        "-k",
+        "masked",
+    ),
+    _m(
+        "export-row-drops-masked-flag",
+        EXPORT_WRITERS,
+        '"masked": built.masked,',
+        '"masked": False,',
+        "a masked rollout written under masked='include' carries masked=true and its reasons",
+        "tests/test_export.py",
+        "-k",
+        "masked",
+    ),
+    _m(
+        "delete-removes-fence-before-tombstone",
+        ROLLOUTS,
+        'last = [scan.prefix + "retired", scan.prefix + "fence"]',
+        'last = [scan.prefix + "fence", scan.prefix + "retired"]',
+        "delete removes the retire tombstone before the fence: a failure in between never leaves a tombstone "
+        "without a fence (writers would take the rollout for open, gc for retired)",
+        "tests/test_unfinished_retire.py",
+        "-k",
+        "fails_midway or tombstone_before",
+    ),
+    _m(
+        "gc-retires-an-unfinished-retire-again",
+        OPS,
+        'if records and rollout_prefix + "fence" not in listed:',
+        "if False:",
+        "gc leaves a retire tombstone without a fence alone (writers took the rollout for open: their puts were "
+        "acknowledged)",
+        "tests/test_unfinished_retire.py",
+        "-k",
+        "gc_leaves",
+    ),
+    _m(
+        "obstore-delete-objects-501-not-a-fallback",
+        TRANSPORT_OBSTORE,
+        'if error.response["Error"]["Code"] in _NOT_IMPLEMENTED:\n                return None',
+        "if False:\n                return None",
+        "the obstore transport falls back to single DELETEs where the store has no DeleteObjects",
+        "tests/test_adversarial_delete.py",
+        "-k",
+        "not_implemented",
     ),
     # ------------------------------------------------------------------ issue 7: spill
     _m(
@@ -692,6 +788,12 @@ def main(argv: list[str] | None = None) -> int:
         '"tests/test_layout.py -k near_collisions" (to see which tests alone kill a mutant)',
     )
     args = parser.parse_args(argv)
+    # The runs start in a temporary copy: a relative --python (".venv/bin/python", as the docs
+    # show) is resolved here, against the directory the command was typed in.
+    found = shutil.which(args.python)
+    if found is None:
+        parser.error(f"--python {args.python}: no such interpreter")
+    args.python = os.path.abspath(found)
 
     names = [m.name for m in MUTANTS]
     duplicates = {n for n in names if names.count(n) > 1}
