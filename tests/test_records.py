@@ -731,3 +731,26 @@ def test_digest_of_bytes_is_gyms_not_the_raw_machine_words(ids: bytes) -> None:
     assert encode_token_ids(ids) == struct.pack(f">BQ{len(ids)}Q", 1, len(ids), *ids)
     gym_records = pytest.importorskip("nemo_gym.token_id_capture.records")
     assert compute_digest(ids) == gym_records.compute_digest(ids)
+
+
+@pytest.mark.parametrize("bad", ["ROOT", "bogus", 3])
+def test_validate_checks_field_types_as_put_does(bad: Any) -> None:
+    """A msgspec Struct's constructor checks no types: ``validate()`` must, or an entry it passes is
+    refused by ``put`` (found by a new user's walkthrough, 2026-12-02: ``parent_resolution="ROOT"``,
+    the spelling the README's comments and the demo's output show). The error lists the values."""
+    from s3capture.records import ParentResolutionStatus, TokenEntry, coerce_entry
+
+    entry = TokenEntry(
+        rollout_id="r", model_call_id="c1", prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[-0.5]
+    )
+    entry.parent_resolution = bad
+    with pytest.raises(RecordError, match=r"parent_resolution.*'root', 'resolved', 'unresolved'"):
+        entry.validate()
+    with pytest.raises(RecordError):
+        coerce_entry(entry)  # what put runs: the two agree
+    entry.parent_resolution = "root"  # Gym's value spelling is accepted, as pydantic accepts it
+    assert entry.validate() is entry
+    assert coerce_entry(entry).parent_resolution is ParentResolutionStatus.ROOT
+    entry.prompt_token_ids = ["x"]  # any field's type, not only the enum
+    with pytest.raises(RecordError, match="prompt_token_ids"):
+        entry.validate()

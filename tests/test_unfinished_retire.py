@@ -17,6 +17,7 @@ front of the real test server; every test runs on both transports.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -136,7 +137,8 @@ async def test_gc_leaves_a_retire_that_did_not_finish_alone(s3_server, fresh, s3
         report = await status(reader)
         assert report.unfinished_retires == 1
         actions: list[Any] = []
-        done = await gc(reader, 0.0, dry_run=False, on_action=actions.append)
+        # "now" an hour ahead: every key is old enough whatever the store's clock resolution
+        done = await gc(reader, 0.0, now=time.time() + 3600, dry_run=False, on_action=actions.append)
         assert done.unfinished == 1 and done.retired_again == 0 and done.deleted_rollouts == 0
         assert [a.action for a in actions if a.rollout_id == "half"] == ["skipped"]
         assert "did not finish" in actions[0].reason
@@ -163,7 +165,7 @@ async def test_gc_deletes_only_listed_keys_of_a_bare_tombstone(s3_server, fresh,
         s3_client.delete_object(Bucket=bucket, Key=Layout(root.rstrip("/")).rollout("bare") + "fence")
         assert _left(s3_client, bucket_url, "bare") == ["retired"]
         proxy.requests.clear()
-        done = await gc(store, 0.0, dry_run=False)
+        done = await gc(store, 0.0, now=time.time() + 3600, dry_run=False)
         assert done.deleted_rollouts == 1
         assert _left(s3_client, bucket_url, "bare") == []
         deleted = [r.key.rsplit("/", 1)[-1] for r in proxy.requests if r.method == "DELETE"]

@@ -131,11 +131,21 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
         return self.__dict__.setdefault("_extra", {})
 
     def validate(self) -> "TokenEntry":
-        """Check Gym's record contract; return ``self``.
+        """Check Gym's record contract, every field's type included; return ``self``.
+
+        The constructor checks no types (a msgspec ``Struct``): ``TokenEntry(...,
+        parent_resolution="ROOT")`` builds, and this raises, as ``put`` would. Accepted
+        ``parent_resolution`` values are ``ParentResolutionStatus`` members or their values
+        (``"root"``, ``"resolved"``, ``"unresolved"``), as Gym's pydantic entry accepts them.
 
         Raises ``UnsupportedSchemaError`` for an unsupported ``schema_version`` and
         ``RecordError`` for every other violation.
         """
+        _from_mapping(self.model_dump())  # the types (through a checked copy), then the contract
+        return self
+
+    def _check(self) -> "TokenEntry":
+        """``validate`` of an entry whose field types are already checked (a typed decode or convert)."""
         _check_schema_version(self.schema_version)
         for name in ("prompt_token_ids", "generation_token_ids"):
             ids = getattr(self, name)
@@ -249,11 +259,14 @@ def _from_mapping(raw: Any) -> TokenEntry:
     try:
         entry = msgspec.convert(known, TokenEntry, strict=False)
     except msgspec.ValidationError as error:
-        raise RecordError(f"invalid token entry: {error}") from None
+        hint = ""
+        if "$.parent_resolution" in str(error):
+            hint = f" (one of {[s.value for s in ParentResolutionStatus]}, or a ParentResolutionStatus)"
+        raise RecordError(f"invalid token entry: {error}{hint}") from None
     extra = {k: v for k, v in raw.items() if k not in _FIELD_NAMES}
     if extra:
         entry.__dict__["_extra"] = copy.deepcopy(extra)
-    return entry.validate()
+    return entry._check()
 
 
 def decode_entry(data: bytes | str) -> TokenEntry:
