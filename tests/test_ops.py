@@ -291,9 +291,9 @@ def test_cli_ls_status_gc(
     assert main(["ls", parent]) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [format_rollout_row(None, table=False)]
-    assert f"no rollouts here; roots inside this URL: {bucket_url}" in err
+    assert f"no rollouts here; roots inside this URL (among its first 1,000 keys): {bucket_url}" in err
     assert main(["status", parent]) == 0
-    assert f"roots inside this URL: {bucket_url}" in capsys.readouterr().err
+    assert f"roots inside this URL (among its first 1,000 keys): {bucket_url}" in capsys.readouterr().err
 
     assert main(["status", bucket_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -126,6 +126,9 @@ async def test_read_snapshot_respects_entry_type_gym(fresh: Any) -> None:
 
 async def test_open_and_changed_rollouts_are_not_sealed(fresh: Any, s3_client: Any, bucket_url: str) -> None:
     writer, builder, reader = fresh(), fresh(), fresh()
+    # An id with nothing stored (a typo) is told apart from an open rollout (a new user's walkthrough).
+    with pytest.raises(SnapshotNotSealedError, match="has no objects under .*never written, or deleted"):
+        await reader.read_snapshot("r")
     await writer.put(simple_entry("r", "c1"))
     layout = Layout(split_bucket_url(bucket_url)[1].rstrip("/"))
     with pytest.raises(SnapshotNotSealedError, match="is open") as caught:

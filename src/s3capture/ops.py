@@ -862,7 +862,10 @@ def _status_command(args: Any) -> int:
 def _hint_empty_root(roots: list[str]) -> None:
     """On stderr, for a root with no rollout: the roots found inside it (a URL one level too high)."""
     if roots:
-        print(f"no rollouts here; roots inside this URL: {', '.join(roots)}", file=sys.stderr)
+        print(
+            f"no rollouts here; roots inside this URL (among its first 1,000 keys): {', '.join(roots)}",
+            file=sys.stderr,
+        )
 
 
 def _gc_command(args: Any) -> int:

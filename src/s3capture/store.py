@@ -890,6 +890,13 @@ class S3TokenStore(RolloutObjects):
         if not sealed:
             return await self._snapshot_of(rollout_id, scan)
         if not scan.fence:
+            if not scan.all_keys:
+                raise SnapshotNotSealedError(
+                    f"rollout {rollout_id!r} has no objects under {prefix!r}: never written, or deleted "
+                    "(a mistyped id or root reads like this too)",
+                    state="open",
+                    key=manifest_key,
+                )
             raise SnapshotNotSealedError(
                 f"rollout {rollout_id!r} is open (never frozen): it has no sealed snapshot; freeze it first, "
                 "or read its current state with sealed=False",

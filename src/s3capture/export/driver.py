@@ -742,7 +742,7 @@ def format_summary(summary: ExportSummary) -> str:
         if s.root_empty:
             where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
             if s.roots_below:
-                where += "; roots inside this URL: " + ", ".join(s.roots_below)
+                where += "; roots inside this URL (among its first 1,000 keys): " + ", ".join(s.roots_below)
             hints.append(where)
         lines.append("nothing to read: the destination holds no data file (no row was written)")
         lines.extend(f"  {hint}" for hint in hints)
