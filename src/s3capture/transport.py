@@ -774,6 +774,12 @@ class Transport:
                 return True
 
             if not await self._call("DeleteObjects", batch[0], run):
+                if self._bulk_delete:
+                    log.warning(
+                        "s3://%s: the store refused DeleteObjects (not implemented, or a request it cannot take); "
+                        "this client sends one DELETE per key from now on",
+                        self.bucket,
+                    )
                 self._bulk_delete = False
                 await asyncio.gather(*(self.delete_one(k) for k in batch))
 
