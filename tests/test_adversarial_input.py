@@ -143,3 +143,27 @@ async def test_mark_incomplete_accepts_a_call_id_that_put_cannot_store(fresh, ci
         await store.put(simple_entry("r-cid", cid))
     await store.mark_incomplete("r-cid", cid)  # the caller's fallback after a failed put
     assert (await fresh().freeze("r-cid")).incomplete
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("prompt_token_ids", [99, 98]), ("model", 5), ("parent_call_id", "someone-else"), ("rollout_id", "other")],
+)
+async def test_an_extra_field_named_like_a_known_field_is_refused_by_put(fresh, s3_client, bucket_url, name, value):
+    """``entry.extra_fields[name]`` for a known field name: the encoder wrote extras after the
+    checked fields, so the stored bytes held the unchecked value (``prompt_token_ids`` gave a
+    complete snapshot with tokens put never validated; others an unreadable or misfiled object).
+    put and validate() now refuse it before any request (a breaker, 2026-12-02)."""
+    entry = simple_entry("r-shadow", "c1")
+    entry.extra_fields[name] = value
+    with pytest.raises(RecordError, match=f"extra_fields \\['{name}'\\] are named like TokenEntry fields"):
+        entry.validate()
+    with pytest.raises(RecordError, match="named like TokenEntry fields"):
+        await fresh().put(entry)
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == []  # nothing was written
+    entry.extra_fields.pop(name)
+    entry.extra_fields["note"] = value  # an extra field of its own name is kept, as Gym keeps it
+    await fresh().put(entry)
+    (stored,) = (await fresh().freeze("r-shadow")).entries
+    assert stored.extra_fields == {"note": value}

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import pytest
-from faultproxy import FaultProxy, Respond, internal_error, not_implemented_xml
+from faultproxy import FaultProxy, ListSkip, Respond, internal_error, not_implemented_xml
 from helpers import list_keys, simple_entry, split_bucket_url
 
 from s3capture.layout import Layout
@@ -108,17 +108,19 @@ async def test_delete_removes_the_tombstone_before_the_fence(s3_server, fresh, s
         await proxy.stop()
 
 
-async def test_gc_leaves_a_retire_that_did_not_finish_alone(s3_server, fresh, s3_client, bucket_url) -> None:
-    """A retire whose fence PUT failed: a later put is acknowledged (writers read the fence, which
-    is absent), so gc must not delete it as a straggler; status counts the rollout; a second
-    retire finishes (and discards it, as retire does)."""
+async def test_a_retire_that_fails_midway_leaves_writers_refused(s3_server, fresh, s3_client, bucket_url) -> None:
+    """An open rollout's retire writes the retired fence first, then the tombstone: when the
+    tombstone's PUT fails, writers are refused (nothing more is acknowledged), no reader takes the
+    rollout for retired, and a freeze takes it back complete (the retire did not happen). The old
+    order (tombstone first) left a tombstone without a fence, whose later puts were acknowledged
+    and then deleted by gc, directly or after a freeze rewrote the fence (a breaker, 2026-12-02)."""
     proxy = await _proxy(s3_server)
     try:
         store = fresh(endpoint_url=proxy.endpoint, botocore_config=NO_RETRIES)
         await store.put(simple_entry("half", "c1"))
 
         async def rule(request: Any) -> Any:
-            if request.method == "PUT" and request.key.endswith("/half/fence"):
+            if request.method == "PUT" and request.key.endswith("/half/retired"):
                 return internal_error()
             return None
 
@@ -126,30 +128,80 @@ async def test_gc_leaves_a_retire_that_did_not_finish_alone(s3_server, fresh, s3
         with pytest.raises(StoreError):
             await store.retire(["half"])
         proxy.rule = None
-        assert _left(s3_client, bucket_url, "half")[-1] == "retired"
-        assert "fence" not in _left(s3_client, bucket_url, "half")
-        writer = fresh()
-        await writer.put(simple_entry("half", "c2"))  # acknowledged: the fence is absent
-        acknowledged = [k for k in _left(s3_client, bucket_url, "half") if "/c2/" in k]
-        assert len(acknowledged) == 1
-
-        reader = fresh()
-        report = await status(reader)
-        assert report.unfinished_retires == 1
-        actions: list[Any] = []
-        # "now" an hour ahead: every key is old enough whatever the store's clock resolution
-        done = await gc(reader, 0.0, now=time.time() + 3600, dry_run=False, on_action=actions.append)
-        assert done.unfinished == 1 and done.retired_again == 0 and done.deleted_rollouts == 0
-        assert [a.action for a in actions if a.rollout_id == "half"] == ["skipped"]
-        assert "did not finish" in actions[0].reason
-        assert acknowledged[0] in _left(s3_client, bucket_url, "half")  # gc deleted nothing
-
-        # The owner's call: a second retire finishes (fence written, objects discarded).
-        assert (await fresh().retire(["half"]))["removed"] == ["half"]
-        assert _left(s3_client, bucket_url, "half") == ["fence", "retired"]
-        assert (await status(fresh())).unfinished_retires == 0
+        left = _left(s3_client, bucket_url, "half")
+        assert "fence" in left and "retired" not in left, left
         with pytest.raises(TokenCaptureRetiredError):
-            await writer.put(simple_entry("half", "c3"))
+            await fresh().put(simple_entry("half", "c2"))  # refused: never acknowledged
+        assert (await status(fresh())).unfinished_retires == 0
+        snapshot = await fresh().freeze("half")  # the retire did not happen
+        assert [e.model_call_id for e in snapshot.entries if e.model_call_id == "c1"] == ["c1"]
+        assert (await fresh().retire(["half"]))["removed"] == ["half"]  # a second retire finishes
+        assert _left(s3_client, bucket_url, "half") == ["fence", "retired"]
+    finally:
+        await proxy.stop()
+
+
+@pytest.mark.parametrize("then_freeze", [False, True], ids=["gc", "freeze-then-gc"])
+async def test_gc_leaves_a_tombstone_without_a_fence_alone(
+    s3_server, fresh, s3_client, bucket_url, then_freeze
+) -> None:
+    """The state a retire or delete of a release before 2026-12-02 could leave: a retire tombstone
+    and no fence. A later put is acknowledged (writers read the fence, which is absent), so gc must
+    not delete it as a straggler; status counts the rollout; a second retire finishes (and
+    discards it, as retire does).
+
+    With ``then_freeze``, a freeze meets the tombstone, raises TokenCaptureRetiredError and writes
+    the retired fence back, which makes the state look like a finished retire with stragglers:
+    gc then deletes the acknowledged put. That is the documented limit of this guard (a breaker,
+    2026-12-02): today's retire and delete never leave the state, and operations.md says to retire
+    or delete such rollouts of older releases again."""
+    writer = fresh()
+    await writer.put(simple_entry("half", "c1"))
+    bucket, root = split_bucket_url(bucket_url)
+    s3_client.put_object(Bucket=bucket, Key=Layout(root.rstrip("/")).rollout("half") + "retired", Body=b"")
+    await writer.put(simple_entry("half", "c2"))  # acknowledged: the fence is absent
+    acknowledged = [k for k in _left(s3_client, bucket_url, "half") if "/c2/" in k]
+    assert len(acknowledged) == 1
+    reader = fresh()
+    assert (await status(reader)).unfinished_retires == 1
+    if then_freeze:
+        with pytest.raises(TokenCaptureRetiredError):
+            await fresh().freeze("half")
+        assert "fence" in _left(s3_client, bucket_url, "half")
+        return  # from here gc sees a retired rollout with stragglers (rule 5): the documented limit
+    actions: list[Any] = []
+    # "now" an hour ahead: every key is old enough whatever the store's clock resolution
+    done = await gc(reader, 0.0, now=time.time() + 3600, dry_run=False, on_action=actions.append)
+    assert done.unfinished == 1 and done.retired_again == 0 and done.deleted_rollouts == 0
+    assert [a.action for a in actions if a.rollout_id == "half"] == ["skipped"]
+    assert "did not finish" in actions[0].reason
+    assert acknowledged[0] in _left(s3_client, bucket_url, "half")  # gc deleted nothing
+
+    # The owner's call: a second retire finishes (fence written first, objects discarded).
+    assert (await fresh().retire(["half"]))["removed"] == ["half"]
+    assert _left(s3_client, bucket_url, "half") == ["fence", "retired"]
+    assert (await status(fresh())).unfinished_retires == 0
+    with pytest.raises(TokenCaptureRetiredError):
+        await writer.put(simple_entry("half", "c3"))
+
+
+async def test_delete_removes_a_tombstone_its_listing_skipped(s3_server, fresh, s3_client, bucket_url) -> None:
+    """A listing that skips the retire tombstone must not make delete leave it without a fence:
+    the tombstone's DELETE is sent whether or not it was listed (a breaker, 2026-12-02)."""
+    proxy = await _proxy(s3_server)
+    try:
+        store = fresh(endpoint_url=proxy.endpoint)
+        await _retired_rollout(store, "skipped")
+
+        async def rule(request: Any) -> Any:
+            if request.is_list and "/skipped/" in request.params.get("prefix", ""):
+                return ListSkip(match="/skipped/retired")
+            return None
+
+        proxy.rule = rule
+        assert (await store.delete(["skipped"]))["removed"] == ["skipped"]
+        proxy.rule = None
+        assert _left(s3_client, bucket_url, "skipped") == []
     finally:
         await proxy.stop()
 

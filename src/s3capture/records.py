@@ -141,6 +141,7 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
         Raises ``UnsupportedSchemaError`` for an unsupported ``schema_version`` and
         ``RecordError`` for every other violation.
         """
+        _checked_extra(self)
         _from_mapping(self.model_dump())  # the types (through a checked copy), then the contract
         return self
 
@@ -251,6 +252,20 @@ def _check_schema_version(version: Any) -> None:
         )
 
 
+def _checked_extra(entry: TokenEntry) -> dict[str, Any] | None:
+    """The extra fields of an s3capture entry, or ``None``; ``RecordError`` when one is named like a
+    known field (``entry.extra_fields["model"] = ...``): encoded after the known fields it would
+    replace their checked values in the stored bytes."""
+    extra = entry.__dict__.get("_extra") or None
+    if extra:
+        shadowed = sorted(name for name in extra if name in _FIELD_NAMES)
+        if shadowed:
+            raise RecordError(
+                f"extra_fields {shadowed} are named like TokenEntry fields: set the fields themselves instead"
+            )
+    return extra
+
+
 def _from_mapping(raw: Any) -> TokenEntry:
     if not isinstance(raw, dict):
         raise RecordError(f"a token entry must be a JSON object, got {type(raw).__name__}")
@@ -357,6 +372,7 @@ def _coerce_general(entry: Any) -> TokenEntry:
     if isinstance(entry, TokenEntry):
         # The constructor checks no types; a round trip through builtins checks them all and
         # returns a copy the caller cannot mutate behind our back.
+        _checked_extra(entry)
         return _from_mapping(entry.model_dump())
     if isinstance(entry, dict):
         record = _from_mapping(entry)
@@ -411,7 +427,7 @@ def _fast_copy(entry: Any) -> tuple[TokenEntry, bool] | None:
     kind = type(entry)
     if kind is TokenEntry:
         fields = msgspec.structs.asdict(entry)
-        extra = entry.__dict__.get("_extra") or None
+        extra = _checked_extra(entry)
     elif kind is dict:
         fields = {k: v for k, v in entry.items() if k in _FIELD_NAMES}
         extra = {k: v for k, v in entry.items() if k not in _FIELD_NAMES} if len(fields) != len(entry) else None
@@ -493,7 +509,7 @@ def encode_entry(entry: TokenEntry) -> bytes:
     orjson cannot encode (integers beyond 64 bits, non-string keys).
     """
     _check_finite(entry)
-    extra = entry.__dict__.get("_extra")
+    extra = _checked_extra(entry)
     if not extra and not _has_big_float(entry, None):
         try:
             return _json_encoder.encode(entry)

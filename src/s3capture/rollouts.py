@@ -559,11 +559,19 @@ class RolloutObjects:
 
     async def _write_retired(self, prefix: str) -> None:
         # Tombstone first, then the fence: a freeze whose frozen fence lands between or after them
-        # lists afterwards, sees the tombstone and restores the retired fence.
+        # lists afterwards, sees the tombstone and restores the retired fence. (A fence exists
+        # already: an open rollout's retire writes the retired fence before this, _retire_scanned.)
         await self._put(prefix + "retired", b"")
         await self._put(prefix + "fence", FENCE_RETIRED)
 
     async def _retire_scanned(self, scan: RolloutScan) -> None:
+        if not scan.fence:
+            # An open rollout: the retired fence first. Writers read only the fence, readers the
+            # tombstone: a tombstone without a fence (a failure or crash between the two PUTs) would
+            # be a rollout writers take for open (acknowledging their puts) and readers for retired
+            # (gc would delete those puts as stragglers). A fence without a tombstone is safe:
+            # writers are refused, and a freeze takes the rollout back (the retire did not happen).
+            await self._put(scan.prefix + "fence", FENCE_RETIRED)
         await self._write_retired(scan.prefix)
         await self._delete_keys([i.key for i in scan.records])
         self._cache.discard_prefix(scan.prefix)
@@ -578,7 +586,8 @@ class RolloutObjects:
         ``TokenSource.retire`` / ``CaptureLedger.retire`` in the protocol reference.
 
         Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys, PUTs of
-        the retire tombstone and the fence, one DeleteObjects per 1,000 records.
+        the retired fence (for an open rollout, first), the retire tombstone and the retired fence,
+        one DeleteObjects per 1,000 records.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.
@@ -625,8 +634,9 @@ class RolloutObjects:
                 last = [scan.prefix + "retired", scan.prefix + "fence"]  # in this order, one by one
                 await self._delete_keys([k for k in keys if k not in last])
                 for key in last:
-                    if key in keys:
-                        await self._delete_one(key)
+                    # Listed or not: a listing that skipped the tombstone must not leave it behind
+                    # once the fence is gone (DELETE of an absent key is a no-op).
+                    await self._delete_one(key)
                 removed.add(rollout_id)
             self._cache.discard_prefix(scan.prefix)
             self._forget_rollout(rollout_id)

@@ -1173,7 +1173,8 @@ class S3TokenStore(RolloutObjects):
         ``TokenSource.retire`` in the protocol reference.
 
         Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys, PUTs of
-        the retire tombstone and the fence, one DeleteObjects per 1,000 records.
+        the retired fence (for an open rollout, first), the retire tombstone and the retired fence,
+        one DeleteObjects per 1,000 records.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

@@ -128,8 +128,13 @@ _NOT_IMPLEMENTED = frozenset(
         "MissingContentMD5",
         "InvalidDigest",
         "BadDigest",
+        "400",  # a 400 without an error code (Ceph's answer to a key XML 1.0 cannot carry)
     }
 )
+_BULK_UNSUPPORTED = frozenset({"NotImplemented", "MethodNotAllowed", "501", "405"})
+"""Answers to DeleteObjects that mean the store has none: remembered (``Transport.delete``). The
+rest of ``_NOT_IMPLEMENTED`` (a digest or body the store refuses, a bare 400) sends that batch as
+single DELETEs and tries DeleteObjects again next time."""
 _CREDENTIAL_ERRORS = frozenset(
     {
         "ExpiredToken",
@@ -611,9 +616,10 @@ class Transport:
         ``_Unverified`` for a body that cannot be parsed."""
         raise NotImplementedError
 
-    async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
-        """One DeleteObjects request: the per-key errors (``Key``, ``Code``, ``Message``), or
-        ``None`` when the store does not implement it."""
+    async def _delete_batch_once(self, client: Any, keys: list[str]) -> tuple[list[dict], set[str]] | str:
+        """One DeleteObjects request (not quiet): the per-key errors (``Key``, ``Code``,
+        ``Message``) and the keys the answer confirms deleted; or the store's error code (one of
+        ``_NOT_IMPLEMENTED``) when it refuses DeleteObjects itself."""
         raise NotImplementedError
 
     async def _delete_one_once(self, client: Any, key: str) -> None:
@@ -752,18 +758,23 @@ class Transport:
 
     async def delete(self, keys: builtins.list[str]) -> None:  # `list` here is the method above
         """Delete ``keys`` with DeleteObjects in batches of 1,000, or one DELETE each where the store
-        does not implement it (remembered: after the first such answer this transport sends single
-        DELETEs only). Missing keys are not an error. Raises ``StoreError``."""
+        does not implement it (remembered: after a NotImplemented or MethodNotAllowed answer this
+        transport sends single DELETEs only; a batch the store refuses otherwise, e.g. 400
+        MalformedXML, goes out as single DELETEs this once). A key the answer neither confirms
+        deleted nor reports failed (an answer that is not a DeleteObjects result, such as an empty
+        or HTML 200 body from a proxy) is deleted again with a single DELETE, whose answer is
+        unambiguous. Missing keys are not an error. Raises ``StoreError``."""
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
             if not self._bulk_delete:
                 await asyncio.gather(*(self.delete_one(k) for k in batch))
                 continue
 
-            async def run(client: Any, batch: list[str] = batch) -> bool:
-                errors = await self._send("DeleteObjects", batch[0], lambda: self._delete_batch_once(client, batch))
-                if errors is None:
-                    return False
+            async def run(client: Any, batch: list[str] = batch) -> builtins.list[str] | str:
+                answer = await self._send("DeleteObjects", batch[0], lambda: self._delete_batch_once(client, batch))
+                if isinstance(answer, str):
+                    return answer  # the store's code: fall back to single DELETEs
+                errors, confirmed = answer
                 errors = [e for e in errors if e.get("Code") not in _NOT_FOUND]
                 if errors:
                     raise StoreError(
@@ -771,17 +782,30 @@ class Transport:
                         operation="DeleteObjects",
                         key=errors[0].get("Key", ""),
                     )
-                return True
+                failed = {e.get("Key", "") for e in answer[0]}
+                return [k for k in batch if k not in confirmed and k not in failed]
 
-            if not await self._call("DeleteObjects", batch[0], run):
-                if self._bulk_delete:
-                    log.warning(
-                        "s3://%s: the store refused DeleteObjects (not implemented, or a request it cannot take); "
-                        "this client sends one DELETE per key from now on",
-                        self.bucket,
-                    )
-                self._bulk_delete = False
-                await asyncio.gather(*(self.delete_one(k) for k in batch))
+            outcome = await self._call("DeleteObjects", batch[0], run)
+            if isinstance(outcome, str):
+                if outcome in _BULK_UNSUPPORTED:
+                    if self._bulk_delete:
+                        log.warning(
+                            "s3://%s: the store does not implement DeleteObjects (%s); this client sends one "
+                            "DELETE per key from now on",
+                            self.bucket,
+                            outcome,
+                        )
+                    self._bulk_delete = False
+                outcome = batch
+            elif outcome:
+                log.warning(
+                    "s3://%s: a DeleteObjects answer confirmed %d of %d keys; deleting the other %d one by one",
+                    self.bucket,
+                    len(batch) - len(outcome),
+                    len(batch),
+                    len(outcome),
+                )
+            await asyncio.gather(*(self.delete_one(k) for k in outcome))
 
     async def delete_one(self, key: str) -> None:
         """DELETE one key (missing is not an error). Raises ``StoreError``."""
@@ -939,16 +963,19 @@ class S3Transport(Transport):
                 f"LIST {prefix!r} answered with an unparseable body: {error}", operation="LIST", key=prefix
             ) from None
 
-    async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
+    async def _delete_batch_once(self, client: Any, keys: list[str]) -> tuple[list[dict], set[str]] | str:
+        # Not quiet: the answer names every deleted key, so an answer that is not a DeleteObjects
+        # result (botocore parses an empty or HTML 200 body to nothing) confirms nothing.
         try:
             response = await client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": False}
             )
         except ClientError as error:
-            if _code(error) in _NOT_IMPLEMENTED:
-                return None
+            code = _code(error)
+            if code in _NOT_IMPLEMENTED:
+                return code
             raise
-        return list(response.get("Errors", ()))
+        return list(response.get("Errors", ())), {d.get("Key", "") for d in response.get("Deleted", ())}
 
     async def _delete_one_once(self, client: Any, key: str) -> None:
         try:

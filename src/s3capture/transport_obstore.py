@@ -428,7 +428,7 @@ class ObstoreTransport(Transport):
             raise _BodyFailed(f"body failed after {type(error).__name__}: {error}", retried=True) from None
         return _Got(data, int(size) if size is not None else None, etag)
 
-    async def _delete_batch_once(self, client: Any, keys: list[str]) -> list[dict] | None:
+    async def _delete_batch_once(self, client: Any, keys: list[str]) -> tuple[list[dict], set[str]] | str:
         # DeleteObjects as this module's own signed POST, like the listing: object_store retries a
         # 501 NotImplemented (GCS's XML API has no DeleteObjects) as it retries any 5xx, for up to
         # its whole backoff (about 15-30 s) before the fallback to single DELETEs could start.
@@ -442,10 +442,11 @@ class ObstoreTransport(Transport):
                 client[1], "DeleteObjects", f"{self._base}?delete", method="POST", body=body, headers=headers
             )
         except _S3HTTPError as error:
-            if error.response["Error"]["Code"] in _NOT_IMPLEMENTED:
-                return None
+            code = str(error.response["Error"]["Code"])
+            if code in _NOT_IMPLEMENTED:
+                return code
             raise
-        return _delete_errors(answer)
+        return _delete_result(answer)
 
     async def _delete_one_once(self, client: Any, key: str) -> None:
         # A plain DELETE (object_store's delete of one path is a DeleteObjects of one key, which a
@@ -539,30 +540,36 @@ class ObstoreTransport(Transport):
 
 
 def _delete_body(keys: list[str]) -> bytes:
-    """The XML body of a quiet DeleteObjects of ``keys`` (each key XML-escaped)."""
-    parts = ['<?xml version="1.0" encoding="UTF-8"?><Delete><Quiet>true</Quiet>']
-    parts.extend(f"<Object><Key>{xml_escape(key)}</Key></Object>" for key in keys)
+    """The XML body of a DeleteObjects of ``keys``, not quiet (the answer confirms each key). Keys
+    are XML-escaped, carriage returns as character references: a raw ``\\r`` in element text is
+    read back as ``\\n`` by every XML parser (end-of-line handling), which would name another key."""
+    parts = ['<?xml version="1.0" encoding="UTF-8"?><Delete><Quiet>false</Quiet>']
+    parts.extend(f"<Object><Key>{xml_escape(key, _XML_KEY_ENTITIES)}</Key></Object>" for key in keys)
     parts.append("</Delete>")
     return "".join(parts).encode("utf-8")
 
 
-def _delete_errors(body: bytes) -> list[dict]:
+_XML_KEY_ENTITIES = {"\r": "&#13;"}
+
+
+def _delete_result(body: bytes) -> tuple[list[dict], set[str]]:
     """The ``Error`` elements of a DeleteObjects answer as botocore shapes them (``Key``, ``Code``,
-    ``Message``); a body that is not a ``DeleteResult`` raises ``StoreError``: the keys' fate is
-    unknown, and the caller's retry (or a second retire) settles it."""
+    ``Message``) and the keys of its ``Deleted`` elements. A body that is not a ``DeleteResult``
+    (empty, an HTML page of a proxy) confirms nothing and reports nothing: ``Transport.delete``
+    then deletes every key of the batch with single DELETEs."""
     try:
         root = ET.fromstring(body) if body.strip() else None
     except ET.ParseError:
         root = None
     ns = root.tag[: root.tag.index("}") + 1] if root is not None and root.tag.startswith("{") else ""
     if root is None or root.tag != ns + "DeleteResult":
-        raise StoreError(
-            f"DeleteObjects answered with a body that is not a DeleteResult: {body[:200]!r}", operation="DeleteObjects"
-        )
-    return [
+        log.warning("DeleteObjects answered with a body that is not a DeleteResult: %r", body[:200])
+        return [], set()
+    errors = [
         {name: child.findtext(ns + name) or "" for name in ("Key", "Code", "Message")}
         for child in root.findall(ns + "Error")
     ]
+    return errors, {child.findtext(ns + "Key") or "" for child in root.findall(ns + "Deleted")}
 
 
 def _host_header(base: str) -> str | None:
