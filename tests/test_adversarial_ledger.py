@@ -609,25 +609,26 @@ async def test_retire_and_delete_that_half_fail_leave_the_rollout_retired(ledger
         await ledgers().record(c)
     w = ledgers()
     w.__class__ = _FailingPuts
-    w.fail_on = f"{rid}/fence"  # the tombstone lands, the fence PUT fails
+    # An open rollout's retire writes the retired fence, then the tombstone: the fence lands, the
+    # tombstone's PUT fails. The retire did not happen (readers go by the tombstone): the ledger
+    # stays whole and readable, never half-removed; a second retire finishes.
+    w.fail_on = f"{rid}/retired"
     with pytest.raises(StoreError):
         await w.retire([rid])
+    assert len((await ledgers().manifest(rid))["records"]) == 3
+    assert (await ledgers().retire([rid]))["removed"] == [rid]
     with pytest.raises(RolloutRetiredError):
         await ledgers().manifest(rid)
-    assert (await ledgers().retire([rid]))["removed"] == [rid]
 
     d = ledgers()
-    orig = d._delete_keys
-    calls = 0
+    orig = d._delete_one
 
-    async def second_batch_fails(keys: list[str]) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # rows gone, fences not
-            raise StoreError("DeleteObjects failed: injected")
-        await orig(keys)
+    async def tombstone_delete_fails(key: str) -> None:
+        if key.endswith(f"{rid}/retired"):  # rows gone, tombstone and fence not
+            raise StoreError("DELETE failed: injected")
+        await orig(key)
 
-    d._delete_keys = second_batch_fails
+    d._delete_one = tombstone_delete_fails
     await ledgers().record(_chain(rid, 1)[0])  # a late row beside the fence
     with pytest.raises(StoreError):
         await d.delete([rid])
