@@ -224,3 +224,53 @@ async def test_gc_deletes_only_listed_keys_of_a_bare_tombstone(s3_server, fresh,
         assert deleted == ["retired"]
     finally:
         await proxy.stop()
+
+
+async def test_a_delete_of_a_live_rollout_that_fails_midway_leaves_it_retired(
+    s3_server, fresh, ledgers, s3_client, bucket_url
+) -> None:
+    """delete removed an open rollout's (or a live ledger's) records with nothing fencing it: a
+    failure among them left some entries and no intents, which a freeze took for a complete
+    rollout and a ledger manifest for a whole ledger (a breaker, 2026-12-02). delete now retires
+    first, so the leftovers read as retired, and a second delete finishes."""
+    from s3capture.protocols import RolloutRetiredError
+
+    from helpers import assistant_output, make_commit, system, user
+
+    proxy = await _proxy(s3_server)
+    try:
+        store = fresh(endpoint_url=proxy.endpoint, botocore_config=NO_RETRIES)
+        ledger = ledgers(endpoint_url=proxy.endpoint, botocore_config=NO_RETRIES)
+        for cid in ("c0", "c1"):
+            await store.begin_call("live", cid)
+            await store.put(simple_entry("live", cid))
+        request = [system("Be brief."), user("Hi")]
+        for cid in ("call-0", "call-1"):
+            await ledger.record(make_commit("live-ledger", cid, request, assistant_output(cid)))
+
+        async def rule(request: Any) -> Any:
+            # A store without DeleteObjects, and one record's DELETE failing.
+            if request.method == "POST" and "delete" in request.params:
+                return Respond(501, not_implemented_xml(), "Not Implemented")
+            if request.method == "DELETE" and ("/c1/" in request.key or "/call-1/" in request.key):
+                return internal_error()
+            return None
+
+        proxy.rule = rule
+        with pytest.raises(StoreError):
+            await store.delete(["live"])
+        with pytest.raises(StoreError):
+            await ledger.delete(["live-ledger"])
+        proxy.rule = None
+        with pytest.raises(TokenCaptureRetiredError):
+            await fresh().freeze("live")  # never a rollout with a hole that looks complete
+        with pytest.raises(RolloutRetiredError):
+            await ledgers().manifest("live-ledger")  # never a half-deleted ledger that reads as live
+        with pytest.raises(TokenCaptureRetiredError):
+            await fresh().put(simple_entry("live", "c2"))  # writers refused meanwhile
+        assert (await fresh().delete(["live"]))["removed"] == ["live"]
+        assert (await ledgers().delete(["live-ledger"]))["removed"] == ["live-ledger"]
+        assert _left(s3_client, bucket_url, "live") == []
+        assert _left(s3_client, bucket_url, "live-ledger") == []
+    finally:
+        await proxy.stop()

@@ -588,9 +588,12 @@ class S3CaptureLedger(RolloutObjects):
         """Remove the ledgers and fences of rollouts (idempotent); the id then reads as unused.
 
         Delete only once nothing of those attempts can still write: a late ``record`` after the
-        delete starts a new ledger. Returns ``{"removed": [...], "absent": [...]}``. Requests per
-        rollout: one LIST page per 1,000 keys, one DeleteObjects per 1,000 records, then a DELETE
-        of the tombstone and one of the fence, in that order.
+        delete starts a new ledger; run one removal of an id at a time. A live ledger is retired
+        first, so a delete that fails midway leaves it retired, never a smaller ledger that reads
+        as whole. Returns ``{"removed": [...], "absent": [...]}``. Requests per rollout: one LIST
+        page per 1,000 keys, for a live ledger up to three PUTs (fence, tombstone, fence), one
+        DeleteObjects per 1,000 records, then a DELETE of the tombstone and one of the fence, in
+        that order.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

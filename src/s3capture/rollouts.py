@@ -611,13 +611,18 @@ class RolloutObjects:
         """Remove rollouts' records and fences, after which an id reads as unused (idempotent).
 
         Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing was stored for the id).
-        Records go first, then the retire tombstone, then the fence, each after the previous
-        request answered: a crash or a failed request mid-delete leaves a fenced rollout, which
-        refuses writes, and which a second ``delete`` finishes. (Never a tombstone without a fence:
-        writers read only the fence, so they would take such a rollout for open while ``freeze``,
-        ``ls`` and ``gc`` read it retired.) Requests per rollout (up to 8 at a time): one LIST page
-        per 1,000 keys, one DeleteObjects per 1,000 records, then a DELETE of the tombstone and one
-        of the fence.
+        A rollout not yet retired is retired first (the retired fence, the tombstone, the fence
+        again); then the records go, then the retire tombstone, then the fence, each after the
+        previous request answered: a crash or a failed request mid-delete leaves a retired or at
+        least fenced rollout, which refuses writes and which no reader takes for live, and which a
+        second ``delete`` finishes. (Never a tombstone without a fence: writers read only the
+        fence, so they would take such a rollout for open while ``freeze``, ``ls`` and ``gc`` read
+        it retired. A ``retire`` of the same id running at the same time, or a request of one that
+        the network delivers late, can still land a tombstone after this delete: reuse an id only
+        once no removal of it is in flight, ``docs/design.md`` race 8.) Requests per rollout (up
+        to 8 at a time): one LIST page per 1,000 keys, for a rollout not yet retired up to three
+        PUTs, one DeleteObjects per 1,000 records, then a DELETE of the tombstone and one of the
+        fence.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.
@@ -631,6 +636,14 @@ class RolloutObjects:
             scan = await self._scan(rollout_id)
             keys = scan.all_keys
             if keys:
+                if not (scan.fence and scan.retired):
+                    # Retire first (fence, tombstone, fence, as retire writes an open rollout): a
+                    # delete that fails or crashes among the records then leaves a retired rollout,
+                    # never a live one with a hole (its intents and some entries gone, the rest
+                    # readable as open or as a whole ledger).
+                    if not scan.fence:
+                        await self._put(scan.prefix + "fence", FENCE_RETIRED)
+                    await self._write_retired(scan.prefix)
                 last = [scan.prefix + "retired", scan.prefix + "fence"]  # in this order, one by one
                 await self._delete_keys([k for k in keys if k not in last])
                 for key in last:
