@@ -455,6 +455,29 @@ async def _collect_one(
 ) -> None:
     fences = {rollout_prefix + "fence", rollout_prefix + "retired"}
     records = [item for item in items if item.key not in fences]
+    listed = {item.key for item in items}
+    if records and rollout_prefix + "fence" not in listed:
+        # A retire tombstone without a fence (an older release's failed retire or delete, or a
+        # retire beside a delete of the id: docs/operations.md, rule 6). Writers read only the
+        # fence, so to them the rollout is open and their puts since were acknowledged; whether
+        # those are wanted is the owner's call (retire again discards them), never gc's. Decided
+        # from the streaming listing: a skip changes nothing, so it needs no re-check.
+        report.unfinished += 1
+        emit(
+            GcAction(
+                rollout_id=info.rollout_id,
+                action="skipped",
+                keys=[],
+                objects=len(records),
+                bytes=sum(item.size for item in records),
+                last_write=_when(_newest(items)),
+                reason=(
+                    "a retire that did not finish: a retire tombstone and no fence, so writers still take the "
+                    "rollout for open; retire it again to discard its objects, or delete it"
+                ),
+            )
+        )
+        return
     if not dry_run:
         # The re-check: a listing of the rollout's own prefix right before anything is changed must
         # show exactly what the streaming listing showed; anything new, gone or rewritten leaves
@@ -474,28 +497,6 @@ async def _collect_one(
                 )
             )
             return
-    listed = {item.key for item in items}
-    if records and rollout_prefix + "fence" not in listed:
-        # A retire tombstone without a fence: a retire that failed or crashed before its fence PUT
-        # (or a delete of an older release that removed the fence first). Writers read only the
-        # fence, so to them the rollout is open and their puts since were acknowledged; whether
-        # those are wanted is the owner's call (retire again discards them), never gc's.
-        report.unfinished += 1
-        emit(
-            GcAction(
-                rollout_id=info.rollout_id,
-                action="skipped",
-                keys=[],
-                objects=len(records),
-                bytes=sum(item.size for item in records),
-                last_write=_when(_newest(items)),
-                reason=(
-                    "a retire that did not finish: a retire tombstone and no fence, so writers still take the "
-                    "rollout for open; retire it again to discard its objects, or delete it"
-                ),
-            )
-        )
-        return
     if records:
         # Retire again: the fence stays, rewritten, so every straggler retrying one of these keys
         # keeps reading "retired"; tombstone first, as retire writes it.
