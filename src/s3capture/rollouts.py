@@ -564,7 +564,9 @@ class RolloutObjects:
         await self._put(prefix + "retired", b"")
         await self._put(prefix + "fence", FENCE_RETIRED)
 
-    async def _retire_scanned(self, scan: RolloutScan) -> None:
+    async def _mark_retired(self, scan: RolloutScan) -> None:
+        """Write the retire tombstone and the retired fence of a scanned rollout (retire, and
+        delete of a rollout not retired yet), before any of its records is deleted."""
         if not scan.fence:
             # An open rollout: the retired fence first. Writers read only the fence, readers the
             # tombstone: a tombstone without a fence (a failure or crash between the two PUTs) would
@@ -573,6 +575,9 @@ class RolloutObjects:
             # writers are refused, and a freeze takes the rollout back (the retire did not happen).
             await self._put(scan.prefix + "fence", FENCE_RETIRED)
         await self._write_retired(scan.prefix)
+
+    async def _retire_scanned(self, scan: RolloutScan) -> None:
+        await self._mark_retired(scan)
         await self._delete_keys([i.key for i in scan.records])
         self._cache.discard_prefix(scan.prefix)
 
@@ -637,13 +642,10 @@ class RolloutObjects:
             keys = scan.all_keys
             if keys:
                 if not (scan.fence and scan.retired):
-                    # Retire first (fence, tombstone, fence, as retire writes an open rollout): a
-                    # delete that fails or crashes among the records then leaves a retired rollout,
-                    # never a live one with a hole (its intents and some entries gone, the rest
-                    # readable as open or as a whole ledger).
-                    if not scan.fence:
-                        await self._put(scan.prefix + "fence", FENCE_RETIRED)
-                    await self._write_retired(scan.prefix)
+                    # Retire first, as retire does: a delete that fails or crashes among the records
+                    # then leaves a retired rollout, never a live one with a hole (its intents and
+                    # some entries gone, the rest readable as open or as a whole ledger).
+                    await self._mark_retired(scan)
                 last = [scan.prefix + "retired", scan.prefix + "fence"]  # in this order, one by one
                 await self._delete_keys([k for k in keys if k not in last])
                 for key in last:

@@ -774,16 +774,17 @@ class Transport:
                 answer = await self._send("DeleteObjects", batch[0], lambda: self._delete_batch_once(client, batch))
                 if isinstance(answer, str):
                     return answer  # the store's code: fall back to single DELETEs
-                errors, confirmed = answer
-                errors = [e for e in errors if e.get("Code") not in _NOT_FOUND]
+                reported, confirmed = answer
+                errors = [e for e in reported if e.get("Code") not in _NOT_FOUND]
                 if errors:
                     raise StoreError(
                         f"DeleteObjects failed for {len(errors)} keys, first: {errors[0]}",
                         operation="DeleteObjects",
                         key=errors[0].get("Key", ""),
                     )
-                failed = {e.get("Key", "") for e in answer[0]}
-                return [k for k in batch if k not in confirmed and k not in failed]
+                # Absent (NoSuchKey) counts as done; a key the answer does not name at all does not.
+                confirmed.update(e.get("Key", "") for e in reported)
+                return [k for k in batch if k not in confirmed]
 
             outcome = await self._call("DeleteObjects", batch[0], run)
             if isinstance(outcome, str):
