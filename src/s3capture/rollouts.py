@@ -622,9 +622,10 @@ class RolloutObjects:
         least fenced rollout, which refuses writes and which no reader takes for live, and which a
         second ``delete`` finishes. (Never a tombstone without a fence: writers read only the
         fence, so they would take such a rollout for open while ``freeze``, ``ls`` and ``gc`` read
-        it retired. A ``retire`` of the same id running at the same time, or a request of one that
-        the network delivers late, can still land a tombstone after this delete: reuse an id only
-        once no removal of it is in flight, ``docs/design.md`` race 8.) Requests per rollout (up
+        it retired. A ``retire``, ``gc`` or ``drop`` of the same id running at the same time, or a
+        request of this delete or of one of them that the network delivers late, can still land a
+        tombstone after this delete returned: delete only ids that nothing writes, reads or
+        removes any more, and prefer new ids to reuse, ``docs/design.md`` race 8.) Requests per rollout (up
         to 8 at a time): one LIST page per 1,000 keys, for a rollout not yet retired up to three
         PUTs, one DeleteObjects per 1,000 records, then a DELETE of the tombstone and one of the
         fence.
