@@ -563,7 +563,8 @@ def _delete_result(body: bytes) -> tuple[list[dict], set[str]]:
         root = None
     ns = root.tag[: root.tag.index("}") + 1] if root is not None and root.tag.startswith("{") else ""
     if root is None or root.tag != ns + "DeleteResult":
-        log.warning("DeleteObjects answered with a body that is not a DeleteResult: %r", body[:200])
+        # Transport.delete warns once for the batch; the body, for whoever debugs the store.
+        log.debug("DeleteObjects answered with a body that is not a DeleteResult: %r", body[:200])
         return [], set()
     errors = [
         {name: child.findtext(ns + name) or "" for name in ("Key", "Code", "Message")}
