@@ -205,6 +205,22 @@ def pytest_configure(config: pytest.Config) -> None:
         ExternalS3Server.from_env()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Say what the run is about to do: with ``-q`` pytest prints no header, and the first dots
+    wait for a server to start (a walkthrough took the silent minute for a hang)."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller says it once
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    servers = selected_servers()
+    slow = " (the Ceph gateway takes 30-90 s)" if "ceph" in servers else ""
+    reporter.write_line(
+        f"s3capture: testing against {', '.join(servers)} x transports {', '.join(selected_transports())}; "
+        f"each server starts on its first test{slow}, so the first results can take a minute"
+    )
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering of the items by fixture parameter
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command), every test of the Ceph
