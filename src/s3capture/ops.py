@@ -668,6 +668,11 @@ def format_status(s: StoreStatus) -> str:
     return "\n".join(lines)
 
 
+def _counted(count: int, noun: str) -> str:
+    """``1 object``, ``2 objects``, ``1,000 objects``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def format_action(action: GcAction, *, dry_run: bool) -> str:
     """One ``s3capture gc`` line per rollout."""
     verb = {
@@ -677,7 +682,7 @@ def format_action(action: GcAction, *, dry_run: bool) -> str:
         "abandoned": "abandoned (kept)",
     }[action.action]
     keys = ", ".join(action.keys[:6]) + (f", ... ({len(action.keys)} keys)" if len(action.keys) > 6 else "")
-    detail = f"{action.objects} objects, {_human_bytes(action.bytes)}"
+    detail = f"{_counted(action.objects, 'object')}, {_human_bytes(action.bytes)}"
     where = f"; last write {_stamp(action.last_write)}" if action.last_write is not None else ""
     suffix = f": {keys}" if keys else ""
     return f"{verb} {printable_id(action.rollout_id)} ({detail}{where}; {escape_controls(action.reason)}){suffix}"
@@ -691,8 +696,8 @@ def format_gc(r: GcReport) -> str:
         [
             f"gc {r.url}: {mode}",
             f"  retired rollouts: {r.retired_seen} listed, {r.too_young} younger than {_duration(r.older_than)}",
-            f"  {would} {r.deleted_objects} objects ({_human_bytes(r.deleted_bytes)}): fences of {r.deleted_rollouts} "
-            f"rollouts, stragglers of {r.retired_again} (retired again, fence kept)",
+            f"  {would} {_counted(r.deleted_objects, 'object')} ({_human_bytes(r.deleted_bytes)}): fences of "
+            f"{_counted(r.deleted_rollouts, 'rollout')}, stragglers of {r.retired_again} (retired again, fence kept)",
             f"  skipped (changed since the listing): {r.skipped}",
             *(
                 [

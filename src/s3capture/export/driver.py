@@ -702,7 +702,7 @@ def format_summary(summary: ExportSummary) -> str:
         f"rollouts: exported {s.exported:,}, masked {s.masked_written + s.masked_excluded:,} "
         f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
         f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
-        f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shards "
+        f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shard{'' if s.shards_written == 1 else 's'} "
         f"({_size(s.bytes_written)}); read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
     ]
     if s.shards_existing or s.orphans_removed:
