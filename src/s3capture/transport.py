@@ -71,6 +71,9 @@ _CONNECT_WARNED: dict[str, float] = {}
 connect_log = logging.getLogger("s3capture.connect")
 """The logger of ``warn_connect_retry`` (a start-up probe that reports its own error quiets it)."""
 _CONNECT_WARN_EVERY = 60.0  # seconds between two warnings for one endpoint
+_CANCELLED_REQUESTS_WAIT = 10.0
+"""Seconds ``close`` waits for requests it cancelled (after its timeout) to leave, before closing
+their client under them."""
 
 
 def _cannot_connect(error: BaseException) -> bool:
@@ -585,17 +588,32 @@ class Transport:
                 log.warning("close(): %r", result)
 
     async def _close_state(self, state: _LoopState, timeout: float) -> None:
-        """Close one loop's client, on that loop, after its requests in flight."""
-        async with state.lock:  # waits for a client being opened right now
+        """Close one loop's client, on that loop, after its requests in flight.
+
+        The wait holds no lock: a request in flight may need ``state.lock`` to finish (a credential
+        refresh after ``ExpiredToken``), and holding it here stalled ``close`` for ``timeout`` and
+        turned that request's ``StoreError`` into a ``CancelledError``. After ``timeout`` the tasks
+        still inside a request are cancelled, and ``close`` waits until they have left their request
+        (``state.idle``, set by ``_call`` as the cancellation passes it), not until the tasks end: a
+        cancelled task may go on to await this same ``close`` (``async with store:``, or a
+        ``finally: await store.close()``), and waiting for it to end deadlocked both for ever
+        (a breaker, 2026-12-02)."""
+        try:
+            await asyncio.wait_for(state.idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            stuck = [t for t in state.inflight if t is not asyncio.current_task()]
+            log.warning("close(): cancelling %d requests still in flight after %.0f s", len(stuck), timeout)
+            for task in stuck:
+                task.cancel()
             try:
-                await asyncio.wait_for(state.idle.wait(), timeout)
+                await asyncio.wait_for(state.idle.wait(), _CANCELLED_REQUESTS_WAIT)
             except asyncio.TimeoutError:
-                stuck = [t for t in state.inflight if t is not asyncio.current_task()]
-                log.warning("close(): cancelling %d requests still in flight after %.0f s", len(stuck), timeout)
-                for task in stuck:
-                    task.cancel()
-                if stuck:
-                    await asyncio.wait(stuck)
+                log.warning(
+                    "close(): %d requests did not stop within %.0f s of being cancelled; closing their client anyway",
+                    len(state.inflight),
+                    _CANCELLED_REQUESTS_WAIT,
+                )
+        async with state.lock:  # waits for a client being opened or rebuilt right now
             stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
             state.client, state.stack, state.retired = None, None, []
         for stack in stacks:
