@@ -60,6 +60,14 @@ SLOW = 0.3
 LATE = 0.6
 """Seconds after which the ``late`` fault applies a request whose client already gave up on it
 (longer than a drop's wait, so a late fence PUT can land inside another operation's window)."""
+CANCEL_AFTER = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.15)
+"""Seconds after which the ``cancelled`` rules cancel an operation's task (0: before it starts)."""
+SETTLE = SLOW + LATE + 0.4
+"""Seconds within which a request of a cancelled operation may still be applied (the connection is
+closed, but the server or a proxy holding the request can still apply it): a cancelled operation
+counts as a write until then, and after a cancelled removal the machine waits this long before the
+id is used again (a removal's request landing after the id is reused is outside the contract:
+docs/design.md, race 8)."""
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>injected by the model test</Message><RequestId>fault</RequestId></Error>"
@@ -87,6 +95,12 @@ class Violation(AssertionError):
     """An invariant of docs/reliability.md does not hold."""
 
 
+class CallerCancelled(Exception):
+    """The outcome of an operation whose caller cancelled its task (``task.cancel()``, as
+    ``asyncio.timeout`` does) before it returned: not acknowledged, but it may have landed, or may
+    still land within ``SETTLE`` seconds."""
+
+
 @dataclass
 class Stats:
     """What the machines did: operations by outcome, faults injected, invariant checks made."""
@@ -110,6 +124,14 @@ class Stats:
             self.violations.append(text)
             self.say(f"    VIOLATION {text}")
             raise Violation(text)
+
+
+def _pick(data: st.DataObject, choices: list[str]) -> str:
+    """One of ``choices`` (one or two rollouts), drawn the same way whatever their number: which
+    rollouts qualify depends on how earlier operations ended (a fault, a cancellation landing
+    before or after the operation finished), and hypothesis refuses a run whose draws change shape
+    with such outside state (``FlakyStrategyDefinition``)."""
+    return choices[data.draw(st.integers(0, len(ROLLOUTS) - 1)) % len(choices)]
 
 
 # --------------------------------------------------------------------------- faults
@@ -208,7 +230,7 @@ def _short(value: Any) -> str:
     return str(value)[:160]
 
 
-_ALLOWED_ERRORS = (StoreError,)
+_ALLOWED_ERRORS = (StoreError, CallerCancelled)
 
 
 class _Machine(RuleBasedStateMachine):
@@ -272,24 +294,60 @@ class _Machine(RuleBasedStateMachine):
             delete_bucket_quietly(self.raw, self.bucket)
 
     # ------------------------------------------------------------------ running operations
-    async def _timed(self, name: str, client: int, fn: Callable[[], Any], delay: float = 0.0) -> Outcome:
+    async def _timed(
+        self, name: str, client: int, fn: Callable[[], Any], delay: float = 0.0, cancel_after: float | None = None
+    ) -> Outcome:
         if delay:
             await asyncio.sleep(delay)
         start = time.monotonic()
         try:
-            value = await fn()
+            if cancel_after is None:
+                value = await fn()
+            else:
+                value = await self._cancelled_after(fn, cancel_after)
             out = Outcome(name, client, start, time.monotonic(), value)
         except Exception as error:  # noqa: BLE001 - the outcome is judged by the model
             out = Outcome(name, client, start, time.monotonic(), error=error)
         self.stats.ops[f"{name.split('(')[0]}:{'ok' if out.ok else type(out.error).__name__}"] += 1
         return out
 
-    def run(self, name: str, client: int, fn: Callable[[], Any]) -> Outcome:
+    async def _cancelled_after(self, fn: Callable[[], Any], seconds: float) -> Any:
+        """Run ``fn()`` as a task and cancel it after ``seconds`` unless it finished: the caller's
+        deadline. The cancellation must reach the caller as ``CancelledError`` (``asyncio.timeout``
+        and task groups rely on it); an operation that finished first returns or raises as usual."""
+        task = asyncio.ensure_future(fn())
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+        if done:
+            return task.result()
+        task.cancel()
+        try:
+            value = await task
+        except asyncio.CancelledError:
+            raise CallerCancelled(f"cancelled by its caller after {1000 * seconds:.0f} ms") from None
+        except Exception as error:
+            # Turned into another error: `asyncio.timeout` would surface it instead of TimeoutError.
+            self.stats.check(
+                False, "cancellation_propagates", f"raised {type(error).__name__}: {error} after task.cancel()"
+            )
+            raise
+        # task.cancel() on a pending task throws CancelledError in at its next step, so a normal
+        # return means the operation swallowed its caller's cancellation.
+        self.stats.check(False, "cancellation_propagates", f"returned {_short(value)} after task.cancel()")
+        return value
+
+    def run(self, name: str, client: int, fn: Callable[[], Any], cancel_after: float | None = None) -> Outcome:
         self.stats.steps += 1
         self.racing = []
-        out = self.loop.run_until_complete(self._timed(name, client, fn))
-        self.stats.say(f"  {out.describe()}")
+        out = self.loop.run_until_complete(self._timed(name, client, fn, cancel_after=cancel_after))
+        self.stats.say(
+            f"  {out.describe()}"
+            + (f" [cancel after {1000 * cancel_after:.0f} ms]" if cancel_after is not None else "")
+        )
         return out
+
+    def settle(self) -> None:
+        """Wait until every request of a cancelled operation has been applied or dropped."""
+        self.loop.run_until_complete(asyncio.sleep(SETTLE))
 
     def do(self, op: tuple) -> Outcome:
         """Run one operation tuple ``(name, client, fn, delay, after)`` and judge it with ``after``."""
@@ -478,6 +536,8 @@ class TokenStoreMachine(_Machine):
         """A write that starts after the rollout was retired raises TokenCaptureRetiredError, after a
         freeze TokenCaptureFrozenError (a failing store may also raise StoreError)."""
         m = self.model[rollout]
+        if isinstance(out.error, CallerCancelled):
+            return  # its caller gave up before it could be refused
         if m.retired_at is not None and m.retired_at < out.start:
             allowed: tuple[type[BaseException], ...] = (TokenCaptureRetiredError, StoreError, RecordError)
             freezes = m.freezes + [
@@ -798,15 +858,13 @@ class TokenStoreMachine(_Machine):
     def freeze(self, client: int, data: st.DataObject) -> None:
         """Freeze a rollout written since its last freeze (any rollout when there is none)."""
         fresh = [r for r, m in self.model.items() if m.writes and (not m.snaps or max(m.writes) > m.snaps[-1].start)]
-        rollout = data.draw(st.sampled_from(fresh or list(ROLLOUTS)))
-        self.do(self.op_freeze(client, rollout))
+        self.do(self.op_freeze(client, _pick(data, fresh or list(ROLLOUTS))))
 
     @rule(client=st.integers(0, CLIENTS - 1), data=st.data(), pick=st.sampled_from((0, 0, 0, 1, 2)))
     def drop(self, client: int, data: st.DataObject, pick: int) -> None:
         """Drop the latest snapshot (pick 0) or a stale one, of a rollout frozen in this generation."""
         frozen = [r for r, m in self.model.items() if m.snaps]
-        rollout = data.draw(st.sampled_from(frozen or list(ROLLOUTS)))
-        self.do(self.op_drop(client, rollout, pick))
+        self.do(self.op_drop(client, _pick(data, frozen or list(ROLLOUTS)), pick))
 
     def op_retire(self, client: int, rollout: str, delay: float = 0.0) -> tuple:
         m = self.model[rollout]
@@ -829,7 +887,7 @@ class TokenStoreMachine(_Machine):
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))
 
-    def delete(self, client: int, rollout: str) -> None:
+    def delete(self, client: int, rollout: str, cancel_after: float | None = None) -> None:
         m = self.model[rollout]
         store = self.clients[client]
         prefix = store.layout.rollout(rollout)
@@ -838,11 +896,13 @@ class TokenStoreMachine(_Machine):
             m.writes.append(time.monotonic())
             return await store.delete([rollout])
 
-        out = self.run(f"delete({rollout})", client, go)
+        out = self.run(f"delete({rollout})", client, go, cancel_after=cancel_after)
         self.expect_error_types(out, ())
         if out.ok:
             left = self.raw_keys(prefix)
             self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
+        if isinstance(out.error, CallerCancelled):
+            self.settle()  # the id is reused only once the cancelled delete's requests are over
         self.model[rollout] = _StoreRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
 
     @rule(
@@ -851,10 +911,15 @@ class TokenStoreMachine(_Machine):
         turn=st.integers(0, TURNS - 1),
         v=st.sampled_from((0, 0, 1, 2)),
     )
-    def resolve(self, client: int, rollout: str, turn: int, v: int) -> None:
+    def resolve(self, client: int, rollout: str, turn: int, v: int, cancel_after: float | None = None) -> None:
         var = self.variant(rollout, turn, v)
         store = self.clients[client]
-        out = self.run(f"resolve({rollout},after {var.cid} v{v})", client, lambda: store.resolve(rollout, var.request))
+        out = self.run(
+            f"resolve({rollout},after {var.cid} v{v})",
+            client,
+            lambda: store.resolve(rollout, var.request),
+            cancel_after=cancel_after,
+        )
         self.expect_error_types(out, ())
         if not out.ok:
             return
@@ -952,6 +1017,53 @@ class TokenStoreMachine(_Machine):
                 ops.append(self.op_retire(who, rollout, delay))
         self.race_ops(ops)
 
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        kind=st.sampled_from(("put", "put", "retry", "begin", "mark", "freeze", "drop", "retire", "delete", "resolve")),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 1)),
+        after=st.sampled_from(CANCEL_AFTER),
+    )
+    def cancelled(self, client: int, rollout: str, kind: str, turn: int, v: int, after: float) -> None:
+        """One operation whose caller cancels its task after ``after`` seconds (a deadline, a
+        cancelled request handler): not acknowledged, it may land up to ``SETTLE`` seconds later,
+        and the same client goes on being used."""
+        m = self.model[rollout]
+        if kind == "delete":
+            self.delete(client, rollout, cancel_after=after)
+            return
+        if kind == "resolve":
+            self.resolve(client, rollout, turn, v, cancel_after=after)
+            return
+        if kind == "retry":
+            tried = sorted(sha for shas in m.attempted.values() for sha in shas)
+            op = self.op_put(
+                client, rollout, self.by_sha[tried[turn % len(tried)]] if tried else self.variant(rollout, turn, v)
+            )
+        elif kind == "put":
+            op = self.op_put(client, rollout, self.variant(rollout, turn, v))
+        elif kind == "begin":
+            op = self.op_begin(client, rollout, turn)
+        elif kind == "mark":
+            op = self.op_mark(client, rollout, turn)
+        elif kind == "freeze":
+            op = self.op_freeze(client, rollout)
+        elif kind == "drop":
+            op = self.op_drop(client, rollout, 0)
+        else:
+            op = self.op_retire(client, rollout)
+        out = self.run(op[0], op[1], op[2], cancel_after=after)
+        if isinstance(out.error, CallerCancelled):
+            # Its requests may still be applied: it counts as a write until then (a freeze in that
+            # window need not be idempotent), and a cancelled freeze may still rewrite the fence.
+            m.writes.append(out.end + SETTLE)
+            if kind == "freeze":
+                m.broken_freezes.append(out.end + SETTLE)
+        op[4](out)
+        if isinstance(out.error, CallerCancelled) and kind in ("drop", "retire"):
+            self.settle()  # the next lifecycle may delete and reuse the id
+
 
 # --------------------------------------------------------------------------- ledger model
 @dataclass
@@ -1047,7 +1159,7 @@ class LedgerMachine(_Machine):
         m = self.model[rollout]
         if m.retired_at is not None and m.retired_at < out.start:
             self.stats.check(
-                isinstance(out.error, (RolloutRetiredError, StoreError)),
+                isinstance(out.error, (RolloutRetiredError, StoreError, CallerCancelled)),
                 "manifest_after_retire_raises",
                 lambda: out.describe(),
             )
@@ -1203,11 +1315,13 @@ class LedgerMachine(_Machine):
             m.failures.append((cid, reason, out.end))
 
     @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), turn=st.integers(0, TURNS - 1))
-    def begin_call(self, client: int, rollout: str, turn: int) -> None:
+    def begin_call(self, client: int, rollout: str, turn: int, cancel_after: float | None = None) -> None:
         ledger = self.clients[client]
         m = self.model[rollout]
         cid = build_conversation(rollout, TURNS)[turn].call_id
-        out = self.run(f"begin_call({rollout},{cid})", client, lambda: ledger.begin_call(rollout, cid))
+        out = self.run(
+            f"begin_call({rollout},{cid})", client, lambda: ledger.begin_call(rollout, cid), cancel_after=cancel_after
+        )
         self.expect_error_types(out, ())
         if out.ok:
             m.intents.append((cid, out.end))
@@ -1253,15 +1367,17 @@ class LedgerMachine(_Machine):
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))
 
-    def delete(self, client: int, rollout: str) -> None:
+    def delete(self, client: int, rollout: str, cancel_after: float | None = None) -> None:
         ledger = self.clients[client]
         m = self.model[rollout]
         prefix = ledger.layout.rollout(rollout)
-        out = self.run(f"delete({rollout})", client, lambda: ledger.delete([rollout]))
+        out = self.run(f"delete({rollout})", client, lambda: ledger.delete([rollout]), cancel_after=cancel_after)
         self.expect_error_types(out, ())
         if out.ok:
             left = self.raw_keys(prefix)
             self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
+        if isinstance(out.error, CallerCancelled):
+            self.settle()  # the id is reused only once the cancelled delete's requests are over
         self.model[rollout] = _LedgerRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
 
     @rule(
@@ -1270,11 +1386,14 @@ class LedgerMachine(_Machine):
         turn=st.integers(0, TURNS - 1),
         v=st.sampled_from((0, 0, 1, 2)),
     )
-    def resolve(self, client: int, rollout: str, turn: int, v: int) -> None:
+    def resolve(self, client: int, rollout: str, turn: int, v: int, cancel_after: float | None = None) -> None:
         c = self.commit(rollout, turn, v)
         ledger = self.clients[client]
         out = self.run(
-            f"resolve({rollout},after {c.cid} v{v})", client, lambda: ledger.resolve(rollout, c.continuation)
+            f"resolve({rollout},after {c.cid} v{v})",
+            client,
+            lambda: ledger.resolve(rollout, c.continuation),
+            cancel_after=cancel_after,
         )
         self.expect_error_types(out, ())
         if not out.ok:
@@ -1340,6 +1459,35 @@ class LedgerMachine(_Machine):
             elif what == "retire":
                 ops.append(self.op_retire(who, rollout, delay))
         self.race_ops(ops)
+
+    @rule(
+        client=st.integers(0, CLIENTS - 1),
+        rollout=st.sampled_from(ROLLOUTS),
+        kind=st.sampled_from(("record", "record", "begin", "manifest", "retire", "delete", "resolve")),
+        turn=st.integers(0, TURNS - 1),
+        v=st.sampled_from((0, 0, 1)),
+        after=st.sampled_from(CANCEL_AFTER),
+    )
+    def cancelled(self, client: int, rollout: str, kind: str, turn: int, v: int, after: float) -> None:
+        """One operation whose caller cancels its task after ``after`` seconds: not acknowledged,
+        it may land up to ``SETTLE`` seconds later, and the same client goes on being used."""
+        if kind == "delete":
+            self.delete(client, rollout, cancel_after=after)
+        elif kind == "resolve":
+            self.resolve(client, rollout, turn, v, cancel_after=after)
+        elif kind == "begin":
+            self.begin_call(client, rollout, turn, cancel_after=after)
+        else:
+            if kind == "record":
+                op = self.op_record(client, rollout, self.commit(rollout, turn, v))
+            elif kind == "manifest":
+                op = self.op_manifest(client, rollout)
+            else:
+                op = self.op_retire(client, rollout)
+            out = self.run(op[0], op[1], op[2], cancel_after=after)
+            op[4](out)
+            if isinstance(out.error, CallerCancelled) and kind == "retire":
+                self.settle()  # the next lifecycle may delete and reuse the id
 
 
 def _same_record(stored: dict, mine: dict) -> bool:
