@@ -30,6 +30,8 @@ One request per client connection (every answer says ``Connection: close``). A r
 * ``ListSkip(index=-1, match=None)`` - drop one ``<Contents>`` of the page (default: the last, as
   at a page boundary; with ``match``, those whose key contains it);
 * ``ListNoToken(max_keys=None)`` - a truncated page whose continuation token was removed;
+* ``ListCutShort(max_keys)`` - ask the server for pages of ``max_keys`` and answer the first as the
+  last (``IsTruncated`` false, no continuation token): a listing cut short that says it is whole;
 * ``ListPaged(max_keys, repeat=False)`` - ask the server for pages of ``max_keys``; with ``repeat``,
   each later page repeats the previous page's last key;
 * ``ListHideYoung(ms)`` - drop the keys this proxy saw PUT less than ``ms`` ago.
@@ -65,6 +67,7 @@ __all__ = [
     "ListSiblings",
     "ListSkip",
     "ListNoToken",
+    "ListCutShort",
     "ListPaged",
     "ListHideYoung",
     "s3_error",
@@ -175,6 +178,12 @@ class ListSkip:
 class ListNoToken:
     max_keys: int | None = None
     """Also ask the server for pages of this many keys (so that the page is truncated)."""
+
+
+@dataclass
+class ListCutShort:
+    max_keys: int
+    """Ask the server for pages of this many keys; the first is then answered as the last."""
 
 
 @dataclass
@@ -432,6 +441,9 @@ class FaultProxy:
             keep = [i for i in items if not young(i)]
         elif isinstance(action, ListNoToken):
             return re.sub(rb"<NextContinuationToken>.*?</NextContinuationToken>", b"", body, flags=re.S)
+        elif isinstance(action, ListCutShort):
+            body = body.replace(b"<IsTruncated>true</IsTruncated>", b"<IsTruncated>false</IsTruncated>")
+            return re.sub(rb"<NextContinuationToken>.*?</NextContinuationToken>", b"", body, flags=re.S)
         elif isinstance(action, ListPaged) and action.repeat:
             prefix = request.params.get("prefix", "")
             previous = self._last_of_page.get(prefix) if "continuation-token" in request.params else None
@@ -475,7 +487,9 @@ class FaultProxy:
                 return
             if self.credentials is not None and request.access_key and request.access_key != self.credentials[0]:
                 self._sign(request)  # the client holds a key the server does not know
-            if isinstance(action, (ListSiblings, ListPaged)) or (isinstance(action, ListNoToken) and action.max_keys):
+            if isinstance(action, (ListSiblings, ListPaged, ListCutShort)) or (
+                isinstance(action, ListNoToken) and action.max_keys
+            ):
                 self._rewrite_list_request(request, action)
             if isinstance(action, ApplyLate):
                 task = asyncio.ensure_future(self._late(request, action.delay))
@@ -511,7 +525,7 @@ class FaultProxy:
                 writer.write(_build(status, headers, body[: int(len(body) * action.fraction)], length=len(body)))
             elif isinstance(action, ShortBody):
                 writer.write(_build(status, headers, body[: int(len(body) * action.fraction)]))
-            elif isinstance(action, (ListSkip, ListHideYoung, ListNoToken, ListPaged)):
+            elif isinstance(action, (ListSkip, ListHideYoung, ListNoToken, ListPaged, ListCutShort)):
                 writer.write(_build(status, headers, self._rewrite_list_body(request, action, body)))
             else:
                 writer.write(_build(status, headers, body))

@@ -217,7 +217,8 @@ async def test_export_writes_each_trainable_chain_once_and_never_a_masked_one(
         assert {k for k in summary.requests if k.startswith("source:")} == {"source:ListObjectsV2", "source:GetObject"}
         entry_objects = sum(len(snapshots[rid].entries) for rid in ids + sorted(MASKED)) + 2
         assert summary.requests["source:GetObject"] == entry_objects + len(ids) + len(MASKED)
-        assert summary.requests["source:ListObjectsV2"] == 1
+        # the root's one page, and the LIST after its last key that confirms its end
+        assert summary.requests["source:ListObjectsV2"] == 2
         if dest.startswith("s3://"):  # one PUT per data file and one per manifest, and the export's claim
             assert summary.requests["dest:PutObject"] == 2 * len(manifests) + 1
 
@@ -794,7 +795,8 @@ async def test_a_shard_reads_rollouts_from_the_listing_and_lists_again_only_what
         ("keep", fresh_read.snapshot_id, True)
     ]
     assert [rid for rid, _ in result.skipped] == ["gone"] and result.skipped[0][1].startswith("retired")
-    assert result.requests["source:ListObjectsV2"] == 1 and not result.failed
+    # "gone" listed again (its LIST and the LIST after its last key that confirms the end)
+    assert result.requests["source:ListObjectsV2"] == 2 and not result.failed
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)

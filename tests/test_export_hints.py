@@ -67,10 +67,10 @@ def test_a_listing_narrowed_to_the_rollouts_gets_no_hint_and_no_error(
     root = bucket_url.split("/", 3)[3] + "/"
     original = Transport.list_page
 
-    async def narrowed(self: Any, prefix: str, max_keys: int = 1000, token: Any = None) -> Any:
+    async def narrowed(self: Any, prefix: str, max_keys: int = 1000, token: Any = None, start_after: Any = None) -> Any:
         if prefix.startswith(root) and not prefix.startswith(root + "rollouts/"):
             raise StoreError(f"access refused: AccessDenied (LIST {prefix})", operation="LIST", key=prefix)
-        return await original(self, prefix, max_keys, token)
+        return await original(self, prefix, max_keys, token, start_after)
 
     monkeypatch.setattr(Transport, "list_page", narrowed)
     assert main(["ls", bucket_url, "--state", "frozen"]) == 0

@@ -231,11 +231,14 @@ async def test_ledger_lists_its_own_objects(ledgers: Any, fresh: Any, s3_client:
 
 # --------------------------------------------------------------------------- paging guards, no server
 def _pages(store: S3TokenStore, pages: list[tuple[list[str], str | None]]) -> None:
-    """Make ``store``'s listing answer ``pages`` (keys, next token) in turn."""
+    """Make ``store``'s listing answer ``pages`` (keys, next token) in turn, then empty pages
+    (the LIST after the last key that confirms the listing's end)."""
     answers = iter(pages)
 
-    async def list_page(prefix: str, max_keys: int = 1000, token: str | None = None) -> ListPage:
-        keys, next_token = next(answers)
+    async def list_page(
+        prefix: str, max_keys: int = 1000, token: str | None = None, start_after: str | None = None
+    ) -> ListPage:
+        keys, next_token = next(answers, ([], None))
         await asyncio.sleep(0)
         return ListPage([ListedObject(k, "e", 1, 1.7e9) for k in keys], next_token)
 

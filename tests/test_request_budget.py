@@ -259,7 +259,7 @@ async def test_freeze_budget_large_rollout(fresh, bucket_url):
     counts = rec.counts()
     pages = math.ceil((BIG + 1) / 1000)  # entries + the fence
     assert pages == 2
-    assert counts[LIST] == pages
+    assert counts[LIST] == pages + 1  # + the LIST after the last key that confirms the end
     assert counts[GET] == BIG
     assert sorted(rec.keys(GET)) == sorted(entry_key(freezer, e) for e in entries)
     assert 1 <= counts[PUT] <= 2  # the fence and the sealed manifest
@@ -270,7 +270,7 @@ async def test_freeze_budget_large_rollout(fresh, bucket_url):
     again = await freezer.freeze("r")
     assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
     counts = rec.counts()
-    assert counts[LIST] == math.ceil((BIG + 2) / 1000)  # + the manifest
+    assert counts[LIST] == math.ceil((BIG + 2) / 1000) + 1  # + the manifest; + the confirming LIST
     assert counts[GET] == 0
     assert counts[PUT] <= 1
     assert set(counts) <= {LIST, PUT}
@@ -285,23 +285,26 @@ async def test_freeze_budget_small_rollout(fresh):
     rec = await RequestRecorder.attach(freezer)
     snapshot = await freezer.freeze("r")
     assert len(snapshot.entries) == 5
-    assert rec.counts() == {PUT: 2, LIST: 1, GET: 5}
-    # In sequence: the fence PUT, the LIST, the GETs (together), the manifest PUT.
+    assert rec.counts() == {PUT: 2, LIST: 2, GET: 5}
+    # In sequence: the fence PUT, the LIST, the GETs with the LIST after its last key that
+    # confirms its end (together), the manifest PUT.
     assert round_trips(rec) == 4, rec.sequence
 
     rec.reset()
     await freezer.freeze("r")
-    assert rec.counts() == {PUT: 1, LIST: 1}
-    assert round_trips(rec) == 2, rec.sequence  # the fence PUT, the LIST (cached; the manifest exists)
+    assert rec.counts() == {PUT: 1, LIST: 2}
+    # the fence PUT, the LIST, the confirming LIST (cached entries; the manifest exists)
+    assert round_trips(rec) == 3, rec.sequence
 
-    # A read-only reader: the LIST, then the entry GETs beside the sealed manifest's GET.
+    # A read-only reader: the LIST, then the entry GETs beside the sealed manifest's GET and the
+    # confirming LIST.
     reader = fresh()
     rec = await RequestRecorder.attach(reader)
     assert len((await reader.read_snapshot("r")).entries) == 5
-    assert rec.counts() == {LIST: 1, GET: 6}
+    assert rec.counts() == {LIST: 2, GET: 6}
     assert round_trips(rec) == 2, rec.sequence
 
     # The writer cached its own entries: its first freeze GETs nothing (the manifest exists).
     rec = await RequestRecorder.attach(writer)
     await writer.freeze("r")
-    assert rec.counts() == {PUT: 1, LIST: 1}
+    assert rec.counts() == {PUT: 1, LIST: 2}

@@ -363,6 +363,24 @@ class S3CaptureLedger(RolloutObjects):
         listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
         if retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
+        # The listing's end is confirmed by one more LIST, beside the rows' GETs: a listing cut
+        # short hides the ledger's last keys (its rows, which sort after the failures and
+        # intents), and the manifest would read as whole (Transport.confirm_listing_end).
+        confirming = asyncio.ensure_future(self.transport.confirm_listing_end(f"{prefix}ledger/", listing))
+        try:
+            manifest = await self._manifest_of(rollout_id, prefix, listing)
+            more = await confirming
+        finally:
+            if not confirming.done():
+                confirming.cancel()
+                await asyncio.gather(confirming, return_exceptions=True)
+        if more:
+            manifest = await self._manifest_of(rollout_id, prefix, listing + more)
+        return manifest
+
+    async def _manifest_of(self, rollout_id: str, prefix: str, listing: list[ListedObject]) -> dict:
+        """``manifest``'s result for the listed ledger keys (GETs of the rows not cached and of the
+        retire tombstone, in parallel)."""
         rows: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
         fails: list[tuple[str, str, bool, str]] = []
         intents: set[str] = set()

@@ -286,11 +286,13 @@ class RolloutObjects:
     async def _get(self, key: str, limit: int | None = None) -> bytes | None:
         return await self.transport.get(key, limit)
 
-    async def _list(self, prefix: str, *, require: Iterable[str] = ()) -> list[ListedObject]:
-        return await self.transport.list(prefix, require=require)
+    async def _list(self, prefix: str, *, require: Iterable[str] = (), confirm_end: bool = False) -> list[ListedObject]:
+        return await self.transport.list(prefix, require=require, confirm_end=confirm_end)
 
-    async def _list_page(self, prefix: str, max_keys: int = 1000, token: str | None = None) -> ListPage:
-        return await self.transport.list_page(prefix, max_keys, token)
+    async def _list_page(
+        self, prefix: str, max_keys: int = 1000, token: str | None = None, start_after: str | None = None
+    ) -> ListPage:
+        return await self.transport.list_page(prefix, max_keys, token, start_after)
 
     async def _delete_keys(self, keys: list[str]) -> None:
         if keys:
@@ -467,11 +469,15 @@ class RolloutObjects:
         items: list[ListedObject] = []
         seen: set[str] = set()
         previous_token: str | None = None
+        last_key: str | None = None
+        confirmed: str | None = None  # the last key a LIST after it showed to be the end
         pending: asyncio.Future[ListPage] | None = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None))
         try:
             while pending is not None:
                 page = await pending
                 pending = None
+                if page.objects:
+                    last_key = page.objects[-1].key
                 if page.next_token is not None:
                     if page.next_token == previous_token:
                         raise ListingError(
@@ -481,6 +487,13 @@ class RolloutObjects:
                         )
                     previous_token = page.next_token
                     pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, page.next_token))
+                elif last_key is not None and last_key != confirmed:
+                    # A page that says it is the last may not be (Transport._rest_of_listing): one
+                    # LIST after its last key must show nothing, or the listing goes on from there.
+                    # Only the last rollout of a listing cut short looks whole; it may be read
+                    # unsealed (an export's quiet open rollouts), so its end must be sure.
+                    confirmed = last_key
+                    pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None, start_after=last_key))
                 for item in page.objects:
                     current, slash, rel = item.key[blen:].partition("/")
                     if not slash or not rel:
@@ -540,9 +553,12 @@ class RolloutObjects:
     async def _scan(self, rollout_id: str, *, require: Iterable[str] = ()) -> RolloutScan:
         """One verified listing of the rollout, split by kind (``scan_listing``). ``require``: keys
         (relative to the rollout prefix) that this client has just written; a listing without them
-        is retried, then ``ListingError``."""
+        is retried, then ``ListingError``. Its end is confirmed (``Transport.list``'s
+        ``confirm_end``: one more LIST): the keys a listing cut short would hide are a rollout's
+        last ones, its intents and markers (``log/i/``, ``log/x/`` sort after every entry) and
+        its retire tombstone."""
         prefix = self.layout.rollout(rollout_id)
-        listing = await self._list(prefix, require=[prefix + rel for rel in require])
+        listing = await self._list(prefix, require=[prefix + rel for rel in require], confirm_end=True)
         return scan_listing(prefix, listing, seen_at=time.monotonic())
 
     async def _fence_state(self, prefix: str) -> str:

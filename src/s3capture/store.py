@@ -713,8 +713,9 @@ class S3TokenStore(RolloutObjects):
         successful write or at ``close``, so ``put`` and ``mark_incomplete`` do not fail together.
 
         After a freeze (the fence read said so) or when the PUT took longer than
-        ``fence_grace``, two more round trips: a LIST of the drop tombstones with a re-read of the
-        fence, then a GET of the retire tombstone (``docs/design.md``, race 2). A marker is
+        ``fence_grace``, three more round trips: a LIST of the drop tombstones (its end confirmed
+        by a second LIST) with a re-read of the fence, then a GET of the retire tombstone
+        (``docs/design.md``, race 2). A marker is
         acknowledged only when it is in, or fails, every drop that could consume the rollout.
 
         Raises:
@@ -758,7 +759,9 @@ class S3TokenStore(RolloutObjects):
             # tombstone is not acknowledged: it landed, and masks the rollout unless that drop
             # consumed it first. If these reads fail, nothing says whether a drop consumed the
             # rollout: raise, never acknowledge.
-            fence, drops = await asyncio.gather(self._fence_state(prefix), self._list(prefix + "drop/"))
+            fence, drops = await asyncio.gather(
+                self._fence_state(prefix), self._list(prefix + "drop/", confirm_end=True)
+            )
             if drops:
                 raise TokenCaptureRetiredError(
                     f"rollout {rollout_id!r} is being dropped (or a drop of it crashed): the marker landed and masks "
@@ -775,7 +778,8 @@ class S3TokenStore(RolloutObjects):
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
         Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
-        cached (in parallel), and one PUT of the sealed manifest unless it already exists.
+        cached and one LIST after the listing's last key that confirms its end (in parallel), and
+        one PUT of the sealed manifest unless it already exists.
         ``version`` is the number of log objects and ``snapshot_id`` a digest of their sorted keys
         and ETags, so two clients freezing the same state agree. The snapshot is ``incomplete`` when
         any call id has conflicting payloads, an intent has no entry, a marker exists, or any object
@@ -802,7 +806,22 @@ class S3TokenStore(RolloutObjects):
         fenced_at = time.monotonic()
         # A listing that does not show the fence just written is stale or incomplete: never build a
         # snapshot on it (retried, then ListingError).
-        scan = await self._scan(rollout_id, require=["fence"])
+        listing = await self._list(prefix, require=[prefix + "fence"])
+        # Its end is confirmed by one more LIST, sent beside the entries' GETs rather than before
+        # them (Transport.confirm_listing_end): a listing cut short would hide the rollout's last
+        # keys, its intents, markers and retire tombstone.
+        confirming = asyncio.ensure_future(self.transport.confirm_listing_end(prefix, listing))
+        try:
+            scan = scan_listing(prefix, listing, seen_at=time.monotonic())
+            snapshot = None if scan.retired else await self._snapshot_of(rollout_id, scan)
+            more = await confirming
+        finally:
+            if not confirming.done():
+                confirming.cancel()
+                await asyncio.gather(confirming, return_exceptions=True)
+        if more:
+            scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())
+            snapshot = None
         if scan.retired:
             await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
@@ -811,7 +830,8 @@ class S3TokenStore(RolloutObjects):
         # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
-        snapshot = await self._snapshot_of(rollout_id, scan)
+        if snapshot is None:
+            snapshot = await self._snapshot_of(rollout_id, scan)
         version, snapshot_id, reasons = snapshot.version, snapshot.snapshot_id, snapshot.reasons
         self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
         # A frozen rollout takes no more writes: its call-key map is not needed again.
@@ -865,7 +885,8 @@ class S3TokenStore(RolloutObjects):
         older than a fresh listing (a rollout dropped since shows its objects ``vanished``).
 
         Requests: one LIST page per 1,000 keys of the rollout (none with ``listing``), then in
-        parallel one GET per entry not cached and (``sealed=True``) one GET of the manifest.
+        parallel one GET per entry not cached, (``sealed=True``) one GET of the manifest and
+        (without ``listing``) one LIST after the listing's last key that confirms its end.
 
         Raises:
             TokenCaptureRetiredError: the rollout is retired (its records are gone or going).
@@ -877,7 +898,27 @@ class S3TokenStore(RolloutObjects):
         """
         prefix = self.layout.rollout(rollout_id)
         if listing is None:
-            scan = await self._scan(rollout_id)
+            # The listing's end is confirmed by one more LIST, beside the snapshot's GETs (as in
+            # freeze); where it shows more keys, the snapshot is read again with them.
+            listed = await self._list(prefix)
+            confirming = asyncio.ensure_future(self.transport.confirm_listing_end(prefix, listed))
+            try:
+                try:
+                    result = await self.read_snapshot(rollout_id, sealed=sealed, listing=listed)
+                except (StoreError, TokenCaptureRetiredError) as error:
+                    failed: BaseException | None = error
+                else:
+                    failed = None
+                more = await confirming
+            finally:
+                if not confirming.done():
+                    confirming.cancel()
+                    await asyncio.gather(confirming, return_exceptions=True)
+            if more:
+                return await self.read_snapshot(rollout_id, sealed=sealed, listing=listed + more)
+            if failed is not None:
+                raise failed
+            return result
         else:
             outside = next((item.key for item in listing if not item.key.startswith(prefix)), None)
             if outside is not None:
@@ -923,9 +964,9 @@ class S3TokenStore(RolloutObjects):
         manifest, snapshot = await asyncio.gather(
             self._read_manifest(manifest_key, limit), self._snapshot_of(rollout_id, scan), return_exceptions=True
         )
-        for result in (manifest, snapshot):
-            if isinstance(result, BaseException):
-                raise result
+        for outcome in (manifest, snapshot):
+            if isinstance(outcome, BaseException):
+                raise outcome
         assert isinstance(manifest, _Manifest) and isinstance(snapshot, FrozenSnapshot)
         problem = ""
         if manifest.format != _MANIFEST_FORMAT:

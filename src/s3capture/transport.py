@@ -219,6 +219,10 @@ class ListPage:
     next_token: str | None
 
 
+_IGNORES_START_AFTER = False
+"""Whether a store answered a LIST with ``StartAfter`` with keys before it (warned about once)."""
+
+
 class _Unverified(ListingError):
     """One LIST attempt that cannot be trusted; retried by ``S3Transport`` before it escapes."""
 
@@ -238,15 +242,18 @@ def _add_content_md5(request: Any, **_: Any) -> None:
         request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
 
 
-def _verify_page(page: dict, prefix: str, seen: set[str]) -> ListPage:
+def _verify_page(page: dict, prefix: str, seen: set[str], start_after: str | None = None) -> ListPage:
     """Check one parsed ListObjectsV2 answer; the only place a listing is trusted.
 
     - a 200 without ``IsTruncated`` (an empty or unparseable body) is not "no objects": it raises;
     - a truncated page without a continuation token raises;
     - a key repeated across the pages of one listing (``seen``) raises;
     - a key that does not start with ``prefix`` (a server that answers ``Prefix=r1/`` with keys of
-      ``r1000/``) is dropped and logged: it is never counted, masked or deleted.
+      ``r1000/``) is dropped and logged: it is never counted, masked or deleted;
+    - with ``start_after``, a key at or before it (a server that ignores ``StartAfter``) is dropped
+      and logged once: such a server cannot confirm where a listing ends.
     """
+    global _IGNORES_START_AFTER
     if "IsTruncated" not in page:
         raise _Unverified(
             f"LIST {prefix!r} answered 200 with an empty or unparseable body", operation="LIST", key=prefix
@@ -258,6 +265,17 @@ def _verify_page(page: dict, prefix: str, seen: set[str]) -> ListPage:
             raise _Unverified(f"LIST {prefix!r} returned an object without a key", operation="LIST", key=prefix)
         if not key.startswith(prefix):
             log.warning("LIST %r returned key %r outside the requested prefix; ignored", prefix, key)
+            continue
+        if start_after is not None and key <= start_after:
+            if not _IGNORES_START_AFTER:
+                _IGNORES_START_AFTER = True
+                log.warning(
+                    "LIST %r with StartAfter=%r returned %r, which is not after it: this store ignores "
+                    "StartAfter, so the end of a listing cannot be confirmed",
+                    prefix,
+                    start_after,
+                    key,
+                )
             continue
         if key in seen:
             raise _Unverified(f"LIST {prefix!r} returned key {key!r} twice", operation="LIST", key=prefix)
@@ -628,8 +646,10 @@ class Transport:
         body unread) or ``_BodyFailed`` (the body failed while streaming)."""
         raise NotImplementedError
 
-    async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
-        """One ListObjectsV2 request, parsed to botocore's shape (``IsTruncated``, ``Contents``
+    async def _list_once(
+        self, client: Any, prefix: str, max_keys: int, token: str | None, start_after: str | None = None
+    ) -> dict:
+        """One ListObjectsV2 request (after ``start_after`` when given), parsed to botocore's shape (``IsTruncated``, ``Contents``
         of ``Key``/``ETag``/``Size``/``LastModified``, ``NextContinuationToken``); raises
         ``_Unverified`` for a body that cannot be parsed."""
         raise NotImplementedError
@@ -705,37 +725,94 @@ class Transport:
 
         return await self._call("GET", key, run)
 
-    async def list_page(self, prefix: str, max_keys: int = 1000, token: str | None = None) -> ListPage:
-        """One verified ListObjectsV2 page of ``prefix`` (``_verify_page``); a page that fails
-        verification is asked again (``list_attempts`` in all), then raises ``ListingError``."""
+    async def list_page(
+        self, prefix: str, max_keys: int = 1000, token: str | None = None, start_after: str | None = None
+    ) -> ListPage:
+        """One verified ListObjectsV2 page of ``prefix`` (``_verify_page``), after the key
+        ``start_after`` when given (ignored with a ``token``); a page that fails verification is
+        asked again (``list_attempts`` in all), then raises ``ListingError``."""
         last: ListingError | None = None
         for attempt in range(self._list_attempts):
             if attempt:
                 await asyncio.sleep(_backoff(attempt))
             try:
-                return await self._list_page_once(prefix, max_keys, token, set())
+                return await self._list_page_once(prefix, max_keys, token, set(), None if token else start_after)
             except _Unverified as error:
                 last = error
         raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
 
-    async def _list_page_once(self, prefix: str, max_keys: int, token: str | None, seen: set[str]) -> ListPage:
+    async def _list_page_once(
+        self, prefix: str, max_keys: int, token: str | None, seen: set[str], start_after: str | None = None
+    ) -> ListPage:
         async def run(client: Any) -> dict:
             return await self._send(
-                "ListObjectsV2", prefix, lambda: self._list_once(client, prefix, max_keys, token), token
+                "ListObjectsV2",
+                prefix,
+                lambda: self._list_once(client, prefix, max_keys, token, start_after),
+                token,
             )
 
         answer = await self._call("LIST", prefix, run)
-        page = _verify_page(answer, prefix, seen)
+        page = _verify_page(answer, prefix, seen, start_after)
         self._note_date(answer)
         return page
 
-    async def list(self, prefix: str, *, require: Iterable[str] = ()) -> list[ListedObject]:
+    async def _rest_of_listing(self, prefix: str, out: builtins.list[ListedObject], seen: set[str]) -> None:
+        """Confirm that the listing ``out`` of ``prefix`` reached its end: LIST again after its
+        last key (``StartAfter``), and append what that shows, until it shows nothing.
+
+        A page that says "not truncated" ends a listing, and nothing else on the wire tells a
+        listing cut short there from a whole one. The keys a cut would hide are the last ones,
+        and under a rollout prefix those are its evidence: intents (``log/i/``) and markers
+        (``log/x/``) sort after every entry (``log/e/``), and a lost last call leaves no other
+        trace. One more request, usually an empty page, closes that (a breaker, 2026-12-02: an
+        export wrote a marked rollout as trainable from a freeze whose LIST said it was complete
+        before its marker). Keys written while the listing ran show up here too and are kept.
+        After ``list_attempts`` rounds that each found more, raises ``_Unverified``."""
+        for _ in range(self._list_attempts):
+            start = out[-1].key if out else None
+            more: builtins.list[ListedObject] = []
+            token: str | None = None
+            tokens: set[str] = set()
+            while True:
+                page = await self._list_page_once(prefix, 1000, token, seen, None if token else start)
+                more.extend(page.objects)
+                token = page.next_token
+                if token is None:
+                    break
+                if token in tokens:
+                    raise _Unverified(
+                        f"LIST {prefix!r} returned continuation token {token[:40]!r} twice (a paging cycle)",
+                        operation="LIST",
+                        key=prefix,
+                    )
+                tokens.add(token)
+            if not more:
+                return
+            log.warning(
+                "LIST %r ended at %r, but %d more key(s) follow it (%r...): a listing cut short, or "
+                "writes racing it; listing on",
+                prefix,
+                start,
+                len(more),
+                more[0].key,
+            )
+            out.extend(more)
+        raise _Unverified(
+            f"LIST {prefix!r} kept showing more keys after its end ({self._list_attempts} rounds)",
+            operation="LIST",
+            key=prefix,
+        )
+
+    async def list(self, prefix: str, *, require: Iterable[str] = (), confirm_end: bool = False) -> list[ListedObject]:
         """Every object under ``prefix`` (one request per 1,000 keys), verified.
 
         ``require`` names keys this client has just written under ``prefix``: a listing that lacks
         one of them is stale or incomplete. A listing that fails verification or lacks a required
         key is taken again from the start, with backoff (``list_attempts`` in all), then raises
-        ``ListingError``. Keys outside ``prefix`` are never returned.
+        ``ListingError``. Keys outside ``prefix`` are never returned. ``confirm_end``: one more
+        LIST after the last key must show nothing (``confirm_listing_end``), so a page that says it
+        is the last when it is not cannot cut the listing short.
         """
         required = set(require)
         last: ListingError | None = None
@@ -760,6 +837,8 @@ class Transport:
                             key=prefix,
                         )
                     tokens.add(token)
+                if confirm_end:
+                    await self._rest_of_listing(prefix, out, seen)
                 missing = required - seen
                 if missing:
                     raise _Unverified(
@@ -769,6 +848,28 @@ class Transport:
                         key=prefix,
                     )
                 return out
+            except _Unverified as error:
+                last = error
+                log.warning("%s; listing again", error)
+        raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
+
+    async def confirm_listing_end(
+        self, prefix: str, listing: builtins.list[ListedObject]
+    ) -> builtins.list[ListedObject]:
+        """The keys of ``prefix`` after the last one of ``listing`` (a whole, verified listing of
+        it): empty when ``listing`` reached the end. One LIST with ``StartAfter`` (usually one
+        empty page); where it shows more, the listing goes on from there until a LIST shows
+        nothing. Retried like ``list``; raises ``ListingError``. For a caller that overlaps the
+        confirmation with other requests (``freeze`` with its GETs); ``list(confirm_end=True)``
+        does the same in line."""
+        last: ListingError | None = None
+        for attempt in range(self._list_attempts):
+            if attempt:
+                await asyncio.sleep(_backoff(attempt))
+            out = builtins.list(listing)
+            try:
+                await self._rest_of_listing(prefix, out, {item.key for item in listing})
+                return out[len(listing) :]
             except _Unverified as error:
                 last = error
                 log.warning("%s; listing again", error)
@@ -971,10 +1072,14 @@ class S3Transport(Transport):
             raise _BodyFailed(f"body failed after {type(error).__name__}: {error}") from None
         return _Got(data, int(expected) if expected is not None else None, etag)
 
-    async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
+    async def _list_once(
+        self, client: Any, prefix: str, max_keys: int, token: str | None, start_after: str | None = None
+    ) -> dict:
         params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
         if token:
             params["ContinuationToken"] = token
+        if start_after:
+            params["StartAfter"] = start_after
         try:
             return await client.list_objects_v2(**params)
         except ResponseParserError as error:

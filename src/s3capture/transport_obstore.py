@@ -459,10 +459,14 @@ class ObstoreTransport(Transport):
             if error.response["Error"]["Code"] not in _NOT_FOUND:
                 raise
 
-    async def _list_once(self, client: Any, prefix: str, max_keys: int, token: str | None) -> dict:
+    async def _list_once(
+        self, client: Any, prefix: str, max_keys: int, token: str | None, start_after: str | None = None
+    ) -> dict:
         # The parameters in SigV4's canonical order (sorted by name), values percent-encoded as
         # the canonical query string wants them, so the URL sent is the one signed.
         query = f"encoding-type=url&list-type=2&max-keys={int(max_keys)}&prefix={quote(prefix, safe='-_.~')}"
+        if start_after:
+            query += f"&start-after={quote(start_after, safe='-_.~')}"
         if token:
             query = f"continuation-token={quote(token, safe='-_.~')}&{query}"
         url = f"{self._base}?{query}"
