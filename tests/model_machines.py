@@ -37,9 +37,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from helpers import assistant_output, build_conversation, canonical, make_commit, make_entry, user
 
 try:  # the extended proxy (branch h-faults), when merged
-    from faultproxy import ApplyLate, DropResponse, FaultProxy, Respond  # type: ignore[import-not-found]
+    from faultproxy import (  # type: ignore[import-not-found]
+        ApplyLate,
+        DropResponse,
+        FaultProxy,
+        ListCutShort,
+        Respond,
+    )
 except ImportError:  # the proxy of the adversarial tests
-    from test_adversarial_faultproxy import ApplyLate, DropResponse, FaultProxy, Respond
+    from test_adversarial_faultproxy import ApplyLate, DropResponse, FaultProxy, ListCutShort, Respond
 
 from s3capture.errors import StoreError
 from s3capture.protocols import RolloutRetiredError, TokenCaptureFrozenError, TokenCaptureRetiredError
@@ -52,7 +58,7 @@ GRACE = 0.2
 ROLLOUTS = ("r0", "r1")
 TURNS = 3
 CLIENTS = 3
-FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow", "late")
+FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow", "late", "cut")
 FAULT_SCOPES = ("PUT", "GET", "LIST", "DELETE", "ALL")
 RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3, 0.35, 0.45)
 SLOW = 0.3
@@ -60,6 +66,9 @@ SLOW = 0.3
 LATE = 0.6
 """Seconds after which the ``late`` fault applies a request whose client already gave up on it
 (longer than a drop's wait, so a late fence PUT can land inside another operation's window)."""
+CUT_KEYS = 2
+"""Keys the ``cut`` fault leaves in a listing it cuts short."""
+_UNCONFIRMED_LISTINGS = ("/log/e/", "/ledger-index/", "/ledger/row/")
 CANCEL_AFTER = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.15)
 """Seconds after which the ``cancelled`` rules cancel an operation's task (0: before it starts)."""
 SETTLE = SLOW + LATE + 0.4
@@ -153,6 +162,10 @@ class FaultSwitch:
     ``lost``: forward, let the server apply it, then close the connection without an answer;
     ``transient503`` / ``transientlost``: the same on a request's first attempt only (botocore's
     ``amz-sdk-request: attempt=N`` header), so botocore's retry succeeds;
+    ``cut``: answer a LIST with its first ``CUT_KEYS`` keys as the whole listing (``IsTruncated``
+    false): a listing cut short. Not on the listings whose end nothing confirms (``resolve``'s
+    candidates and a ledger's row and index listings, which a cut reads as "fewer candidates":
+    design.md's caveat of a LIST that skips a key) and not on a continuation or a LIST after a key;
     ``slow``: hold the request ``SLOW`` seconds, then forward it (applied late; this widens the
     windows between an operation's requests, e.g. drop's retired fence and its decisive LIST);
     ``late``: on a request's first attempt, close the client's connection at once (so it retries
@@ -180,6 +193,18 @@ class FaultSwitch:
             # the old attempt, its delete's requests included, can still land; docs/design.md,
             # race 8), and the machines reuse ids after `remove`. DELETEs get every other fault.
             return None
+        if kind == "cut":
+            params = request.params
+            prefix = params.get("prefix", "")
+            if (
+                op != "LIST"
+                or "start-after" in params
+                or "continuation-token" in params
+                or any(part in prefix for part in _UNCONFIRMED_LISTINGS)
+            ):
+                return None
+            self.stats.faults[f"{kind}:{op}"] += 1
+            return ListCutShort(CUT_KEYS)
         if kind.startswith("transient") or kind == "late":
             attempt = request.headers.get("amz-sdk-request", "attempt=1").split(";")[0].strip()
             if attempt not in ("attempt=1", ""):

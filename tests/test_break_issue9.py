@@ -115,11 +115,13 @@ async def test_a_dead_export_s_claim_is_taken_over_after_the_lease(
 
 
 @MOTO
-async def test_an_export_whose_claim_was_taken_over_stops_dropping(
+async def test_an_export_whose_claim_was_taken_over_publishes_and_drops_nothing(
     fresh: Any, bucket_url: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An export paused past the lease may have been taken over: once its renewal finds its claim
-    gone it drops nothing more (the rows it wrote stay; the rollouts stay frozen)."""
+    """An export paused past the lease may have been taken over: once its claim is gone its
+    workers publish no shard (each checks the claim before its PUTs; an export resumed after a
+    takeover used to publish its shards beside the new export's, every row twice) and it drops
+    nothing (the rollouts stay frozen, for the export that took over)."""
     import s3capture.export.destinations as export_module  # the claim's constants are read there
 
     await frozen_chains(fresh, ["p1", "p2"])
@@ -138,8 +140,11 @@ async def test_an_export_whose_claim_was_taken_over_stops_dropping(
 
     monkeypatch.setattr(export_module._S3Destination, "lock", lock_then_lose)
     summary = await export(bucket_url, bucket_url + "-exports/lost", workers=0, drop=True)
-    assert summary.exported == 2 and summary.dropped == 0 and summary.drop_failed == 2, format_summary(summary)
-    assert all("no longer hold" in example for example in summary.drop_failed_examples)
+    assert not summary.ok and summary.exported == 0 and summary.failed == 2, format_summary(summary)
+    assert summary.dropped == 0 and summary.shards_written == 0, format_summary(summary)
+    assert "no longer holds it" in format_summary(summary)
+    published = s3_client.list_objects_v2(Bucket=bucket, Prefix="t-exports/lost/").get("Contents", [])
+    assert not [o["Key"] for o in published if ".s3capture-export.lock/" not in o["Key"]]
     assert {info.rollout_id async for info in fresh().rollouts("frozen")} == {"p1", "p2"}
 
 

@@ -32,7 +32,7 @@ _PART = re.compile(
 ``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset).
 Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read too: otherwise their
 data files would look unfinished and be removed."""
-_TEMP = re.compile(r"^\.part-\d{5,}\..*\.tmp$")
+_TEMP = re.compile(r"^\._?part-\d{5,}.*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
 On an ``s3://`` destination, the folder of the exports' claims (``_S3Destination.lock``)."""
@@ -141,6 +141,13 @@ def _settle(existing: _Existing, found: list[tuple[str, ShardManifest]]) -> None
             existing.broken.append(name)
         else:
             existing.manifests.append(manifest)
+
+
+def _manifest_names_of(data: str) -> tuple[str, ...]:
+    """The names a data file's manifest can have: ``_part-N[-tag].manifest.json``, and
+    ``part-N.manifest.json`` of exports before the ``_``."""
+    stem = data.rsplit(".", 1)[0]
+    return (f"_{stem}.manifest.json", f"{stem}.manifest.json")
 
 
 def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
@@ -354,7 +361,9 @@ class _LocalDestination(_Destination):
 
 
 class _S3Destination(_Destination):
-    def __init__(self, url: str, *, endpoint_url: str | None, transport: str | None, session: Any = None) -> None:
+    def __init__(
+        self, url: str, *, endpoint_url: str | None, transport: str | None, session: Any = None, owner: str = ""
+    ) -> None:
         from s3capture.rollouts import parse_s3_url
         from s3capture.transport import configured_endpoint, make_transport
 
@@ -370,14 +379,21 @@ class _S3Destination(_Destination):
         self._renewal: asyncio.Task | None = None
         self._lost: str | None = None
         self.tag = ""  # the claim's id (``lock``), also in this export's shard names
+        self.owner = owner  # a worker's: the claim id of the export it works for ("" unchecked)
 
     @property
     def requests(self) -> collections.Counter:  # type: ignore[override]  # a property over the base's attribute
         return self.transport.request_counts
 
     async def scan(self) -> _Existing:
+        """The destination's files, and which shards are durable. Every deletion the export then
+        makes (an orphan data file, a broken manifest) rests on something this listing did not
+        show, so the listing's end is confirmed (one more LIST) and each such absence is checked
+        with a request of its own (a GET of the data file's manifest, a LIST of the manifest's data
+        file): one listing that skipped a key, or said it was whole when it was not, deleted a
+        durable shard, and with ``--drop`` its rows were lost for good (a breaker, 2026-12-02)."""
         existing = _Existing()
-        listed = await self.transport.list(self.prefix)
+        listed = await self.transport.list(self.prefix, confirm_end=True)
         files = [
             (item.key[len(self.prefix) :], item.size) for item in listed if "/" not in item.key[len(self.prefix) :]
         ]
@@ -394,6 +410,25 @@ class _S3Destination(_Destination):
             if raw is None:  # removed since the listing: not durable any more
                 continue
             found.append((name, _decode_manifest(name, raw)))
+        listed_names = set(manifest_names)
+        for data_file in existing.data_files:
+            for name in _manifest_names_of(data_file):
+                if name in listed_names:
+                    break
+                raw = await self.transport.get(self.prefix + name)
+                if raw is not None:
+                    _log.warning("the listing of %s did not show %s, which exists: kept", self.prefix or "/", name)
+                    found.append((name, _decode_manifest(name, raw)))
+                    break
+        for _, manifest in found:
+            named = manifest.data
+            if named is not None and existing.sizes.get(named) != manifest.data_bytes:
+                page = await self.transport.list_page(self.prefix + named, 1)
+                for item in page.objects:
+                    if item.key == self.prefix + named:
+                        if named not in existing.sizes:
+                            existing.data_files.append(named)
+                        existing.sizes[named] = item.size
         _settle(existing, found)
         return existing
 
@@ -502,12 +537,31 @@ class _S3Destination(_Destination):
         # One PUT: the object appears whole or not at all.
         with open(temp, "rb") as handle:
             body = handle.read()
+        await self._check_claim(name)  # a data file without its manifest is still read by dataset readers
         await self.transport.put(self.prefix + name, body)
         os.unlink(temp)
         return len(body)
 
     async def publish_bytes(self, name: str, body: bytes) -> None:
+        """PUT a shard's manifest, which makes the shard durable. A worker first checks that the
+        export it works for still holds the destination (its claim exists): an export paused past
+        the lease and taken over would otherwise publish its shards beside the new export's, every
+        row twice (a breaker, 2026-12-02)."""
+        await self._check_claim(name)
         await self.transport.put(self.prefix + name, body)
+
+    async def _check_claim(self, name: str) -> None:
+        """A worker's check, before it publishes ``name``, that its export still holds the prefix."""
+        if not self.owner:
+            return
+        claim = f"{self.prefix}{_LOCK}/{self.owner}"
+        if await self.transport.get(claim) is None:
+            raise StoreError(
+                f"the export writing s3://{self.bucket}/{self.prefix} no longer holds it (its claim "
+                f"{self.owner} is gone: taken over after a pause longer than the lease?): shard not published",
+                operation="PUT",
+                key=self.prefix + name,
+            )
 
     async def close(self, *, failed: bool = False) -> None:
         """Stop renewing and delete this export's claim. A claim that cannot be deleted (no
@@ -539,7 +593,9 @@ class _S3Destination(_Destination):
 
 def _open_destination(job: ExportJob, session: Any = None) -> _Destination:
     if _is_s3(job.dest):
-        return _S3Destination(job.dest, endpoint_url=job.endpoint_url, transport=job.transport, session=session)
+        return _S3Destination(
+            job.dest, endpoint_url=job.endpoint_url, transport=job.transport, session=session, owner=job.run_tag
+        )
     return _LocalDestination(job.dest, owner=job.lock_token)
 
 

@@ -1,0 +1,230 @@
+"""A listing cut short: a LIST page that says it is the last (``IsTruncated`` false, no
+continuation token) when more keys follow (a breaker, 2026-12-02).
+
+Nothing on the wire tells such a page from a whole listing, and the keys it hides are a prefix's
+last ones: under a rollout, its intents (``log/i/``), markers (``log/x/``) and retire tombstone
+sort after every entry, so a freeze, a drop's decisive LIST or an unsealed read of a rollout with
+a marker saw a complete, trainable rollout; a ledger manifest missed its last rows; an export's
+destination scan took a durable shard for an orphan and deleted it, and with ``--drop`` its rows
+were gone for good. Every listing that decides one of these now sends one more LIST after its
+last key (``StartAfter``), which must show nothing, or the listing goes on from there.
+
+Each test cuts the first LIST of one prefix with the fault proxy (``ListCutShort``) on every
+server and transport, and fails on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from faultproxy import FaultProxy, ListCutShort, ListSkip
+from helpers import assistant_output, list_keys, make_commit, put_chain, simple_entry, split_bucket_url, user
+
+pytestmark = pytest.mark.all_transports
+
+
+@pytest.fixture
+async def proxy(s3_server):
+    started = await FaultProxy.for_server(s3_server).start()
+    try:
+        yield started
+    finally:
+        await started.stop()
+
+
+def cut_first_listing_of(prefix: str, keys: int) -> Any:
+    """A proxy rule: the first LIST of exactly ``prefix`` (not a continuation, not a LIST after a
+    key) is answered with its first ``keys`` keys, as if they were all."""
+    state = {"cut": 0}
+
+    async def rule(request: Any) -> Any:
+        params = request.params
+        if (
+            request.is_list
+            and params.get("prefix") == prefix
+            and "start-after" not in params
+            and "continuation-token" not in params
+            and not state["cut"]
+        ):
+            state["cut"] += 1
+            return ListCutShort(keys)
+        return None
+
+    rule.state = state  # type: ignore[attr-defined]
+    return rule
+
+
+async def _rollout_with_marker(writer: Any, rollout_id: str = "r") -> None:
+    for cid in ("c1", "c2", "c3"):
+        await writer.put(simple_entry(rollout_id, cid))
+    await writer.mark_incomplete(rollout_id, "c3")
+
+
+async def test_a_freeze_sees_the_marker_a_listing_cut_short_hides(fresh, proxy, bucket_url):
+    writer = fresh()
+    await _rollout_with_marker(writer)
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/r/", 4)  # the fence and the 3 entries
+    builder = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
+    snapshot = await builder.freeze("r")
+    assert rule.state["cut"] == 1
+    assert snapshot.incomplete and any("marker" in r or "incomplete" in r for r in snapshot.reasons), snapshot.reasons
+    # The sealed manifest records the whole listing: a reader finds it.
+    assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
+
+
+async def test_a_read_snapshot_sees_the_marker_a_listing_cut_short_hides(fresh, proxy, bucket_url):
+    writer = fresh()
+    await _rollout_with_marker(writer)
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/r/", 3)
+    reader = fresh(endpoint_url=proxy.endpoint)
+    snapshot = await reader.read_snapshot("r", sealed=False)
+    assert rule.state["cut"] == 1
+    assert snapshot.incomplete and snapshot.version == 4
+
+
+async def test_an_unsealed_read_from_a_root_listing_cut_short_sees_the_marker(fresh, proxy, bucket_url):
+    """The export's route for open rollouts quiet for ``--min-age``: the root is listed once and
+    each rollout read from its part of that listing. Only the listing's last rollout can look
+    whole when the listing was cut, so its end is confirmed."""
+    writer = fresh()
+    await _rollout_with_marker(writer)
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/", 3)
+    reader = fresh(endpoint_url=proxy.endpoint)
+    listed = [(info, items) async for info, items in reader.rollouts_listed()]
+    assert rule.state["cut"] == 1
+    assert [info.rollout_id for info, _ in listed] == ["r"]
+    info, items = listed[0]
+    assert info.objects == 4, info
+    snapshot = await reader.read_snapshot("r", sealed=False, listing=items)
+    assert snapshot.incomplete and snapshot.version == 4
+
+
+async def test_a_drop_sees_a_late_marker_its_decisive_listing_cut_short_hides(fresh, proxy, bucket_url):
+    writer, builder = fresh(), fresh(fence_grace=0.2)
+    for cid in ("c1", "c2"):
+        await writer.put(simple_entry("r", cid))
+    snapshot = await builder.freeze("r")
+    assert not snapshot.incomplete
+    await writer.mark_incomplete("r", "c2")  # after the freeze: the consumed snapshot is not to be trusted
+    _, root = split_bucket_url(bucket_url)
+    dropper = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
+    lists = []
+
+    async def rule(request: Any) -> Any:
+        params = request.params
+        if request.is_list and params.get("prefix") == f"{root}rollouts/r/" and "start-after" not in params:
+            # A store that cuts each listing after the entries: drop's first LIST then shows the
+            # fence and the 2 entries, its decisive one its own drop/<token> too; never the marker.
+            lists.append(request)
+            return ListCutShort(3 if len(lists) == 1 else 4)
+        return None
+
+    proxy.rule = rule
+    assert await dropper.drop("r", snapshot.snapshot_id, snapshot.version) is False
+    proxy.rule = None
+    assert lists
+    again = await fresh().freeze("r")
+    assert again.incomplete  # the marker is still there: the evidence was kept
+
+
+async def test_a_ledger_manifest_sees_the_rows_a_listing_cut_short_hides(ledgers, proxy, bucket_url):
+    writer = ledgers()
+    commits = [make_commit("r", f"call-{i}", [user(f"q{i}")], assistant_output(f"a{i}")) for i in range(4)]
+    for commit in commits:
+        await writer.record(commit)
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/r/ledger/", 2)
+    reader = ledgers(endpoint_url=proxy.endpoint)
+    manifest = await reader.manifest("r")
+    assert rule.state["cut"] == 1
+    assert sorted(r["model_call_id"] for r in manifest["records"]) == [f"call-{i}" for i in range(4)]
+    assert not manifest["failures"]
+
+
+@pytest.mark.parametrize("fault", ["cut", "skip"])
+async def test_an_export_never_deletes_a_durable_shard_its_destination_listing_did_not_show(
+    fresh, proxy, bucket_url, s3_client, fault
+):
+    """An export with ``--drop`` retires what it exported; a re-run whose destination scan missed a
+    shard's manifest took the shard's data file for an orphan and deleted it: those rows were then
+    nowhere. The scan's end is confirmed, and each absence a deletion rests on is checked."""
+    pytest.importorskip("pyarrow")
+    from s3capture.export import export
+
+    writer, builder = fresh(), fresh()
+    for rid in ("a", "b", "c", "d"):
+        await put_chain(writer, rid, 2)
+        await builder.freeze(rid)
+    bucket, _ = split_bucket_url(bucket_url)
+    dest = f"s3://{bucket}/exports"
+    first = await export(bucket_url, dest, workers=0, shard_rollouts=2, drop=True, fence_grace=0.0, progress=False)
+    assert first.ok and first.exported == 4 and first.dropped == 4, first
+    if fault == "cut":
+        # the export's own claim (.s3capture-export.lock/..., first by byte order) and shard 0's
+        # manifest, not its data file: the manifest looked broken
+        proxy.rule = cut_first_listing_of("exports/", 2)
+    else:
+
+        async def skip(request: Any) -> Any:
+            if request.is_list and request.params.get("prefix") == "exports/":
+                return ListSkip(match="_part-00000")  # shard 0's manifest is missing from the answer
+            return None
+
+        proxy.rule = skip
+    again = await export(
+        bucket_url, dest, workers=0, shard_rollouts=2, drop=True, endpoint_url=proxy.endpoint, progress=False
+    )
+    proxy.rule = None
+    assert again.ok and again.orphans_removed == 0, again
+    clean = await export(bucket_url, dest, workers=0, shard_rollouts=2, drop=True, progress=False)
+    assert clean.ok and clean.orphans_removed == 0 and clean.shards_existing == 2, clean
+
+    import io
+
+    import pyarrow.parquet as pq
+
+    keys = [k for k in list_keys(s3_client, bucket, "exports/") if k.endswith(".parquet")]
+    assert len(keys) == 2, keys  # a dataset reader reads every data file: no orphan, none lost
+    exported = []
+    for key in keys:
+        body = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        exported += pq.read_table(io.BytesIO(body), columns=["rollout_id"]).column("rollout_id").to_pylist()
+    assert sorted(set(exported)) == ["a", "b", "c", "d"]
+
+
+async def test_a_worker_whose_export_lost_its_claim_publishes_nothing(fresh, bucket_url):
+    """An ``s3://`` export paused past the lease is taken over (its claim deleted); its workers,
+    resumed, published their shards beside the new export's: every row twice. A worker now checks
+    its export's claim before each PUT of a shard."""
+    from s3capture.errors import StoreError
+    from s3capture.export.destinations import _S3Destination
+
+    bucket, _ = split_bucket_url(bucket_url)
+    holder = _S3Destination(f"s3://{bucket}/exports", endpoint_url=None, transport=None)
+    await holder.lock()
+    worker = _S3Destination(f"s3://{bucket}/exports", endpoint_url=None, transport=None, owner=holder.tag)
+    try:
+        await worker.publish_bytes("_part-00000-x.manifest.json", b"{}")  # held: published
+        await holder.transport.delete([f"exports/.s3capture-export.lock/{holder.tag}"])  # taken over
+        with pytest.raises(StoreError, match="no longer holds it"):
+            await worker.publish_bytes("_part-00001-x.manifest.json", b"{}")
+        assert await worker.transport.get("exports/_part-00001-x.manifest.json") is None
+    finally:
+        await worker.close()
+        await holder.close()
+        await asyncio.sleep(0)
+
+
+def test_a_killed_exports_manifest_temp_file_is_an_unfinished_file() -> None:
+    from s3capture.export.destinations import _TEMP
+
+    assert _TEMP.match(".part-00003.parquet.1a2b.tmp")
+    assert _TEMP.match("._part-00000.manifest.json.9f8e7d.tmp")  # left by a kill before its rename
+    assert not _TEMP.match("part-00000.parquet")
+    assert not _TEMP.match("._part-00000.manifest.json")
