@@ -78,6 +78,7 @@ EXPORT_SHARD = "src/s3capture/export/shard.py"
 OPS = "src/s3capture/ops.py"
 TRANSPORT_OBSTORE = "src/s3capture/transport_obstore.py"
 EXPORT_WRITERS = "src/s3capture/export/writers.py"
+EXPORT_DESTINATIONS = "src/s3capture/export/destinations.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ layout
@@ -357,8 +358,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "freeze-list-need-not-show-fence",
         STORE,
-        'scan = await self._scan(rollout_id, require=["fence"])',
-        "scan = await self._scan(rollout_id)",
+        'listing = await self._list(prefix, require=[prefix + "fence"])',
+        "listing = await self._list(prefix)",
         "freeze's listing must show the fence that freeze just wrote (a stale listing is retried, then ListingError)",
         "tests/test_faults.py",
         "-k",
@@ -634,6 +635,55 @@ MUTANTS: list[Mutant] = [
         "tests/test_records.py",
         "-k",
         "coerce_entry_accepts",
+    ),
+    # ------------------------------------------------------------------ 2026-12-02 (2): listings cut short, claims
+    _m(
+        "freeze-ignores-the-listing-end-confirmation",
+        STORE,
+        "        if more:\n            scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())",
+        "        if False:\n            scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())",
+        "a freeze whose listing was cut short (IsTruncated false after the entries) sees the keys the "
+        "confirming LIST finds after it: a marker masks the snapshot",
+        "tests/test_listing_cut_short.py",
+        "-k",
+        "freeze_sees",
+    ),
+    _m(
+        "scan-without-the-listing-end-confirmation",
+        ROLLOUTS,
+        "listing = await self._list(prefix, require=[prefix + rel for rel in require], confirm_end=True)",
+        "listing = await self._list(prefix, require=[prefix + rel for rel in require], confirm_end=False)",
+        "drop's decisive listing (and retire's, delete's) confirms its end: a late marker a cut listing "
+        "hides makes the drop fail",
+        "tests/test_listing_cut_short.py",
+        "-k",
+        "drop_sees",
+    ),
+    _m(
+        "export-scan-deletes-on-one-listings-word",
+        EXPORT_DESTINATIONS,
+        "        listed = await self.transport.list(self.prefix, confirm_end=True)",
+        "        listed = await self.transport.list(self.prefix)",
+        "an export's destination scan never takes a durable shard for an orphan because one listing ended early",
+        "tests/test_listing_cut_short.py",
+        "-k",
+        "durable_shard and cut",
+        more=(
+            (
+                "                raw = await self.transport.get(self.prefix + name)\n                if raw is not None:",
+                "                raw = None\n                if raw is not None:",
+            ),
+        ),
+    ),
+    _m(
+        "export-worker-publishes-without-its-claim",
+        EXPORT_DESTINATIONS,
+        "        if not self.owner:\n            return\n        claim =",
+        "        if True:\n            return\n        claim =",
+        "a worker of an export whose claim is gone (taken over) publishes no shard",
+        "tests/test_listing_cut_short.py",
+        "-k",
+        "lost_its_claim",
     ),
 ]
 
