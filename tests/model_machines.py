@@ -292,7 +292,7 @@ class _Machine(RuleBasedStateMachine):
         for i in range(CLIENTS):
             endpoint = self.server.client_kwargs()["endpoint_url"]
             if i > 0:
-                proxy = FaultProxy(self.server.port)
+                proxy = FaultProxy.for_server(self.server)
                 self.loop.run_until_complete(proxy.start())
                 proxy.rule = self.switches[i]
                 self.proxies.append(proxy)
