@@ -269,7 +269,7 @@ async def run_size(
         ],
         [
             f"{n:,}",
-            "freeze, same client again (unchanged: fence PUT, LIST, manifest in place)",
+            "freeze, same client again (unchanged: fence PUT, LIST, confirming LIST; manifest in place)",
             med["freeze repeat"] * 1000,
             medcpu["freeze repeat"] * 1000,
             f"{ratio('freeze repeat', 'floor warm'):.2f}x",
