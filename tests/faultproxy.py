@@ -30,6 +30,8 @@ One request per client connection (every answer says ``Connection: close``). A r
 * ``ListSkip(index=-1, match=None)`` - drop one ``<Contents>`` of the page (default: the last, as
   at a page boundary; with ``match``, those whose key contains it);
 * ``ListNoToken(max_keys=None)`` - a truncated page whose continuation token was removed;
+* ``ListIgnoreStartAfter()`` - forward a LIST without its ``start-after`` parameter (a store that
+  ignores ``StartAfter``);
 * ``ListCutShort(max_keys)`` - ask the server for pages of ``max_keys`` and answer the first as the
   last (``IsTruncated`` false, no continuation token): a listing cut short that says it is whole;
 * ``ListPaged(max_keys, repeat=False)`` - ask the server for pages of ``max_keys``; with ``repeat``,
@@ -68,6 +70,7 @@ __all__ = [
     "ListSkip",
     "ListNoToken",
     "ListCutShort",
+    "ListIgnoreStartAfter",
     "ListPaged",
     "ListHideYoung",
     "s3_error",
@@ -178,6 +181,11 @@ class ListSkip:
 class ListNoToken:
     max_keys: int | None = None
     """Also ask the server for pages of this many keys (so that the page is truncated)."""
+
+
+@dataclass
+class ListIgnoreStartAfter:
+    pass
 
 
 @dataclass
@@ -412,6 +420,8 @@ class FaultProxy:
         params = parse_qsl(request.query, keep_blank_values=True)
         if isinstance(action, ListSiblings):
             params = [(k, v[:-1] if k == "prefix" and v.endswith("/") else v) for k, v in params]
+        elif isinstance(action, ListIgnoreStartAfter):
+            params = [(k, v) for k, v in params if k != "start-after"]
         else:
             params = [(k, v) for k, v in params if k != "max-keys"] + [("max-keys", str(action.max_keys))]
         request.target = urlsplit(request.target).path + "?" + urlencode(sorted(params), quote_via=quote, safe="-_.~")
@@ -487,7 +497,7 @@ class FaultProxy:
                 return
             if self.credentials is not None and request.access_key and request.access_key != self.credentials[0]:
                 self._sign(request)  # the client holds a key the server does not know
-            if isinstance(action, (ListSiblings, ListPaged, ListCutShort)) or (
+            if isinstance(action, (ListSiblings, ListPaged, ListCutShort, ListIgnoreStartAfter)) or (
                 isinstance(action, ListNoToken) and action.max_keys
             ):
                 self._rewrite_list_request(request, action)

@@ -228,3 +228,44 @@ def test_a_killed_exports_manifest_temp_file_is_an_unfinished_file() -> None:
     assert _TEMP.match("._part-00000.manifest.json.9f8e7d.tmp")  # left by a kill before its rename
     assert not _TEMP.match("part-00000.parquet")
     assert not _TEMP.match("._part-00000.manifest.json")
+
+
+async def test_a_root_listing_cut_between_rollouts_goes_on_in_the_servers_order(fresh, proxy, bucket_url):
+    """The LIST after the last key follows the server's own listing order, not byte order:
+    SeaweedFS lists rollout ``a`` before ``a-b`` (S3 the other way round), and a confirmation that
+    compared bytes dropped the rest of such a listing."""
+    writer = fresh()
+    for rid in ("a", "a-b"):
+        await writer.put(simple_entry(rid, "c1"))
+        await writer.begin_call(rid, "c2")
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/", 2)  # the first rollout's 2 keys
+    reader = fresh(endpoint_url=proxy.endpoint)
+    listed = {info.rollout_id: info async for info in reader.rollouts()}
+    assert rule.state["cut"] == 1
+    assert {rid: info.objects for rid, info in listed.items()} == {"a": 2, "a-b": 2}
+
+
+async def test_a_store_that_ignores_start_after_still_lists_freezes_and_reads(fresh, proxy, bucket_url, caplog):
+    """Where the LIST after the last key starts the listing over (the store ignores
+    ``StartAfter``), nothing fails: the end is not confirmed, and that is said once."""
+    from faultproxy import ListIgnoreStartAfter
+
+    import s3capture.transport as transport_module
+
+    writer = fresh()
+    await _rollout_with_marker(writer)
+
+    async def rule(request: Any) -> Any:
+        return ListIgnoreStartAfter() if request.is_list and "start-after" in request.params else None
+
+    proxy.rule = rule
+    transport_module._IGNORES_START_AFTER = False
+    store = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
+    with caplog.at_level("WARNING", logger="s3capture"):
+        assert [info.rollout_id async for info in store.rollouts()] == ["r"]
+        snapshot = await store.freeze("r")
+        assert snapshot.incomplete and snapshot.version == 4
+        assert (await store.read_snapshot("r")).snapshot_id == snapshot.snapshot_id
+        assert await store.drop("r", snapshot.snapshot_id, snapshot.version) is True
+    assert "ignores StartAfter" in caplog.text

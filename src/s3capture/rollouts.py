@@ -36,7 +36,14 @@ from s3capture.errors import ListingError, StoreError
 from s3capture.layout import MAX_KEY_BYTES, Layout, escape_id, is_checkpoint_rel, parse_log_key, unescape_id
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.spill import Spill
-from s3capture.transport import ListedObject, ListPage, Transport, configured_endpoint, make_transport
+from s3capture.transport import (
+    ListedObject,
+    ListPage,
+    Transport,
+    configured_endpoint,
+    make_transport,
+    warn_start_after_ignored,
+)
 
 __all__ = [
     "RolloutObjects",
@@ -469,14 +476,22 @@ class RolloutObjects:
         items: list[ListedObject] = []
         seen: set[str] = set()
         previous_token: str | None = None
+        first_key: str | None = None
         last_key: str | None = None
         confirmed: str | None = None  # the last key a LIST after it showed to be the end
+        confirming = False
         pending: asyncio.Future[ListPage] | None = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None))
         try:
             while pending is not None:
                 page = await pending
                 pending = None
+                if confirming and page.objects and page.objects[0].key in (first_key, last_key):
+                    # The listing from its start again: this store ignores StartAfter.
+                    warn_start_after_ignored(list_prefix, page.objects[0].key)
+                    break
+                confirming = False
                 if page.objects:
+                    first_key = first_key or page.objects[0].key
                     last_key = page.objects[-1].key
                 if page.next_token is not None:
                     if page.next_token == previous_token:
@@ -492,7 +507,7 @@ class RolloutObjects:
                     # LIST after its last key must show nothing, or the listing goes on from there.
                     # Only the last rollout of a listing cut short looks whole; it may be read
                     # unsealed (an export's quiet open rollouts), so its end must be sure.
-                    confirmed = last_key
+                    confirmed, confirming = last_key, True
                     pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None, start_after=last_key))
                 for item in page.objects:
                     current, slash, rel = item.key[blen:].partition("/")

@@ -220,7 +220,21 @@ class ListPage:
 
 
 _IGNORES_START_AFTER = False
-"""Whether a store answered a LIST with ``StartAfter`` with keys before it (warned about once)."""
+"""Whether a store answered a LIST with ``StartAfter`` with keys it had listed already (warned
+about once): it ignores ``StartAfter``, and cannot confirm where a listing ends."""
+
+
+def warn_start_after_ignored(prefix: str, key: str) -> None:
+    """Log, once per process, that a LIST after a key showed ``key`` again."""
+    global _IGNORES_START_AFTER
+    if not _IGNORES_START_AFTER:
+        _IGNORES_START_AFTER = True
+        log.warning(
+            "LIST %r after its last key returned %r, which it had listed already: this store ignores "
+            "StartAfter, so the end of a listing cannot be confirmed",
+            prefix,
+            key,
+        )
 
 
 class _Unverified(ListingError):
@@ -242,18 +256,15 @@ def _add_content_md5(request: Any, **_: Any) -> None:
         request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
 
 
-def _verify_page(page: dict, prefix: str, seen: set[str], start_after: str | None = None) -> ListPage:
+def _verify_page(page: dict, prefix: str, seen: set[str]) -> ListPage:
     """Check one parsed ListObjectsV2 answer; the only place a listing is trusted.
 
     - a 200 without ``IsTruncated`` (an empty or unparseable body) is not "no objects": it raises;
     - a truncated page without a continuation token raises;
     - a key repeated across the pages of one listing (``seen``) raises;
     - a key that does not start with ``prefix`` (a server that answers ``Prefix=r1/`` with keys of
-      ``r1000/``) is dropped and logged: it is never counted, masked or deleted;
-    - with ``start_after``, a key at or before it (a server that ignores ``StartAfter``) is dropped
-      and logged once: such a server cannot confirm where a listing ends.
+      ``r1000/``) is dropped and logged: it is never counted, masked or deleted.
     """
-    global _IGNORES_START_AFTER
     if "IsTruncated" not in page:
         raise _Unverified(
             f"LIST {prefix!r} answered 200 with an empty or unparseable body", operation="LIST", key=prefix
@@ -265,17 +276,6 @@ def _verify_page(page: dict, prefix: str, seen: set[str], start_after: str | Non
             raise _Unverified(f"LIST {prefix!r} returned an object without a key", operation="LIST", key=prefix)
         if not key.startswith(prefix):
             log.warning("LIST %r returned key %r outside the requested prefix; ignored", prefix, key)
-            continue
-        if start_after is not None and key <= start_after:
-            if not _IGNORES_START_AFTER:
-                _IGNORES_START_AFTER = True
-                log.warning(
-                    "LIST %r with StartAfter=%r returned %r, which is not after it: this store ignores "
-                    "StartAfter, so the end of a listing cannot be confirmed",
-                    prefix,
-                    start_after,
-                    key,
-                )
             continue
         if key in seen:
             raise _Unverified(f"LIST {prefix!r} returned key {key!r} twice", operation="LIST", key=prefix)
@@ -753,7 +753,7 @@ class Transport:
             )
 
         answer = await self._call("LIST", prefix, run)
-        page = _verify_page(answer, prefix, seen, start_after)
+        page = _verify_page(answer, prefix, seen)
         self._note_date(answer)
         return page
 
@@ -774,9 +774,18 @@ class Transport:
             more: builtins.list[ListedObject] = []
             token: str | None = None
             tokens: set[str] = set()
+            again: set[str] = set()  # this LIST's own keys: a key twice within it is refused
             while True:
-                page = await self._list_page_once(prefix, 1000, token, seen, None if token else start)
-                more.extend(page.objects)
+                page = await self._list_page_once(prefix, 1000, token, again, None if token else start)
+                fresh = [item for item in page.objects if item.key not in seen]
+                if len(fresh) < len(page.objects):
+                    # Keys it had listed already: the store ignores StartAfter (compared by the
+                    # store's own listing order, which SeaweedFS's is, not by bytes here).
+                    warn_start_after_ignored(prefix, page.objects[0].key)
+                    out.extend(more)
+                    seen.update(item.key for item in more)
+                    return
+                more.extend(fresh)
                 token = page.next_token
                 if token is None:
                     break
@@ -798,6 +807,7 @@ class Transport:
                 more[0].key,
             )
             out.extend(more)
+            seen.update(item.key for item in more)
         raise _Unverified(
             f"LIST {prefix!r} kept showing more keys after its end ({self._list_attempts} rounds)",
             operation="LIST",
