@@ -269,3 +269,73 @@ async def test_a_store_that_ignores_start_after_still_lists_freezes_and_reads(fr
         assert (await store.read_snapshot("r")).snapshot_id == snapshot.snapshot_id
         assert await store.drop("r", snapshot.snapshot_id, snapshot.version) is True
     assert "ignores StartAfter" in caplog.text
+
+
+async def test_a_worker_that_outlives_an_export_checks_the_claim_of_the_next(fresh, bucket_url):
+    """A long-lived worker (a Ray worker process serves every task of a driver) kept the
+    destination client of the first export it served, with that export's claim: the next export
+    into the same destination then found "its" claim gone and published nothing."""
+    import concurrent.futures
+
+    from s3capture.export import engines, export
+    from s3capture.export.shard import _close_clients, export_shard
+
+    worker = concurrent.futures.ThreadPoolExecutor(1)  # one thread for every shard of both exports
+
+    async def long_lived(job: Any, shards: Any, *, workers: int = 1, report: Any = None) -> Any:
+        loop = asyncio.get_running_loop()
+        async for shard, rollouts in shards:
+            yield await loop.run_in_executor(worker, export_shard, job, shard, rollouts)
+
+    engines.ENGINES["long-lived-test"] = long_lived
+    writer = fresh()
+    bucket, _ = split_bucket_url(bucket_url)
+    dest = f"s3://{bucket}/exports"
+    try:
+        for batch in (("a", "b"), ("c", "d")):
+            for rid in batch:
+                await put_chain(writer, rid, 2)
+                await writer.freeze(rid)
+            summary = await export(bucket_url, dest, engine="long-lived-test", workers=1, progress=False)
+            assert summary.ok and summary.exported == 2 and summary.failed == 0, summary
+    finally:
+        del engines.ENGINES["long-lived-test"]
+        await asyncio.get_running_loop().run_in_executor(worker, _close_clients)
+        worker.shutdown()
+
+
+async def test_a_ledger_manifest_read_beside_a_retire_never_returns_a_hole_as_live(ledgers, proxy, bucket_url):
+    """A ledger's retire tombstone lies outside ``ledger/``, so the LIST that confirms the
+    listing's end cannot show it: a retire that deleted rows while that LIST ran went unseen, and
+    ``manifest`` returned the rows before the cut as a live, whole ledger."""
+    from s3capture.protocols import RolloutRetiredError
+
+    writer = ledgers()
+    for i in range(4):
+        await writer.record(make_commit("r", f"call-{i}", [user(f"q{i}")], assistant_output(f"a{i}")))
+    retirer = ledgers()
+    _, root = split_bucket_url(bucket_url)
+    state = {"cut": 0, "tombstone_gets": 0, "retired": False}
+
+    async def rule(request: Any) -> Any:
+        params = request.params
+        if request.method == "GET" and not request.is_list and request.key.endswith("rollouts/r/retired"):
+            state["tombstone_gets"] += 1
+        if request.is_list and params.get("prefix") == f"{root}rollouts/r/ledger/":
+            if "start-after" not in params and "continuation-token" not in params and not state["cut"]:
+                state["cut"] = 1
+                return ListCutShort(2)
+            if "start-after" in params and not state["retired"]:
+                # the confirming LIST: once the manifest's own tombstone GETs were answered, the
+                # rollout is retired (rows deleted), then this LIST goes on
+                while state["tombstone_gets"] < 2:
+                    await asyncio.sleep(0.01)
+                await retirer.retire(["r"])
+                state["retired"] = True
+        return None
+
+    proxy.rule = rule
+    reader = ledgers(endpoint_url=proxy.endpoint)
+    with pytest.raises(RolloutRetiredError, match="retired while its manifest was read"):
+        await reader.manifest("r")
+    assert state["retired"]

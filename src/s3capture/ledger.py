@@ -363,10 +363,20 @@ class S3CaptureLedger(RolloutObjects):
         listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
         if retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
+
         # The listing's end is confirmed by one more LIST, beside the rows' GETs: a listing cut
         # short hides the ledger's last keys (its rows, which sort after the failures and
         # intents), and the manifest would read as whole (Transport.confirm_listing_end).
-        confirming = asyncio.ensure_future(self.transport.confirm_listing_end(f"{prefix}ledger/", listing))
+        async def confirmed_end() -> list[ListedObject]:
+            more = await self.transport.confirm_listing_end(f"{prefix}ledger/", listing)
+            # The tombstone lies outside ledger/, so this LIST cannot show it: read it again after
+            # the LIST, as _manifest_of's own GET follows the first one, or a retire that deleted
+            # rows while this LIST ran would go unseen (a breaker, 2026-12-02).
+            if not more and await self._retired(prefix):
+                raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while its manifest was read")
+            return more
+
+        confirming = asyncio.ensure_future(confirmed_end())
         try:
             manifest = await self._manifest_of(rollout_id, prefix, listing)
             more = await confirming

@@ -203,6 +203,12 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
     return scan
 
 
+_CONFIRM_ROUNDS = 5
+"""LISTs after a root listing's last key before it ends without a confirmed end (each that shows
+more keys moves the end; writers adding keys there faster than a LIST answers would otherwise keep
+a listing going for as long as they write)."""
+
+
 def _check_states(state: str | Iterable[str] | None) -> frozenset[str]:
     """The states ``rollouts`` keeps; ``ValueError``/``TypeError`` for anything else."""
     if state is None:
@@ -405,8 +411,10 @@ class RolloutObjects:
         ids, not of keys; ``""`` for all).
 
         Requests: one streaming LIST of ``<root>/rollouts/<escaped prefix>``, one page per 1,000
-        keys (the next page is asked while the current one is consumed), and nothing else: no
-        GET, no per-rollout request, and never a write, so LIST permission (``s3:ListBucket``) is
+        keys (the next page is asked while the current one is consumed), then one LIST after the
+        last key that confirms the listing's end (more, at most five, when it shows keys: a listing
+        cut short, or writes at its end), and nothing else: no GET, no per-rollout request, and
+        never a write, so LIST permission (``s3:ListBucket``) is
         all it needs. Memory: one page and the keys of one rollout at a time, whatever the number
         of rollouts. Keys that are not inside a rollout prefix s3capture could have written (no
         rollout segment, or one that is not an escaped storable id) are skipped.
@@ -480,15 +488,21 @@ class RolloutObjects:
         last_key: str | None = None
         confirmed: str | None = None  # the last key a LIST after it showed to be the end
         confirming = False
+        rounds = 0  # LISTs after the last key sent so far
         pending: asyncio.Future[ListPage] | None = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None))
         try:
             while pending is not None:
                 page = await pending
                 pending = None
-                if confirming and page.objects and page.objects[0].key in (first_key, last_key):
-                    # The listing from its start again: this store ignores StartAfter.
-                    warn_start_after_ignored(list_prefix, page.objects[0].key)
-                    break
+                if confirming and page.objects:
+                    key = page.objects[0].key
+                    again = key[blen:].partition("/")[0]
+                    if key in (first_key, last_key) or (
+                        segment is not None and again != segment and not _segment_after(segment, again)
+                    ):
+                        # Keys it listed already (or before them): this store ignores StartAfter.
+                        warn_start_after_ignored(list_prefix, key)
+                        break
                 confirming = False
                 if page.objects:
                     first_key = first_key or page.objects[0].key
@@ -502,12 +516,22 @@ class RolloutObjects:
                         )
                     previous_token = page.next_token
                     pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, page.next_token))
+                elif last_key is not None and last_key != confirmed and rounds >= _CONFIRM_ROUNDS:
+                    # Writers keep adding keys after the end faster than a LIST answers: a listing
+                    # is a moment's view, so it ends here (the last rollout is being written to).
+                    log.warning(
+                        "LIST %r: keys kept appearing after its end (%d LISTs after it); the listing "
+                        "ends at %r without a confirmed end",
+                        list_prefix,
+                        rounds,
+                        last_key,
+                    )
                 elif last_key is not None and last_key != confirmed:
                     # A page that says it is the last may not be (Transport._rest_of_listing): one
                     # LIST after its last key must show nothing, or the listing goes on from there.
                     # Only the last rollout of a listing cut short looks whole; it may be read
                     # unsealed (an export's quiet open rollouts), so its end must be sure.
-                    confirmed, confirming = last_key, True
+                    confirmed, confirming, rounds = last_key, True, rounds + 1
                     pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None, start_after=last_key))
                 for item in page.objects:
                     current, slash, rel = item.key[blen:].partition("/")

@@ -412,9 +412,10 @@ class _S3Destination(_Destination):
             found.append((name, _decode_manifest(name, raw)))
         listed_names = set(manifest_names)
         for data_file in existing.data_files:
-            for name in _manifest_names_of(data_file):
-                if name in listed_names:
-                    break
+            candidates = _manifest_names_of(data_file)
+            if any(name in listed_names for name in candidates):
+                continue
+            for name in candidates:
                 raw = await self.transport.get(self.prefix + name)
                 if raw is not None:
                     _log.warning("the listing of %s did not show %s, which exists: kept", self.prefix or "/", name)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from s3capture.export.destinations import _Destination, _open_destination
+from s3capture.export.destinations import _Destination, _open_destination, _S3Destination
 from s3capture.export.records import ExportJob, RolloutRecord, ShardManifest, ShardResult, source_endpoint_of
 from s3capture.export.writers import _Built, _open_writer, _Writer
 
@@ -58,6 +58,11 @@ class _Clients:
                 max_concurrency=max(8, min(64, 4 * job.concurrency)),
             )
             found = self.opened[key] = (store, _open_destination(job, self.session))
+        if isinstance(found[1], _S3Destination):
+            # The client outlives one export in a long-lived worker (a Ray worker process): it
+            # checks the claim of the export it works for now, not of the first one it served
+            # (whose claim is gone once that export ended; a breaker, 2026-12-02).
+            found[1].owner = job.run_tag
         return found
 
     def close(self) -> None:
