@@ -465,6 +465,19 @@ async def _client_factory(cls: type, bucket_url: str):
 
 
 @pytest.fixture
+async def proxy(s3_server: LocalS3Server):
+    """A ``FaultProxy`` (``tests/faultproxy.py``) in front of ``s3_server``, knowing its
+    credentials; point a client at ``proxy.endpoint`` and set ``proxy.rule``. Stopped afterwards."""
+    from faultproxy import FaultProxy
+
+    started = await FaultProxy.for_server(s3_server).start()
+    try:
+        yield started
+    finally:
+        await started.stop()
+
+
+@pytest.fixture
 async def fresh(s3_env: Any, bucket_url: str):
     """Factory of fresh ``S3TokenStore`` clients on the test bucket; all are closed afterwards."""
     from s3capture.store import S3TokenStore

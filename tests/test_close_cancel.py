@@ -21,22 +21,13 @@ from typing import Any
 
 import pytest
 
-from faultproxy import FaultProxy, s3_error
+from faultproxy import s3_error
 from s3capture.errors import StoreError
 
 pytestmark = pytest.mark.all_transports
 
 TIMEOUT = 1.0
 """The ``close`` timeout these tests use (the library's default is 30 s)."""
-
-
-@pytest.fixture
-async def proxy(s3_server):
-    started = await FaultProxy.for_server(s3_server).start()
-    try:
-        yield started
-    finally:
-        await started.stop()
 
 
 async def test_close_does_not_deadlock_with_a_cancelled_task_that_closes_the_store(fresh, proxy):

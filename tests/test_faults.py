@@ -63,13 +63,6 @@ REQ = [system("Be brief."), user("Name a colour.")]
 
 
 # --------------------------------------------------------------------------- helpers
-@pytest.fixture
-async def proxy(s3_server):
-    started = await FaultProxy.for_server(s3_server).start()
-    try:
-        yield started
-    finally:
-        await started.stop()
 
 
 async def outcome(awaitable: Any) -> Any:

@@ -20,19 +20,10 @@ from typing import Any
 
 import pytest
 
-from faultproxy import FaultProxy, ListCutShort, ListSkip
+from faultproxy import ListCutShort, ListSkip
 from helpers import assistant_output, list_keys, make_commit, put_chain, simple_entry, split_bucket_url, user
 
 pytestmark = pytest.mark.all_transports
-
-
-@pytest.fixture
-async def proxy(s3_server):
-    started = await FaultProxy.for_server(s3_server).start()
-    try:
-        yield started
-    finally:
-        await started.stop()
 
 
 def cut_first_listing_of(prefix: str, keys: int) -> Any:

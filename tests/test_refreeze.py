@@ -31,15 +31,6 @@ LAG_MS = 600.0
 """How long a new key stays out of listings (an index that lags writes by < 1 s)."""
 
 
-@pytest.fixture
-async def proxy(s3_server: Any):
-    started = await FaultProxy.for_server(s3_server).start()
-    try:
-        yield started
-    finally:
-        await started.stop()
-
-
 def lags(request: Any) -> bool:
     return request.is_list and "/rollouts/r/" in request.params.get("prefix", "")
 

@@ -54,7 +54,7 @@ from s3capture.ledger_records import (
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
 from s3capture.records import ParentResolutionStatus, RecordError
 from s3capture.rollouts import RolloutObjects, RolloutScan
-from s3capture.transport import ListedObject
+from s3capture.transport import ListedObject, cancel_unfinished
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
 
@@ -381,9 +381,7 @@ class S3CaptureLedger(RolloutObjects):
             manifest = await self._manifest_of(rollout_id, prefix, listing)
             more = await confirming
         finally:
-            if not confirming.done():
-                confirming.cancel()
-                await asyncio.gather(confirming, return_exceptions=True)
+            await cancel_unfinished(confirming)
         if more:
             manifest = await self._manifest_of(rollout_id, prefix, listing + more)
         return manifest

@@ -40,6 +40,7 @@ from s3capture.transport import (
     ListedObject,
     ListPage,
     Transport,
+    cancel_unfinished,
     configured_endpoint,
     make_transport,
     warn_start_after_ignored,
@@ -558,11 +559,7 @@ class RolloutObjects:
                 yield segment, items
         finally:
             if pending is not None:
-                pending.cancel()
-                try:
-                    await pending
-                except BaseException:  # noqa: BLE001 - the page nobody will read: cancelled or failed
-                    pass
+                await cancel_unfinished(pending)  # the page nobody will read
 
     def _owned(self, scan: RolloutScan) -> list[ListedObject]:
         """The objects of a scanned rollout that ``rollouts`` counts for this client: the token

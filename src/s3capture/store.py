@@ -85,7 +85,7 @@ from s3capture.rollouts import (
     parse_s3_url,
     scan_listing,
 )
-from s3capture.transport import ListedObject, default_botocore_config
+from s3capture.transport import ListedObject, cancel_unfinished, default_botocore_config
 
 __all__ = [
     "S3TokenStore",
@@ -816,9 +816,7 @@ class S3TokenStore(RolloutObjects):
             snapshot = None if scan.retired else await self._snapshot_of(rollout_id, scan)
             more = await confirming
         finally:
-            if not confirming.done():
-                confirming.cancel()
-                await asyncio.gather(confirming, return_exceptions=True)
+            await cancel_unfinished(confirming)
         if more:
             scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())
             snapshot = None
@@ -911,9 +909,7 @@ class S3TokenStore(RolloutObjects):
                     failed = None
                 more = await confirming
             finally:
-                if not confirming.done():
-                    confirming.cancel()
-                    await asyncio.gather(confirming, return_exceptions=True)
+                await cancel_unfinished(confirming)
             if more:
                 return await self.read_snapshot(rollout_id, sealed=sealed, listing=listed + more)
             if failed is not None:

@@ -219,6 +219,25 @@ class ListPage:
     next_token: str | None
 
 
+def _new_token(prefix: str, token: str, tokens: set[str]) -> None:
+    """Add a listing's continuation ``token`` to ``tokens``; a token seen before is a paging cycle."""
+    if token in tokens:
+        raise _Unverified(
+            f"LIST {prefix!r} returned continuation token {token[:40]!r} twice (a paging cycle)",
+            operation="LIST",
+            key=prefix,
+        )
+    tokens.add(token)
+
+
+async def cancel_unfinished(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` unless it is done, and wait until it is (its result or error is dropped):
+    a request sent beside others is never left running unobserved when they fail."""
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 _IGNORES_START_AFTER = False
 """Whether a store answered a LIST with ``StartAfter`` with keys it had listed already (warned
 about once): it ignores ``StartAfter``, and cannot confirm where a listing ends."""
@@ -789,13 +808,7 @@ class Transport:
                 token = page.next_token
                 if token is None:
                     break
-                if token in tokens:
-                    raise _Unverified(
-                        f"LIST {prefix!r} returned continuation token {token[:40]!r} twice (a paging cycle)",
-                        operation="LIST",
-                        key=prefix,
-                    )
-                tokens.add(token)
+                _new_token(prefix, token, tokens)
             if not more:
                 return
             log.warning(
@@ -840,13 +853,7 @@ class Transport:
                     token = page.next_token
                     if token is None:
                         break
-                    if token in tokens:
-                        raise _Unverified(
-                            f"LIST {prefix!r} returned continuation token {token[:40]!r} twice (a paging cycle)",
-                            operation="LIST",
-                            key=prefix,
-                        )
-                    tokens.add(token)
+                    _new_token(prefix, token, tokens)
                 if confirm_end:
                     await self._rest_of_listing(prefix, out, seen)
                 missing = required - seen
