@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from faultproxy import ListEmpty, once
-from test_faults import outcome, proxy  # noqa: F401 - proxy is a fixture
+from test_faults import outcome
 from helpers import assistant_output, list_keys, make_commit, simple_entry, split_bucket_url, system, user
 from s3capture.errors import StoreError
 
@@ -30,7 +30,7 @@ def always(predicate: Any, action: Any) -> Any:
 async def test_empty_200_list_is_a_store_error_for_readers_that_require_no_key(
     fresh,
     ledgers,
-    proxy,  # noqa: F811 - the fixture
+    proxy,
     s3_client,
     bucket_url,
 ):

@@ -232,9 +232,15 @@ def _new_token(prefix: str, token: str, tokens: set[str]) -> None:
 
 async def cancel_unfinished(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` unless it is done, and wait until it is (its result or error is dropped):
-    a request sent beside others is never left running unobserved when they fail."""
-    if not task.done():
-        task.cancel()
+    a request sent beside others is never left running unobserved when they fail. A task that is
+    done already is not awaited: this runs in the ``finally`` of async generators too, where a
+    needless suspension let a second ``aclose()`` (the loop's at shutdown) find the generator still
+    running."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()  # retrieved: never "exception was never retrieved"
+        return
+    task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 
 
