@@ -300,8 +300,10 @@ class RolloutObjects:
     async def _get(self, key: str, limit: int | None = None) -> bytes | None:
         return await self.transport.get(key, limit)
 
-    async def _list(self, prefix: str, *, require: Iterable[str] = (), confirm_end: bool = False) -> list[ListedObject]:
-        return await self.transport.list(prefix, require=require, confirm_end=confirm_end)
+    async def _list(
+        self, prefix: str, *, require: Iterable[str] = (), unless: Iterable[str] = (), confirm_end: bool = False
+    ) -> list[ListedObject]:
+        return await self.transport.list(prefix, require=require, unless=unless, confirm_end=confirm_end)
 
     async def _list_page(
         self, prefix: str, max_keys: int = 1000, token: str | None = None, start_after: str | None = None
@@ -586,15 +588,21 @@ class RolloutObjects:
         )
 
     # ------------------------------------------------------------------ rollout fences and removal
-    async def _scan(self, rollout_id: str, *, require: Iterable[str] = ()) -> RolloutScan:
+    async def _scan(self, rollout_id: str, *, require: Iterable[str] = (), unless: Iterable[str] = ()) -> RolloutScan:
         """One verified listing of the rollout, split by kind (``scan_listing``). ``require``: keys
         (relative to the rollout prefix) that this client has just written; a listing without them
-        is retried, then ``ListingError``. Its end is confirmed (``Transport.list``'s
+        is retried, then ``ListingError``, unless it shows one of the keys ``unless`` names (also
+        relative). Its end is confirmed (``Transport.list``'s
         ``confirm_end``: one more LIST): the keys a listing cut short would hide are a rollout's
         last ones, its intents and markers (``log/i/``, ``log/x/`` sort after every entry) and
         its retire tombstone."""
         prefix = self.layout.rollout(rollout_id)
-        listing = await self._list(prefix, require=[prefix + rel for rel in require], confirm_end=True)
+        listing = await self._list(
+            prefix,
+            require=[prefix + rel for rel in require],
+            unless=[prefix + rel for rel in unless],
+            confirm_end=True,
+        )
         return scan_listing(prefix, listing, seen_at=time.monotonic())
 
     async def _fence_state(self, prefix: str) -> str:

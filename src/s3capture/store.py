@@ -1188,16 +1188,11 @@ class S3TokenStore(RolloutObjects):
         await self._put(prefix + "fence", FENCE_RETIRED)
         # A marker may land after the first LIST having read the fence before it said retired (it
         # must succeed after freeze); this LIST, after the retired fence, sees every such marker.
-        try:
-            after = await self._scan(rollout_id, require=[tombstone])
-        except ListingError:
-            # Our tombstone gone: a drop (or retire) beside this one decided first, and it writes
-            # the retire tombstone before it deletes anything, ours included. Only then is this
-            # drop's answer False; anything else is a listing that cannot be trusted.
-            again = await self._scan(rollout_id)
-            if not again.retired:
-                raise
-            return False
+        # Our tombstone may be gone only because a drop (or retire) beside this one decided
+        # first: it writes the retire tombstone before it deletes anything, ours included. A
+        # listing that shows the retire tombstone answers False at once; any other listing
+        # without our tombstone cannot be trusted (retried, then ListingError).
+        after = await self._scan(rollout_id, require=[tombstone], unless=["retired"])
         if after.retired or not after.fence or after.version_and_id() != (version, snapshot_id):
             if not after.retired:
                 await self._put(prefix + "fence", FENCE_FROZEN)

@@ -833,17 +833,28 @@ class Transport:
             key=prefix,
         )
 
-    async def list(self, prefix: str, *, require: Iterable[str] = (), confirm_end: bool = False) -> list[ListedObject]:
+    async def list(
+        self,
+        prefix: str,
+        *,
+        require: Iterable[str] = (),
+        unless: Iterable[str] = (),
+        confirm_end: bool = False,
+    ) -> list[ListedObject]:
         """Every object under ``prefix`` (one request per 1,000 keys), verified.
 
         ``require`` names keys this client has just written under ``prefix``: a listing that lacks
-        one of them is stale or incomplete. A listing that fails verification or lacks a required
-        key is taken again from the start, with backoff (``list_attempts`` in all), then raises
-        ``ListingError``. Keys outside ``prefix`` are never returned. ``confirm_end``: one more
+        one of them is stale or incomplete. ``unless`` names keys whose presence settles the
+        caller's question without the required ones (a drop whose tombstone a concurrent drop
+        deleted after writing the retire tombstone): a listing that shows one of them is returned
+        as it is. A listing that fails verification or lacks a required key is taken again from
+        the start, with backoff (``list_attempts`` in all), then raises ``ListingError``. Keys
+        outside ``prefix`` are never returned. ``confirm_end``: one more
         LIST after the last key must show nothing (``confirm_listing_end``), so a page that says it
         is the last when it is not cannot cut the listing short.
         """
         required = set(require)
+        settling = set(unless)
         last: ListingError | None = None
         for attempt in range(self._list_attempts):
             if attempt:
@@ -863,7 +874,7 @@ class Transport:
                 if confirm_end:
                     await self._rest_of_listing(prefix, out, seen)
                 missing = required - seen
-                if missing:
+                if missing and not settling & seen:
                     raise _Unverified(
                         f"LIST {prefix!r} lacks {sorted(missing)[0]!r}, which this client has just written "
                         "(a stale or incomplete listing)",
