@@ -119,8 +119,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "scan-list-prefix-without-slash",
         ROLLOUTS,
-        "listing = await self._list(prefix, require=",
-        'listing = await self._list(prefix.rstrip("/"), require=',
+        "listing = await self._list(\n            prefix,\n            require=",
+        'listing = await self._list(\n            prefix.rstrip("/"),\n            require=',
         "every LIST prefix ends in '/': rollout r1 never sees (or retires) the objects of r10",
         "tests/test_adversarial_input.py",
         "tests/test_store_source.py",
@@ -639,9 +639,9 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ 2026-12-02 (2): listings cut short, claims
     _m(
         "freeze-ignores-the-listing-end-confirmation",
-        STORE,
-        "        if more:\n            scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())",
-        "        if False:\n            scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())",
+        TRANSPORT,
+        "    if more:\n        return await work(listing + more)",
+        "    if False:\n        return await work(listing + more)",
         "a freeze whose listing was cut short (IsTruncated false after the entries) sees the keys the "
         "confirming LIST finds after it: a marker masks the snapshot",
         "tests/test_listing_cut_short.py",
@@ -651,8 +651,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "scan-without-the-listing-end-confirmation",
         ROLLOUTS,
-        "listing = await self._list(prefix, require=[prefix + rel for rel in require], confirm_end=True)",
-        "listing = await self._list(prefix, require=[prefix + rel for rel in require], confirm_end=False)",
+        "            unless=[prefix + rel for rel in unless],\n            confirm_end=True,",
+        "            unless=[prefix + rel for rel in unless],\n            confirm_end=False,",
         "drop's decisive listing (and retire's, delete's) confirms its end: a late marker a cut listing "
         "hides makes the drop fail",
         "tests/test_listing_cut_short.py",

@@ -54,7 +54,7 @@ from s3capture.ledger_records import (
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
 from s3capture.records import ParentResolutionStatus, RecordError
 from s3capture.rollouts import RolloutObjects, RolloutScan
-from s3capture.transport import ListedObject, cancel_unfinished
+from s3capture.transport import ListedObject, beside_confirmation
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
 
@@ -376,15 +376,9 @@ class S3CaptureLedger(RolloutObjects):
                 raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while its manifest was read")
             return more
 
-        confirming = asyncio.ensure_future(confirmed_end())
-        try:
-            manifest = await self._manifest_of(rollout_id, prefix, listing)
-            more = await confirming
-        finally:
-            await cancel_unfinished(confirming)
-        if more:
-            manifest = await self._manifest_of(rollout_id, prefix, listing + more)
-        return manifest
+        return await beside_confirmation(
+            confirmed_end(), listing, lambda whole: self._manifest_of(rollout_id, prefix, whole)
+        )
 
     async def _manifest_of(self, rollout_id: str, prefix: str, listing: list[ListedObject]) -> dict:
         """``manifest``'s result for the listed ledger keys (GETs of the rows not cached and of the

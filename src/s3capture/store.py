@@ -85,7 +85,7 @@ from s3capture.rollouts import (
     parse_s3_url,
     scan_listing,
 )
-from s3capture.transport import ListedObject, cancel_unfinished, default_botocore_config
+from s3capture.transport import ListedObject, beside_confirmation, default_botocore_config
 
 __all__ = [
     "S3TokenStore",
@@ -807,29 +807,25 @@ class S3TokenStore(RolloutObjects):
         # A listing that does not show the fence just written is stale or incomplete: never build a
         # snapshot on it (retried, then ListingError).
         listing = await self._list(prefix, require=[prefix + "fence"])
+
         # Its end is confirmed by one more LIST, sent beside the entries' GETs rather than before
         # them (Transport.confirm_listing_end): a listing cut short would hide the rollout's last
         # keys, its intents, markers and retire tombstone.
-        confirming = asyncio.ensure_future(self.transport.confirm_listing_end(prefix, listing))
-        try:
-            scan = scan_listing(prefix, listing, seen_at=time.monotonic())
-            snapshot = None if scan.retired else await self._snapshot_of(rollout_id, scan)
-            more = await confirming
-        finally:
-            await cancel_unfinished(confirming)
-        if more:
-            scan = scan_listing(prefix, listing + more, seen_at=time.monotonic())
-            snapshot = None
-        if scan.retired:
-            await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
-            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
         # A drop's own tombstone (``drop/<token>``) without the retire tombstone means that drop had
         # not decided to succeed (it writes ``retired`` before deleting anything): nothing is gone.
         # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
+        async def snapshot_of(listed: list[ListedObject]) -> tuple[RolloutScan, FrozenSnapshot | None]:
+            scan = scan_listing(prefix, listed, seen_at=time.monotonic())
+            return scan, None if scan.retired else await self._snapshot_of(rollout_id, scan)
+
+        scan, snapshot = await beside_confirmation(
+            self.transport.confirm_listing_end(prefix, listing), listing, snapshot_of
+        )
         if snapshot is None:
-            snapshot = await self._snapshot_of(rollout_id, scan)
+            await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
+            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
         version, snapshot_id, reasons = snapshot.version, snapshot.snapshot_id, snapshot.reasons
         self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
         # A frozen rollout takes no more writes: its call-key map is not needed again.
@@ -899,22 +895,11 @@ class S3TokenStore(RolloutObjects):
             # The listing's end is confirmed by one more LIST, beside the snapshot's GETs (as in
             # freeze); where it shows more keys, the snapshot is read again with them.
             listed = await self._list(prefix)
-            confirming = asyncio.ensure_future(self.transport.confirm_listing_end(prefix, listed))
-            try:
-                try:
-                    result = await self.read_snapshot(rollout_id, sealed=sealed, listing=listed)
-                except (StoreError, TokenCaptureRetiredError) as error:
-                    failed: BaseException | None = error
-                else:
-                    failed = None
-                more = await confirming
-            finally:
-                await cancel_unfinished(confirming)
-            if more:
-                return await self.read_snapshot(rollout_id, sealed=sealed, listing=listed + more)
-            if failed is not None:
-                raise failed
-            return result
+            return await beside_confirmation(
+                self.transport.confirm_listing_end(prefix, listed),
+                listed,
+                lambda whole: self.read_snapshot(rollout_id, sealed=sealed, listing=whole),
+            )
         else:
             outside = next((item.key for item in listing if not item.key.startswith(prefix)), None)
             if outside is not None:

@@ -244,6 +244,35 @@ async def cancel_unfinished(task: asyncio.Future[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def beside_confirmation(
+    confirm: Awaitable[list[ListedObject]],
+    listing: list[ListedObject],
+    work: Callable[[list[ListedObject]], Awaitable[T]],
+) -> T:
+    """``work(listing)`` while ``confirm`` (a LIST that confirms the listing's end, e.g.
+    ``Transport.confirm_listing_end``; it returns the keys after the listing's last one) runs
+    beside it, so the confirmation costs no round trip of its own. Where it shows more keys, the
+    answer is ``work(listing + more)``. An error of the first ``work`` is raised only once the
+    confirmation found nothing more (it may come from the keys the listing lacked); an error of
+    ``confirm`` is raised as it is, and the other request is never left running."""
+    confirming = asyncio.ensure_future(confirm)
+    try:
+        try:
+            result = await work(listing)
+        except Exception as error:  # noqa: BLE001 - held until the confirmation answers, then raised
+            failed: Exception | None = error
+        else:
+            failed = None
+        more = await confirming
+    finally:
+        await cancel_unfinished(confirming)
+    if more:
+        return await work(listing + more)
+    if failed is not None:
+        raise failed
+    return result
+
+
 _IGNORES_START_AFTER = False
 """Whether a store answered a LIST with ``StartAfter`` with keys it had listed already (warned
 about once): it ignores ``StartAfter``, and cannot confirm where a listing ends."""
