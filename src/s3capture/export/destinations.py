@@ -34,6 +34,45 @@ Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read
 data files would look unfinished and be removed."""
 _TEMP = re.compile(r"^\._?part-\d{5,}.*\.tmp$")
 _LOCK = ".s3capture-export.lock"
+_S3_TEMP_PREFIX = "s3capture-export-"
+_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(\d+)-part-\d{{5,}}.*\.tmp$")
+"""A shard an export to an ``s3://`` destination writes in the system's temp folder before its
+one PUT: ``s3capture-export-<pid>-part-NNNNN...tmp``."""
+
+
+def remove_dead_exports_temp_files(folder: str | None = None) -> list[str]:
+    """Remove the temp files of ``s3://`` exports whose process is gone from this machine (killed
+    before it could publish or remove them), from ``folder`` (default: the system's temp folder).
+    A file whose process id is alive stays, whoever holds that id now. Returns the removed paths.
+    Called when an export to an ``s3://`` destination starts."""
+    folder = folder or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _S3_TEMP.match(entry.name)
+        if match is None or _process_alive(int(match[1])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed.append(entry.path)
+    if removed:
+        _log.info("removed %d temp file(s) of killed exports from %s", len(removed), folder)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
 On an ``s3://`` destination, the folder of the exports' claims (``_S3Destination.lock``)."""
 CLAIM_LEASE = 600.0
@@ -452,6 +491,7 @@ class _S3Destination(_Destination):
         """
         import socket
 
+        remove_dead_exports_temp_files()
         self.tag = uuid.uuid4().hex[:16]
         claim = f"{self.prefix}{_LOCK}/{self.tag}"
         self._claim_body = msgspec.json.encode(
@@ -530,7 +570,8 @@ class _S3Destination(_Destination):
             await self.transport.delete([self.prefix + name for name in names])
 
     def temp_path(self, name: str) -> str:
-        fd, path = tempfile.mkstemp(prefix=f"s3capture-{name}.", suffix=".tmp")
+        # The process id in the name lets a later export remove what a killed one left.
+        fd, path = tempfile.mkstemp(prefix=f"{_S3_TEMP_PREFIX}{os.getpid()}-{name}.", suffix=".tmp")
         os.close(fd)
         return path
 
