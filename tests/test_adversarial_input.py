@@ -167,3 +167,123 @@ async def test_an_extra_field_named_like_a_known_field_is_refused_by_put(fresh, 
     await fresh().put(entry)
     (stored,) = (await fresh().freeze("r-shadow")).entries
     assert stored.extra_fields == {"note": value}
+
+
+def nested(depth: int) -> list:
+    """``depth`` arrays, one inside the other, around a string."""
+    value: list | str = "x"
+    for _ in range(depth):
+        value = [value]
+    assert isinstance(value, list)
+    return value
+
+
+@pytest.mark.parametrize("where", ["extra", "output_items", "routed_experts"])
+async def test_content_nested_deeper_than_gyms_encoder_writes_is_refused_by_put(fresh, s3_client, bucket_url, where):
+    """Content nested 700 deep was acknowledged by put (msgspec writes it), then crashed every other
+    client's freeze, read_snapshot, resolve and export with RecursionError (a copy of the decoded
+    extra fields), while the writer's own cache called the snapshot complete (a breaker,
+    2026-12-02). Gym's encoder, orjson, refuses more than 254 levels, counting the entry object:
+    put refuses the same with RecordError and writes nothing. 253 levels below a top-level field
+    (254 in all) are stored and read back by a fresh client."""
+    from s3capture.fingerprint import MAX_JSON_DEPTH
+
+    def entry_with(depth: int, rid: str):
+        entry = simple_entry(rid, "c1")
+        if where == "extra":
+            entry.extra_fields["meta"] = nested(depth)
+        elif where == "output_items":
+            entry.output_items[0]["meta"] = nested(depth - 2)  # inside the list, inside an item
+        else:
+            entry.routed_experts = nested(depth)
+        return entry
+
+    store = fresh()
+    for depth in (MAX_JSON_DEPTH, 700, 5000):
+        with pytest.raises(RecordError, match="deeper than"):
+            await store.put(entry_with(depth, "r-deep"))
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == []  # nothing was written
+    await store.put(entry_with(MAX_JSON_DEPTH - 1, "r-ok"))
+    (stored,) = (await fresh().freeze("r-ok")).entries
+    assert stored == entry_with(MAX_JSON_DEPTH - 1, "r-ok")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["extra", "output_items"])
+async def test_non_finite_numbers_in_free_form_content_are_refused_by_put(fresh, s3_client, bucket_url, where, value):
+    """NaN or an infinity inside an extra field or an output item was acknowledged and stored as
+    JSON null, while the writer's cache kept the float: two clients handed out different entries
+    under one snapshot id (a breaker, 2026-12-02). put refuses them as it refuses them in
+    ``generation_log_probs``, before any request."""
+    entry = simple_entry("r-nan", "c1")
+    if where == "extra":
+        entry.extra_fields["reward"] = {"score": [value]}
+    else:
+        entry.output_items[0]["score"] = value
+    with pytest.raises(RecordError, match="non-finite"):
+        await fresh().put(entry)
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == []
+
+
+async def test_a_stored_entry_nested_too_deeply_for_a_reader_is_unreadable_not_a_crash(fresh, s3_client, bucket_url):
+    """An object an older s3capture acknowledged (extra fields nested 900 deep, canonical bytes
+    from msgspec): a reader masks the rollout ``unreadable`` and resolve answers UNRESOLVED, with
+    no RecursionError, and a healthy rollout beside it freezes as before."""
+    import hashlib
+
+    import msgspec
+    import zstandard
+    from helpers import put_bytes
+
+    from s3capture.fingerprint import stamp_continuation
+    from s3capture.records import encode_entry
+
+    store = fresh()
+    entry = simple_entry("r-old", "c1")
+    stamp_continuation(entry, REQ)
+    fields = msgspec.json.decode(encode_entry(entry))
+    fields["meta"] = nested(900)
+    payload = msgspec.json.Encoder(order="sorted").encode(fields)
+    prefix = store.layout.rollout("r-old")
+    key = prefix + store.layout.entry_rel(
+        prefix, entry.continuation_fingerprint, "c1", hashlib.sha256(payload).hexdigest()
+    )
+    body = b'{"chain":[],"entry":' + payload + b',"format":"s3capture.entry/1"}'
+    bucket, _ = split_bucket_url(bucket_url)
+    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
+    await store.put(simple_entry("r-fine", "c1"))
+
+    snapshot = await fresh().freeze("r-old")
+    assert snapshot.incomplete and any(r.startswith("unreadable:") for r in snapshot.reasons)
+    assert snapshot.entries == ()
+    resolution = await fresh().resolve("r-old", REQ + list(entry.output_items) + [user("next")])
+    assert resolution.status == ParentResolutionStatus.UNRESOLVED
+    assert not (await fresh().freeze("r-fine")).incomplete
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b"{" + b" " * (1 << 20) + b"}"], ids=["nested", "one-MiB"])
+async def test_a_foreign_fence_of_any_shape_or_size_still_fences(fresh, s3_client, bucket_url, body):
+    """A fence object s3capture did not write: JSON nested 100,000 deep made put, begin_call and
+    mark_incomplete raise RecursionError from the fence's parse, and a large one was downloaded
+    whole on every write (a breaker, 2026-12-02). An unreadable fence fences: writes fail with
+    TokenCaptureFrozenError (a fence over the 64 KiB read limit is refused by the GET's limit,
+    which checks the object's length before reading its body)."""
+    from helpers import put_bytes
+
+    from s3capture.protocols import TokenCaptureFrozenError
+
+    store = fresh()
+    bucket, _ = split_bucket_url(bucket_url)
+    put_bytes(s3_client, bucket, store.layout.rollout("r-fence") + "fence", body)
+    received: list[int] = []
+    store.transport.add_hook(
+        after=lambda operation, key, continuation: received.append(1) if operation == "GetObject" else None
+    )
+    with pytest.raises(TokenCaptureFrozenError):
+        await store.put(simple_entry("r-fence", "c1"))
+    with pytest.raises(TokenCaptureFrozenError):
+        await store.begin_call("r-fence", "c2")
+    await store.mark_incomplete("r-fence", "c3")  # a marker after a freeze is acknowledged
+    assert received  # the fence was read

@@ -46,6 +46,7 @@ _encoder = msgspec.json.Encoder(order="sorted")
 
 
 _BIG_FLOAT = 1e16
+_INFINITY = float("inf")
 """From here on msgspec writes ``1e16`` where orjson (and so Gym) writes ``1e+16``."""
 
 
@@ -61,35 +62,56 @@ def _json_type(item: Any) -> type:
     raise ValueError(f"unsupported prompt content: {type(item).__name__}")
 
 
-def _scan_plain(value: Any) -> bool:
+MAX_JSON_DEPTH = 254
+"""Deepest nesting of containers (objects and arrays) that orjson, Gym's encoder, writes: a
+document whose outermost container counts as 1 may nest 254 deep; orjson refuses one more."""
+
+
+def _scan_plain(value: Any, max_depth: int | None = None, *, finite: bool = False) -> bool:
     """True when msgspec's sorted output of ``value`` is already orjson's: no float of magnitude >= 1e16.
 
-    Raises ``ValueError`` for content orjson refuses (65-bit integers, non-string keys, non-JSON types).
+    Raises ``ValueError`` for content orjson refuses (65-bit integers, non-string keys, non-JSON
+    types); with ``max_depth``, for containers nested deeper than that (``value`` itself, when a
+    container, is at depth 1); with ``finite``, for NaN and infinities (which orjson writes as
+    ``null``). Iterative, one level at a time: no depth of input exhausts the stack.
     """
     plain = True
-    stack = [value]
-    pop, extend = stack.pop, stack.extend
-    while stack:
-        item = pop()
-        if item is None:
-            continue
-        kind = type(item)
-        if kind not in _JSON_TYPES:  # a subclass is judged as the JSON type it extends
-            kind = _json_type(item)
-        if kind is str or kind is bool:
-            continue
-        if kind is dict:
-            for key in item:
-                if not isinstance(key, str):
-                    raise ValueError(f"unsupported prompt content: non-string key {key!r}")
-            extend(item.values())
-        elif kind is list or kind is tuple:
-            extend(item)
-        elif kind is float:
-            if abs(item) >= _BIG_FLOAT and item == item:
-                plain = False
-        elif not _I64_MIN <= item <= _U64_MAX:  # int
-            raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
+    limit = max_depth if max_depth is not None else -1
+    level = [value]
+    depth = 0
+    while level:
+        depth += 1  # of the containers in ``level``
+        deeper: list[Any] = []
+        extend = deeper.extend
+        for item in level:
+            if item is None:
+                continue
+            kind = type(item)
+            if kind not in _JSON_TYPES:  # a subclass is judged as the JSON type it extends
+                kind = _json_type(item)
+            if kind is str or kind is bool:
+                continue
+            if kind is dict:
+                if depth == limit + 1:
+                    raise ValueError(f"unsupported content: containers nested deeper than {limit} levels")
+                for key in item:
+                    if not isinstance(key, str):
+                        raise ValueError(f"unsupported prompt content: non-string key {key!r}")
+                extend(item.values())
+            elif kind is list or kind is tuple:
+                if depth == limit + 1:
+                    raise ValueError(f"unsupported content: containers nested deeper than {limit} levels")
+                extend(item)
+            elif kind is float:
+                if not abs(item) < _BIG_FLOAT:  # also NaN
+                    if item != item or abs(item) == _INFINITY:
+                        if finite:
+                            raise ValueError(f"unsupported content: {item!r} (JSON has no non-finite numbers)")
+                    else:
+                        plain = False
+            elif not _I64_MIN <= item <= _U64_MAX:  # int
+                raise ValueError(f"unsupported prompt content: integer {item} exceeds 64 bits")
+        level = deeper
     return plain
 
 

@@ -312,7 +312,7 @@ class S3CaptureLedger(RolloutObjects):
     async def _retired(self, prefix: str) -> bool:
         # The tombstone, not the fence: it is written before the retired fence, and delete removes
         # it (after the rows) before the fence.
-        return await self._get(prefix + "retired") is not None
+        return await self._present(prefix + "retired")
 
     async def _load(self, key: str, sha: str, kind: type) -> Any:
         """The decoded row at ``key`` (cache or one GET); ``None`` if absent. Raises ``RecordError``."""

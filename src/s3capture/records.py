@@ -35,7 +35,10 @@ from typing import Annotated, Any
 
 import msgspec
 
-from s3capture.fingerprint import _scan_plain  # no import cycle: fingerprint imports no s3capture module
+from s3capture.fingerprint import (
+    MAX_JSON_DEPTH,
+    _scan_plain,
+)  # no import cycle: fingerprint imports no s3capture module
 
 __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",
@@ -291,10 +294,11 @@ def decode_entry(data: bytes | str) -> TokenEntry:
     that is not a valid ``TokenEntry``.
     """
     try:
-        raw = _json_decoder.decode(data)
+        return _from_mapping(_json_decoder.decode(data))
     except msgspec.DecodeError as error:
         raise RecordError(f"token entry is not valid JSON: {error}") from None
-    return _from_mapping(raw)
+    except RecursionError:  # its copy (or a decoder) of content nested too deeply for the stack
+        raise RecordError(f"token entry nests containers far deeper than {MAX_JSON_DEPTH} levels") from None
 
 
 def decode_canonical_entry(data: bytes) -> TokenEntry:
@@ -369,6 +373,15 @@ def prepare_entry(entry: Any) -> tuple[TokenEntry, bytes]:
 
 def _coerce_general(entry: Any) -> TokenEntry:
     """The reference conversion (every input, every error message); ``_fast_copy`` must agree with it."""
+    try:
+        return _coerce_general_unguarded(entry)
+    except RecursionError:  # a copy of content nested far deeper than MAX_JSON_DEPTH
+        raise RecordError(
+            f"entry nests containers far deeper than the {MAX_JSON_DEPTH} levels Gym's encoder writes"
+        ) from None
+
+
+def _coerce_general_unguarded(entry: Any) -> TokenEntry:
     if isinstance(entry, TokenEntry):
         # The constructor checks no types; a round trip through builtins checks them all and
         # returns a copy the caller cannot mutate behind our back.
@@ -445,7 +458,7 @@ def _fast_copy(entry: Any) -> tuple[TokenEntry, bool] | None:
         generation = msgspec.convert(fields["generation_token_ids"], _FAST_IDS, strict=False)
         probs = msgspec.convert(fields["generation_log_probs"], _FAST_PROBS, strict=False)
         nested = [fields.get("output_items"), fields.get("routed_experts"), extra]
-        plain = _scan_plain(nested)  # raises ValueError for non-JSON content
+        plain = _nested_plain(nested[0], nested[1], extra)  # raises ValueError for content Gym cannot write
         items, routed, extra = msgspec.to_builtins(nested)
         for name in _ARRAYS:
             fields[name] = ()
@@ -470,6 +483,17 @@ def _fast_copy(entry: Any) -> tuple[TokenEntry, bool] | None:
     return record, plain
 
 
+def _nested_plain(output_items: Any, routed_experts: Any, extra: dict | None) -> bool:
+    """``_scan_plain`` of an entry's free-form content, with the depth each part has in the
+    canonical JSON (the entry object is depth 1: output items and routed experts are its values,
+    and so are the extra fields). Raises ``ValueError`` for what Gym's encoder (orjson) cannot write
+    (nesting deeper than ``MAX_JSON_DEPTH``: a reader's copy of it could exhaust the stack) and for
+    non-finite floats, which orjson would write as ``null``: refused as in log probabilities, or
+    the writer's cache would hold NaN where every reader decodes ``None``."""
+    plain = _scan_plain([output_items, routed_experts], MAX_JSON_DEPTH, finite=True)
+    return _scan_plain(extra or {}, MAX_JSON_DEPTH, finite=True) and plain
+
+
 def _check_finite(entry: TokenEntry) -> None:
     probs = entry.generation_log_probs
     # One C-speed sum is finite for all-finite input unless it overflows; only then look closer.
@@ -485,8 +509,6 @@ def _check_finite(entry: TokenEntry) -> None:
 
 def _has_big_float(entry: TokenEntry, extra: dict | None) -> bool:
     """Whether the entry holds a float msgspec would spell differently from orjson (``|x| >= 1e16``)."""
-    from s3capture.fingerprint import _scan_plain
-
     probs = entry.generation_log_probs
     # The sum of magnitudes bounds each one (one C-speed pass); only past the bound look closer.
     if probs and not sum(map(abs, probs)) < 1e16 and (min(probs) <= -1e16 or max(probs) >= 1e16):
@@ -494,7 +516,7 @@ def _has_big_float(entry: TokenEntry, extra: dict | None) -> bool:
     if abs(entry.created_at) >= 1e16:
         return True
     try:
-        return not _scan_plain([entry.output_items, entry.routed_experts, extra or {}])
+        return not _nested_plain(entry.output_items, entry.routed_experts, extra)
     except ValueError as error:
         raise RecordError(
             f"entry of model call {entry.model_call_id!r} is not JSON-encodable like Gym's: {error}"

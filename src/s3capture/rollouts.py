@@ -35,6 +35,7 @@ from s3capture.cache import LRU
 from s3capture.errors import ListingError, StoreError
 from s3capture.layout import MAX_KEY_BYTES, Layout, escape_id, is_checkpoint_rel, parse_log_key, unescape_id
 from s3capture.protocols import RolloutRemovalPayload
+from s3capture.records import RecordError
 from s3capture.spill import Spill
 from s3capture.transport import (
     ListedObject,
@@ -61,6 +62,10 @@ log = logging.getLogger("s3capture")
 
 FENCE_FROZEN = b'{"format":"s3capture.fence/1","state":"frozen"}'
 FENCE_RETIRED = b'{"format":"s3capture.fence/1","state":"retired"}'
+
+_MARKER_READ_LIMIT = 64 * 1024
+"""Largest fence or retire tombstone a client reads (the ones s3capture writes are under 100
+bytes): a foreign object in their place is never downloaded whole on every write."""
 
 ROLLOUT_STATES = ("open", "frozen", "retired")
 """The states ``RolloutObjects.rollouts`` reports, from the listing alone: ``"open"`` (no fence),
@@ -605,14 +610,25 @@ class RolloutObjects:
         )
         return scan_listing(prefix, listing, seen_at=time.monotonic())
 
+    async def _present(self, key: str) -> bool:
+        """Whether the fence or tombstone ``key`` exists (one GET, at most ``_MARKER_READ_LIMIT``
+        bytes read: a larger object exists all the same)."""
+        try:
+            return await self._get(key, _MARKER_READ_LIMIT) is not None
+        except RecordError:
+            return True
+
     async def _fence_state(self, prefix: str) -> str:
         """``"open"``, ``"frozen"`` or ``"retired"`` from one GET of the rollout's fence."""
-        body = await self._get(prefix + "fence")
+        try:
+            body = await self._get(prefix + "fence", _MARKER_READ_LIMIT)
+        except RecordError:  # larger than any fence s3capture writes: foreign, and it fences
+            return "frozen"
         if body is None:
             return "open"
         try:
             state = json.loads(body).get("state")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             state = None
         # An unreadable fence still fences: fail closed.
         return "retired" if state == "retired" else "frozen"

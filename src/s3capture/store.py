@@ -767,8 +767,7 @@ class S3TokenStore(RolloutObjects):
                     f"rollout {rollout_id!r} is being dropped (or a drop of it crashed): the marker landed and masks "
                     "the rollout unless the drop consumed it first, so it is not acknowledged"
                 )
-            tombstone = await self._get(prefix + "retired")
-            state = "retired" if tombstone is not None else fence
+            state = "retired" if await self._present(prefix + "retired") else fence
         if state == "retired":
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
         await self._replay_spill_quietly()
