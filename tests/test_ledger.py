@@ -216,6 +216,11 @@ async def test_failure_rows_never_resolve_and_are_deduplicated(ledgers):
             await only_failures.record_failure("s", bad, "x")  # type: ignore[arg-type]
         with pytest.raises(ValueError):
             await only_failures.record_failure("s", "call-9", bad)  # type: ignore[arg-type]
+    # A lone surrogate raised a bare UnicodeEncodeError from the row's encoder (a breaker, 2026-12-02).
+    with pytest.raises(ValueError, match="model_call_id .* lone surrogate"):
+        await only_failures.record_failure("s", "\ud800", "x")
+    with pytest.raises(ValueError, match="reason .* lone surrogate"):
+        await only_failures.record_failure("s", "call-9", "x\ud800")
 
 
 async def test_failure_row_for_a_call_id_too_long_for_a_key_keeps_its_real_id(ledgers):

@@ -269,6 +269,10 @@ class S3CaptureLedger(RolloutObjects):
         for name, value in (("model_call_id", model_call_id), ("reason", reason)):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{name} {value!r} is not valid Unicode text (it contains a lone surrogate)") from None
         prefix = self.layout.rollout(rollout_id)
         body = msgspec.json.encode(
             _Failure(format=_FAILURE_FORMAT, rollout_id=rollout_id, model_call_id=model_call_id, reason=reason),
