@@ -771,6 +771,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, after its reader went away (``BrokenPipeError``): later output,
+    and the interpreter's final flush, then cannot fail."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a file descriptor (an embedding, a test's capture)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -787,11 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         # The reader of our output went away (`s3capture ls URL | head`): a quiet end, as for any
-        # Unix filter; stdout is pointed at /dev/null so the interpreter's final flush cannot fail.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass  # stdout is not a file descriptor (an embedding, a test's capture)
+        # Unix filter. (`gc --yes` does not end there: it finishes its deletions.)
+        stdout_to_devnull()
         return 0
     except Exception as error:
         from s3capture.errors import ExportWorkerDied

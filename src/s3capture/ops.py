@@ -886,11 +886,28 @@ def _gc_command(args: Any) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     dry_run = not args.yes
 
+    reader_gone = False
+
     def show(action: GcAction) -> None:
-        if args.json:
-            print(msgspec.json.encode({"type": "action", **msgspec.to_builtins(action)}).decode(), flush=True)
-        else:
-            print(format_action(action, dry_run=dry_run), flush=True)
+        nonlocal reader_gone
+        line = (
+            msgspec.json.encode({"type": "action", **msgspec.to_builtins(action)}).decode()
+            if args.json
+            else format_action(action, dry_run=dry_run)
+        )
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            if dry_run:
+                raise  # `gc URL | head`: a quiet end, nothing was changed
+            # `gc --yes | head`: stopping here would leave the run half done and exit 0; it
+            # finishes its deletions, and says so where it still can.
+            from s3capture.cli import stdout_to_devnull
+
+            stdout_to_devnull()
+            if not reader_gone:
+                reader_gone = True
+                print("s3capture gc: the output's reader went away; finishing the run", file=sys.stderr)
 
     report = asyncio.run(
         _close_after(
@@ -910,4 +927,6 @@ def _gc_command(args: Any) -> int:
         print(msgspec.json.encode({"type": "summary", **msgspec.to_builtins(report)}).decode())
     else:
         print(format_gc(report))
+    if reader_gone:
+        print(f"s3capture gc: {format_gc(report)}", file=sys.stderr)
     return 0
