@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlparse
 
+from s3capture.errors import install_hint
+
 # Bucket names S3-compatible stores accept between them (AWS, GCS, MinIO, R2, Ceph): letters, digits,
 # dots, hyphens and underscores, 3 to 222 characters, starting and ending with a letter or digit.
 _BUCKET = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{1,220})[A-Za-z0-9]")
@@ -217,7 +219,7 @@ def _check_demo(args: argparse.Namespace) -> str | None:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise ValueError("--export writes Parquet and needs pyarrow: pip install 's3capture[parquet]'") from None
+            raise ValueError(f"--export writes Parquet and needs pyarrow: {install_hint('parquet')}") from None
     if args.prompt_storage is not None and args.capture != "store":
         raise ValueError("--prompt-storage applies only with --capture store (the ledger stages token deltas)")
     for name, value in vars(args).items():
@@ -272,7 +274,7 @@ def _demo(args: argparse.Namespace) -> int:
             if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
                 print(
                     "s3capture demo: no S3 endpoint is configured and the embedded server is not installed; "
-                    "pip install 's3capture[local]', or pass --endpoint/--url (or set AWS_ENDPOINT_URL)",
+                    f"{install_hint('local')}, or pass --endpoint/--url (or set AWS_ENDPOINT_URL)",
                     file=sys.stderr,
                 )
                 return 2

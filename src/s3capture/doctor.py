@@ -47,7 +47,7 @@ from typing import Any
 
 import msgspec
 
-from s3capture.errors import StoreError
+from s3capture.errors import StoreError, install_hint
 from s3capture.layout import Layout
 from s3capture.rollouts import _segment_after, parse_s3_url
 from s3capture.transport import TRANSPORT_ENV, TRANSPORTS, Transport, make_transport
@@ -1235,7 +1235,7 @@ def _command(args: Any) -> int:
             import obstore  # noqa: F401
         except ImportError:
             raise ValueError(
-                f"{source}=obstore needs obstore: pip install 's3capture[obstore]' (or probe --transport aioboto3)"
+                f"{source}=obstore needs obstore: {install_hint('obstore')} (or probe --transport aioboto3)"
             ) from None
     work = diagnose(args.url, endpoint_url=endpoint, samples=args.samples, transport=transport)
     report = asyncio.run(_until_signal(work))

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["StoreError", "ListingError", "SnapshotNotSealedError", "ExportWorkerDied"]
+__all__ = ["StoreError", "ListingError", "SnapshotNotSealedError", "ExportWorkerDied", "install_hint"]
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of s3capture's optional extras, for an error message: from a package
+    index, and from a checkout (s3capture is installed from its repository, as the README does)."""
+    return f"pip install 's3capture[{extra}]' (in a checkout of s3capture: pip install -e '.[{extra}]')"
 
 
 class StoreError(RuntimeError):

@@ -58,6 +58,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from s3capture.errors import install_hint
+
 __all__ = [
     "LocalS3Server",
     "ServerUnavailable",
@@ -388,7 +390,7 @@ def start_moto(host: str = "127.0.0.1", timeout: float = 20.0) -> LocalS3Server:
     """
     t0 = time.monotonic()
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
-        raise ServerUnavailable("moto: not installed; pip install 's3capture[local]' (moto[s3], flask, flask-cors)")
+        raise ServerUnavailable(f"moto: not installed (moto[s3], flask, flask-cors); {install_hint('local')}")
     deadline = t0 + timeout
     env = dict(os.environ)
     env.pop("MOTO_PORT", None)

@@ -48,7 +48,7 @@ from s3capture import fingerprint as _fp
 from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
-from s3capture.errors import ListingError, SnapshotNotSealedError, StoreError
+from s3capture.errors import ListingError, SnapshotNotSealedError, StoreError, install_hint
 from s3capture.layout import (
     MAX_KEY_BYTES,
     MAX_SEGMENT_BYTES,
@@ -364,7 +364,7 @@ class S3TokenStore(RolloutObjects):
                 import nemo_gym.token_id_capture.records  # noqa: F401 - fail early, before any request
             except ImportError as error:
                 raise ImportError(
-                    f"entry_type='gym' needs NeMo Gym's records ({error}): pip install 's3capture[gym]' && "
+                    f"entry_type='gym' needs NeMo Gym's records ({error}): {install_hint('gym')}, then "
                     "pip install --no-deps --ignore-requires-python nemo-gym==0.7.0"
                 ) from None
         self.entry_type = entry_type

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote_plus
 from xml.sax.saxutils import escape as xml_escape
 
-from s3capture.errors import StoreError
+from s3capture.errors import StoreError, install_hint
 
 if TYPE_CHECKING:
     from obstore.store import S3Config
@@ -182,7 +182,7 @@ class ObstoreTransport(Transport):
         try:
             import obstore  # noqa: F401
         except ImportError:
-            raise ImportError("transport='obstore' needs obstore: pip install 's3capture[obstore]'") from None
+            raise ImportError(f"transport='obstore' needs obstore: {install_hint('obstore')}") from None
         # As botocore does: object_store would otherwise read AWS_ENDPOINT_URL on its own while the
         # LIST requests signed here went to AWS.
         endpoint_url = configured_endpoint(endpoint_url)

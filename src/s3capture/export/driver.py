@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from s3capture.errors import install_hint
 from s3capture.export.destinations import _is_s3, _LocalDestination, _open_destination, _S3Destination
 from s3capture.layout import escape_controls
 from s3capture.export.engines import ENGINES, ShardTask, _import_ray
@@ -211,7 +212,7 @@ def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise ValueError("--format parquet needs pyarrow: pip install 's3capture[parquet]'") from None
+            raise ValueError(f"--format parquet needs pyarrow: {install_hint('parquet')}") from None
     # The builder and engine, checked once here (on an empty snapshot, which only masks) rather than
     # failing every rollout (NeMo Gym 0.7.0 knows prefix_merging only; per_request is built-in).
     from s3capture.store import FrozenSnapshot

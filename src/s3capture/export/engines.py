@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from s3capture.errors import ExportWorkerDied
+from s3capture.errors import ExportWorkerDied, install_hint
 from s3capture.export import shard as _shard
 from s3capture.export.records import ExportJob, ShardResult
 from s3capture.export.shard import _close_clients, export_shard
@@ -236,7 +236,7 @@ async def local_engine(
         queue.close()
 
 
-RAY_INSTALL = "pip install 's3capture[ray]'"
+RAY_INSTALL = install_hint("ray")
 
 
 def _import_ray() -> Any:
