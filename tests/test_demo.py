@@ -118,6 +118,9 @@ def test_demo_generated_workload_against_configured_endpoint(s3_server, tmp_path
     assert _numbers(out, "faithful continuations RESOLVED to the right parent") == (48, 48)
     assert "trainable 12, masked 0" in out and "result: OK" in out
     assert re.search(r"exported to .*: 12 rollouts, 12 trajectories, .* dropped once durable 12", out), out
+    # The export's requests are in the demo's tally: its reads and its 12 drops (a walkthrough
+    # found them missing: the summary said "dropped 12" beside no DeleteObjects at all).
+    assert re.search(r"export:source:DeleteObjects 12\b", out) and "export:source:GetObject" in out, out
     table = pq.read_table(dest)
     assert table.num_rows == 12 and not any(table.column("masked").to_pylist())
     assert all(n == 5 for n in table.column("num_calls").to_pylist())

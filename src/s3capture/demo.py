@@ -405,6 +405,8 @@ async def _build(
             summary = await export(url, export_dest, states=("frozen",), ids=rollout_ids, drop=True, workers=0)
             report.export_summary = summary
             report.dropped = summary.dropped
+            # The export's own store sent the reads and drops: its requests are the builder's too.
+            report.requests.update({f"export:{k}": v for k, v in summary.requests.items()})
         if not keep:
             await builder.delete(rollout_ids)
         report.requests.update({f"builder:{k}": v for k, v in builder.request_counts.items()})
