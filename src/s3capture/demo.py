@@ -700,7 +700,7 @@ def format_report(report: DemoReport, *, where: str) -> str:
     if summary is not None:
         lines.append(
             f"  exported to {summary.dest}: {summary.exported} rollouts, {summary.trajectories} trajectories,"
-            f" {summary.tokens:,} tokens in {summary.shards_written} shards; masked {summary.masked_excluded},"
+            f" {summary.tokens:,} tokens in {summary.shards_written} shard{'' if summary.shards_written == 1 else 's'}; masked {summary.masked_excluded},"
             f" failed {summary.failed}; dropped once durable {summary.dropped}"
         )
     problems = [f"  BROKEN CHAIN {item}" for item in report.chains_broken[:5]]

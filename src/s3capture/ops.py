@@ -650,8 +650,8 @@ def format_status(s: StoreStatus) -> str:
             lines.append(f"  masked by {code}: {count}")
     retired = s.states["retired"].rollouts
     lines.append(
-        f"retired leftovers: {s.retired_leftover_objects} objects ({_human_bytes(s.retired_leftover_bytes)}) "
-        f"for {retired} retired rollouts; 's3capture gc' removes them"
+        f"retired leftovers: {_counted(s.retired_leftover_objects, 'object')} ({_human_bytes(s.retired_leftover_bytes)}) "
+        f"for {_counted(retired, 'retired rollout')}; 's3capture gc' removes them"
     )
     if s.bare_fences:
         lines.append(f"bare fences (an interrupted delete or gc): {s.bare_fences}")
@@ -842,7 +842,7 @@ def _ls_command(args: Any) -> int:
         if header:
             print(format_rollout_row(None, table=table))
         if table:
-            print(f"{count} rollouts", file=sys.stderr)
+            print(_counted(count, "rollout"), file=sys.stderr)
         if not count and not args.json:
             _hint_empty_root(await roots_below(store))
         return 0

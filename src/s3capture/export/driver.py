@@ -708,7 +708,8 @@ def format_summary(summary: ExportSummary) -> str:
     ]
     if s.shards_existing or s.orphans_removed:
         lines.append(
-            f"destination: {s.shards_existing:,} durable shards found; {s.orphans_removed:,} unfinished files removed"
+            f"destination: {s.shards_existing:,} durable shard{'' if s.shards_existing == 1 else 's'} found; "
+            f"{s.orphans_removed:,} unfinished file{'' if s.orphans_removed == 1 else 's'} removed"
         )
     for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
         if counts:
