@@ -997,6 +997,16 @@ def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
     assert lines[0].startswith("export: 1/3+ rollouts, 2 trajectories, 1,500 tokens, ") and "ETA ?" in lines[0]
     assert lines[-1].startswith("export: 2/4 rollouts, 3 trajectories, 2,000 tokens, ") and "MB/s" in lines[-1]
     assert "ETA ?" not in lines[-1]
+    # The ETA's rate counts from the first rollouts done, not from the start: a Ray runtime that
+    # took five minutes to start made the first ETA 396 s for a 13 s export (a walkthrough).
+    slow_start = _Progress(True, stream=io.StringIO(), interval=0.0)
+    slow_start.started -= 300.0
+    slow_start.planned(100, done=True)
+    slow_start.add((10, 10, 10, 10))
+    assert slow_start.first is not None
+    slow_start.first = (slow_start.first[0] - 1.0, 10)  # ten more rollouts one second later
+    slow_start.add((10, 10, 10, 10))
+    assert slow_start.line().endswith("ETA 8s")
     silent = io.StringIO()
     quiet = _Progress(False, stream=silent, interval=0.0)
     quiet.add((1, 1, 1, 1))

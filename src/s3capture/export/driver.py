@@ -64,6 +64,9 @@ class _Progress:
         self.listing_done = False
         self.started = time.monotonic()
         self.last_line = self.started
+        self.first: tuple[float, int] | None = None
+        """When the first rollouts were done, and how many: the ETA's rate counts from there, not
+        from the start (starting worker processes or a Ray runtime takes seconds)."""
         self.bar: Any = None
         if self.tty:
             from tqdm import tqdm
@@ -74,6 +77,8 @@ class _Progress:
         rollouts, trajectories, tokens, size = item
         with self.lock:
             self.rollouts += rollouts
+            if self.first is None:
+                self.first = (time.monotonic(), self.rollouts)
             self.trajectories += trajectories
             self.tokens += tokens
             self.bytes += size
@@ -108,8 +113,10 @@ class _Progress:
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
         eta = "?"
-        if self.listing_done and self.rollouts:
-            eta = f"{(self.total - self.rollouts) * elapsed / self.rollouts:.0f}s"
+        if self.listing_done and self.first is not None and self.rollouts > self.first[1]:
+            since, counted = self.first
+            rate = (self.rollouts - counted) / max(1e-9, time.monotonic() - since)
+            eta = f"{(self.total - self.rollouts) / rate:.0f}s"
         total = f"{self.total:,}" if self.listing_done else f"{self.total:,}+"
         return (
             f"export: {self.rollouts:,}/{total} rollouts, {self.trajectories:,} trajectories, "
