@@ -224,6 +224,19 @@ def _nested_fits_json(entry: TokenEntry, data: bytes | None = None) -> bool:
     return True
 
 
+def _check_depth(entry: TokenEntry, data: bytes) -> None:
+    """``RecordError`` when the free-form fields nest deeper than ``MAX_JSON_DEPTH`` (which ``put``
+    refuses, and an older writer acknowledged): such an entry is unreadable on every path, as on
+    the general one, whose encode refuses it. Skipped, at C speed, when ``data`` holds fewer
+    opening brackets than that depth needs."""
+    if data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    try:
+        _scan_plain([entry.output_items, entry.routed_experts], MAX_JSON_DEPTH)
+    except ValueError as error:
+        raise RecordError(f"token entry: {error}") from None
+
+
 def _has_msgspec_only_float(data: bytes) -> bool:
     """Whether compact JSON ``data`` may hold a number spelled like ``1e16`` (no ``+``).
 
@@ -318,7 +331,10 @@ def decode_canonical_entry(data: bytes) -> TokenEntry:
         entry = _typed_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         entry = None
+    except RecursionError:  # content nested far deeper than MAX_JSON_DEPTH (an older writer's)
+        raise RecordError(f"token entry nests containers far deeper than {MAX_JSON_DEPTH} levels") from None
     if entry is not None and not entry.__dict__ and _json_encoder.encode(entry) == data:
+        _check_depth(entry, data)
         if not _has_msgspec_only_float(data) and _nested_fits_json(entry, data):
             _check_schema_version(entry.schema_version)
             for name in ("prompt_token_ids", "generation_token_ids"):

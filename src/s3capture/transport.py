@@ -253,8 +253,8 @@ async def beside_confirmation(
     ``Transport.confirm_listing_end``; it returns the keys after the listing's last one) runs
     beside it, so the confirmation costs no round trip of its own. Where it shows more keys, the
     answer is ``work(listing + more)``. An error of the first ``work`` is raised only once the
-    confirmation found nothing more (it may come from the keys the listing lacked); an error of
-    ``confirm`` is raised as it is, and the other request is never left running."""
+    confirmation found nothing more (it may come from the keys the listing lacked), or failed too;
+    an error of ``confirm`` alone is raised as it is. The other request is never left running."""
     confirming = asyncio.ensure_future(confirm)
     try:
         try:
@@ -263,7 +263,12 @@ async def beside_confirmation(
             failed: Exception | None = error
         else:
             failed = None
-        more = await confirming
+        try:
+            more = await confirming
+        except Exception as confirm_error:
+            if failed is not None:
+                raise failed from confirm_error  # the work's own error first
+            raise
     finally:
         await cancel_unfinished(confirming)
     if more:

@@ -35,29 +35,50 @@ data files would look unfinished and be removed."""
 _TEMP = re.compile(r"^\._?part-\d{5,}.*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 _S3_TEMP_PREFIX = "s3capture-export-"
-_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(\d+)-part-\d{{5,}}.*\.tmp$")
+_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(.+)-(\d{{1,10}})-part-\d{{5,}}.*\.tmp$")
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
-one PUT: ``s3capture-export-<pid>-part-NNNNN...tmp``."""
+one PUT: ``s3capture-export-<host>-<pid>-part-NNNNN...tmp``."""
+_S3_TEMP_STALE = 3600.0
+"""Seconds since its last write before a temp file of a dead process is removed: a process id is
+only meaningful in its own PID namespace (a container sharing the folder may reuse it)."""
 
 
-def remove_dead_exports_temp_files(folder: str | None = None) -> list[str]:
-    """Remove the temp files of ``s3://`` exports whose process is gone from this machine (killed
-    before it could publish or remove them), from ``folder`` (default: the system's temp folder).
-    A file whose process id is alive stays, whoever holds that id now. Returns the removed paths.
-    Called when an export to an ``s3://`` destination starts."""
+def _temp_host() -> str:
+    """This machine's name as a temp file carries it (letters, digits, ``.`` and ``_`` only)."""
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
+def remove_dead_exports_temp_files(folder: str | None = None, *, stale_after: float = _S3_TEMP_STALE) -> list[str]:
+    """Remove the temp files that exports to ``s3://`` destinations killed on this machine left
+    in ``folder`` (default: the system's temp folder). A file goes only when all of these hold:
+    it is a regular file this user owns, named for this host (a temp folder shared between
+    machines keeps other hosts' files), its process is gone, and nothing wrote it for
+    ``stale_after`` seconds (a process id is only meaningful in its own PID namespace). Never
+    raises: a file it cannot judge or remove stays. Returns the removed paths. Called when an
+    export to an ``s3://`` destination starts."""
     folder = folder or tempfile.gettempdir()
     removed: list[str] = []
+    host, uid, now = _temp_host(), getattr(os, "getuid", lambda: None)(), time.time()
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
     for entry in entries:
         match = _S3_TEMP.match(entry.name)
-        if match is None or _process_alive(int(match[1])):
+        if match is None or match[1] != host:
             continue
-        with contextlib.suppress(FileNotFoundError):
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not entry.is_file(follow_symlinks=False) or (uid is not None and info.st_uid != uid):
+                continue
+            if now - info.st_mtime < stale_after or _process_alive(int(match[2])):
+                continue
             os.unlink(entry.path)
-            removed.append(entry.path)
+        except OSError:
+            continue
+        removed.append(entry.path)
     if removed:
         _log.info("removed %d temp file(s) of killed exports from %s", len(removed), folder)
     return removed
@@ -68,8 +89,9 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # e.g. PermissionError: it exists, owned by someone else
+    except (OSError, OverflowError):  # e.g. PermissionError: it exists, owned by someone else
         return True
+    return True
     return True
 
 
@@ -570,8 +592,8 @@ class _S3Destination(_Destination):
             await self.transport.delete([self.prefix + name for name in names])
 
     def temp_path(self, name: str) -> str:
-        # The process id in the name lets a later export remove what a killed one left.
-        fd, path = tempfile.mkstemp(prefix=f"{_S3_TEMP_PREFIX}{os.getpid()}-{name}.", suffix=".tmp")
+        # The host and process id in the name let a later export remove what a killed one left.
+        fd, path = tempfile.mkstemp(prefix=f"{_S3_TEMP_PREFIX}{_temp_host()}-{os.getpid()}-{name}.", suffix=".tmp")
         os.close(fd)
         return path
 
