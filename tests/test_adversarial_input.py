@@ -227,10 +227,9 @@ async def test_non_finite_numbers_in_free_form_content_are_refused_by_put(fresh,
     assert list_keys(s3_client, bucket, root) == []
 
 
-async def test_a_stored_entry_nested_too_deeply_for_a_reader_is_unreadable_not_a_crash(fresh, s3_client, bucket_url):
-    """An object an older s3capture acknowledged (extra fields nested 900 deep, canonical bytes
-    from msgspec): a reader masks the rollout ``unreadable`` and resolve answers UNRESOLVED, with
-    no RecursionError, and a healthy rollout beside it freezes as before."""
+def plant_deep(store, s3_client, bucket_url, rid: str, where: str, depth: int) -> TokenEntry:
+    """Store, as an older s3capture or a foreign writer could have, the canonical bytes of an entry
+    whose ``where`` holds ``depth`` nested arrays (spliced into the bytes: no encoder recursion)."""
     import hashlib
 
     import msgspec
@@ -240,27 +239,64 @@ async def test_a_stored_entry_nested_too_deeply_for_a_reader_is_unreadable_not_a
     from s3capture.fingerprint import stamp_continuation
     from s3capture.records import encode_entry
 
-    store = fresh()
-    entry = simple_entry("r-old", "c1")
+    entry = simple_entry(rid, "c1")
     stamp_continuation(entry, REQ)
     fields = msgspec.json.decode(encode_entry(entry))
-    fields["meta"] = nested(900)
-    payload = msgspec.json.Encoder(order="sorted").encode(fields)
-    prefix = store.layout.rollout("r-old")
+    if where == "routed_experts":
+        fields["routed_experts"] = "@@"
+    elif where == "output_items":
+        fields["output_items"][0]["meta"] = "@@"
+    else:
+        fields["meta"] = "@@"
+    deep = b"[" * depth + b'"x"' + b"]" * depth
+    payload = msgspec.json.Encoder(order="sorted").encode(fields).replace(b'"@@"', deep)
+    prefix = store.layout.rollout(rid)
     key = prefix + store.layout.entry_rel(
         prefix, entry.continuation_fingerprint, "c1", hashlib.sha256(payload).hexdigest()
     )
     body = b'{"chain":[],"entry":' + payload + b',"format":"s3capture.entry/1"}'
     bucket, _ = split_bucket_url(bucket_url)
     put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(body))
-    await store.put(simple_entry("r-fine", "c1"))
+    return entry
 
-    snapshot = await fresh().freeze("r-old")
-    assert snapshot.incomplete and any(r.startswith("unreadable:") for r in snapshot.reasons)
-    assert snapshot.entries == ()
+
+@pytest.mark.parametrize(
+    ("where", "depth"),
+    [("output_items", 300), ("routed_experts", 300), ("extra", 900), ("routed_experts", 1500), ("output_items", 3000)],
+)
+async def test_a_stored_entry_nested_too_deeply_is_unreadable_not_a_crash(fresh, s3_client, bucket_url, where, depth):
+    """An object an older s3capture acknowledged (it refused no depth) or a foreign writer stored:
+    every reader marks it ``unreadable:`` (masked) and resolve answers UNRESOLVED, with no
+    RecursionError, on the fast path (no extra fields; it read 300-deep content as healthy, and
+    its typed decode raised RecursionError from about 945 levels) and the general one (extra
+    fields), and a healthy rollout beside it freezes as before (breakers, 2026-12-02)."""
+    store = fresh()
+    entry = plant_deep(store, s3_client, bucket_url, "r-old", where, depth)
+    await store.put(simple_entry("r-fine", "c1"))
+    for read in (fresh().freeze, fresh().read_snapshot):
+        snapshot = await read("r-old")
+        assert snapshot.incomplete and any(r.startswith("unreadable:") for r in snapshot.reasons), snapshot.reasons
+        assert snapshot.entries == ()
     resolution = await fresh().resolve("r-old", REQ + list(entry.output_items) + [user("next")])
     assert resolution.status == ParentResolutionStatus.UNRESOLVED
     assert not (await fresh().freeze("r-fine")).incomplete
+
+
+async def test_an_export_beside_a_deeply_nested_entry_exports_the_healthy_rollouts(
+    fresh, s3_client, bucket_url, tmp_path
+):
+    """One rollout holding content nested 1,500 deep failed its whole shard, the healthy rollouts
+    with it (a breaker, 2026-12-02): it is now masked and left out, and the others exported."""
+    pytest.importorskip("pyarrow")
+    from s3capture.export import export
+
+    store = fresh()
+    plant_deep(store, s3_client, bucket_url, "r-deep", "routed_experts", 1500)
+    for rid in ("r-a", "r-b"):
+        await store.put(simple_entry(rid, "c1"))
+    summary = await export(bucket_url, str(tmp_path / "out"), workers=0, min_age=0, freeze=True)
+    assert summary.ok and summary.failed == 0
+    assert summary.exported == 2 and summary.masked_excluded == 1
 
 
 @pytest.mark.parametrize("body", [b"[" * 100_000, b"{" + b" " * (1 << 20) + b"}"], ids=["nested", "one-MiB"])

@@ -67,6 +67,30 @@ async def test_a_freeze_sees_the_marker_a_listing_cut_short_hides(fresh, proxy, 
     assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
 
 
+async def test_a_freeze_whose_gets_and_confirming_list_both_fail_raises_the_gets_error(fresh, proxy):
+    """The entries' GETs and the LIST beside them both refused: the error freeze raises is the
+    GETs' (its own work's), with the LIST's as its cause, as before the LIST was sent beside them
+    (a breaker, 2026-12-02: the shared helper raised the LIST's)."""
+    from faultproxy import s3_error
+
+    from s3capture.errors import StoreError
+
+    writer = fresh()
+    await _rollout_with_marker(writer)
+
+    async def rule(request: Any) -> Any:
+        if request.method == "GET" and "/log/e/" in request.path:
+            return s3_error(403, "AccessDenied", "no GET of entries")
+        if request.is_list and "start-after" in request.params:
+            return s3_error(403, "AccessDenied", "no LIST after the last key")
+        return None
+
+    proxy.rule = rule
+    with pytest.raises(StoreError, match=r"AccessDenied \(GET .*/log/e/") as raised:
+        await fresh(endpoint_url=proxy.endpoint).freeze("r")
+    assert "AccessDenied (LIST" in str(raised.value.__cause__), raised.value.__cause__
+
+
 async def test_a_read_snapshot_sees_the_marker_a_listing_cut_short_hides(fresh, proxy, bucket_url):
     writer = fresh()
     await _rollout_with_marker(writer)

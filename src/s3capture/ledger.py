@@ -332,7 +332,7 @@ class S3CaptureLedger(RolloutObjects):
             raise RecordError("ledger object bytes do not match the SHA-256 in their key")
         try:
             value: Any = msgspec.json.decode(data, type=kind)
-        except msgspec.DecodeError as error:
+        except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
             raise RecordError(f"not an s3capture ledger object: {error}") from None
         expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
         if value.format != expected:

@@ -417,7 +417,7 @@ class StagedCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Parse and ``verify()`` staged JSON bytes; ``ValueError`` for anything else."""
         try:
             staged = msgspec.json.decode(data, type=cls)
-        except msgspec.DecodeError as error:  # ValidationError included
+        except (msgspec.DecodeError, RecursionError) as error:  # ValidationError included; nested past the stack
             raise ValueError(f"not a staged call record: {error}") from None
         staged.verify()
         return staged

@@ -473,7 +473,7 @@ class S3TokenStore(RolloutObjects):
         if raw.startswith(b'{"chain":'):
             try:
                 envelope = msgspec.json.decode(raw, type=_Envelope)
-            except msgspec.DecodeError as error:
+            except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
                 raise RecordError(f"object is not an s3capture entry envelope: {error}") from None
             if envelope.format != _ENVELOPE_FORMAT:
                 raise RecordError(f"unknown envelope format {envelope.format!r}")
@@ -984,7 +984,7 @@ class S3TokenStore(RolloutObjects):
             )
         try:
             return msgspec.json.decode(data, type=_Manifest)
-        except msgspec.DecodeError as error:
+        except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
             raise StoreError(
                 f"sealed manifest {key} is not an s3capture manifest: {error} ({_MANIFEST_REMEDY})",
                 operation="GET",

@@ -214,7 +214,7 @@ def _manifest_names_of(data: str) -> tuple[str, ...]:
 def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
     try:
         manifest = msgspec.json.decode(raw, type=ShardManifest)
-    except msgspec.DecodeError as error:
+    except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
         raise ValueError(f"shard manifest {name} is not a valid export manifest: {error}") from None
     if manifest.format != MANIFEST_FORMAT:
         raise ValueError(f"shard manifest {name} has format {manifest.format!r}, expected {MANIFEST_FORMAT!r}")
