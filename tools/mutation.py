@@ -578,7 +578,7 @@ MUTANTS: list[Mutant] = [
     _m(
         "ledger-ignores-retire",
         LEDGER,
-        'return await self._get(prefix + "retired") is not None',
+        'return await self._present(prefix + "retired")',
         "return False",
         "a retired rollout's manifest and has_rows raise RolloutRetiredError, its resolve is UNRESOLVED",
         "tests/test_ledger.py",
@@ -684,6 +684,40 @@ MUTANTS: list[Mutant] = [
         "tests/test_listing_cut_short.py",
         "-k",
         "lost_its_claim",
+    ),
+    _m(
+        "put-accepts-any-depth",
+        RECORDS,
+        "    plain = _scan_plain([output_items, routed_experts], MAX_JSON_DEPTH, finite=True)\n"
+        "    return _scan_plain(extra or {}, MAX_JSON_DEPTH, finite=True) and plain",
+        "    plain = _scan_plain([output_items, routed_experts], None, finite=True)\n"
+        "    return _scan_plain(extra or {}, None, finite=True) and plain",
+        "put refuses content nested deeper than Gym's encoder writes (254 levels), which crashed readers",
+        "tests/test_adversarial_input.py",
+        "-k",
+        "deeper",
+    ),
+    _m(
+        "put-stores-non-finite-nested-floats-as-null",
+        RECORDS,
+        "    plain = _scan_plain([output_items, routed_experts], MAX_JSON_DEPTH, finite=True)\n"
+        "    return _scan_plain(extra or {}, MAX_JSON_DEPTH, finite=True) and plain",
+        "    plain = _scan_plain([output_items, routed_experts], MAX_JSON_DEPTH)\n"
+        "    return _scan_plain(extra or {}, MAX_JSON_DEPTH) and plain",
+        "put refuses NaN and infinities in free-form content (stored as null while the writer's cache kept them)",
+        "tests/test_adversarial_input.py",
+        "-k",
+        "non_finite",
+    ),
+    _m(
+        "drop-retries-a-settled-decisive-listing",
+        STORE,
+        'after = await self._scan(rollout_id, require=[tombstone], unless=["retired"])',
+        "after = await self._scan(rollout_id, require=[tombstone])",
+        "a drop whose tombstone a concurrent drop deleted answers False from its decisive listing",
+        "tests/test_concurrency.py",
+        "-k",
+        "tombstone_a_concurrent",
     ),
 ]
 
