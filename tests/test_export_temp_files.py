@@ -43,7 +43,9 @@ def test_only_the_old_temp_files_of_dead_exports_on_this_host_are_removed(tmp_pa
     kept = [
         plant(tmp_path, os.getpid(), shard=4),  # alive
         plant(tmp_path, dead_pid(), age=60.0, shard=5),  # written a minute ago: maybe another PID namespace's
-        plant(tmp_path, dead_pid(), host="another-node", shard=6),  # a temp folder shared between machines
+        plant(tmp_path, dead_pid(), host="another-node.ns1", shard=6),  # a temp folder shared between machines
+        plant(tmp_path, dead_pid(), host=_temp_host().replace(".ns", ".ns9"), shard=7),  # another PID namespace
+        plant(tmp_path, dead_pid(), host=_temp_host().replace(".", "_", 1), shard=8),  # a host name that differs
     ]
     others = [tmp_path / "s3capture-export-x-notapid-part-00001.tmp", tmp_path / "part-00001.parquet"]
     for path in others:

@@ -431,3 +431,34 @@ def test_call_record_fingerprints_as_gym_external_capture(gym: Any) -> None:
     assert bare.output_fingerprint is None and bare.fingerprint_version == 0 and bare.staging_key == "r/c0"
     with pytest.raises(ValueError):
         ours.call_record(staged, response_id="")
+
+
+@pytest.mark.parametrize("depth", [400, 900, 2000])
+def test_a_staged_record_with_extras_nested_past_the_stack_is_refused_with_value_error(depth: int) -> None:
+    """``StagedCall.decode`` of extras nested 400-990 deep raised RecursionError from the extras
+    digest (recursive), where its contract is ValueError: one hostile staged object crashed the
+    demo's verification, which catches ValueError (a breaker, 2026-12-02). ``stage_call`` with
+    such extras raises ValueError too."""
+    staged = ours.stage_call(
+        rollout_id="r",
+        model_call_id="c",
+        prompt_token_ids=[1],
+        generation_token_ids=[2],
+        generation_log_probs=[-0.5],
+        extras={"k": "@@"},
+    )
+    data = staged.encode().replace(b'"@@"', b"[" * depth + b"1" + b"]" * depth)
+    with pytest.raises(ValueError):
+        ours.StagedCall.decode(data)
+    deep: Any = 1
+    for _ in range(depth):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nest too deeply"):
+        ours.stage_call(
+            rollout_id="r",
+            model_call_id="c",
+            prompt_token_ids=[1],
+            generation_token_ids=[2],
+            generation_log_probs=[-0.5],
+            extras={"k": deep},
+        )

@@ -230,7 +230,7 @@ def _validate(value: Any, kind: type) -> Any:
                 # ``1e400`` is valid JSON that overflows a double: pydantic reads it as infinity
                 # (kept in free-form items, refused in float fields), so read it the same way.
                 value = _WIDE_FLOAT_JSON.decode(value)
-        except (msgspec.DecodeError, UnicodeEncodeError) as error:  # a str with a lone surrogate
+        except (msgspec.DecodeError, UnicodeEncodeError, RecursionError) as error:  # a lone surrogate; too deep
             raise RecordError(f"{kind.__name__} is not valid JSON: {error}") from None
     raw = _literal_floats(_builtins(value), kind)
     try:

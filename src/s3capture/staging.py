@@ -204,7 +204,8 @@ def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
 
     Values: ``None``, exact ``bool``/``int`` (signed 64-bit)/``float`` (finite)/``str``, lists and
     string-keyed dicts. Raises ``TypeError`` for any other type (tuples, bytes, numpy scalars) or a
-    non-mapping ``extras``, ``ValueError`` for NaN, infinity or an out-of-range int.
+    non-mapping ``extras``, ``ValueError`` for NaN, infinity, an out-of-range int or nesting too
+    deep for the encoder's recursion.
     """
     normalized: dict[str, Any] | None
     if extras is None:
@@ -213,7 +214,10 @@ def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
         normalized = dict(extras)
     else:
         raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
-    payload = struct.pack(">B", EXTRAS_DIGEST_VERSION) + _encode_extra(normalized)
+    try:
+        payload = struct.pack(">B", EXTRAS_DIGEST_VERSION) + _encode_extra(normalized)
+    except RecursionError:  # nested past the stack (a hostile staged object, or a caller's extras)
+        raise ValueError("extras nest too deeply to encode") from None
     return hashlib.sha256(_EXTRAS_DIGEST_DOMAIN + payload).hexdigest()
 
 

@@ -39,23 +39,30 @@ _S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(.+)-(\d{{1,10}})-part-\d{{5,}}.*\.tm
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
 one PUT: ``s3capture-export-<host>-<pid>-part-NNNNN...tmp``."""
 _S3_TEMP_STALE = 3600.0
-"""Seconds since its last write before a temp file of a dead process is removed: a process id is
-only meaningful in its own PID namespace (a container sharing the folder may reuse it)."""
+"""Seconds since its last write before a temp file of a dead process is removed: a margin on top
+of the host and PID namespace in its name."""
 
 
 def _temp_host() -> str:
-    """This machine's name as a temp file carries it (letters, digits, ``.`` and ``_`` only)."""
+    """This machine, as a temp file's name carries it: its host name (letters, digits, ``.`` and
+    ``-``; anything else as ``_``) and the id of this process's PID namespace (Linux; 0 elsewhere),
+    so that a process id is only judged in the namespace it belongs to (containers with the same
+    host name may share a temp folder)."""
     import socket
 
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{re.sub(r'[^A-Za-z0-9.-]', '_', socket.gethostname())[:64] or 'host'}.ns{namespace}"
 
 
 def remove_dead_exports_temp_files(folder: str | None = None, *, stale_after: float = _S3_TEMP_STALE) -> list[str]:
     """Remove the temp files that exports to ``s3://`` destinations killed on this machine left
     in ``folder`` (default: the system's temp folder). A file goes only when all of these hold:
-    it is a regular file this user owns, named for this host (a temp folder shared between
-    machines keeps other hosts' files), its process is gone, and nothing wrote it for
-    ``stale_after`` seconds (a process id is only meaningful in its own PID namespace). Never
+    it is a regular file this user owns, named for this host and PID namespace (a temp folder
+    shared between machines or containers keeps the others' files), its process is gone, and
+    nothing wrote it for ``stale_after`` seconds. Never
     raises: a file it cannot judge or remove stays. Returns the removed paths. Called when an
     export to an ``s3://`` destination starts."""
     folder = folder or tempfile.gettempdir()
