@@ -449,3 +449,23 @@ def test_missing_credentials_name_the_variables(
     assert err.count("\n") == 0 and "no AWS credentials found" in err, err
     if transport == "aioboto3":
         assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in err
+
+
+def test_an_ids_file_with_a_byte_order_mark_keeps_its_first_id(tmp_path) -> None:
+    """Notepad and PowerShell's Out-File start a UTF-8 file with a BOM; it stayed on the first id,
+    which then matched no rollout and was skipped (a breaker, 2026-12-02)."""
+    from s3capture.export import read_ids
+
+    path = tmp_path / "ids.txt"
+    path.write_bytes("\ufeffrun-1\r\nrun-2\r\n".encode())
+    assert read_ids(path) == ["run-1", "run-2"]
+
+
+@pytest.mark.parametrize("grace", [float("nan"), float("inf"), -1.0])
+def test_fence_grace_must_be_a_finite_number_of_seconds(grace: float) -> None:
+    """NaN passed the store's ``< 0`` check and turned off drop's wait and the slow-put fence
+    re-read (conformance --fence-grace nan passed every check); inf hung (a breaker, 2026-12-02)."""
+    from s3capture.store import S3TokenStore
+
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        S3TokenStore("s3://bucket/p", fence_grace=grace)

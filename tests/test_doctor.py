@@ -247,7 +247,15 @@ def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(
 
 
 async def test_diagnose_refuses_bad_arguments_before_any_request() -> None:
-    for url, samples in (("s3://b/p", 0), ("s3://b/p", 1001), ("http://b/p", 1), ("s3://b/root/rollouts/r1", 1)):
+    # A prefix with '..' or '//' segments, which every other command refuses, got "OK" (a breaker).
+    bad_prefixes = (("s3://b/x/..", 1), ("s3://b/a//b", 1))
+    for url, samples in (
+        ("s3://b/p", 0),
+        ("s3://b/p", 1001),
+        ("http://b/p", 1),
+        ("s3://b/root/rollouts/r1", 1),
+        *bad_prefixes,
+    ):
         with pytest.raises(ValueError):
             await diagnose(url, endpoint_url="http://127.0.0.1:1", samples=samples)
 

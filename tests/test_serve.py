@@ -186,6 +186,10 @@ def test_serve_rejects_a_bad_bucket_name_before_starting(capsys):
     err = capsys.readouterr().err
     assert "s3capture serve: error: 'no'" in err and "not a bucket name" in err
     assert "starting a local" not in err
+    # A URL where a name belongs said "the endpoint goes in --endpoint", an option serve lacks.
+    assert main(["serve", "--bucket", "s3://x"]) == 2
+    err = capsys.readouterr().err
+    assert "--bucket takes a bucket name" in err and "--endpoint" not in err
 
 
 @pytest.mark.parametrize(("prefix", "why"), [("a/rollouts", "'rollouts' segment"), ("a/../b", "'..' path segment")])

@@ -292,6 +292,56 @@ async def test_https_to_a_plain_http_server_says_to_use_http(s3_server, transpor
     assert "the server answers plain HTTP: use http:// in the endpoint" in str(failed.value), failed.value
 
 
+async def test_an_endpoint_that_accepts_but_never_answers_warns_at_the_first_retry(monkeypatch, caplog):
+    """A socket that accepts connections and never answers took about three minutes of silence
+    (read timeouts, retried) before the one-line error (a breaker, 2026-12-02): the first retry
+    now says so, naming the endpoint. aioboto3: botocore's retries are observed."""
+    import logging
+    import socket
+    import threading
+
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config
+
+    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])  # never answered
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    config = default_botocore_config(
+        4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}, read_timeout=0.5
+    )
+    transport = make_transport("aioboto3", "bkt", endpoint_url=endpoint, botocore_config=config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="s3capture"):
+            with pytest.raises(StoreError):
+                await transport.list_page("p/")
+    finally:
+        await transport.close()
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        server.close()
+    warnings = [r.getMessage() for r in caplog.records if "no answer from" in r.getMessage()]
+    assert len(warnings) == 1 and endpoint in warnings[0] and "attempt 2 of" in warnings[0], warnings
+
+
 async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_retries(
     transport_kind, monkeypatch, caplog
 ):

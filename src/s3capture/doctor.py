@@ -959,6 +959,7 @@ async def diagnose(
             f"{url} lies inside a root's rollouts (a 'rollouts' path segment): probe the root itself, "
             "or a prefix beside it"
         )
+    Layout(prefix)  # ValueError for a prefix no store accepts ('//', '.' or '..' segments, ...), as every command
     if not isinstance(samples, int) or not 1 <= samples <= 1000:
         raise ValueError(f"samples must be an integer from 1 to 1000, got {samples!r}")
     root = f"{prefix}/" if prefix else ""
@@ -1098,6 +1099,8 @@ async def _preflight(transport: Transport, extra_client: Callable[..., Any], pro
         except ClientError as error:
             raise transport._wrap(error, "LIST", probe_root) from None
         except BotoCoreError as error:
+            if type(error).__name__ == "NoCredentialsError":  # the same line as every other command's
+                raise transport._wrap(error, "LIST", probe_root) from None
             where = transport.endpoint_url or "AWS S3"
             raise StoreError(f"cannot reach {where}: {error}", operation="LIST", key=probe_root) from None
 

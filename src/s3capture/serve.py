@@ -101,6 +101,8 @@ def serve(kind: str = "moto", bucket: str = "s3capture", prefix: str = "capture"
 
     if kind not in SERVER_KINDS:
         raise ValueError(f"unknown server {kind!r}; choose from {', '.join(SERVER_KINDS)}")
+    if "/" in bucket or ":" in bucket:
+        raise ValueError(f"--bucket takes a bucket name such as my-bucket, not a URL or path: {bucket!r}")
     url = check_s3_url(f"s3://{bucket}/{prefix.strip('/')}" if prefix.strip("/") else f"s3://{bucket}")
     Layout(prefix)  # the prefix every store takes: no '.', '..', '//', backslash or 'rollouts' segment
     out = sys.stdout if out is None else out

@@ -31,6 +31,7 @@ import collections
 import hashlib
 import io
 import logging
+import math
 import os
 import struct
 import sys
@@ -375,8 +376,8 @@ class S3TokenStore(RolloutObjects):
         self._compressors = threading.local()
         self._compressor()  # a bad level fails here, not in the first put
         self._max_entry_bytes = max_entry_bytes
-        if fence_grace < 0:
-            raise ValueError("fence_grace must be >= 0 seconds")
+        if not 0 <= fence_grace < math.inf:  # NaN would turn off drop's wait and the slow-put re-read
+            raise ValueError(f"fence_grace must be a finite number of seconds >= 0, got {fence_grace!r}")
         self._fence_grace = fence_grace
         self._fence_seen: collections.OrderedDict[str, tuple[float, int, str]] = collections.OrderedDict()
         """rollout id -> (``time.monotonic()`` after this client's freeze's fence PUT returned, and

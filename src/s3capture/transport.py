@@ -98,12 +98,16 @@ def configured_endpoint(endpoint_url: str | None = None) -> str | None:
     return endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def warn_connect_retry(endpoint: str | None, error: BaseException, attempt: int, attempts: int) -> None:
+def warn_connect_retry(
+    endpoint: str | None, error: BaseException, attempt: int, attempts: int, *, no_answer: bool = False
+) -> None:
     """Log (at most once a minute per endpoint) that a request could not connect and is retried.
 
     Retries of connection errors are right for a store that blips, but with a wrong endpoint they
     take a quarter of a minute of silence before the error; this warning says at once what is
-    happening. ``attempt`` is the attempt that failed (1-based) of ``attempts``.
+    happening. ``attempt`` is the attempt that failed (1-based) of ``attempts``. ``no_answer``: the
+    request was sent on a connection but no answer came within the read timeout (an endpoint that
+    accepts connections and never answers took minutes of silence).
     """
     where = endpoint or "the AWS S3 endpoint"
     now = time.monotonic()
@@ -111,13 +115,13 @@ def warn_connect_retry(endpoint: str | None, error: BaseException, attempt: int,
         return
     _CONNECT_WARNED[where] = now
     reason = str(error).strip() or type(error).__name__
-    connect_log.warning(
-        "cannot connect to %s (%s); retrying, attempt %d of %d (check the endpoint: --endpoint or AWS_ENDPOINT_URL)",
-        where,
-        reason,
-        attempt + 1,
-        attempts,
+    what = (
+        "no answer from %s within the read timeout (%s); retrying, attempt %d of %d (an endpoint that accepts "
+        "connections but does not answer, or an overloaded store)"
+        if no_answer
+        else "cannot connect to %s (%s); retrying, attempt %d of %d (check the endpoint: --endpoint or AWS_ENDPOINT_URL)"
     )
+    connect_log.warning(what, where, reason, attempt + 1, attempts)
 
 
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -1083,15 +1087,17 @@ class S3Transport(Transport):
 
     def _note_retry(self, attempts: int = 0, caught_exception: Any = None, **_: Any) -> None:
         """Observes botocore's retry decision (returns nothing, so decides nothing): warns when
-        a request could not connect and attempts remain."""
+        a request could not connect, or got no answer in time, and attempts remain."""
         from botocore.exceptions import ConnectionError as BotocoreConnectionError
+        from botocore.exceptions import ReadTimeoutError
 
-        if isinstance(caught_exception, BotocoreConnectionError):
+        if isinstance(caught_exception, (BotocoreConnectionError, ReadTimeoutError)):
             retries = getattr(self._config, "retries", None) or {}
             # botocore's max_attempts counts retries; total_max_attempts counts the first try too
             limit = int(retries.get("total_max_attempts") or (int(retries.get("max_attempts") or 2) + 1))
             if attempts < limit:
-                warn_connect_retry(self.endpoint_url, caught_exception, attempts, limit)
+                no_answer = isinstance(caught_exception, ReadTimeoutError)
+                warn_connect_retry(self.endpoint_url, caught_exception, attempts, limit, no_answer=no_answer)
 
     async def _refresh(self, state: _LoopState, generation: int) -> bool:
         """After an expired-token answer: resolve the standard credential chain again and rebuild

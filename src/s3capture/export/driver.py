@@ -144,7 +144,7 @@ def read_ids(path: str | os.PathLike) -> list[str]:
     """Rollout ids of an ``--ids`` file: one per line; blank lines and lines starting with ``#``
     are ignored, surrounding whitespace is stripped. ``ValueError`` for an unreadable or empty file."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a BOM (Notepad, PowerShell) is not part of an id
             ids = [line.strip() for line in handle]
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--ids {path}: cannot read it: {error}") from None
