@@ -469,3 +469,13 @@ def test_fence_grace_must_be_a_finite_number_of_seconds(grace: float) -> None:
 
     with pytest.raises(ValueError, match="finite number of seconds"):
         S3TokenStore("s3://bucket/p", fence_grace=grace)
+
+
+def test_conformance_checks_its_endpoint_like_the_other_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    """``conformance --endpoint http://user:pw@host`` retried for 13 s, then failed with an HTTP
+    client error; ``doctor`` and ``export`` refuse such a value at once (a breaker, 2026-12-02)."""
+    from s3capture.cli import main
+
+    assert main(["conformance", "s3://b/p", "--endpoint", "http://user:pw@127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "takes no user name or password" in err and err.count("\n") == 1

@@ -598,7 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
         "store that cannot be used at all (missing bucket, refused credentials, unreachable endpoint).",
     )
     check.add_argument("url", nargs="?", help="s3://bucket/prefix to check (default: an embedded moto server)")
-    check.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)")
+    check.add_argument(
+        "--endpoint", type=_argument(check_endpoint), help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)"
+    )
     check.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable)")
     check.add_argument("--list", action="store_true", help="print the names of the checks and exit")
     check.add_argument(
