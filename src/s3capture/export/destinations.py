@@ -37,7 +37,7 @@ _LOCK = ".s3capture-export.lock"
 _S3_TEMP_PREFIX = "s3capture-export-"
 _S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(.+)-(\d{{1,10}})-part-\d{{5,}}.*\.tmp$")
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
-one PUT: ``s3capture-export-<host>-<pid>-part-NNNNN...tmp``."""
+one PUT: ``s3capture-export-<host>.ns<PID namespace>-<pid>-part-NNNNN...tmp`` (``_temp_host``)."""
 _S3_TEMP_STALE = 3600.0
 """Seconds since its last write before a temp file of a dead process is removed: a margin on top
 of the host and PID namespace in its name."""
