@@ -46,8 +46,8 @@ _encoder = msgspec.json.Encoder(order="sorted")
 
 
 _BIG_FLOAT = 1e16
-_INFINITY = float("inf")
 """From here on msgspec writes ``1e16`` where orjson (and so Gym) writes ``1e+16``."""
+_INFINITY = float("inf")
 
 
 _JSON_TYPES = (bool, str, float, int, dict, list, tuple)

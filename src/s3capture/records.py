@@ -35,10 +35,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from s3capture.fingerprint import (
-    MAX_JSON_DEPTH,
-    _scan_plain,
-)  # no import cycle: fingerprint imports no s3capture module
+# No import cycle: fingerprint imports no s3capture module.
+from s3capture.fingerprint import MAX_JSON_DEPTH, _scan_plain
 
 __all__ = [
     "TOKEN_ENTRY_RECORD_SCHEMA_VERSION",

@@ -99,7 +99,6 @@ def _process_alive(pid: int) -> bool:
     except (OSError, OverflowError):  # e.g. PermissionError: it exists, owned by someone else
         return True
     return True
-    return True
 
 
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
