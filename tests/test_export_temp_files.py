@@ -18,7 +18,8 @@ pytest.importorskip("pyarrow")
 
 from helpers import simple_entry, split_bucket_url
 from s3capture.export import export
-from s3capture.export.destinations import _temp_host, remove_dead_exports_temp_files
+from s3capture.export.destinations import remove_dead_exports_temp_files
+from s3capture.leftovers import host_tag as _temp_host
 
 HOUR = 3600.0
 

@@ -189,3 +189,91 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_only_old_server_folders_of_dead_processes_on_this_host_are_removed(tmp_path) -> None:
+    """The sweep a server start runs: a folder goes only when its starting process is gone, it is
+    named for this host and PID namespace, and nothing in it was written for a while."""
+    import time
+
+    from s3capture.leftovers import host_tag
+    from s3capture.localserver import remove_dead_server_dirs
+
+    def plant(
+        pid: int, *, tag: str | None = None, kind: str = "weed", age: float = 3600.0, log_age: float | None = None
+    ):
+        folder = tmp_path / f"s3capture-{kind}-{tag or host_tag(short=True)}-{pid}-abc123"
+        folder.mkdir()
+        log = folder / "weed.log"
+        log.write_text("log")
+        (folder / "data").mkdir()
+        (folder / "data" / "volume.dat").write_bytes(b"x" * 10)
+        then = time.time() - age
+        os.utime(folder, (then, then))
+        os.utime(folder / "data", (then, then))
+        log_then = time.time() - (age if log_age is None else log_age)
+        os.utime(log, (log_then, log_then))
+        return folder
+
+    dead = [plant(_dead_pid()), plant(_dead_pid(), kind="ceph")]
+    kept = [
+        plant(os.getpid()),  # its process is alive
+        plant(_dead_pid(), tag="0123456789"),  # another host or PID namespace
+        plant(_dead_pid(), age=60.0),  # written a minute ago
+        plant(_dead_pid(), log_age=5.0),  # its log written seconds ago
+    ]
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / f"s3capture-weed-{host_tag(short=True)}-{_dead_pid()}-link"
+    link.symlink_to(target, target_is_directory=True)  # never followed or removed
+    plain = tmp_path / f"s3capture-weed-{host_tag(short=True)}-{_dead_pid()}-file"
+    plain.write_text("a file, not a server folder")
+    assert sorted(remove_dead_server_dirs(str(tmp_path))) == sorted(str(path) for path in dead)
+    assert not any(path.exists() for path in dead)
+    assert all(path.is_dir() for path in kept) and link.is_symlink() and target.is_dir() and plain.is_file()
+    assert remove_dead_server_dirs(str(tmp_path / "no-such-folder")) == []
+
+
+def test_a_killed_process_s_seaweedfs_folder_is_swept_by_the_next_start(tmp_path) -> None:
+    """A process that started SeaweedFS and was killed with SIGKILL left the server's folder (data,
+    log, sockets) in the temp folder; the server died with it, and the next sweep removes it."""
+    import subprocess
+    import sys
+    import time
+
+    from s3capture.localserver import remove_dead_server_dirs
+
+    from s3capture.localserver import _find_weed
+
+    skip_unless_selected("seaweedfs")
+    try:
+        _find_weed()
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    script = (
+        "import os, signal, sys\n"
+        "from s3capture.localserver import start_seaweedfs\n"
+        "server = start_seaweedfs()\n"
+        "print(server.data_dir, server._process.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    data_dir, weed_pid = done.stdout.split()
+    assert os.path.isdir(data_dir) and os.path.dirname(data_dir) == str(tmp_path)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{weed_pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the server dies with its parent (PR_SET_PDEATHSIG)
+    assert remove_dead_server_dirs(str(tmp_path)) == []  # just written: kept
+    assert remove_dead_server_dirs(str(tmp_path), stale_after=0.0) == [data_dir]
+    assert not os.path.exists(data_dir)

@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from s3capture import leftovers
 from s3capture.errors import install_hint
 
 __all__ = [
@@ -520,8 +521,9 @@ def start_seaweedfs(
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
         raise ServerUnavailable(f"SeaweedFS binary {binary!r} does not exist or is not executable")
     last_error = ""
+    remove_dead_server_dirs()
     for attempt in range(1, _WEED_START_ATTEMPTS + 1):
-        data_dir = tempfile.mkdtemp(prefix="s3capture-weed-")
+        data_dir = tempfile.mkdtemp(prefix=_server_dir_prefix("weed"))
         try:
             ports = _pick_weed_ports(len(_WEED_PORT_FLAGS))
         except RuntimeError:
@@ -622,6 +624,34 @@ def start_seaweedfs(
                 )
             time.sleep(0.1)
     raise RuntimeError(f"SeaweedFS could not start after {_WEED_START_ATTEMPTS} attempts: {last_error}")
+
+
+_SERVER_DIR = re.compile(r"^s3capture-(?:weed|ceph)-(?P<host>[0-9a-f]{10})-(?P<pid>\d{1,10})-[^/]+$")
+"""The temp folder of a SeaweedFS or Ceph server this module started:
+``s3capture-<weed|ceph>-<short host tag>-<pid of the starting process>-<random>``."""
+SERVER_DIR_STALE = 600.0
+"""Seconds since the last write to a dead process's server folder before it is removed."""
+
+
+def _server_dir_prefix(kind: str) -> str:
+    return f"s3capture-{kind}-{leftovers.host_tag(short=True)}-{os.getpid()}-"
+
+
+def remove_dead_server_dirs(folder: str | None = None, *, stale_after: float = SERVER_DIR_STALE) -> list[str]:
+    """Remove the temp folders (data, logs, sockets) of SeaweedFS and Ceph servers that this
+    module started in processes since killed (SIGKILL skips :meth:`LocalS3Server.stop`; the
+    servers die with them, by ``PR_SET_PDEATHSIG``). A folder goes only when it is this user's,
+    named for this host and PID namespace, its starting process is gone, and nothing in it was
+    written for ``stale_after`` seconds (``s3capture.leftovers.remove_dead``). ``folder``
+    defaults to the system's temp folder. Never raises; returns the removed paths. Called when a
+    server starts."""
+    return leftovers.remove_dead(
+        folder or tempfile.gettempdir(),
+        _SERVER_DIR,
+        host=leftovers.host_tag(short=True),
+        stale_after=stale_after,
+        directories=True,
+    )
 
 
 def _find_weed() -> str:
@@ -872,9 +902,10 @@ class _CephPortTrouble(RuntimeError):
 def _start_ceph_once(ports: tuple[int, ...], memstore_bytes: int, deadline: float, attempt: int) -> LocalS3Server:
     rgw_port, mon_v2, mon_v1 = ports
     tmp_root = tempfile.gettempdir()
-    if len(tmp_root) > 60:  # admin sockets live in the base dir; sun_path holds 107 bytes
+    if len(tmp_root) > 40:  # admin sockets live in the base dir; sun_path holds 107 bytes
         tmp_root = "/tmp"
-    base = tempfile.mkdtemp(prefix="s3capture-ceph-", dir=tmp_root)
+    remove_dead_server_dirs(tmp_root)
+    base = tempfile.mkdtemp(prefix=_server_dir_prefix("ceph"), dir=tmp_root)
     for sub in ("mon.a", "osd.0", "run", "log", "rgw"):
         os.mkdir(os.path.join(base, sub))
     conf = os.path.join(base, "ceph.conf")

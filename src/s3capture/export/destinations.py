@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from s3capture import leftovers
 from s3capture.errors import StoreError
 from s3capture.export.records import MANIFEST_FORMAT, ExportJob, ShardManifest
 
@@ -35,26 +36,13 @@ data files would look unfinished and be removed."""
 _TEMP = re.compile(r"^\._?part-\d{5,}.*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 _S3_TEMP_PREFIX = "s3capture-export-"
-_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(.+)-(\d{{1,10}})-part-\d{{5,}}.*\.tmp$")
+_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(?P<host>.+)-(?P<pid>\d{{1,10}})-part-\d{{5,}}.*\.tmp$")
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
-one PUT: ``s3capture-export-<host>.ns<PID namespace>-<pid>-part-NNNNN...tmp`` (``_temp_host``)."""
+one PUT: ``s3capture-export-<host>.ns<PID namespace>-<pid>-part-NNNNN...tmp``
+(``s3capture.leftovers.host_tag``)."""
 _S3_TEMP_STALE = 3600.0
 """Seconds since its last write before a temp file of a dead process is removed: a margin on top
 of the host and PID namespace in its name."""
-
-
-def _temp_host() -> str:
-    """This machine, as a temp file's name carries it: its host name (letters, digits, ``.`` and
-    ``-``; anything else as ``_``) and the id of this process's PID namespace (Linux; 0 elsewhere),
-    so that a process id is only judged in the namespace it belongs to (containers with the same
-    host name may share a temp folder)."""
-    import socket
-
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        namespace = 0
-    return f"{re.sub(r'[^A-Za-z0-9.-]', '_', socket.gethostname())[:64] or 'host'}.ns{namespace}"
 
 
 def remove_dead_exports_temp_files(folder: str | None = None, *, stale_after: float = _S3_TEMP_STALE) -> list[str]:
@@ -62,43 +50,16 @@ def remove_dead_exports_temp_files(folder: str | None = None, *, stale_after: fl
     in ``folder`` (default: the system's temp folder). A file goes only when all of these hold:
     it is a regular file this user owns, named for this host and PID namespace (a temp folder
     shared between machines or containers keeps the others' files), its process is gone, and
-    nothing wrote it for ``stale_after`` seconds. Never
+    nothing wrote it for ``stale_after`` seconds (``s3capture.leftovers.remove_dead``). Never
     raises: a file it cannot judge or remove stays. Returns the removed paths. Called when an
     export to an ``s3://`` destination starts."""
     folder = folder or tempfile.gettempdir()
-    removed: list[str] = []
-    host, uid, now = _temp_host(), getattr(os, "getuid", lambda: None)(), time.time()
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _S3_TEMP.match(entry.name)
-        if match is None or match[1] != host:
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-            if not entry.is_file(follow_symlinks=False) or (uid is not None and info.st_uid != uid):
-                continue
-            if now - info.st_mtime < stale_after or _process_alive(int(match[2])):
-                continue
-            os.unlink(entry.path)
-        except OSError:
-            continue
-        removed.append(entry.path)
+    removed = leftovers.remove_dead(
+        folder, _S3_TEMP, host=leftovers.host_tag(), stale_after=stale_after, directories=False
+    )
     if removed:
         _log.info("removed %d temp file(s) of killed exports from %s", len(removed), folder)
     return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # e.g. PermissionError: it exists, owned by someone else
-        return True
-    return True
 
 
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
@@ -599,7 +560,9 @@ class _S3Destination(_Destination):
 
     def temp_path(self, name: str) -> str:
         # The host and process id in the name let a later export remove what a killed one left.
-        fd, path = tempfile.mkstemp(prefix=f"{_S3_TEMP_PREFIX}{_temp_host()}-{os.getpid()}-{name}.", suffix=".tmp")
+        fd, path = tempfile.mkstemp(
+            prefix=f"{_S3_TEMP_PREFIX}{leftovers.host_tag()}-{os.getpid()}-{name}.", suffix=".tmp"
+        )
         os.close(fd)
         return path
 
