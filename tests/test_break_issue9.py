@@ -715,3 +715,54 @@ async def test_a_killed_worker_stops_the_export_with_a_run_failure_and_a_rerun_r
     assert again.ok, format_summary(again)
     rows = rows_of(dest)
     assert sorted(row["rollout_id"] for row in rows) == ids  # every rollout once
+
+
+async def test_an_export_that_locked_a_lock_file_a_failed_export_removed_takes_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed export removes the lock file it created before it releases its ``flock``. An export
+    that had opened that file just before got its ``flock`` on the removed file, and a third export
+    then created a new lock file and locked that too: two exports held one folder, and the
+    second's start-of-run scan could remove the third's data file before its manifest was written.
+    Found by a concurrency breaker; the window between open and flock is widened with a sleep."""
+    import fcntl
+    import threading
+
+    from s3capture.export import destinations
+
+    folder = str(tmp_path / "out")
+    first = destinations._LocalDestination(folder)
+    await first.lock()
+    real_flock, opened = fcntl.flock, threading.Event()
+
+    def slow_flock(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_EX and threading.current_thread().name == "second":
+            opened.set()
+            time.sleep(0.5)  # the second export has opened the lock file; the first fails meanwhile
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", slow_flock)
+    second = destinations._LocalDestination(folder)
+    outcome: dict[str, Any] = {}
+
+    def take() -> None:
+        try:
+            asyncio.run(second.lock())
+            outcome["locked"] = True
+        except ValueError as error:
+            outcome["refused"] = error
+
+    thread = threading.Thread(target=take, name="second")
+    thread.start()
+    assert await asyncio.to_thread(opened.wait, 10)
+    await first.close(failed=True)  # the first export failed: its folder and lock file go
+    await asyncio.to_thread(thread.join, 10)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert outcome == {"locked": True}
+    held = os.fstat(second._lock.fileno())
+    there = os.stat(os.path.join(folder, destinations._LOCK))
+    assert (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)  # the lock file others will open
+    third = destinations._LocalDestination(folder)
+    with pytest.raises(ValueError, match="another export"):
+        await third.lock()
+    await second.close()

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from helpers import list_keys, simple_entry, split_bucket_url
 
+import s3capture.clocks
 from s3capture.cli import main
 from s3capture.ops import GcAction, format_rollout_row, gc, status
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
@@ -330,6 +331,7 @@ class _ClockAhead:
 
     monotonic = staticmethod(time.monotonic)
     perf_counter = staticmethod(time.perf_counter)
+    clock_gettime = staticmethod(time.clock_gettime)
 
     @staticmethod
     def time() -> float:
@@ -375,7 +377,7 @@ async def test_a_clock_running_ahead_does_not_age_what_gc_and_status_see(
     assert before  # fence and tombstone
 
     store = fresh()
-    monkeypatch.setattr(ops, "time", _ClockAhead)
+    monkeypatch.setattr(s3capture.clocks, "time", _ClockAhead)  # store_time's "this machine's clock"
     report = await gc(store, 3600.0, dry_run=False)
     # By this machine's clock everything is a day old; by the store's it was written just now.
     assert (report.retired_seen, report.too_young, report.deleted_rollouts, report.abandoned) == (1, 1, 0, 0)
@@ -392,11 +394,10 @@ async def test_a_clock_running_ahead_does_not_age_what_gc_and_status_see(
 async def test_export_min_age_is_not_fooled_by_a_clock_running_ahead(
     fresh: Any, bucket_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import s3capture.ops as ops
     from s3capture.export import export
 
     await fresh().put(simple_entry("open-a", "c1"))
-    monkeypatch.setattr(ops, "time", _ClockAhead)
+    monkeypatch.setattr(s3capture.clocks, "time", _ClockAhead)  # store_time's "this machine's clock"
     young = await export(bucket_url, str(tmp_path / "out"), workers=0, min_age=3600)
     assert (young.exported, young.skipped, young.skipped_reasons) == (0, 1, {"not_quiescent": 1})
 

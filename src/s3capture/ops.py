@@ -48,12 +48,12 @@ import contextlib
 import datetime
 import math
 import sys
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
 
+from s3capture.clocks import store_time
 from s3capture.layout import escape_controls, printable_id
 from s3capture.rollouts import ROLLOUT_STATES, RolloutInfo, RolloutObjects
 from s3capture.transport import ListedObject
@@ -97,7 +97,9 @@ class OldestOpen(msgspec.Struct, kw_only=True):
     rollout_id: str
     last_write: datetime.datetime
     age_seconds: float
-    """``store_time`` now minus ``last_write`` (the store's clock), in seconds."""
+    """The time its listing was answered (``RolloutInfo.listed_at``, or the ``now`` given) minus
+    ``last_write`` (the store's clock), in seconds; negative when the store stamped the write
+    after that time (its nodes' clocks disagree)."""
 
 
 class StoreStatus(msgspec.Struct, kw_only=True):
@@ -198,24 +200,19 @@ def _age(now: float, modified: float) -> float:
     return now - modified
 
 
-def _clock(store: Any, now: float | None) -> Callable[[], float]:
-    """Seconds since the epoch to take ages at: ``now`` when given, else ``store_time(store)``."""
+def _clock(store: Any, now: float | None) -> Callable[..., float]:
+    """Seconds since the epoch to take ages at: ``now`` when given, else the time the listing of
+    ``info`` (an optional argument) was answered (``RolloutInfo.listed_at``), else
+    ``store_time(store)``. An age taken when a listed rollout's turn comes would grow by however
+    long the work before it took, and make a rollout written just before its listing look old."""
     if now is not None:
-        return lambda: now
-    return lambda: store_time(store)
+        return lambda info=None: now
 
+    def clock(info: RolloutInfo | None = None) -> float:
+        listed_at = getattr(info, "listed_at", None)
+        return listed_at if listed_at else store_time(store)
 
-def store_time(store: Any) -> float:
-    """The earlier of the store's clock (the ``Date`` of its newest LIST answer,
-    ``Transport.store_now``) and this machine's, in seconds since the epoch: ages against the
-    store's ``LastModified`` taken at this time are never overstated by a clock that runs ahead,
-    this machine's or a ``Date`` header's (an age decides what ``gc`` deletes and what ``export
-    --min-age`` reads as quiescent)."""
-    transport = getattr(store, "transport", None)
-    store_now = getattr(transport, "store_now", None)
-    value = store_now() if store_now is not None else None
-    local = time.time()
-    return local if value is None else min(value, local)
+    return clock
 
 
 def _newest(items: Iterable[ListedObject]) -> float:
@@ -271,7 +268,7 @@ async def status(
     """
     clock = _clock(store, now)
     result = StoreStatus(url=store.url, states={state: StateCounts() for state in ROLLOUT_STATES})
-    oldest: tuple[float, str] | None = None
+    oldest: tuple[float, str, float] | None = None  # (LastModified, rollout id, listed at)
     pending: set[asyncio.Task[None]] = set()
     limit = asyncio.Semaphore(_MANIFEST_CONCURRENCY)
 
@@ -312,7 +309,7 @@ async def status(
                     if info.last_write is not None:
                         stamp = info.last_write.timestamp()
                         if oldest is None or stamp < oldest[0]:
-                            oldest = (stamp, info.rollout_id)
+                            oldest = (stamp, info.rollout_id, clock(info))
                 elif info.state == "frozen":
                     if rels == ["fence"]:
                         result.bare_fences += 1
@@ -343,7 +340,7 @@ async def status(
         result.oldest_open = OldestOpen(
             rollout_id=oldest[1],
             last_write=_when(oldest[0]) or datetime.datetime.now(datetime.timezone.utc),
-            age_seconds=round(clock() - oldest[0], 3),
+            age_seconds=round(oldest[2] - oldest[0], 3),
         )
     result.masked_by_reason = dict(sorted(result.masked_by_reason.items(), key=lambda kv: (-kv[1], kv[0])))
     return result
@@ -411,7 +408,10 @@ async def gc(
             async for info, items in listed:
                 bar.update(1)
                 if info.state == "open":
-                    if info.last_write is not None and _age(clock(), info.last_write.timestamp()) >= abandoned_after:
+                    if (
+                        info.last_write is not None
+                        and _age(clock(info), info.last_write.timestamp()) >= abandoned_after
+                    ):
                         report.abandoned += 1
                         report.abandoned_bytes += info.bytes
                         emit(
@@ -422,7 +422,7 @@ async def gc(
                                 objects=info.objects,
                                 bytes=info.bytes,
                                 last_write=info.last_write,
-                                reason=f"open, quiet for {_age(clock(), info.last_write.timestamp()):.0f}s",
+                                reason=f"open, quiet for {_age(clock(info), info.last_write.timestamp()):.0f}s",
                             )
                         )
                     continue
@@ -434,7 +434,7 @@ async def gc(
                 elif not bare_fence:
                     continue  # frozen: its consumer drops it
                 newest = _newest(items)
-                if newest <= 0 or _age(clock(), newest) < older_than:
+                if newest <= 0 or _age(clock(info), newest) < older_than:
                     report.too_young += 1
                     continue
                 await _collect_one(store, info, items, rollout_prefix, bare_fence, dry_run, report, emit)
@@ -585,6 +585,14 @@ def format_rollout_row(info: RolloutInfo | None, *, table: bool) -> str:
     )
 
 
+def _ago(seconds: float) -> str:
+    """An age for people: ``"5.0m ago"``; a negative one (a write stamped after the listing's
+    time: the clocks of the store's nodes disagree) says so instead of "0s ago"."""
+    if seconds < 0:
+        return f"{_duration(-seconds)} in the future by the store's clock: its nodes' clocks disagree"
+    return f"{_duration(seconds)} ago"
+
+
 def _duration(seconds: float) -> str:
     seconds = max(0.0, seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -632,7 +640,7 @@ def format_status(s: StoreStatus) -> str:
     if s.oldest_open is not None:
         o = s.oldest_open
         lines.append(
-            f"oldest open rollout: {printable_id(o.rollout_id)} (last write {_stamp(o.last_write)}, {_duration(o.age_seconds)} ago)"
+            f"oldest open rollout: {printable_id(o.rollout_id)} (last write {_stamp(o.last_write)}, {_ago(o.age_seconds)})"
         )
     else:
         lines.append("oldest open rollout: none")

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from urllib.parse import urlparse
 import msgspec
 
 from s3capture.cache import LRU
+from s3capture.clocks import awake_clock, store_time
 from s3capture.errors import ListingError, StoreError
 from s3capture.layout import MAX_KEY_BYTES, Layout, escape_id, is_checkpoint_rel, parse_log_key, unescape_id
 from s3capture.protocols import RolloutRemovalPayload
@@ -95,6 +95,11 @@ class RolloutInfo(msgspec.Struct, frozen=True, kw_only=True):
     last_write: datetime.datetime | None
     """Newest LastModified among those objects (UTC, tz-aware, by the store's clock); ``None`` when
     none is counted or the store reports no times."""
+    listed_at: float | None = None
+    """When the LIST page that first showed the rollout's keys was answered, in seconds since the
+    epoch at ``s3capture.clocks.store_time`` (the earlier of the store's clock and this
+    machine's): the moment the listed state is known to hold, so its age is ``listed_at -
+    last_write`` however long a caller took to get to it. ``None`` from listings that predate it."""
     version: int = 0
     """Token store: the ``version`` a freeze of the listed state would give (log plus foreign objects)."""
     snapshot_id: str = ""
@@ -140,7 +145,7 @@ class RolloutScan:
     """Delta checkpoints (``cum/<digest>.zst``): derived from entries, so outside the version and
     the snapshot id, but removed with the rest."""
     seen_at: float = 0.0
-    """``time.monotonic()`` when the listing returned (this client's clock)."""
+    """``s3capture.clocks.awake_clock()`` when the listing returned (this client's clock)."""
 
     @property
     def records(self) -> list[ListedObject]:
@@ -461,7 +466,7 @@ class RolloutObjects:
         if len(list_prefix.encode()) > MAX_KEY_BYTES:
             return  # no key can be that long: nothing to list
         async with contextlib.aclosing(self._rollout_groups(base, list_prefix)) as groups:
-            async for segment, items in groups:
+            async for segment, items, listed_at in groups:
                 try:
                     rollout_id = unescape_id(segment)
                 except ValueError:
@@ -474,14 +479,15 @@ class RolloutObjects:
                     continue  # an id no client could store (empty, or too long): foreign keys
                 if not rollout_id.startswith(prefix):
                     continue
-                info = self._rollout_info(rollout_id, scan_listing(rollout_prefix, items))
+                info = self._rollout_info(rollout_id, scan_listing(rollout_prefix, items), listed_at=listed_at)
                 if info is not None and info.state in states:
                     yield info, items
 
     async def _rollout_groups(
         self, base: str, list_prefix: str
-    ) -> AsyncGenerator[tuple[str, list[ListedObject]], None]:
-        """``(escaped segment, its listed objects)`` per rollout prefix under ``base``, from one
+    ) -> AsyncGenerator[tuple[str, list[ListedObject], float], None]:
+        """``(escaped segment, its listed objects, listed_at)`` per rollout prefix under ``base``
+        (``listed_at``: ``store_time`` when the page holding its first key arrived), from one
         paged LIST of ``list_prefix`` (each page verified and retried by the transport), one page
         fetched ahead. A rollout's keys are consecutive in every listing order, so a rollout ends
         where the next begins; a segment that is not after the previous one (``_segment_after``) or
@@ -491,6 +497,7 @@ class RolloutObjects:
         segment: str | None = None
         items: list[ListedObject] = []
         seen: set[str] = set()
+        listed_at = 0.0
         previous_token: str | None = None
         first_key: str | None = None
         last_key: str | None = None
@@ -501,6 +508,7 @@ class RolloutObjects:
         try:
             while pending is not None:
                 page = await pending
+                page_time = store_time(self)  # after the page's Date is noted: RolloutInfo.listed_at
                 pending = None
                 if confirming and page.objects:
                     key = page.objects[0].key
@@ -554,8 +562,8 @@ class RolloutObjects:
                                     operation="LIST",
                                     key=list_prefix,
                                 )
-                            yield segment, items
-                        segment, items, seen = current, [], set()
+                            yield segment, items, listed_at
+                        segment, items, seen, listed_at = current, [], set(), page_time
                     if item.key in seen:
                         raise ListingError(
                             f"LIST {list_prefix!r} returned key {item.key!r} twice", operation="LIST", key=list_prefix
@@ -563,7 +571,7 @@ class RolloutObjects:
                     seen.add(item.key)
                     items.append(item)
             if segment is not None:
-                yield segment, items
+                yield segment, items, listed_at
         finally:
             if pending is not None:
                 await cancel_unfinished(pending)  # the page nobody will read
@@ -577,7 +585,9 @@ class RolloutObjects:
         """Extra ``RolloutInfo`` fields (the token store adds version, snapshot id and sealed)."""
         return {}
 
-    def _rollout_info(self, rollout_id: str, scan: RolloutScan) -> RolloutInfo | None:
+    def _rollout_info(
+        self, rollout_id: str, scan: RolloutScan, *, listed_at: float | None = None
+    ) -> RolloutInfo | None:
         """The ``RolloutInfo`` of one listed rollout; ``None`` when nothing of this client's is there."""
         owned = self._owned(scan)
         if not owned and not scan.fence and not scan.retired:
@@ -589,6 +599,7 @@ class RolloutObjects:
             objects=len(owned),
             bytes=sum(item.size for item in owned),
             last_write=_last_write(owned),
+            listed_at=listed_at,
             **self._snapshot_fields(scan),
         )
 
@@ -608,7 +619,7 @@ class RolloutObjects:
             unless=[prefix + rel for rel in unless],
             confirm_end=True,
         )
-        return scan_listing(prefix, listing, seen_at=time.monotonic())
+        return scan_listing(prefix, listing, seen_at=awake_clock())
 
     async def _present(self, key: str) -> bool:
         """Whether the fence or tombstone ``key`` exists (one GET, at most ``_MARKER_READ_LIMIT``

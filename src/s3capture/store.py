@@ -46,6 +46,7 @@ from s3capture import fingerprint as _fp
 from s3capture.cache import CallKeys
 from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
+from s3capture.clocks import awake_clock
 from s3capture.errors import ListingError, SnapshotNotSealedError, StoreError, install_hint
 from s3capture.layout import (
     checkpoint_rel,
@@ -264,7 +265,7 @@ class S3TokenStore(RolloutObjects):
             raise ValueError(f"fence_grace must be a finite number of seconds >= 0, got {fence_grace!r}")
         self._fence_grace = fence_grace
         self._fence_seen: collections.OrderedDict[str, tuple[float, int, str]] = collections.OrderedDict()
-        """rollout id -> (``time.monotonic()`` after this client's freeze's fence PUT returned, and
+        """rollout id -> (``awake_clock()`` after this client's freeze's fence PUT returned, and
         that freeze's version and snapshot id); bounded. ``drop`` trusts the time only for that
         exact snapshot, so a stale record (the id deleted and reused by another client) is never
         used to shorten its wait."""
@@ -452,9 +453,9 @@ class S3TokenStore(RolloutObjects):
             requests.append(
                 self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint)))
             )
-        started = time.monotonic()
+        started = awake_clock()
         state = (await asyncio.gather(*requests))[1]
-        if state == "open" and time.monotonic() - started > self._fence_grace:
+        if state == "open" and awake_clock() - started > self._fence_grace:
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.
             state = await self._fence_state(prefix)
@@ -613,7 +614,7 @@ class S3TokenStore(RolloutObjects):
         prefix = self.layout.rollout(rollout_id)
         cid = self.layout.marker_call_segment(prefix, model_call_id)
         key = f"{prefix}log/x/{cid}/{time.time_ns():020d}-{uuid.uuid4().hex}"
-        started = time.monotonic()
+        started = awake_clock()
         try:
             stored, state = await asyncio.gather(self._put(key, b""), self._fence_state(prefix), return_exceptions=True)
         except asyncio.CancelledError:
@@ -629,7 +630,7 @@ class S3TokenStore(RolloutObjects):
             if not isinstance(stored, Exception):
                 raise stored
             return
-        if state != "open" or time.monotonic() - started > self._fence_grace:
+        if state != "open" or awake_clock() - started > self._fence_grace:
             # After a freeze a drop may be racing: only reads after landing tell whether the marker
             # could still invalidate the consumed snapshot. The fence alone cannot: a freeze of a
             # retired rollout rewrites it as "frozen" until its LIST shows it the tombstone, and a
@@ -687,7 +688,7 @@ class S3TokenStore(RolloutObjects):
         """
         prefix = self.layout.rollout(rollout_id)
         await self._put(prefix + "fence", FENCE_FROZEN)
-        fenced_at = time.monotonic()
+        fenced_at = awake_clock()
         # A listing that does not show the fence just written is stale or incomplete: never build a
         # snapshot on it (retried, then ListingError).
         listing = await self._list(prefix, require=[prefix + "fence"])
@@ -701,7 +702,7 @@ class S3TokenStore(RolloutObjects):
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
         async def snapshot_of(listed: list[ListedObject]) -> tuple[RolloutScan, FrozenSnapshot | None]:
-            scan = scan_listing(prefix, listed, seen_at=time.monotonic())
+            scan = scan_listing(prefix, listed, seen_at=awake_clock())
             return scan, None if scan.retired else await self._snapshot_of(rollout_id, scan)
 
         scan, snapshot = await beside_confirmation(
@@ -788,7 +789,7 @@ class S3TokenStore(RolloutObjects):
             outside = next((item.key for item in listing if not item.key.startswith(prefix)), None)
             if outside is not None:
                 raise ValueError(f"listing of rollout {rollout_id!r} holds {outside!r}, outside its prefix {prefix!r}")
-            scan = scan_listing(prefix, listing, seen_at=time.monotonic())
+            scan = scan_listing(prefix, listing, seen_at=awake_clock())
         if scan.retired:
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; it has no snapshot to read")
         version, snapshot_id = scan.version_and_id()
@@ -1049,7 +1050,7 @@ class S3TokenStore(RolloutObjects):
         seen_at, seen_version, seen_id = self._fence_seen.get(rollout_id, (scan.seen_at, version, snapshot_id))
         if (seen_version, seen_id) != (version, snapshot_id):
             seen_at = scan.seen_at
-        wait = seen_at + self._fence_grace + _CLOCK_SLACK - time.monotonic()
+        wait = seen_at + self._fence_grace + _CLOCK_SLACK - awake_clock()
         if wait > 0:
             await asyncio.sleep(wait)
         tombstone = f"drop/{uuid.uuid4().hex}"

@@ -47,6 +47,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from botocore import handlers as botocore_handlers
+
+from s3capture.clocks import awake_clock
 from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
 
@@ -463,20 +465,20 @@ class Transport:
 
     def store_now(self) -> float | None:
         """The store's clock now, in seconds since the epoch: the ``Date`` header of the newest
-        verified LIST answer plus the time elapsed since on this machine's monotonic clock; ``None``
+        verified LIST answer plus the time elapsed since on this machine's ``awake_clock``; ``None``
         before any LIST answered with a ``Date``. One second of resolution (HTTP dates), immune to
         this machine's wall-clock skew: what ages against the store's ``LastModified`` use."""
         if self._server_time is None:
             return None
         date, seen = self._server_time
-        return date + (time.monotonic() - seen)
+        return date + (awake_clock() - seen)
 
     def _note_date(self, page: dict) -> None:
         headers = (page.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
         value = headers.get("date")
         if value:
             try:
-                self._server_time = (email.utils.parsedate_to_datetime(value).timestamp(), time.monotonic())
+                self._server_time = (email.utils.parsedate_to_datetime(value).timestamp(), awake_clock())
             except (TypeError, ValueError):
                 pass  # a malformed Date: keep the previous one
 

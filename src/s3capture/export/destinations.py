@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import tempfile
-import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import msgspec
 
 from s3capture import leftovers
+from s3capture.clocks import awake_clock
 from s3capture.errors import StoreError
 from s3capture.export.records import MANIFEST_FORMAT, ExportJob, ShardManifest
 
@@ -69,14 +69,6 @@ CLAIM_LEASE = 600.0
 is stale: the export that wrote it is taken to be dead, and the next export takes the destination."""
 CLAIM_RENEW = 30.0
 """Seconds between renewals of a live export's claim."""
-
-
-def _awake_clock() -> float:
-    """Seconds of a clock that keeps counting while the machine sleeps (Linux ``CLOCK_BOOTTIME``;
-    ``time.monotonic`` elsewhere): a laptop or VM suspended past the lease must find its claim's
-    hold expired when it wakes, which ``CLOCK_MONOTONIC`` (stopped during suspend) would hide."""
-    boottime = getattr(time, "CLOCK_BOOTTIME", None)
-    return time.clock_gettime(boottime) if boottime is not None else time.monotonic()
 
 
 CLAIM_HOLD = 300.0
@@ -188,6 +180,19 @@ def _decode_manifest(name: str, raw: bytes) -> ShardManifest:
     return manifest
 
 
+_LOCK_ATTEMPTS = 5
+
+
+def _same_file(handle: Any, path: str) -> bool:
+    """Whether the open ``handle`` is the file now at ``path`` (an ``flock`` taken on a file that
+    was unlinked since locks nothing another process can see)."""
+    try:
+        held, there = os.fstat(handle.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
+
 class _LocalDestination(_Destination):
     def __init__(self, folder: str, owner: str = "") -> None:
         self.folder = os.path.abspath(folder)
@@ -222,28 +227,37 @@ class _LocalDestination(_Destination):
         Two exports into one folder would number their shards alike and replace each other's
         files, and a ``--drop`` would then consume rollouts whose rows were replaced. Raises
         ``ValueError`` when another export holds the folder or it is not writable."""
-        self._make()
         path = os.path.join(self.folder, _LOCK)
-        self._made_lock = not os.path.exists(path)
-        try:
-            handle = open(path, "a+b")
-        except OSError as error:
-            raise ValueError(f"destination {self.folder} is not writable: {error}") from None
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
-            self._lock: io.BufferedRandom | None = handle
-            return
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for _ in range(_LOCK_ATTEMPTS):
+            self._make()
+            self._made_lock = not os.path.exists(path)
+            try:
+                handle = open(path, "a+b")
+            except OSError as error:
+                raise ValueError(f"destination {self.folder} is not writable: {error}") from None
+            try:
+                import fcntl
+            except ImportError:  # pragma: no cover - not POSIX: one export at a time is the operator's duty
+                self._lock: io.BufferedRandom | None = handle
+                return
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                raise ValueError(
+                    f"destination {self.folder} is being written by another export (it holds {_LOCK}); "
+                    "one export at a time per destination"
+                ) from None
+            except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
+                _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
+                break
+            if _same_file(handle, path):
+                break
+            # A failed export removed the lock file (``close``) between our open and our flock:
+            # we hold a lock on a file nobody else will open. Take the one at the path.
             handle.close()
-            raise ValueError(
-                f"destination {self.folder} is being written by another export (it holds {_LOCK}); "
-                "one export at a time per destination"
-            ) from None
-        except OSError as error:  # a file system without locks (some FUSE mounts): the operator's duty
-            _log.warning("cannot lock %s (%s): make sure no other export writes there", path, error)
+        else:
+            raise ValueError(f"destination {self.folder}: its lock file kept being replaced; try again")
         self.token = uuid.uuid4().hex
         handle.seek(0)
         handle.truncate()
@@ -494,7 +508,7 @@ class _S3Destination(_Destination):
         # rare claim that landed all the same expires after CLAIM_LEASE.
         await self.transport.put(claim, self._claim_body)
         self._claim = claim
-        self._renewed = _awake_clock()
+        self._renewed = awake_clock()
         try:
             claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[claim])
             (mine,) = [c for c in claims if c.key == claim]
@@ -534,7 +548,7 @@ class _S3Destination(_Destination):
                     self._lost = "its claim was deleted (taken over after a pause longer than the lease?)"
                     return
                 await self.transport.put(claim, self._claim_body)
-                previous, self._renewed = self._renewed, _awake_clock()
+                previous, self._renewed = self._renewed, awake_clock()
                 if self._renewed - previous > CLAIM_HOLD:
                     # Paused past the hold (perhaps between the GET and the PUT): another export
                     # may have taken over, and this PUT may have re-created a deleted claim.
@@ -548,7 +562,7 @@ class _S3Destination(_Destination):
     def check_held(self) -> None:
         lost = self._lost
         if lost is None and self._claim is not None:
-            overdue = _awake_clock() - self._renewed
+            overdue = awake_clock() - self._renewed
             if overdue > CLAIM_HOLD:
                 lost = f"its claim was last renewed {overdue:.0f} s ago"
         if lost:

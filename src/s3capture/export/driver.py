@@ -595,10 +595,13 @@ async def export(
                         "(--min-age 0 exports it anyway)",
                     )
                     continue
-                # The earlier of the store's clock and this machine's: a clock ahead never ages a write.
-                age = store_time(store) - info.last_write.timestamp()
+                # Taken when the listing showed it (not now: the shards before it may have taken
+                # minutes), at the earlier of the store's clock and this machine's: a clock ahead
+                # never ages a write.
+                age = (info.listed_at or store_time(store)) - info.last_write.timestamp()
                 if age < min_age:
-                    skip(rid, f"not_quiescent: open, last write {age:.0f}s ago (< --min-age {min_age:.0f}s)")
+                    when = f"{age:.0f}s ago" if age >= 0 else f"{-age:.0f}s in the future by the store's clock"
+                    skip(rid, f"not_quiescent: open, last write {when} (< --min-age {min_age:.0f}s)")
                     continue
             summary.selected += 1
             # the worker reads it without listing it again
