@@ -163,6 +163,35 @@ async def test_identical_cumulative_tokens_resolve_to_smallest_call_id(fresh):
         assert_resolved(await fresh().resolve("r", request), "call-a", [1, 2, 3, 4, 5])
 
 
+async def test_candidates_without_cum_len_are_compared_by_their_token_count_as_gym_does(fresh):
+    """A missing ``cum_len`` counts as the entry's token count (Gym's ``add_entry``). s3capture
+    compared the raw fields: two candidates without ``cum_len`` carrying one digest were one parent
+    even when their tokens differed (RESOLVED where Gym says ambiguous), and an honest entry with
+    ``cum_len`` beside the same tokens without it was ambiguous where Gym resolves. Found by a
+    differential breaker against Gym's file store."""
+    digest = compute_digest([1, 2, 3])
+
+    def entry(rid: str, cid: str, prompt: list[int], generation: list[int], cum_len: int | None) -> Any:
+        made = make_entry(rid, cid, REQ, OUT, prompt, generation)
+        made.digest, made.cum_len = digest, cum_len
+        return made
+
+    request = [*REQ, *OUT, user("next")]
+    await put_fresh(fresh, entry("same", "a", [1, 2], [3], None))
+    await put_fresh(fresh, entry("same", "b", [1, 2], [3], 3))
+    assert_resolved(await fresh().resolve("same", request), "a", [1, 2, 3])
+    # b carries a's digest over other, longer tokens: Gym sees (d, 3) and (d, 4).
+    await put_fresh(fresh, entry("forged", "a", [1, 2], [3], None))
+    await put_fresh(fresh, entry("forged", "b", [1, 2], [4, 5], None))
+    resolution = await fresh().resolve("forged", request)
+    assert (resolution.status, resolution.reason) == (UNRESOLVED, "ambiguous")
+    # Stricter than Gym: the same length and digest over other tokens is not one parent either.
+    await put_fresh(fresh, entry("same-length", "a", [1, 2], [3], None))
+    await put_fresh(fresh, entry("same-length", "b", [1, 2], [4], None))
+    resolution = await fresh().resolve("same-length", request)
+    assert (resolution.status, resolution.reason) == (UNRESOLVED, "ambiguous")
+
+
 async def test_conflicting_payloads_for_one_call_id_are_unresolved(fresh):
     await put_fresh(fresh, make_entry("r", "call-1", REQ, OUT, [1, 2, 3], [4, 5]))
     await put_fresh(fresh, make_entry("r", "call-1", REQ, OUT, [1, 2, 3], [4, 6]))

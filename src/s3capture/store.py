@@ -87,6 +87,7 @@ from s3capture.records import (
     TokenEntry,
     _DIGEST_DOMAIN,
     compute_digest,
+    cumulative_tokens,
     decode_canonical_entry,
     encode_token_ids,
     prepare_entry,
@@ -186,6 +187,26 @@ def _detached_copy(entry: TokenEntry, nested: bytes) -> TokenEntry:
 
 _nested_encoder = msgspec.json.Encoder()
 _nested_decoder = msgspec.json.Decoder()
+
+
+def _interchangeable(entries: Sequence[TokenEntry]) -> bool:
+    """Whether several candidates for one request are one parent: Gym's rule (``lineage.py``,
+    ``resolve_node``), equal non-empty ``digest`` and equal ``cum_len``, a missing ``cum_len``
+    counted as the entry's token count as Gym's ``add_entry`` does; and, stricter than Gym, every
+    full-prompt candidate's tokens hash to that digest (one whose tokens do not is damage, and
+    the request may continue its tokens: never guess). Delta candidates are checked once one of
+    them wins (``digest_mismatch``)."""
+    shapes = {
+        (entry.digest, entry.cum_len if entry.cum_len is not None else _cumulative_len(entry)) for entry in entries
+    }
+    if len(shapes) != 1 or not entries[0].digest:
+        return False
+    return all(entry.prompt_is_delta or compute_digest(cumulative_tokens(entry)) == entry.digest for entry in entries)
+
+
+def _cumulative_len(entry: TokenEntry) -> int:
+    """``len(prompt_token_ids) + len(generation_token_ids)``: what Gym counts for a missing ``cum_len``."""
+    return len(entry.prompt_token_ids) + len(entry.generation_token_ids)
 
 
 class S3TokenStore(RolloutObjects):
@@ -1172,10 +1193,8 @@ class S3TokenStore(RolloutObjects):
                 continue
             self._remember(rollout_id, entry.model_call_id, key[len(prefix) :])
             candidates.append((key, stored))
-        if len(candidates) > 1:
-            shapes = {(s.entry.digest, s.entry.cum_len) for _, s in candidates}
-            if len(shapes) == 1 and candidates[0][1].entry.digest:
-                candidates = [min(candidates, key=lambda c: c[1].entry.model_call_id)]
+        if len(candidates) > 1 and _interchangeable([stored.entry for _, stored in candidates]):
+            candidates = [min(candidates, key=lambda c: c[1].entry.model_call_id)]
         if len(candidates) != 1:
             reason = "ambiguous" if candidates else "no_match"
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=reason)
