@@ -67,6 +67,24 @@ async def test_a_freeze_sees_the_marker_a_listing_cut_short_hides(fresh, proxy, 
     assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
 
 
+async def test_keys_after_a_listings_end_are_a_warning_once_per_client(fresh, proxy, bucket_url, caplog):
+    """Keys found after a listing's end (a cut, or writes racing it: a concurrency breaker saw the
+    warning dozens of times from an export of live rollouts) warn once per client, then go to INFO."""
+    writer = fresh()
+    _, root = split_bucket_url(bucket_url)
+    for rid in ("r1", "r2"):
+        await _rollout_with_marker(writer, rid)
+    builder = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
+    with caplog.at_level("INFO", logger="s3capture"):
+        for rid in ("r1", "r2"):
+            rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/{rid}/", 4)
+            snapshot = await builder.freeze(rid)
+            assert rule.state["cut"] == 1 and snapshot.incomplete
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "more key(s) follow it" in r.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "later ones on this client are logged at INFO" in said[0][1]
+
+
 async def test_a_freeze_whose_gets_and_confirming_list_both_fail_raises_the_gets_error(fresh, proxy):
     """The entries' GETs and the LIST beside them both refused: the error freeze raises is the
     GETs' (its own work's), with the LIST's as its cause, as before the LIST was sent beside them

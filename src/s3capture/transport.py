@@ -460,7 +460,8 @@ class Transport:
         self._after: list[RequestHook] = []
         self.request_counts: collections.Counter[str] = collections.Counter()
         """HTTP requests sent, by S3 operation (see each transport for whether retries count)."""
-        self._server_time: tuple[float, float] | None = None  # (Date of the last LIST answer, monotonic then)
+        self._server_time: tuple[float, float] | None = None  # (Date of the last LIST answer, awake_clock then)
+        self._warned_more_keys = False  # _rest_of_listing warned once: later ones at INFO
         self._bulk_delete = True  # False once the store answered DeleteObjects "not implemented"
 
     def store_now(self) -> float | None:
@@ -857,13 +858,19 @@ class Transport:
                 _new_token(prefix, token, tokens)
             if not more:
                 return
-            log.warning(
+            # Writes racing a freeze or an export of a live rollout do this every day; a store that
+            # cuts listings short does it too, and nothing tells them apart: warn once per client.
+            level = logging.INFO if self._warned_more_keys else logging.WARNING
+            self._warned_more_keys = True
+            log.log(
+                level,
                 "LIST %r ended at %r, but %d more key(s) follow it (%r...): a listing cut short, or "
-                "writes racing it; listing on",
+                "writes racing it; listing on%s",
                 prefix,
                 start,
                 len(more),
                 more[0].key,
+                "" if level == logging.INFO else " (later ones on this client are logged at INFO)",
             )
             out.extend(more)
             seen.update(item.key for item in more)
