@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import math
+import time
 from typing import Any
+
+import msgspec
 
 import pytest
 
@@ -35,7 +38,17 @@ def listed(s3_client: Any, bucket: str, prefix: str) -> list[dict]:
 
 
 async def collect(lister: Any, *args: Any, **kwargs: Any) -> list[RolloutInfo]:
-    return [info async for info in lister.rollouts(*args, **kwargs)]
+    """The listed rollouts, ``listed_at`` checked (the time its LIST page was answered, by the
+    earlier of the store's clock and this machine's: within this call, give or take the ``Date``
+    header's second) and then cleared, so that two listings of one state compare equal."""
+    before = time.time()
+    infos = [info async for info in lister.rollouts(*args, **kwargs)]
+    after = time.time()
+    for info in infos:
+        assert info.listed_at is not None and before - 2.0 <= info.listed_at <= after, (info, before, after)
+        if info.last_write is not None:
+            assert info.last_write.timestamp() <= info.listed_at + 2.0
+    return [msgspec.structs.replace(info, listed_at=None) for info in infos]
 
 
 def check_counts(

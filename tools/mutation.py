@@ -380,9 +380,9 @@ MUTANTS: list[Mutant] = [
     _m(
         "drop-skips-fence-grace",
         STORE,
-        "wait = seen_at + self._fence_grace + _CLOCK_SLACK - time.monotonic()",
+        "wait = seen_at + self._fence_grace + _CLOCK_SLACK - awake_clock()",
         "wait = 0.0",
-        "drop waits fence_grace on this client's monotonic clock since it knew the fence existed",
+        "drop waits fence_grace on this client's clock (awake_clock) since it knew the fence existed",
         "tests/test_faults.py",
         "tests/test_adversarial_fence.py",
         "-k",
