@@ -181,3 +181,169 @@ async def test_markers_spilled_by_other_processes_during_replays_are_never_lost(
         listed.add(item.key)
     missing = [k for keys in per_process for k in keys if k not in listed]
     assert not missing, f"{len(missing)} spilled markers never reached the bucket, e.g. {missing[:3]}"
+
+
+def _down(proxy: FaultProxy, *cids: str) -> None:
+    async def rule(request: Any) -> Any:
+        if any(_marker_put_for(request, cid) for cid in cids):
+            return Respond(503, not_implemented_xml("ServiceUnavailable", "down"), "Service Unavailable")
+        return None
+
+    proxy.rule = rule
+
+
+# Regression tests for a spill breaker (docs/reliability.md, finding 18).
+async def test_a_marker_spilled_after_a_torn_line_is_replayed(s3_server, fresh, tmp_path):
+    """A full disk (or a killed writer) tore a line; the next acknowledged marker was appended onto
+    the fragment and skipped with it at replay: lost."""
+    proxy = await _proxy(s3_server)
+    try:
+        _down(proxy, "c1")
+        spill = tmp_path / "spill"
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=spill, botocore_config=_no_retry_config())
+        await worker.put(simple_entry("r-torn", "c0"))
+        await worker.put(simple_entry("r-after", "c0"))
+        await worker.mark_incomplete("r-torn", "c1")  # spilled
+        (path,) = list(spill.iterdir())
+        with open(path, "ab") as handle:  # the disk filled up mid-append: no newline
+            handle.write(b'{"bucket": "' + worker.bucket.encode() + b'", "ke')
+        await worker.mark_incomplete("r-after", "c1")  # spilled after the torn line, acknowledged
+        proxy.rule = None
+        assert await worker.replay_spill() == 2
+        await worker.close()
+        for rid in ("r-torn", "r-after"):
+            assert (await fresh().freeze(rid)).incomplete, rid
+    finally:
+        await proxy.stop()
+
+
+async def test_a_spill_that_fails_keeps_the_callers_error_and_cancellation(s3_server, fresh, tmp_path):
+    """A spill folder that cannot be written (read-only, full, a dangling link) turned the store's
+    error into a bare OSError, and a cancellation into an OSError the caller never asked for."""
+    proxy = await _proxy(s3_server)
+    try:
+        _down(proxy, "c1")
+        target = tmp_path / "gone"
+        spill = tmp_path / "spill"
+        spill.symlink_to(target, target_is_directory=True)  # dangling: makedirs raises FileExistsError
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=spill, botocore_config=_no_retry_config())
+        await worker.put(simple_entry("r", "c0"))
+        from s3capture.errors import StoreError
+
+        try:
+            await worker.mark_incomplete("r", "c1")
+        except StoreError as error:
+            assert any("could not be spilled" in note for note in getattr(error, "__notes__", ())), error
+            assert isinstance(error.__cause__, OSError)
+        else:
+            raise AssertionError("a marker neither stored nor spilled was acknowledged")
+        held = asyncio.Event()
+
+        async def hold(request: Any) -> Any:
+            if _marker_put_for(request, "c2"):
+                held.set()
+                await asyncio.sleep(30)
+            return None
+
+        proxy.rule = hold
+        task = asyncio.ensure_future(worker.mark_incomplete("r", "c2"))
+        await asyncio.wait_for(held.wait(), 10)
+        task.cancel()
+        await asyncio.wait([task], timeout=10)
+        assert task.cancelled(), task  # the caller's cancellation, not an OSError
+    finally:
+        await proxy.stop()
+
+
+async def test_a_marker_for_a_retired_rollout_is_refused_even_when_its_put_fails(s3_server, fresh, tmp_path):
+    """The fence read said retired while the PUT failed: the marker was spilled and acknowledged,
+    where a healthy store refuses it (there is no snapshot left to mask)."""
+    from s3capture.protocols import TokenCaptureRetiredError
+
+    await fresh().put(simple_entry("r", "c0"))
+    builder = fresh(fence_grace=0.0)
+    snapshot = await builder.freeze("r")
+    assert await builder.drop("r", snapshot.snapshot_id, snapshot.version)
+    proxy = await _proxy(s3_server)
+    try:
+        _down(proxy, "c1")
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=tmp_path / "spill", botocore_config=_no_retry_config())
+        try:
+            await worker.mark_incomplete("r", "c1")
+        except TokenCaptureRetiredError:
+            pass
+        else:
+            raise AssertionError("a marker for a retired rollout was acknowledged")
+        assert not list((tmp_path / "spill").glob("*.jsonl"))
+    finally:
+        await proxy.stop()
+
+
+async def test_a_replay_into_a_retired_rollout_is_reported(s3_server, fresh, tmp_path, caplog):
+    """The spill's documented exception: a marker spilled while the store was down and replayed
+    after a drop consumed the rollout. The replay said nothing; its owner must hear of it."""
+    proxy = await _proxy(s3_server)
+    try:
+        _down(proxy, "c1")
+        worker = fresh(endpoint_url=proxy.endpoint, spill_dir=tmp_path / "spill", botocore_config=_no_retry_config())
+        await worker.put(simple_entry("r", "c0"))
+        await worker.mark_incomplete("r", "c1")  # spilled
+        builder = fresh(fence_grace=0.0)
+        snapshot = await builder.freeze("r")  # before the replay: it cannot see the marker
+        assert await builder.drop("r", snapshot.snapshot_id, snapshot.version)
+        proxy.rule = None
+        with caplog.at_level("ERROR", logger="s3capture"):
+            assert await worker.replay_spill() == 1
+        assert "after it was retired" in caplog.text and "log/x/c1/" in caplog.text
+    finally:
+        await proxy.stop()
+
+
+def test_lines_a_spill_cannot_replay_are_kept_aside(tmp_path):
+    """Lines of another store, with a key outside the root, or with fields of a newer writer
+    were logged and deleted with the claim; they are now kept in ``<spill file>.rejected``."""
+    import json
+
+    from s3capture.spill import Spill
+
+    spill = Spill(tmp_path, endpoint="http://a", bucket="b", root="run/")
+    spill.append("run/rollouts/r/log/x/c1/1-x")
+    ours = dict(spill.identity)
+    lines = [
+        dict(ours, endpoint="http://other", key="run/rollouts/r/log/x/c2/1-y"),
+        dict(ours, key="elsewhere/rollouts/r/log/x/c3/1-z"),
+        dict(ours, key="run/rollouts/r/log/x/c4/1-w", v=2, body_zstd="AAAA"),
+    ]
+    with open(spill.path, "ab") as handle:
+        for line in lines:
+            handle.write(json.dumps(line).encode() + b"\n")
+    claims = spill.claim()
+    assert list(spill.read(claims)) == ["run/rollouts/r/log/x/c1/1-x"]
+    for claim in claims:
+        claim.release()
+    kept = [json.loads(line) for line in open(spill.path + ".rejected", "rb")]
+    assert [item["key"] for item in kept] == [line["key"] for line in lines]
+
+
+def test_two_profiles_with_their_own_endpoints_get_their_own_spill_files(tmp_path, monkeypatch):
+    """The spill named its store by the configured endpoint only: two clients whose AWS profiles
+    point at different stores (same bucket and prefix) shared one spill file, and one replayed the
+    other's markers into the wrong store."""
+    from s3capture.store import S3TokenStore
+
+    config = tmp_path / "config"
+    config.write_text(
+        "[profile a]\nendpoint_url = http://127.0.0.1:1\nregion = us-east-1\n"
+        "[profile b]\nendpoint_url = http://127.0.0.1:2\nregion = us-east-1\n"
+    )
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    paths = {}
+    for profile in ("a", "b"):
+        monkeypatch.setenv("AWS_PROFILE", profile)
+        store = S3TokenStore("s3://bucket/run", spill_dir=tmp_path / "spill")
+        assert store._spill_file is not None
+        paths[profile] = (store._spill_file.path, store._spill_file.identity["endpoint"])
+    assert paths["a"][1] == "http://127.0.0.1:1" and paths["b"][1] == "http://127.0.0.1:2"
+    assert paths["a"][0] != paths["b"][0]

@@ -285,11 +285,8 @@ class S3CaptureLedger(RolloutObjects):
         except asyncio.CancelledError:
             self._spill_on_cancel(key, body, f"record_failure({rollout_id!r}, {model_call_id!r})")
             raise
-        except Exception as error:
-            if not self._spill_dir:
-                raise
-            self._spill(key, body)
-            log.warning("record_failure for %r spilled to %s: %s", rollout_id, self._spill_dir, error)
+        except Exception as error:  # noqa: BLE001 - re-raised by _spill_after_failure unless spilled
+            self._spill_after_failure(key, body, error, f"record_failure({rollout_id!r}, {model_call_id!r})")
             return
         await self._replay_spill_quietly()
 

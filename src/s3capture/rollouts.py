@@ -283,7 +283,12 @@ class RolloutObjects:
         self._cache = LRU(cache_bytes)
         self._spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         self._spill_file = (
-            Spill(self._spill_dir, endpoint=self.endpoint_url, bucket=self.bucket, root=self.layout.root)
+            Spill(
+                self._spill_dir,
+                endpoint=self.transport.configured_endpoint_url() or None,
+                bucket=self.bucket,
+                root=self.layout.root,
+            )
             if self._spill_dir is not None
             else None
         )
@@ -390,16 +395,64 @@ class RolloutObjects:
                     raise
             for claim in claims:
                 claim.release()
+        await self._report_late_replays(objects)
         return len(objects)
+
+    async def _report_late_replays(self, objects: dict[str, bytes]) -> None:
+        """Log an error for each replayed object whose rollout was retired meanwhile: a drop
+        consumed a snapshot without this capture failure (the spill's documented exception,
+        docs/design.md, I1), which its owner must hear about. One fence GET per such rollout;
+        never raises (the objects are stored)."""
+        base = f"{self.layout.root}rollouts/"
+        prefixes = sorted({base + key[len(base) :].split("/", 1)[0] + "/" for key in objects if key.startswith(base)})
+        for prefix in prefixes:
+            try:
+                state = await self._fence_state(prefix)
+            except Exception:  # noqa: BLE001 - a report only
+                continue
+            if state == "retired":
+                keys = sorted(key[len(prefix) :] for key in objects if key.startswith(prefix))
+                log.error(
+                    "replayed %d spilled object(s) into %s after it was retired: the snapshot its drop "
+                    "consumed did not see these capture failures (%s)",
+                    len(keys),
+                    prefix,
+                    ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else ""),
+                )
 
     def _spill_on_cancel(self, key: str, body: bytes, what: str) -> None:
         """A write the caller cancelled may or may not have landed: spill it (synchronously,
-        fsynced) so that it lands for sure; replaying an object that did land is a no-op."""
+        fsynced) so that it lands for sure; replaying an object that did land is a no-op. Never
+        raises: the caller's cancellation propagates whatever the spill does (a spill that fails
+        is logged as an error)."""
         if self._spill_file is None:
             log.error("%s was cancelled before the store answered and no spill_dir is set: it may be lost", what)
             return
-        self._spill(key, body)
+        try:
+            self._spill(key, body)
+        except OSError as error:
+            log.error(
+                "%s was cancelled before the store answered and could not be spilled to %s (%s): it may be lost",
+                what,
+                self._spill_dir,
+                error,
+            )
+            return
         log.warning("%s was cancelled; spilled to %s for replay", what, self._spill_dir)
+
+    def _spill_after_failure(self, key: str, body: bytes, error: BaseException, what: str) -> None:
+        """A write failed with ``error`` and may or may not have landed: spill it for replay. Raises
+        ``error`` itself when no ``spill_dir`` is set, or, with a note naming the spill's own
+        ``OSError`` (read-only, full or missing folder), when the spill fails too."""
+        if not self._spill_dir:
+            raise error
+        try:
+            self._spill(key, body)
+        except OSError as spill_error:
+            log.error("%s failed (%r) and could not be spilled to %s (%s)", what, error, self._spill_dir, spill_error)
+            error.add_note(f"s3capture: it could not be spilled to {self._spill_dir} either: {spill_error}")
+            raise error from spill_error
+        log.warning("%s spilled to %s: %r", what, self._spill_dir, error)
 
     async def _replay_spill_quietly(self) -> None:
         """After a successful write: the store answers again, so spilled objects must not wait."""

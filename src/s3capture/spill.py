@@ -77,7 +77,7 @@ class Spill:
             item["body"] = base64.b64encode(body).decode()
         line = json.dumps(item, sort_keys=True).encode() + b"\n"
         while True:
-            with open(self.path, "ab") as handle:
+            with open(self.path, "a+b") as handle:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
                 try:
                     current = os.stat(self.path).st_ino
@@ -85,6 +85,11 @@ class Spill:
                     current = None
                 if current != os.fstat(handle.fileno()).st_ino:
                     continue  # claimed by a replay meanwhile: write to the new file
+                size = os.fstat(handle.fileno()).st_size
+                if size and os.pread(handle.fileno(), 1, size - 1) != b"\n":
+                    # A line torn by a full disk or a killed writer: end it, or this line would be
+                    # glued onto it and skipped with it at replay.
+                    line = b"\n" + line
                 handle.write(line)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -129,8 +134,14 @@ class Spill:
         return claims
 
     def read(self, claims: list[SpillClaim]) -> dict[str, bytes]:
-        """The objects (key -> body) in ``claims`` that belong to this spill's identity."""
+        """The objects (key -> body) in ``claims`` that belong to this spill's identity.
+
+        A line that cannot be replayed here is never dropped silently: a torn one (a writer killed
+        mid-append, a full disk) is logged and skipped; one of another store, with a key outside
+        this root, or with fields this version does not know (a newer writer's) is logged and
+        appended to ``<spill file>.rejected`` beside the spill file, which nothing replays."""
         objects: dict[str, bytes] = {}
+        rejected: list[bytes] = []
         for claim in claims:
             with open(claim.path, "rb") as handle:
                 for number, line in enumerate(handle, 1):
@@ -138,10 +149,31 @@ class Spill:
                         continue
                     try:
                         item = json.loads(line)
-                        if all(item.get(k) == v for k, v in self.identity.items()) and isinstance(item.get("key"), str):
-                            objects[item["key"]] = base64.b64decode(item.get("body") or "")
-                        else:
-                            log.warning("spill file %s line %d belongs to another store; skipped", claim.path, number)
+                        body = base64.b64decode(item.get("body") or "", validate=True)
                     except (ValueError, AttributeError, TypeError):
                         log.warning("skipping torn line %d of spill file %s", number, claim.path)
+                        continue
+                    why = self._refusal(item)
+                    if why:
+                        log.warning("spill file %s line %d %s; kept in %s.rejected", claim.path, number, why, self.path)
+                        rejected.append(line if line.endswith(b"\n") else line + b"\n")
+                        continue
+                    objects[item["key"]] = body
+        if rejected:
+            with open(self.path + ".rejected", "ab") as out:
+                out.write(b"".join(rejected))
+                out.flush()
+                os.fsync(out.fileno())
         return objects
+
+    def _refusal(self, item: dict) -> str:
+        """Why a decoded line is not this spill's to replay (``""``: it is)."""
+        if not all(item.get(k) == v for k, v in self.identity.items()):
+            return "belongs to another store"
+        key = item.get("key")
+        if not isinstance(key, str) or not key.startswith(self.identity["root"] + "rollouts/"):
+            return "names a key outside this store's root"
+        unknown = sorted(set(item) - {*self.identity, "key", "body"})
+        if unknown:
+            return f"carries fields this version does not know ({', '.join(unknown)})"
+        return ""

@@ -644,12 +644,17 @@ class S3TokenStore(RolloutObjects):
         if isinstance(stored, BaseException):
             # Failed, or cancelled from inside (close() cancels requests that outlive it): the PUT
             # may or may not have landed. Spill it; a replay of a marker that landed is a no-op.
-            if not self._spill_dir:
-                raise stored
-            self._spill(key)
-            log.warning("mark_incomplete for %r spilled to %s: %r", rollout_id, self._spill_dir, stored)
+            # Unless the fence read said retired: the store answers, and there is no snapshot
+            # left to mask (the spill would acknowledge a marker that can mask nothing).
+            if state == "retired":
+                raise TokenCaptureRetiredError(
+                    f"rollout {rollout_id!r} is retired; its capture can no longer be marked"
+                ) from stored
+            what = f"mark_incomplete({rollout_id!r}, {model_call_id!r})"
             if not isinstance(stored, Exception):
+                self._spill_on_cancel(key, b"", what)
                 raise stored
+            self._spill_after_failure(key, b"", stored, what)
             return
         if state != "open" or awake_clock() - started > self._fence_grace:
             # After a freeze a drop may be racing: only reads after landing tell whether the marker

@@ -93,6 +93,12 @@ def _cannot_connect(error: BaseException) -> bool:
     return isinstance(error, aiohttp.ClientConnectorError)
 
 
+def _not_aws(url: str) -> str:
+    """``url``, or ``""`` when it is an AWS S3 endpoint (any region)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return "" if host == "amazonaws.com" or host.endswith(".amazonaws.com") else url
+
+
 def configured_endpoint(endpoint_url: str | None = None) -> str | None:
     """The S3 endpoint a client of this process uses: ``endpoint_url``, else ``AWS_ENDPOINT_URL_S3``,
     else ``AWS_ENDPOINT_URL`` (botocore's order for S3); ``None`` for AWS S3 itself (or what an AWS
@@ -488,6 +494,12 @@ class Transport:
         its region). The configured ``endpoint_url`` here; the aioboto3 transport also resolves
         what botocore takes from the AWS config (a profile's ``endpoint_url``). Opens no
         connection."""
+        return self.endpoint_url or ""
+
+    def configured_endpoint_url(self) -> str:
+        """``effective_endpoint`` without awaiting anything: read from the arguments, the
+        environment and (aioboto3) the AWS config files only, never the network. What the local
+        spill names its store by (``s3capture.spill``), which must be known before any request."""
         return self.endpoint_url or ""
 
     # ------------------------------------------------------------------ hooks
@@ -1065,9 +1077,27 @@ class S3Transport(Transport):
     async def effective_endpoint(self) -> str:
         if self.endpoint_url:
             return self.endpoint_url
-        url = str((await self.client()).meta.endpoint_url or "")
-        host = (urlsplit(url).hostname or "").lower()
-        return "" if host == "amazonaws.com" or host.endswith(".amazonaws.com") else url
+        return _not_aws(str((await self.client()).meta.endpoint_url or ""))
+
+    def configured_endpoint_url(self) -> str:
+        if self.endpoint_url:
+            return self.endpoint_url
+        # botocore's own resolution of an endpoint from the AWS config (a profile's or its
+        # ``services`` section's ``endpoint_url``), as its client creation does: files only.
+        try:
+            from botocore.configprovider import ConfiguredEndpointProvider
+            from botocore.session import Session
+
+            session = getattr(self._session, "_session", None) or Session()
+            if session.get_config_variable("ignore_configured_endpoint_urls"):
+                return ""
+            provider = ConfiguredEndpointProvider(
+                full_config=session.full_config, scoped_config=session.get_scoped_config(), client_name="s3"
+            )
+            return _not_aws(str(provider.provide() or ""))
+        except Exception as error:  # noqa: BLE001 - a broken AWS config fails the first request with its own error
+            log.debug("no endpoint from the AWS config (%s)", error)
+            return ""
 
     def _forked(self, states: Any) -> None:
         # A forked child must not share the parent's sockets: start afresh, never close the
