@@ -519,6 +519,12 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     text = format_summary(summary)
     assert "1 retired rollouts were not selected (dropped or retired: their entries are gone)" in text
     assert "no rollouts under" not in text
+    # A typo in the root's last segment (run-43 for run-42) names the roots beside it (a new
+    # user's walkthrough: ls, status and export printed nothing but zeros and OK).
+    typo = bucket_url + "-typo"
+    summary = await export(typo, str(tmp_path / "c"), workers=0)
+    assert summary.ok and summary.listed == 0 and summary.roots_below == [] and summary.roots_beside == [bucket_url]
+    assert f"roots beside this URL (among its parent's first 1,000 keys): {bucket_url}" in format_summary(summary)
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

@@ -295,6 +295,10 @@ def test_cli_ls_status_gc(
     assert f"no rollouts here; roots inside this URL (among its first 1,000 keys): {bucket_url}" in err
     assert main(["status", parent]) == 0
     assert f"roots inside this URL (among its first 1,000 keys): {bucket_url}" in capsys.readouterr().err
+    # A typo in the root's last segment names the roots beside it.
+    for command in ("ls", "status"):
+        assert main([command, bucket_url + "-typo"]) == 0
+        assert f"roots beside this URL (among its parent's first 1,000 keys): {bucket_url}" in capsys.readouterr().err
 
     assert main(["status", bucket_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -72,6 +72,8 @@ __all__ = [
     "format_rollout_row",
     "format_action",
     "roots_below",
+    "roots_beside",
+    "roots_near",
     "register",
     "LS_HEADER",
 ]
@@ -630,6 +632,46 @@ async def roots_below(store: RolloutObjects, limit: int = 5) -> list[str]:
     return [f"s3://{store.bucket}/{root}{rel}" for rel in found]
 
 
+async def roots_beside(store: RolloutObjects, limit: int = 5) -> list[str]:
+    """``s3://`` URLs of s3capture roots beside ``store``'s root: other prefixes under its parent
+    that hold a ``rollouts/`` folder, from one LIST page (the parent's first 1,000 keys).
+
+    A hint for a URL with a typo in its last segment (``run-43`` for ``run-42``), whose listing of
+    rollouts is empty. At most ``limit`` URLs, in key order; empty for a root at the top of its
+    bucket's own key space (``s3://b``) and when the LIST fails (a hint, never an error)."""
+    from s3capture.errors import StoreError
+
+    root = store.layout.root
+    if not root:
+        return []
+    parent = root[: root.rstrip("/").rfind("/") + 1]
+    try:
+        page = await store._list_page(parent, 1000)
+    except StoreError:
+        return []
+    found: dict[str, None] = {}
+    for item in page.objects:
+        rel = item.key[len(parent) :]
+        cut = rel.find("/rollouts/")
+        if cut > 0 and parent + rel[:cut] + "/" != root:
+            found.setdefault(rel[:cut], None)
+            if len(found) >= limit:
+                break
+    return [f"s3://{store.bucket}/{parent}{rel}" for rel in found]
+
+
+async def roots_near(store: RolloutObjects) -> list[str]:
+    """For a root without rollouts: hint lines naming the roots inside it (a URL one level too
+    high), or else the roots beside it (a typo in its last segment); none when there are neither."""
+    below = await roots_below(store)
+    if below:
+        return [f"roots inside this URL (among its first 1,000 keys): {', '.join(below)}"]
+    beside = await roots_beside(store)
+    if beside:
+        return [f"roots beside this URL (among its parent's first 1,000 keys): {', '.join(beside)}"]
+    return []
+
+
 def format_status(s: StoreStatus) -> str:
     """``StoreStatus`` as the lines ``s3capture status`` prints."""
     lines = [f"rollouts under {s.url}:"]
@@ -852,7 +894,7 @@ def _ls_command(args: Any) -> int:
         if table:
             print(_counted(count, "rollout"), file=sys.stderr)
         if not count and not args.json:
-            _hint_empty_root(await roots_below(store))
+            _hint_empty_root(await roots_near(store))
         return 0
 
     return asyncio.run(_close_after(store, run()))
@@ -865,7 +907,7 @@ def _status_command(args: Any) -> int:
     async def run() -> tuple[StoreStatus, list[str]]:
         result = await status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress)
         empty = not any(counts.rollouts for counts in result.states.values())
-        return result, await roots_below(store) if empty and not args.json else []
+        return result, await roots_near(store) if empty and not args.json else []
 
     result, roots = asyncio.run(_close_after(store, run()))
     print(msgspec.json.encode(result).decode() if args.json else format_status(result))
@@ -873,13 +915,10 @@ def _status_command(args: Any) -> int:
     return 0
 
 
-def _hint_empty_root(roots: list[str]) -> None:
-    """On stderr, for a root with no rollout: the roots found inside it (a URL one level too high)."""
-    if roots:
-        print(
-            f"no rollouts here; roots inside this URL (among its first 1,000 keys): {', '.join(roots)}",
-            file=sys.stderr,
-        )
+def _hint_empty_root(hints: list[str]) -> None:
+    """On stderr, for a root with no rollout: the roots inside or beside it (``roots_near``)."""
+    if hints:
+        print(f"no rollouts here; {'; '.join(hints)}", file=sys.stderr)
 
 
 def _gc_command(args: Any) -> int:

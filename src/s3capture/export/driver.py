@@ -37,7 +37,7 @@ from s3capture.export.records import (
     source_endpoint_of,
 )
 from s3capture.export.shard import NOT_SEALED, ListedRollout
-from s3capture.ops import roots_below, store_time
+from s3capture.ops import roots_below, roots_beside, store_time
 
 _DROPS_AHEAD = 1024
 """Drops started and not finished at most (32 of them run at once); the listing and the shard results
@@ -648,6 +648,7 @@ async def export(
         elif not prefix and not summary.listed and not summary.not_selected:
             summary.root_empty = True
             summary.roots_below = await roots_below(store)
+            summary.roots_beside = [] if summary.roots_below else await roots_beside(store)
         failed = False
     finally:
         for task in list(drop_tasks):
@@ -755,6 +756,8 @@ def format_summary(summary: ExportSummary) -> str:
             where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
             if s.roots_below:
                 where += "; roots inside this URL (among its first 1,000 keys): " + ", ".join(s.roots_below)
+            elif s.roots_beside:
+                where += "; roots beside this URL (among its parent's first 1,000 keys): " + ", ".join(s.roots_beside)
             hints.append(where)
         lines.append("nothing to read: the destination holds no data file (no row was written)")
         lines.extend(f"  {hint}" for hint in hints)

@@ -167,6 +167,9 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     roots_below: list[str] = []
     """When the source root holds no rollout: ``s3://`` URLs of roots found inside it (a URL one
     level too high), from one LIST page."""
+    roots_beside: list[str] = []
+    """When the source root holds no rollout and none is inside it: ``s3://`` URLs of roots beside
+    it under its parent (a typo in its last segment), from one LIST page."""
     exported: int = 0
     masked_written: int = 0
     masked_excluded: int = 0
