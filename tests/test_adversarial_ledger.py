@@ -598,9 +598,11 @@ async def test_record_that_half_fails_never_yields_a_wrong_parent(ledgers, fail_
     # The caller saw the error and records a failure row, as the protocol says: never trainable.
     await ledgers().record_failure(rid, "call-1", "worker_capture_failed")
     assert (await ledgers().manifest(rid))["failures"]
-    # A retry with the same bytes completes and is a no-op.
-    await ledgers().record(c)
-    assert _cids(await ledgers().manifest(rid)) == ["call-1"]
+    # A retry of the record is refused now, as Gym's ledgers refuse it: the call has a failure row.
+    with pytest.raises(LedgerConflictError, match="failure row"):
+        await ledgers().record(c)
+    manifest = await ledgers().manifest(rid)
+    assert _cids(manifest) == ["call-1"] and [f["model_call_id"] for f in manifest["failures"]] == ["call-1"]
 
 
 async def test_retire_and_delete_that_half_fail_leave_the_rollout_retired(ledgers, s3_client, bucket_url):
@@ -824,3 +826,70 @@ async def test_conformance_cli_with_bad_credentials_never_reports_conformant(s3_
     )
     assert proc.returncode != 0, proc.stdout
     assert "refused" in (proc.stdout + proc.stderr) or "InvalidAccessKeyId" in (proc.stdout + proc.stderr)
+
+
+# --------------------------------------------------------------------------- a ledger breaker (reliability.md, finding 19)
+@pytest.mark.all_transports
+async def test_a_call_with_a_failure_row_is_refused_and_never_a_parent(ledgers):
+    """Gym's ledgers refuse ``record`` for a call whose failure row they hold, and never resolve
+    to it; s3capture acknowledged the row and resolved to the failed call."""
+    commit = make_commit("r1", "c1", REQ, assistant_output("red"))
+    writer = ledgers()
+    await writer.record_failure("r1", "c1", "worker_capture_failed")
+    with pytest.raises(LedgerConflictError, match="failure row"):
+        await writer.record(commit)
+    resolution = await ledgers().resolve("r1", continuation(commit))
+    assert (resolution.status, resolution.reason) == (UNRESOLVED, "failed_candidate")
+    # The other order: committed first, then the failure. Never a parent either.
+    other = make_commit("r2", "c1", REQ, assistant_output("red"))
+    await writer.record(other)
+    assert (await ledgers().resolve("r2", continuation(other))).status == RESOLVED
+    await writer.record_failure("r2", "c1", "worker_capture_failed")
+    resolution = await ledgers().resolve("r2", continuation(other))
+    assert (resolution.status, resolution.reason) == (UNRESOLVED, "failed_candidate")
+
+
+@pytest.mark.all_transports
+async def test_has_rows_is_not_decided_by_one_listing_that_lost_the_only_key(ledgers, proxy):
+    """Gym's sink admits an unresolved continuation as a fresh root when ``has_rows`` is False:
+    one LIST answer that left out the only row made it False."""
+    from faultproxy import ListSkip, once
+
+    writer = ledgers()
+    await writer.record(make_commit("r", "c1", REQ, assistant_output("red")))
+    reader = ledgers(endpoint_url=proxy.endpoint)
+    proxy.rule = once(lambda r: r.is_list and r.params.get("prefix", "").endswith("/ledger/row/"), ListSkip(0))
+    assert await reader.has_rows("r") is True
+    assert proxy.rule.left == [0], "the LIST was not answered short: the test proves nothing"
+    assert await ledgers().has_rows("nobody") is False  # and an empty one is still empty
+
+
+@pytest.mark.all_transports
+async def test_a_cut_404_answer_is_read_again(ledgers, proxy):
+    """A 404 whose error document was cut (the retire tombstone's GET on a live rollout) failed
+    manifest, has_rows and resolve with StoreError, where a cut object body is read again."""
+    from faultproxy import CutBody, once
+
+    commit = make_commit("r", "c1", REQ, assistant_output("red"))
+    await ledgers().record(commit)
+    reader = ledgers(endpoint_url=proxy.endpoint)
+    tombstone = lambda r: r.method == "GET" and not r.is_list and r.key.endswith("/retired")  # noqa: E731
+    for call in (reader.manifest("r"), reader.has_rows("r"), reader.resolve("r", continuation(commit))):
+        proxy.rule = once(tombstone, CutBody(0.5))
+        assert await call
+        assert proxy.rule.left == [0], "the answer was not cut: the test proves nothing"
+
+
+@pytest.mark.all_transports
+async def test_two_short_bodies_in_a_row_do_not_make_a_healthy_row_damage(ledgers, proxy):
+    """A row body cut short with a matching Content-Length twice in a row (identical bytes, which
+    the transport takes as the object's where ETags are not MD5s) read as a corrupt row: the
+    manifest called the rollout damaged (``unreadable_ledger_row``)."""
+    from faultproxy import ShortBody, once
+
+    await ledgers().record(make_commit("r", "c1", REQ, assistant_output("red")))
+    reader = ledgers(endpoint_url=proxy.endpoint)
+    proxy.rule = once(lambda r: r.method == "GET" and "/ledger/row/" in r.key, ShortBody(0.5), 2)
+    manifest = await reader.manifest("r")
+    assert proxy.rule.left == [0], "the bodies were not cut: the test proves nothing"
+    assert [record["model_call_id"] for record in manifest["records"]] == ["c1"] and manifest["failures"] == []

@@ -194,13 +194,14 @@ class S3CaptureLedger(RolloutObjects):
 
         ``commit`` is a ``CaptureLedgerCommit`` (s3capture's struct, NeMo Gym's pydantic model, or
         its wire dict), validated by Gym's rules. Requests, sent together (one round trip): PUT the
-        content-addressed row, PUT its fingerprint index, LIST the call id's rows. Repeating the
-        same payload writes the same keys and is a no-op.
+        content-addressed row, PUT its fingerprint index, LIST the call id's rows and LIST its
+        failure rows. Repeating the same payload writes the same keys and is a no-op.
 
         Raises ``RecordError`` (a ``ValueError``) for an invalid commit or one whose request or
         response items cannot be fingerprinted; ``ValueError`` for an id too long to store;
         ``LedgerConflictError`` when another payload for the call id is already stored (readers
-        see that conflict too); ``StoreError`` when a request fails. A ``record`` for a retired
+        see that conflict too) or the call id has a failure row (as Gym's ledgers refuse it; the
+        row stays stored, and ``resolve`` never answers with the call); ``StoreError`` when a request fails. A ``record`` for a retired
         rollout is discarded: it lands beside the fence, and no reader ever uses it
         (``manifest``/``has_rows`` raise ``RolloutRetiredError``, ``resolve`` is UNRESOLVED).
         """
@@ -236,7 +237,12 @@ class S3CaptureLedger(RolloutObjects):
                 f"model_call_id is too long to store: its index key would exceed S3's {MAX_KEY_BYTES}-byte limit"
             )
         stored = self._compressor().compress(body) if len(body) > _COMPRESS_ABOVE else body
-        requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]
+        fail_prefix = f"{prefix}ledger/fail/{self.layout.marker_call_segment(prefix, cid)}/"
+        requests = [
+            self._put(row_key, stored),
+            self._list(f"{prefix}ledger/row/{segment}/"),
+            self._list(fail_prefix),
+        ]
         if index_key:
             requests.append(self._put(index_key, b""))
         results = await asyncio.gather(*requests, return_exceptions=True)
@@ -244,8 +250,17 @@ class S3CaptureLedger(RolloutObjects):
             if isinstance(result, BaseException):
                 raise result
         self._cache.put(row_key, _Cached(row, _heap_estimate(row, len(body))))
-        listed = results[1]
+        listed, failed = results[1], results[2]
         assert not isinstance(listed, BaseException) and listed is not None  # raised above; the LIST's items
+        assert not isinstance(failed, BaseException) and failed is not None
+        if failed:
+            # Gym's ledgers refuse a row for a call whose failure row they hold (a conflicting
+            # lineage record); the row is stored here, and resolve never answers with the call.
+            raise LedgerConflictError(
+                f"model call {cid!r} in rollout {c.rollout_id!r} has a failure row (record_failure): its capture "
+                "did not complete, so it cannot be committed (the row is stored now; readers list the call "
+                "under failures and never resolve to it)"
+            )
         others = sorted(item.key.rsplit("/", 1)[-1][: -len(".json")] for item in listed if item.key != row_key)
         if others:
             raise LedgerConflictError(
@@ -320,24 +335,29 @@ class S3CaptureLedger(RolloutObjects):
         cached = self._cache.get(key)
         if cached is not None:
             return cached.value
-        data = await self._get(key, _MAX_ROW_BYTES)
-        if data is None:
+
+        def check(data: bytes) -> tuple[Any, int]:
+            if data.startswith(_ZSTD_MAGIC):
+                data = _decompress(data)
+            if _sha(data) != sha:
+                raise RecordError("ledger object bytes do not match the SHA-256 in their key")
+            try:
+                value: Any = msgspec.json.decode(data, type=kind)
+            except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
+                raise RecordError(f"not an s3capture ledger object: {error}") from None
+            expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
+            if value.format != expected:
+                raise RecordError(f"unknown ledger object format {value.format!r} (newer s3capture?)")
+            if msgspec.json.encode(value, order="sorted") != data:
+                # Valid JSON that is not what a writer produces (a repeated key decodes last-wins, ...).
+                raise RecordError("ledger object bytes are not the canonical encoding of what they decode to")
+            return value, len(data)
+
+        checked = await self._get_checked(key, _MAX_ROW_BYTES, check)
+        if checked is None:
             return None
-        if data.startswith(_ZSTD_MAGIC):
-            data = _decompress(data)
-        if _sha(data) != sha:
-            raise RecordError("ledger object bytes do not match the SHA-256 in their key")
-        try:
-            value: Any = msgspec.json.decode(data, type=kind)
-        except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
-            raise RecordError(f"not an s3capture ledger object: {error}") from None
-        expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
-        if value.format != expected:
-            raise RecordError(f"unknown ledger object format {value.format!r} (newer s3capture?)")
-        if msgspec.json.encode(value, order="sorted") != data:
-            # Valid JSON that is not what a writer produces (a repeated key decodes last-wins, ...).
-            raise RecordError("ledger object bytes are not the canonical encoding of what they decode to")
-        self._cache.put(key, _Cached(value, _heap_estimate(value, len(data))))
+        value, size = checked
+        self._cache.put(key, _Cached(value, _heap_estimate(value, size)))
         return value
 
     async def manifest(self, rollout_id: str) -> dict:
@@ -463,7 +483,10 @@ class S3CaptureLedger(RolloutObjects):
         """Whether any committed or failure row exists (two round trips).
 
         Requests: two LISTs (one key each) together, then a GET of the retire tombstone: read after
-        the LISTs, it also catches a retire that deleted rows while they were listed.
+        the LISTs, it also catches a retire that deleted rows while they were listed. When neither
+        LIST shows a key, both are asked again beside that GET: Gym's sink admits an unresolved
+        continuation of a rollout without rows as a fresh root, so one LIST answer that left out
+        the only key (a store's bug, a page lost on the way) must not decide it alone.
 
         Raises:
             RolloutRetiredError: the rollout is retired, so admission can refuse its late calls.
@@ -471,12 +494,20 @@ class S3CaptureLedger(RolloutObjects):
             StoreError: the store failed a request.
         """
         prefix = self.layout.rollout(rollout_id)
-        pages = await asyncio.gather(
-            self._list_page(f"{prefix}ledger/row/", 1), self._list_page(f"{prefix}ledger/fail/", 1)
-        )
-        if await self._retired(prefix):
+        prefixes = (f"{prefix}ledger/row/", f"{prefix}ledger/fail/")
+        pages = await asyncio.gather(*(self._list_page(p, 1) for p in prefixes))
+        # A truncated page says keys follow, even when it shows none itself.
+        found = any(page.objects or page.next_token for page in pages)
+        if found:
+            retired = await self._retired(prefix)
+        else:
+            row_page, fail_page, retired = await asyncio.gather(
+                self._list_page(prefixes[0], 1), self._list_page(prefixes[1], 1), self._retired(prefix)
+            )
+            found = any(page.objects or page.next_token for page in (row_page, fail_page))
+        if retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
-        return any(page.objects for page in pages)
+        return found
 
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         """ROOT, RESOLVED (exactly one proven parent row) or UNRESOLVED with a reason.
@@ -484,10 +515,11 @@ class S3CaptureLedger(RolloutObjects):
         A match carries the row's ``staging_chain``, ``prev_len`` = its ``cum_len``, its
         ``chain_hash``, ``digest`` = its ``cumulative_hash`` and empty ``cumulative_token_ids``
         (the tokens are staged elsewhere). Requests: LIST the request fingerprint's index with a
-        GET of the retire tombstone, then for each candidate call a GET of its row and a LIST of
-        all its rows (two round trips). A call id with more than one committed row anywhere
-        counts as zero candidates and, as in ``S3TokenStore.resolve``, makes the answer
-        UNRESOLVED rather than letting another call win by elimination; candidates must match
+        GET of the retire tombstone, then for each candidate call a GET of its row, a LIST of all
+        its rows and a LIST of its failure rows (two round trips). A call id with more than one
+        committed row anywhere, or with a failure row (``failed_candidate``), counts as zero
+        candidates and, as in ``S3TokenStore.resolve``, makes the answer UNRESOLVED rather than
+        letting another call win by elimination; candidates must match
         the recorded request context; several candidates count as one only when their cumulative
         hash and length agree (the smallest call id wins, as in Gym). Failure rows never take
         part. A retired rollout is UNRESOLVED (``retired``); every reason: ``docs/reasons.md``.
@@ -529,9 +561,15 @@ class S3CaptureLedger(RolloutObjects):
                 except RecordError:
                     return None
 
-            row, variants = await asyncio.gather(load(), self._list(f"{prefix}ledger/row/{segment}/"))
+            row, variants, failed = await asyncio.gather(
+                load(),
+                self._list(f"{prefix}ledger/row/{segment}/"),
+                self._list(f"{prefix}ledger/fail/{self.layout.marker_call_segment(prefix, cid)}/"),
+            )
             if len(variants) > 1:
                 return "conflict", None
+            if failed:
+                return "failed", None
             if row is None:
                 return "unreadable", None
             return "ok", row
@@ -539,6 +577,9 @@ class S3CaptureLedger(RolloutObjects):
         checked = await asyncio.gather(*(candidate(cid, next(iter(shas))) for cid, shas in by_call.items()))
         if any(state == "conflict" for state, _ in checked):
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="conflicting_payloads")
+        if any(state == "failed" for state, _ in checked):
+            # A call whose capture failed is never a parent, and no other call wins by elimination.
+            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="failed_candidate")
         if any(state == "unreadable" for state, _ in checked):
             # An unreadable or missing row might be the parent: never win by elimination.
             return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason="unreadable_candidate")

@@ -23,9 +23,9 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import msgspec
@@ -41,11 +41,14 @@ from s3capture.transport import (
     ListedObject,
     ListPage,
     Transport,
+    _backoff,
     cancel_unfinished,
     configured_endpoint,
     make_transport,
     warn_start_after_ignored,
 )
+
+_T = TypeVar("_T")
 
 __all__ = [
     "RolloutObjects",
@@ -314,6 +317,26 @@ class RolloutObjects:
 
     async def _get(self, key: str, limit: int | None = None) -> bytes | None:
         return await self.transport.get(key, limit)
+
+    async def _get_checked(self, key: str, limit: int | None, check: Callable[[bytes], _T]) -> _T | None:
+        """GET ``key`` and ``check`` its bytes (decode and verify them against the digest in the key,
+        raising ``RecordError``); ``None`` when it is absent. Bytes that fail are read again,
+        ``read_attempts`` reads in all, before the failure stands: a body cut short with a
+        matching ``Content-Length`` is well-formed, and where the store's ETags are not MD5s (or
+        a proxy cut it the same way twice) only the content's own digest tells (a breaker made a
+        healthy ledger row read as damage with two short bodies in a row)."""
+        attempts = max(1, int(getattr(self.transport, "_read_attempts", 1)))
+        for attempt in range(attempts):
+            data = await self._get(key, limit)
+            if data is None:
+                return None
+            try:
+                return check(data)
+            except RecordError:
+                if attempt + 1 >= attempts:
+                    raise
+            await asyncio.sleep(_backoff(attempt + 1))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _list(
         self, prefix: str, *, require: Iterable[str] = (), unless: Iterable[str] = (), confirm_end: bool = False

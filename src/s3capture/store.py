@@ -418,10 +418,9 @@ class S3TokenStore(RolloutObjects):
         limit = self._read_limit()
         if size is not None and size > limit:
             raise RecordError(f"object is {size} bytes, over what max_entry_bytes={self._max_entry_bytes} allows")
-        data = await self._get(key, limit)
-        if data is None:
+        stored = await self._get_checked(key, limit, lambda data: self._decode_object(data, sha))
+        if stored is None:
             return None
-        stored = self._decode_object(data, sha)
         self._cache.put(key, stored)
         return stored
 

@@ -189,6 +189,21 @@ def _body_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _payload_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of an answer whose body was cut while botocore read it (not a failed connection,
+    which botocore's own retries have already been through)."""
+    from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+    errors: list[type[BaseException]] = [IncompleteReadError, ResponseStreamingError]
+    try:
+        import aiohttp
+
+        errors.append(aiohttp.ClientPayloadError)
+    except ImportError:  # pragma: no cover - aiobotocore always brings aiohttp
+        pass
+    return tuple(errors)
+
+
 def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) -> Any:
     """The botocore ``Config`` s3capture uses unless given one.
 
@@ -1173,6 +1188,10 @@ class S3Transport(Transport):
             if _code(error) in _NOT_FOUND:
                 return None
             raise
+        except _payload_errors() as error:
+            # An answer (a 404's error document, say) whose body was cut while botocore read it:
+            # read again, as a cut object body is (botocore does not retry this one).
+            raise _BodyFailed(f"answer body failed after {type(error).__name__}: {error}") from None
         expected = response.get("ContentLength")
         etag = str(response.get("ETag") or "").strip('"').lower()
         if limit is not None and int(expected or 0) > limit:

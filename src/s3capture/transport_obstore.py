@@ -414,6 +414,10 @@ class ObstoreTransport(Transport):
         except Exception as error:
             if self._error_code(error) in _NOT_FOUND:
                 return None
+            if "response body error" in str(error):
+                # An answer (a 404's error document, say) whose body was cut: object_store does not
+                # resume it, so read again, as a cut object body is.
+                raise _BodyFailed(f"answer body failed after {type(error).__name__}: {error}") from None
             raise
         meta = result.meta
         size = meta.get("size")
