@@ -75,6 +75,7 @@ SPILL = "src/s3capture/spill.py"
 LEDGER = "src/s3capture/ledger.py"
 RECORDS = "src/s3capture/records.py"
 EXPORT_SHARD = "src/s3capture/export/shard.py"
+EXPORT_DRIVER = "src/s3capture/export/driver.py"
 OPS = "src/s3capture/ops.py"
 TRANSPORT_OBSTORE = "src/s3capture/transport_obstore.py"
 EXPORT_WRITERS = "src/s3capture/export/writers.py"
@@ -130,8 +131,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "ledger-row-list-prefix-without-slash",
         LEDGER,
-        'requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}/")]',
-        'requests = [self._put(row_key, stored), self._list(f"{prefix}ledger/row/{segment}")]',
+        'self._put(row_key, stored),\n            self._list(f"{prefix}ledger/row/{segment}/"),',
+        'self._put(row_key, stored),\n            self._list(f"{prefix}ledger/row/{segment}"),',
         "every LIST prefix ends in '/': record of call c1 never sees the row of call c10 as a conflict",
         "tests/test_adversarial_ledger.py",
         "-k",
@@ -718,6 +719,56 @@ MUTANTS: list[Mutant] = [
         "tests/test_concurrency.py",
         "-k",
         "tombstone_a_concurrent",
+    ),
+    _m(
+        "export-ages-a-rollout-when-its-turn-comes",
+        EXPORT_DRIVER,
+        "age = (info.listed_at or store_time(store)) - info.last_write.timestamp()",
+        "age = store_time(store) - info.last_write.timestamp()",
+        "export --min-age takes a rollout's age when its listing showed it, not when a slow shard let it through",
+        "tests/test_clocks.py",
+        "-k",
+        "export_takes",
+    ),
+    _m(
+        "spill-glues-a-marker-onto-a-torn-line",
+        SPILL,
+        'if size and os.pread(handle.fileno(), 1, size - 1) != b"\\n":',
+        "if False:",
+        "a spill append ends a torn last line first, so the next acknowledged marker is not skipped with it",
+        "tests/test_adversarial_spill.py",
+        "-k",
+        "after_a_torn_line",
+    ),
+    _m(
+        "ledger-resolves-to-a-failed-call",
+        LEDGER,
+        'if failed:\n                return "failed", None',
+        'if False:\n                return "failed", None',
+        "resolve never answers with a call that has a failure row (Gym's ledgers refuse its row)",
+        "tests/test_adversarial_ledger.py",
+        "-k",
+        "failure_row_is_refused",
+    ),
+    _m(
+        "has-rows-trusts-one-empty-listing",
+        LEDGER,
+        "        if found:\n            retired = await self._retired(prefix)",
+        "        if True:\n            retired = await self._retired(prefix)",
+        "has_rows asks its LISTs again before answering False (one answer that lost the only row admitted a fresh root)",
+        "tests/test_adversarial_ledger.py",
+        "-k",
+        "lost_the_only_key",
+    ),
+    _m(
+        "resolve-compares-raw-cum-len",
+        STORE,
+        "(entry.digest, entry.cum_len if entry.cum_len is not None else _cumulative_len(entry)) for entry in entries",
+        "(entry.digest, entry.cum_len) for entry in entries",
+        "several resolve candidates are one parent only by Gym's rule: a missing cum_len counts as the token count",
+        "tests/test_store_lineage.py",
+        "-k",
+        "cum_len_are_compared",
     ),
 ]
 
