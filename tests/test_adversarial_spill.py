@@ -347,3 +347,43 @@ def test_two_profiles_with_their_own_endpoints_get_their_own_spill_files(tmp_pat
         paths[profile] = (store._spill_file.path, store._spill_file.identity["endpoint"])
     assert paths["a"][1] == "http://127.0.0.1:1" and paths["b"][1] == "http://127.0.0.1:2"
     assert paths["a"][0] != paths["b"][0]
+
+
+def test_a_spill_file_an_earlier_version_named_aws_is_replayed_after_an_upgrade(tmp_path):
+    """Before 2026-12-02 a store whose endpoint came from an AWS profile was named ``aws`` in the
+    spill; after the upgrade it is named by that endpoint, and its old file was never replayed (a
+    review of the fix): an acknowledged marker never landed."""
+    from s3capture.spill import Spill
+
+    old = Spill(tmp_path, endpoint=None, bucket="b", root="run/")
+    old.append("run/rollouts/r/log/x/c1/1-x")
+    new = Spill(tmp_path, endpoint="http://127.0.0.1:1", bucket="b", root="run/", legacy_endpoints=(None,))
+    assert new.path != old.path and new.pending()
+    claims = new.claim()
+    assert list(new.read(claims)) == ["run/rollouts/r/log/x/c1/1-x"]
+    for claim in claims:
+        claim.release()
+    assert not new.pending() and not old.pending()
+    # A store that is AWS S3 itself has no legacy name beside its own.
+    plain = Spill(tmp_path, endpoint=None, bucket="b", root="run/", legacy_endpoints=(None,))
+    assert plain._legacy == []
+
+
+def test_a_rejected_file_that_cannot_be_written_does_not_stop_the_replay(tmp_path, caplog):
+    """A full disk made writing ``<spill>.rejected`` fail, and with it every replay of the markers
+    beside the unreplayable line (a review of the fix)."""
+    import json
+
+    from s3capture.spill import Spill
+
+    spill = Spill(tmp_path, endpoint="http://a", bucket="b", root="run/")
+    spill.append("run/rollouts/r/log/x/c1/1-x")
+    with open(spill.path, "ab") as handle:
+        handle.write(json.dumps(dict(spill.identity, key="run/rollouts/r/log/x/c2/1-y", v=2)).encode() + b"\n")
+    os.mkdir(spill.path + ".rejected")  # cannot be opened for appending, as on a full disk
+    claims = spill.claim()
+    with caplog.at_level("ERROR", logger="s3capture"):
+        assert list(spill.read(claims)) == ["run/rollouts/r/log/x/c1/1-x"]
+    assert "could not keep 1 unreplayable spill line" in caplog.text and "c2/1-y" in caplog.text
+    for claim in claims:
+        claim.release()

@@ -291,6 +291,8 @@ class RolloutObjects:
                 endpoint=self.transport.configured_endpoint_url() or None,
                 bucket=self.bucket,
                 root=self.layout.root,
+                # An endpoint from the AWS config was named "aws" before 2026-12-02: replay those too.
+                legacy_endpoints=(None,) if not self.endpoint_url else (),
             )
             if self._spill_dir is not None
             else None
@@ -428,11 +430,8 @@ class RolloutObjects:
         never raises (the objects are stored)."""
         base = f"{self.layout.root}rollouts/"
         prefixes = sorted({base + key[len(base) :].split("/", 1)[0] + "/" for key in objects if key.startswith(base)})
-        for prefix in prefixes:
-            try:
-                state = await self._fence_state(prefix)
-            except Exception:  # noqa: BLE001 - a report only
-                continue
+        states = await asyncio.gather(*(self._fence_state(prefix) for prefix in prefixes), return_exceptions=True)
+        for prefix, state in zip(prefixes, states):
             if state == "retired":
                 keys = sorted(key[len(prefix) :] for key in objects if key.startswith(prefix))
                 log.error(
@@ -580,11 +579,12 @@ class RolloutObjects:
         confirmed: str | None = None  # the last key a LIST after it showed to be the end
         confirming = False
         rounds = 0  # LISTs after the last key sent so far
-        pending: asyncio.Future[ListPage] | None = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None))
+        pending: asyncio.Future[tuple[ListPage, float]] | None = asyncio.ensure_future(
+            self._timed_page(list_prefix, page_keys, None)
+        )
         try:
             while pending is not None:
-                page = await pending
-                page_time = store_time(self)  # after the page's Date is noted: RolloutInfo.listed_at
+                page, page_time = await pending  # page_time: RolloutInfo.listed_at of its rollouts
                 pending = None
                 if confirming and page.objects:
                     key = page.objects[0].key
@@ -607,7 +607,7 @@ class RolloutObjects:
                             key=list_prefix,
                         )
                     previous_token = page.next_token
-                    pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, page.next_token))
+                    pending = asyncio.ensure_future(self._timed_page(list_prefix, page_keys, page.next_token))
                 elif last_key is not None and last_key != confirmed and rounds >= _CONFIRM_ROUNDS:
                     # Writers keep adding keys after the end faster than a LIST answers: a listing
                     # is a moment's view, so it ends here (the last rollout is being written to).
@@ -624,7 +624,9 @@ class RolloutObjects:
                     # Only the last rollout of a listing cut short looks whole; it may be read
                     # unsealed (an export's quiet open rollouts), so its end must be sure.
                     confirmed, confirming, rounds = last_key, True, rounds + 1
-                    pending = asyncio.ensure_future(self._list_page(list_prefix, page_keys, None, start_after=last_key))
+                    pending = asyncio.ensure_future(
+                        self._timed_page(list_prefix, page_keys, None, start_after=last_key)
+                    )
                 for item in page.objects:
                     current, slash, rel = item.key[blen:].partition("/")
                     if not slash or not rel:
@@ -651,6 +653,15 @@ class RolloutObjects:
         finally:
             if pending is not None:
                 await cancel_unfinished(pending)  # the page nobody will read
+
+    async def _timed_page(
+        self, prefix: str, max_keys: int, token: str | None, start_after: str | None = None
+    ) -> tuple[ListPage, float]:
+        """A LIST page and ``store_time`` when it was answered (its ``Date`` noted): taken here,
+        in the task that fetched it, not when a consumer gets to it (pages are fetched ahead, and
+        an export or gc may take minutes over the rollouts of the page before)."""
+        page = await self._list_page(prefix, max_keys, token, start_after)
+        return page, store_time(self)
 
     def _owned(self, scan: RolloutScan) -> list[ListedObject]:
         """The objects of a scanned rollout that ``rollouts`` counts for this client: the token

@@ -61,12 +61,28 @@ class SpillClaim:
 class Spill:
     """The spill file of one ``(endpoint, bucket, root)`` in ``directory``."""
 
-    def __init__(self, directory: str | os.PathLike, *, endpoint: str | None, bucket: str, root: str) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        endpoint: str | None,
+        bucket: str,
+        root: str,
+        legacy_endpoints: tuple[str | None, ...] = (),
+    ) -> None:
+        """``legacy_endpoints``: other names earlier versions gave this same store, whose spill
+        files a replay also claims and stores (before 2026-12-02 a store whose endpoint came from
+        the AWS config was named ``aws``, like AWS S3 itself)."""
         self.directory = os.fspath(directory)
         self.identity = {"endpoint": (endpoint or "aws").rstrip("/"), "bucket": bucket, "root": root}
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:24]
         readable = re.sub(r"[^A-Za-z0-9_.-]", "_", bucket)[:64]
         self.path = os.path.join(self.directory, f"spill-{readable}-{digest}.jsonl")
+        self._legacy = [
+            Spill(directory, endpoint=other, bucket=bucket, root=root)
+            for other in dict.fromkeys(legacy_endpoints)
+            if (other or "aws").rstrip("/") != self.identity["endpoint"]
+        ]
 
     # ------------------------------------------------------------------ append
     def append(self, key: str, body: bytes = b"") -> None:
@@ -96,14 +112,17 @@ class Spill:
                 return
 
     def pending(self) -> bool:
-        """Whether anything may wait to be replayed (a spill file or a claim)."""
+        """Whether anything may wait to be replayed (a spill file or a claim, also of a legacy name)."""
+        if any(legacy.pending() for legacy in self._legacy):
+            return True
         return os.path.exists(self.path) or bool(glob.glob(glob.escape(self.path) + ".*.replay"))
 
     # ------------------------------------------------------------------ claim and read
     def claim(self) -> list[SpillClaim]:
-        """Take the spill file and every claim whose replayer died; the caller must ``release``
-        each claim once its objects are stored (or spilled again)."""
-        claims: list[SpillClaim] = []
+        """Take the spill file and every claim whose replayer died (of this store's legacy names
+        too); the caller must ``release`` each claim once its objects are stored (or spilled
+        again: under this store's own name)."""
+        claims: list[SpillClaim] = [claim for legacy in self._legacy for claim in legacy.claim()]
         try:
             handle = open(self.path, "rb")
         except FileNotFoundError:
@@ -139,7 +158,9 @@ class Spill:
         A line that cannot be replayed here is never dropped silently: a torn one (a writer killed
         mid-append, a full disk) is logged and skipped; one of another store, with a key outside
         this root, or with fields this version does not know (a newer writer's) is logged and
-        appended to ``<spill file>.rejected`` beside the spill file, which nothing replays."""
+        appended to ``<spill file>.rejected`` beside the spill file, which nothing replays (where
+        that file cannot be written, the lines are logged as an error instead: a full disk must
+        not keep the others from being replayed)."""
         objects: dict[str, bytes] = {}
         rejected: list[bytes] = []
         for claim in claims:
@@ -160,15 +181,26 @@ class Spill:
                         continue
                     objects[item["key"]] = body
         if rejected:
-            with open(self.path + ".rejected", "ab") as out:
-                out.write(b"".join(rejected))
-                out.flush()
-                os.fsync(out.fileno())
+            try:
+                with open(self.path + ".rejected", "ab") as out:
+                    out.write(b"".join(rejected))
+                    out.flush()
+                    os.fsync(out.fileno())
+            except OSError as error:
+                # Never in the way of the lines that can be replayed (a full disk): say what goes.
+                log.error(
+                    "could not keep %d unreplayable spill line(s) in %s.rejected (%s); they were: %s",
+                    len(rejected),
+                    self.path,
+                    error,
+                    b"".join(rejected).decode("utf-8", "replace")[:4000],
+                )
         return objects
 
     def _refusal(self, item: dict) -> str:
         """Why a decoded line is not this spill's to replay (``""``: it is)."""
-        if not all(item.get(k) == v for k, v in self.identity.items()):
+        identities = [self.identity, *(legacy.identity for legacy in self._legacy)]
+        if not any(all(item.get(k) == v for k, v in identity.items()) for identity in identities):
             return "belongs to another store"
         key = item.get("key")
         if not isinstance(key, str) or not key.startswith(self.identity["root"] + "rollouts/"):
