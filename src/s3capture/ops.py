@@ -73,6 +73,7 @@ __all__ = [
     "format_action",
     "roots_below",
     "roots_beside",
+    "roots_hint",
     "roots_near",
     "register",
     "LS_HEADER",
@@ -612,24 +613,7 @@ async def roots_below(store: RolloutObjects, limit: int = 5) -> list[str]:
     key order; empty when nothing under the root looks like another root, and when the LIST fails
     (a hint: a role allowed to list only ``ROOT/rollouts/`` gets none, and no error).
     """
-    from s3capture.errors import StoreError
-
-    root = store.layout.root
-    try:
-        page = await store._list_page(root, 1000)
-    except StoreError:
-        return []
-    found: dict[str, None] = {}
-    for item in page.objects:
-        rel = item.key[len(root) :]
-        if rel.startswith("rollouts/"):
-            continue  # the root's own rollouts (an id or call id named "rollouts" included)
-        cut = rel.find("/rollouts/")
-        if cut > 0:
-            found.setdefault(rel[:cut], None)
-            if len(found) >= limit:
-                break
-    return [f"s3://{store.bucket}/{root}{rel}" for rel in found]
+    return await _roots_under(store, store.layout.root, limit)
 
 
 async def roots_beside(store: RolloutObjects, limit: int = 5) -> list[str]:
@@ -639,37 +623,49 @@ async def roots_beside(store: RolloutObjects, limit: int = 5) -> list[str]:
     A hint for a URL with a typo in its last segment (``run-43`` for ``run-42``), whose listing of
     rollouts is empty. At most ``limit`` URLs, in key order; empty for a root at the top of its
     bucket's own key space (``s3://b``) and when the LIST fails (a hint, never an error)."""
-    from s3capture.errors import StoreError
-
     root = store.layout.root
     if not root:
         return []
-    parent = root[: root.rstrip("/").rfind("/") + 1]
+    return await _roots_under(store, root[: root.rstrip("/").rfind("/") + 1], limit, skip=root)
+
+
+async def _roots_under(store: RolloutObjects, prefix: str, limit: int, skip: str = "") -> list[str]:
+    """``s3://`` URLs of the prefixes under ``prefix`` (but ``skip``) that hold a ``rollouts/``
+    folder, among the first 1,000 keys; ``prefix``'s own rollouts (an id or call id named
+    "rollouts" included) are not another root. ``[]`` when the LIST fails: a hint, never an error."""
+    from s3capture.errors import StoreError
+
     try:
-        page = await store._list_page(parent, 1000)
+        page = await store._list_page(prefix, 1000)
     except StoreError:
         return []
     found: dict[str, None] = {}
     for item in page.objects:
-        rel = item.key[len(parent) :]
+        rel = item.key[len(prefix) :]
+        if rel.startswith("rollouts/"):
+            continue
         cut = rel.find("/rollouts/")
-        if cut > 0 and parent + rel[:cut] + "/" != root:
+        if cut > 0 and prefix + rel[:cut] + "/" != skip:
             found.setdefault(rel[:cut], None)
             if len(found) >= limit:
                 break
-    return [f"s3://{store.bucket}/{parent}{rel}" for rel in found]
+    return [f"s3://{store.bucket}/{prefix}{rel}" for rel in found]
 
 
-async def roots_near(store: RolloutObjects) -> list[str]:
-    """For a root without rollouts: hint lines naming the roots inside it (a URL one level too
-    high), or else the roots beside it (a typo in its last segment); none when there are neither."""
-    below = await roots_below(store)
+def roots_hint(below: list[str], beside: list[str]) -> str:
+    """The hint for a root without rollouts: the roots inside it (a URL one level too high), else
+    the roots beside it (a typo in its last segment); ``""`` when there are neither."""
     if below:
-        return [f"roots inside this URL (among its first 1,000 keys): {', '.join(below)}"]
-    beside = await roots_beside(store)
+        return f"roots inside this URL (among its first 1,000 keys): {', '.join(below)}"
     if beside:
-        return [f"roots beside this URL (among its parent's first 1,000 keys): {', '.join(beside)}"]
-    return []
+        return f"roots beside this URL (among its parent's first 1,000 keys): {', '.join(beside)}"
+    return ""
+
+
+async def roots_near(store: RolloutObjects) -> str:
+    """``roots_hint`` for ``store``'s root: one LIST page, two when nothing is inside it."""
+    below = await roots_below(store)
+    return roots_hint(below, [] if below else await roots_beside(store))
 
 
 def format_status(s: StoreStatus) -> str:
@@ -904,10 +900,10 @@ def _status_command(args: Any) -> int:
     store = _open_store(args)
     progress = not args.no_progress and sys.stderr.isatty()
 
-    async def run() -> tuple[StoreStatus, list[str]]:
+    async def run() -> tuple[StoreStatus, str]:
         result = await status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress)
         empty = not any(counts.rollouts for counts in result.states.values())
-        return result, await roots_near(store) if empty and not args.json else []
+        return result, await roots_near(store) if empty and not args.json else ""
 
     result, roots = asyncio.run(_close_after(store, run()))
     print(msgspec.json.encode(result).decode() if args.json else format_status(result))
@@ -915,10 +911,10 @@ def _status_command(args: Any) -> int:
     return 0
 
 
-def _hint_empty_root(hints: list[str]) -> None:
+def _hint_empty_root(hint: str) -> None:
     """On stderr, for a root with no rollout: the roots inside or beside it (``roots_near``)."""
-    if hints:
-        print(f"no rollouts here; {'; '.join(hints)}", file=sys.stderr)
+    if hint:
+        print(f"no rollouts here; {hint}", file=sys.stderr)
 
 
 def _gc_command(args: Any) -> int:

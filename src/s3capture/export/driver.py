@@ -37,7 +37,7 @@ from s3capture.export.records import (
     source_endpoint_of,
 )
 from s3capture.export.shard import NOT_SEALED, ListedRollout
-from s3capture.ops import roots_below, roots_beside, store_time
+from s3capture.ops import roots_below, roots_beside, roots_hint, store_time
 
 _DROPS_AHEAD = 1024
 """Drops started and not finished at most (32 of them run at once); the listing and the shard results
@@ -754,10 +754,9 @@ def format_summary(summary: ExportSummary) -> str:
             hints.append(f"{count:,} {state} rollouts were not selected{why}")
         if s.root_empty:
             where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
-            if s.roots_below:
-                where += "; roots inside this URL (among its first 1,000 keys): " + ", ".join(s.roots_below)
-            elif s.roots_beside:
-                where += "; roots beside this URL (among its parent's first 1,000 keys): " + ", ".join(s.roots_beside)
+            hint = roots_hint(s.roots_below, s.roots_beside)
+            if hint:
+                where += "; " + hint
             hints.append(where)
         lines.append("nothing to read: the destination holds no data file (no row was written)")
         lines.extend(f"  {hint}" for hint in hints)
