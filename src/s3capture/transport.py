@@ -167,14 +167,28 @@ _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
 
 @functools.cache
-def _body_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions a response body can raise while it streams (a cut or reset connection). Found on
-    first use: importing aiohttp costs a quarter second that the obstore transport never needs."""
+def _payload_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of an answer whose body was cut while it was read (not a failed connection,
+    which botocore's own retries have already been through). Found on first use: importing
+    aiohttp costs a quarter second that the obstore transport never needs."""
     from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 
+    errors: list[type[BaseException]] = [IncompleteReadError, ResponseStreamingError]
+    try:
+        import aiohttp
+
+        errors.append(aiohttp.ClientPayloadError)
+    except ImportError:  # pragma: no cover - aiobotocore always brings aiohttp
+        pass
+    return tuple(errors)
+
+
+@functools.cache
+def _body_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a response body can raise while it streams: ``_payload_errors`` and a cut or
+    reset connection."""
     errors: list[type[BaseException]] = [
-        IncompleteReadError,
-        ResponseStreamingError,
+        *_payload_errors(),
         asyncio.IncompleteReadError,
         asyncio.TimeoutError,
         ConnectionError,
@@ -184,21 +198,6 @@ def _body_errors() -> tuple[type[BaseException], ...]:
         import aiohttp
 
         errors.append(aiohttp.ClientError)
-    except ImportError:  # pragma: no cover - aiobotocore always brings aiohttp
-        pass
-    return tuple(errors)
-
-
-def _payload_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions of an answer whose body was cut while botocore read it (not a failed connection,
-    which botocore's own retries have already been through)."""
-    from botocore.exceptions import IncompleteReadError, ResponseStreamingError
-
-    errors: list[type[BaseException]] = [IncompleteReadError, ResponseStreamingError]
-    try:
-        import aiohttp
-
-        errors.append(aiohttp.ClientPayloadError)
     except ImportError:  # pragma: no cover - aiobotocore always brings aiohttp
         pass
     return tuple(errors)
