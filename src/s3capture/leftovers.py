@@ -15,14 +15,11 @@ process id. :func:`remove_dead` removes a leftover only when it can tell that it
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import shutil
 import socket
 import time
-
-_log = logging.getLogger("s3capture")
 
 
 def host_tag(*, short: bool = False) -> str:
