@@ -180,6 +180,10 @@ class S3CaptureLedger(RolloutObjects):
         )
         self._compressors = threading.local()  # a ZstdCompressor must not be shared by two threads
 
+    def _fail_prefix(self, prefix: str, model_call_id: str) -> str:
+        """The prefix of a call's failure rows: ``<rollout prefix>ledger/fail/<call segment>/``."""
+        return f"{prefix}ledger/fail/{self.layout.marker_call_segment(prefix, model_call_id)}/"
+
     def _compressor(self) -> zstandard.ZstdCompressor:
         """This thread's compressor (it releases the GIL while compressing, so it must never be
         used by two threads at once; within a thread it is never held across an await)."""
@@ -237,11 +241,10 @@ class S3CaptureLedger(RolloutObjects):
                 f"model_call_id is too long to store: its index key would exceed S3's {MAX_KEY_BYTES}-byte limit"
             )
         stored = self._compressor().compress(body) if len(body) > _COMPRESS_ABOVE else body
-        fail_prefix = f"{prefix}ledger/fail/{self.layout.marker_call_segment(prefix, cid)}/"
         requests = [
             self._put(row_key, stored),
             self._list(f"{prefix}ledger/row/{segment}/"),
-            self._list(fail_prefix),
+            self._list(self._fail_prefix(prefix, cid)),
         ]
         if index_key:
             requests.append(self._put(index_key, b""))
@@ -293,8 +296,7 @@ class S3CaptureLedger(RolloutObjects):
             _Failure(format=_FAILURE_FORMAT, rollout_id=rollout_id, model_call_id=model_call_id, reason=reason),
             order="sorted",
         )
-        segment = self.layout.marker_call_segment(prefix, model_call_id)
-        key = f"{prefix}ledger/fail/{segment}/{_sha(body)}.json"
+        key = f"{self._fail_prefix(prefix, model_call_id)}{_sha(body)}.json"
         try:
             await self._put(key, body)
         except asyncio.CancelledError:
@@ -564,7 +566,7 @@ class S3CaptureLedger(RolloutObjects):
             row, variants, failed = await asyncio.gather(
                 load(),
                 self._list(f"{prefix}ledger/row/{segment}/"),
-                self._list(f"{prefix}ledger/fail/{self.layout.marker_call_segment(prefix, cid)}/"),
+                self._list(self._fail_prefix(prefix, cid)),
             )
             if len(variants) > 1:
                 return "conflict", None

@@ -147,6 +147,11 @@ class FrozenSnapshot(TokenCaptureSnapshot):
     reasons: tuple[str, ...] = ()
 
 
+def _marker_retired(rollout_id: str) -> TokenCaptureRetiredError:
+    """``mark_incomplete``'s error for a retired rollout (there is no snapshot left to mask)."""
+    return TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
+
+
 def _shallow_copy(entry: TokenEntry) -> TokenEntry:
     """A copy of a cached entry whose scalar fields, token-id and log-probability lists and
     top-level containers are its own; nested items are shared (see ``S3TokenStore._hand_out``)."""
@@ -646,9 +651,7 @@ class S3TokenStore(RolloutObjects):
             # Unless the fence read said retired: the store answers, and there is no snapshot
             # left to mask (the spill would acknowledge a marker that can mask nothing).
             if state == "retired":
-                raise TokenCaptureRetiredError(
-                    f"rollout {rollout_id!r} is retired; its capture can no longer be marked"
-                ) from stored
+                raise _marker_retired(rollout_id) from stored
             what = f"mark_incomplete({rollout_id!r}, {model_call_id!r})"
             if not isinstance(stored, Exception):
                 self._spill_on_cancel(key, b"", what)
@@ -680,7 +683,7 @@ class S3TokenStore(RolloutObjects):
                 )
             state = "retired" if await self._present(prefix + "retired") else fence
         if state == "retired":
-            raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; its capture can no longer be marked")
+            raise _marker_retired(rollout_id)
         await self._replay_spill_quietly()
 
     # ------------------------------------------------------------------ TokenSource
