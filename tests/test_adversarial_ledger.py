@@ -418,6 +418,27 @@ async def test_call_id_at_the_key_budget_with_a_long_root_is_refused_before_any_
     assert too_long == []
 
 
+async def test_failure_row_of_an_unstorable_call_id_lands_under_the_longest_rollout_prefix(
+    ledgers, bucket_url, s3_client
+):
+    # ledger/fail/~h<sha256>/<sha256>.json is the longest key s3capture writes (148 bytes after the
+    # rollout prefix): a prefix that left no room for it made record_failure fail on Ceph and
+    # SeaweedFS, or, with a spill, acknowledge a row that could never be stored.
+    bucket, _ = split_bucket_url(bucket_url)
+    root = "/".join(["p" * 174] * 4)  # 699 bytes
+    rid = "R" * (876 - len(root) - len("/rollouts/") - 1)
+    ledger = ledgers(url=f"s3://{bucket}/{root}")
+    prefix = ledger.layout.rollout(rid)
+    assert len(prefix.encode()) == 876
+    with pytest.raises(ValueError, match="1024-byte limit"):
+        await ledger.record_failure(rid + "R", "c" * 300, "worker_capture_failed")
+    await ledger.record_failure(rid, "c" * 300, "worker_capture_failed")
+    keys = list_keys(s3_client, bucket, prefix)
+    assert len(keys) == 1 and len(keys[0].encode()) == 1024
+    manifest = await ledgers(url=f"s3://{bucket}/{root}").manifest(rid)
+    assert [f["reason"] for f in manifest["failures"]] == ["worker_capture_failed"]
+
+
 # =========================================================================== crafted objects
 def _row_key(client: Any, bucket_url: str, rid: str, cid: str) -> str:
     (key,) = _keys(client, bucket_url, f"{rid}/ledger/row/{cid}/")

@@ -372,13 +372,21 @@ def _accepts(fn, *args, **kwargs) -> bool:
 def _store_keys(prefix: str, cid: str) -> list[str]:
     """Every key shape s3capture's store writes (see s3capture.layout and store), longest variants."""
     unique = f"{2**63:020d}-{'f' * 32}"  # mark_incomplete: <time_ns:020d>-<uuid4 hex>
+    hashed = "~h" + "a" * 64  # the marker and failure-row segment of a call id too long to escape
     return [
         prefix + "fence",
         prefix + "retired",
+        prefix + f"drop/{'d' * 32}",
         prefix + f"snap/{2**63:020d}-{'0' * 32}",
+        prefix + f"cum/{SHA}.zst",
         prefix + f"log/x/~/{unique}",
+        prefix + f"log/x/{hashed}/{unique}",
+        prefix + f"ledger/fail/{hashed}/{SHA}.json",
         prefix + f"log/i/{cid}",
         prefix + f"log/x/{cid}/{unique}",
+        prefix + f"ledger/intent/{cid}",
+        prefix + f"ledger/row/{cid}/{SHA}.json",
+        prefix + f"ledger/fail/{cid}/{SHA}.json",
     ]
 
 
@@ -403,7 +411,7 @@ def test_every_accepted_id_yields_keys_within_the_s3_limit(
     except ValueError as error:
         # Refused only for a real reason: a lone surrogate, an over-long segment or key.
         has_surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in rollout_id)
-        too_long = len(f"{layout.root}rollouts/{escape_id(rollout_id)}/".encode()) + 98 > MAX_KEY_BYTES
+        too_long = len(f"{layout.root}rollouts/{escape_id(rollout_id)}/".encode()) + 148 > MAX_KEY_BYTES
         assert has_surrogate or too_long or len(escape_id(rollout_id)) > MAX_SEGMENT_BYTES, (rollout_id, error)
         return
     for key in _store_keys(prefix, "~"):

@@ -686,6 +686,34 @@ async def test_key_over_1024_bytes_through_a_long_root_is_refused_before_any_req
     assert dict(store.request_counts) == {}
 
 
+# A root that leaves the rollout id LONGEST_PREFIX_RID the longest prefix a rollout may have: 876
+# bytes, so that a marker of a call id too long to escape (log/x/~h<sha256>/<time>-<uuid>) and a
+# ledger failure row of one (ledger/fail/~h<sha256>/<sha256>.json, 148 bytes) still fit 1,024.
+LONG_ROOT = "/".join(["p" * 174] * 4)  # 699 bytes, every segment under 255
+LONGEST_PREFIX_RID = "R" * (876 - len(LONG_ROOT) - len("/rollouts/") - 1)
+
+
+async def test_marker_of_an_unstorable_call_id_lands_under_the_longest_rollout_prefix(new_store, bucket_url, s3_client):
+    # Ceph and SeaweedFS refuse keys over 1,024 bytes (moto does not): a prefix that left room
+    # for put's keys but not for the hashed marker made mark_incomplete fail, or, with a spill,
+    # acknowledge a marker that could never be stored.
+    bucket, _ = split_bucket_url(bucket_url)
+    store = new_store(url=f"s3://{bucket}/{LONG_ROOT}")
+    prefix = store.layout.rollout(LONGEST_PREFIX_RID)
+    assert len(prefix.encode()) == 876
+    with pytest.raises(ValueError, match="1024-byte limit"):
+        store.layout.rollout(LONGEST_PREFIX_RID + "R")
+    with pytest.raises(ValueError, match="1024-byte limit"):
+        await store.mark_incomplete(LONGEST_PREFIX_RID + "R", "c" * 300)
+    assert dict(store.request_counts) == {}  # refused before any request
+    await store.mark_incomplete(LONGEST_PREFIX_RID, "c" * 300)
+    keys = list_keys(s3_client, bucket, prefix)
+    assert len(keys) == 1 and max(len(k.encode()) for k in keys) <= MAX_KEY_BYTES
+    snapshot = await new_store(url=f"s3://{bucket}/{LONG_ROOT}").freeze(LONGEST_PREFIX_RID)
+    assert snapshot.incomplete
+    assert [r for r in snapshot.reasons if r.startswith("marked_incomplete:~h")], snapshot.reasons
+
+
 async def test_begin_call_with_long_call_id_is_stored_or_refused_before_any_request(new_store, s3_env, request):
     rid = "r-long-cid"
     cid = "C" * 300  # escaped: 300 bytes; every key of it is far below 1,024 bytes
