@@ -931,6 +931,30 @@ async def test_corrupt_and_foreign_objects_mark_incomplete(new_store, raw):
     assert raw.rollout_rel_keys(rid) == FENCE_ONLY
 
 
+async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(new_store, raw):
+    # A console's "Create folder" writes an empty object whose key is the rollout prefix itself. The
+    # listing skipped it while freeze counted it as foreign: the two gave different versions and
+    # snapshot ids, an export read the open rollout under a version no freeze gives, and a frozen
+    # rollout never looked sealed. It is now outside the version everywhere, and removed with the rest.
+    rid = "r-folder-marker"
+    prefix = raw.rollout(rid)
+    raw.put(prefix, b"")
+    entries = [simple_entry(rid, "c1"), simple_entry(rid, "c2", text="b")]
+    for entry in entries:
+        await new_store().put(entry)
+    (listed,) = [info async for info in new_store().rollouts() if info.rollout_id == rid]
+    snapshot = await new_store().freeze(rid)
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, entries)
+    assert (listed.version, listed.snapshot_id) == (snapshot.version, snapshot.snapshot_id) == (2, listed.snapshot_id)
+    (frozen,) = [info async for info in new_store().rollouts() if info.rollout_id == rid]
+    assert (frozen.state, frozen.sealed, frozen.version) == ("frozen", True, 2)
+    sealed = await new_store().read_snapshot(rid)
+    assert (sealed.version, sealed.snapshot_id) == (snapshot.version, snapshot.snapshot_id)
+    assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
+    assert raw.rollout_rel_keys(rid) == FENCE_ONLY
+
+
 async def test_foreign_object_added_after_freeze_changes_version(new_store, raw):
     await new_store().put(simple_entry("r-foreign-late", "c"))
     snapshot = await new_store().freeze("r-foreign-late")

@@ -302,7 +302,7 @@ async def status(
                 counts.objects += info.objects
                 counts.bytes += info.bytes
                 rollout_prefix = _rollout_prefix(store, info.rollout_id)
-                rels = [item.key[len(rollout_prefix) :] for item in items]
+                rels = [rel for item in items if (rel := item.key[len(rollout_prefix) :])]  # "": a folder marker
                 if info.state == "retired":
                     result.retired_leftover_objects += len(items)
                     result.retired_leftover_bytes += sum(item.size for item in items)
@@ -431,7 +431,7 @@ async def gc(
                     continue
                 rollout_prefix = _rollout_prefix(store, info.rollout_id)
                 rels = sorted(item.key[len(rollout_prefix) :] for item in items)
-                bare_fence = info.state == "frozen" and rels == ["fence"]
+                bare_fence = info.state == "frozen" and rels == ["fence"]  # a folder marker too: left alone
                 if info.state == "retired":
                     report.retired_seen += 1
                 elif not bare_fence:
@@ -485,9 +485,9 @@ async def _collect_one(
         # The re-check: a listing of the rollout's own prefix right before anything is changed must
         # show exactly what the streaming listing showed; anything new, gone or rewritten leaves
         # the rollout alone (a writer or another tool is active there).
-        # A "folder" object named like the prefix itself (S3 consoles, s3fs, rclone) is not the
-        # rollout's: the streaming listing leaves it out, and so does the re-check.
-        again = [item for item in await store._list(rollout_prefix) if item.key != rollout_prefix]
+        # A "folder" object named like the prefix itself (S3 consoles, s3fs, rclone) is in both
+        # listings (``scan_listing`` keeps it outside the version) and is removed with the rest.
+        again = await store._list(rollout_prefix)
         if not _same_listing(items, again):
             report.skipped += 1
             emit(

@@ -147,13 +147,18 @@ class RolloutScan:
     checkpoints: list[ListedObject] = field(default_factory=list)
     """Delta checkpoints (``cum/<digest>.zst``): derived from entries, so outside the version and
     the snapshot id, but removed with the rest."""
+    folders: list[ListedObject] = field(default_factory=list)
+    """A folder marker: an object whose key is the rollout prefix itself (what a console's "Create
+    folder" writes). It holds nothing of the rollout's, so it is outside the version and the
+    snapshot id, like a checkpoint, and removed with the rest."""
     seen_at: float = 0.0
     """``s3capture.clocks.awake_clock()`` when the listing returned (this client's clock)."""
 
     @property
     def records(self) -> list[ListedObject]:
-        """Every object a retire removes: log, manifests, foreign keys, drop tombstones and checkpoints."""
-        return self.log + self.snaps + self.foreign + self.drops + self.checkpoints
+        """Every object a retire removes: log, manifests, foreign keys, drop tombstones, checkpoints
+        and a folder marker."""
+        return self.log + self.snaps + self.foreign + self.drops + self.checkpoints + self.folders
 
     @property
     def all_keys(self) -> list[str]:
@@ -212,6 +217,8 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
             scan.parsed.append(parsed)
         elif rel.startswith("cum/") and is_checkpoint_rel(rel):
             scan.checkpoints.append(item)
+        elif not rel:
+            scan.folders.append(item)
         else:
             scan.foreign.append(item)
     return scan
@@ -629,8 +636,8 @@ class RolloutObjects:
                     )
                 for item in page.objects:
                     current, slash, rel = item.key[blen:].partition("/")
-                    if not slash or not rel:
-                        continue  # directly under rollouts/: in no rollout
+                    if not slash:
+                        continue  # directly under rollouts/: in no rollout (``<rid>/``, a folder marker, is in it)
                     if current != segment:
                         if segment is not None:
                             if not _segment_after(segment, current):
