@@ -101,6 +101,39 @@ def test_cache_estimate_is_within_1_5x_of_the_measured_heap(source: str) -> None
     assert 1 / 1.5 <= cache.nbytes / heap <= 1.5, (cache.nbytes, heap)
 
 
+@pytest.mark.parametrize("source", ["checkpoint", "rebuilt"])
+def test_memoized_cumulative_tokens_are_counted_within_1_5x_of_the_measured_heap(source: str) -> None:
+    """Memoized cumulative tokens are int objects of their own (a checkpoint's decoded ids, or a
+    rebuilt chain once its entries are evicted): counted at 8 bytes per token, a cache of them held
+    about 3.6x its ``cache_bytes`` (a scale breaker: 7.9 MiB counted, 28.5 MiB measured). They are
+    packed now, and the count is the heap they hold."""
+    from s3capture.objects import _decode_tokens
+    from s3capture.records import encode_token_ids
+    from s3capture.store import _packed_tokens
+
+    ids = [1000 + (i * 7919) % 149_000 for i in range(20_000)]
+    encoded = encode_token_ids(ids)
+
+    def memo() -> Any:
+        tokens = _decode_tokens(encoded) if source == "checkpoint" else [int(str(t)) for t in ids]
+        assert tokens == ids
+        return _packed_tokens(tokens)  # the source list is dropped, as after _memoize
+
+    (packed, nbytes), heap = _measured(memo)
+    assert list(packed) == ids
+    assert 1 / 1.5 <= nbytes / heap <= 1.5, (nbytes, heap)
+    assert nbytes <= 8 * len(ids) + 1024
+
+
+def test_memoized_tokens_that_do_not_fit_64_bits_are_kept_and_counted() -> None:
+    from s3capture.store import _packed_tokens
+
+    tokens = [2**64 + i for i in range(1000)]
+    (kept, nbytes), heap = _measured(lambda: _packed_tokens([t + 0 for t in tokens]))
+    assert list(kept) == tokens
+    assert 1 / 1.5 <= nbytes / heap <= 1.5, (nbytes, heap)
+
+
 def test_estimate_never_falls_below_the_json_or_the_token_arrays() -> None:
     entry = simple_entry("r", "c", prompt=list(range(1000, 1500)), text="x" * 5000)
     payload = encode_entry(entry)
@@ -155,6 +188,30 @@ def test_call_key_map_is_bounded_by_rows_and_by_bytes_and_forgets_rollouts() -> 
 
 
 # --------------------------------------------------------------------------- against a server
+
+
+async def test_a_cold_resolve_memoizes_packed_tokens_and_counts_them(fresh):
+    # The resolve of a delta continuation from a client that never saw the chain memoizes the
+    # winner's cumulative tokens (here rebuilt from the checkpoint of call K and the deltas after it).
+    import array
+
+    from helpers import put_chain
+
+    from s3capture.store import CHECKPOINT_EVERY
+
+    turns, entries = await put_chain(fresh(), "r-memo", CHECKPOINT_EVERY + 3)
+    resolver = fresh()
+    resolution = await resolver.resolve("r-memo", next_request(turns[-1]))
+    assert resolution.status == ParentResolutionStatus.RESOLVED, resolution
+    memos = [stored for stored in resolver._cache._data.values() if stored.cumulative is not None]
+    assert {tuple(s.cumulative) for s in memos} >= {
+        tuple(turns[-1].cumulative),
+        tuple(turns[CHECKPOINT_EVERY].cumulative),
+    }
+    for stored in memos:
+        assert isinstance(stored.cumulative, array.array) and stored.cumulative.itemsize == 8
+        assert stored.nbytes >= sys.getsizeof(stored.cumulative)
+    assert resolver._cache.nbytes == sum(s.nbytes for s in resolver._cache._data.values())
 
 
 async def test_freeze_forgets_the_rollouts_call_keys_and_drop_forgets_its_fence_time(fresh):

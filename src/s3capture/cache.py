@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +49,9 @@ class Stored:
     entry: Any
     chain: tuple[str, ...]
     nbytes: int
-    cumulative: tuple[int, ...] | None = None
-    """Memo of the entry's cumulative tokens once rebuilt (counted in ``nbytes``)."""
+    cumulative: Sequence[int] | None = None
+    """Memo of the entry's cumulative tokens once rebuilt (counted in ``nbytes``): an unsigned
+    64-bit ``array.array``, or a tuple for ids that do not fit one (``store._packed_tokens``)."""
     lent: bytes = b""
     """Set when ``freeze`` handed out a copy sharing this entry's nested items (``output_items``,
     ``routed_experts``, extra fields): a 16-byte digest of their encoding then, which a later

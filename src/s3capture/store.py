@@ -25,6 +25,7 @@ Offline, with read-only credentials (GET and LIST: ``docs/permissions.md``)::
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import hashlib
@@ -32,6 +33,7 @@ import io
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -145,6 +147,19 @@ class FrozenSnapshot(TokenCaptureSnapshot):
     """
 
     reasons: tuple[str, ...] = ()
+
+
+def _packed_tokens(tokens: Sequence[int]) -> tuple[Sequence[int], int]:
+    """A memo of cumulative token ids and its heap bytes: packed 8 bytes per token (an unsigned
+    64-bit array, what the cache's bound counts), or, for ids that do not fit it, a tuple (a
+    pointer and an int object per token). Packed because the ids of a checkpoint or of a rebuilt
+    chain are int objects of their own (about 36 bytes each, not the 8 of a pointer to an int an
+    entry also holds), which made ``cache_bytes`` undercount memoized tokens about 4x."""
+    try:
+        packed = array.array("Q", tokens)
+    except (OverflowError, TypeError):
+        return tuple(tokens), sys.getsizeof(()) + 36 * len(tokens)
+    return packed, sys.getsizeof(packed)
 
 
 def _marker_retired(rollout_id: str) -> TokenCaptureRetiredError:
@@ -486,8 +501,8 @@ class S3TokenStore(RolloutObjects):
             state = await self._fence_state(prefix)
         mine = _Stored(record, chain, _heap_estimate(record, payload), cum_base=cum_base, cum_self=cum_self)
         if checkpoint is not None:
-            mine.cumulative = tuple(checkpoint)
-            mine.nbytes += 8 * len(checkpoint)
+            mine.cumulative, nbytes = _packed_tokens(checkpoint)
+            mine.nbytes += nbytes
         self._cache.put(key, mine)
         self._remember(record.rollout_id, record.model_call_id, rel)
         await self._replay_spill_quietly()
@@ -585,8 +600,8 @@ class S3TokenStore(RolloutObjects):
 
     def _memoize(self, key: str, stored: _Stored, tokens: list[int]) -> None:
         if stored.cumulative is None:
-            stored.cumulative = tuple(tokens)
-            self._cache.grow(key, stored, 8 * len(tokens))
+            stored.cumulative, nbytes = _packed_tokens(tokens)
+            self._cache.grow(key, stored, nbytes)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record a pre-dispatch intent for a model call (the custody extension).
