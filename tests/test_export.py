@@ -989,6 +989,40 @@ async def test_row_groups_are_bounded_and_token_ids_have_the_exports_one_type(tm
         _ParquetWriter(wide, _LocalDestination(str(tmp_path)), 10).add(_built("huge", [2**63]))
 
 
+async def test_a_rollout_of_many_trajectories_fills_several_bounded_row_groups(tmp_path: Path) -> None:
+    # A scale breaker: a 300-call per_request rollout was one row group of 300 rows and 40 MB under
+    # --row-group-rows 32 --row-group-mb 4, all of it buffered at once.
+    job = ExportJob(url="s3://bkt/p", dest=str(tmp_path), row_group_rows=32, row_group_bytes=40_000)
+    writer = _ParquetWriter(job, _LocalDestination(str(tmp_path)), 1)
+    built = _built("many", [1, 2, 3])
+    built.build.trajectories = [
+        SimpleNamespace(
+            chain_id=f"c{i}",
+            call_ids=[f"c{i}"],
+            token_ids=list(range(1, 2 + i * 10)),
+            loss_mask=[1] * (1 + i * 10),
+            logprobs=[-0.5] * (1 + i * 10),
+        )
+        for i in range(300)
+    ]
+    built.build.trajectories[150].token_ids = built.build.trajectories[150].loss_mask = [1] * 9000  # over 40,000 bytes
+    built.build.trajectories[150].logprobs = [-0.5] * 9000
+    assert writer.add(built) == (300, sum(len(t.token_ids) for t in built.build.trajectories))
+    await writer.publish()
+    parquet = pq.ParquetFile(tmp_path / "part-00001.parquet")
+    groups = [parquet.metadata.row_group(i) for i in range(parquet.metadata.num_row_groups)]
+    assert sum(g.num_rows for g in groups) == 300 and len(groups) > 300 // 32
+    sizes = [
+        (g.num_rows, sum(len(t) for t in parquet.read_row_group(i, columns=["token_ids"]).column(0).to_pylist()))
+        for i, g in enumerate(groups)
+    ]
+    for rows, tokens in sizes:
+        assert rows <= 32
+        assert 9 * tokens + 256 * rows <= 40_000 or rows == 1, (rows, tokens)  # one row over the bound: its own group
+    assert (1, 9000) in sizes
+    assert [row["chain_id"] for row in parquet.read(columns=["chain_id"]).to_pylist()] == [f"c{i}" for i in range(300)]
+
+
 def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
     from s3capture.export import _Progress
 
@@ -1049,9 +1083,14 @@ async def test_export_builds_with_the_requested_engine_and_builder(fresh: Any, b
     engine none (a call that dropped either argument passed every other test)."""
     _, snapshots = await capture_all(fresh)
     dest = str(tmp_path / "per_request")
-    await export(bucket_url, dest, workers=0, min_age=0, builder="per_request", build_with="builtin")
+    await export(bucket_url, dest, workers=0, min_age=0, builder="per_request", build_with="builtin", row_group_rows=2)
     chain = [row for row in read_rows(dest) if row["rollout_id"] == "chain-delta"]
     assert len(chain) == len(snapshots["chain-delta"].entries) == 5
+    # The row-group bound holds inside a rollout too (its 5 rows fill 3 groups; before, a rollout's
+    # rows were always one row group, whatever its size).
+    for part in Path(dest).glob("part-*.parquet"):
+        metadata = pq.ParquetFile(part).metadata
+        assert all(metadata.row_group(i).num_rows <= 2 for i in range(metadata.num_row_groups)), part
     for engine in ("builtin", "gym"):
         dest = str(tmp_path / engine)
         await export(bucket_url, dest, workers=0, min_age=0, masked="include", build_with=engine)

@@ -238,13 +238,19 @@ class _ParquetWriter(_Writer):
             )
         tokens = 0
         for row in rows:
+            # Row by row: a rollout of many trajectories (per_request, a long delta chain) fills
+            # several row groups, never one over the bounds; a single row over row_group_bytes is a
+            # row group of its own.
             n = len(row["token_ids"])
+            size = 9 * n + 256
+            if self.buffer and self.buffered_bytes + size > self.job.row_group_bytes:
+                self._flush()
             tokens += n
             self.buffer.append(row)
-            self.buffered_bytes += 9 * n + 256
+            self.buffered_bytes += size
+            if len(self.buffer) >= self.job.row_group_rows or self.buffered_bytes >= self.job.row_group_bytes:
+                self._flush()
         self.rows += len(rows)
-        if len(self.buffer) >= self.job.row_group_rows or self.buffered_bytes >= self.job.row_group_bytes:
-            self._flush()
         return len(rows), tokens
 
     def _flush(self) -> None:
