@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 pa = pytest.importorskip("pyarrow")
@@ -366,6 +367,53 @@ async def test_a_rerun_with_freeze_seals_and_drops_what_an_earlier_run_exported_
     # The next run reads unsealed-c's sealed snapshot: masked by the marker, superseding its rows.
     after = await export(bucket_url, folder, workers=0, min_age=0, freeze=True, drop=True)
     assert after.changed_since_export == 1 and after.masked_written == 1 and after.dropped == 0, format_summary(after)
+
+
+async def test_current_snapshots_name_the_latest_export_of_an_id_deleted_and_captured_again(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    """A breaker: export a trainable 5-call rollout (version 5), delete the id, capture it again
+    with 1 call (trainable; or with a marker, masked), export again. The highest version per
+    rollout_id then picked the deleted generation's rows; current_snapshots names the new one."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    from s3capture.export import current_snapshots
+
+    folder = str(tmp_path / "out")
+    for rid in ("again", "again-masked", "kept"):
+        await put_chain(fresh(), rid, 5)
+        await fresh().freeze(rid)
+    first = await export(bucket_url, folder, workers=0)
+    assert first.exported == 3
+    old = await current_snapshots(folder)
+    await fresh().delete(["again", "again-masked"])
+    await put_chain(fresh(), "again", 1)
+    await put_chain(fresh(), "again-masked", 1)
+    await fresh().mark_incomplete("again-masked", "lost-call")
+    for rid in ("again", "again-masked"):
+        await fresh().freeze(rid)
+    second = await export(bucket_url, folder, workers=0)
+    assert second.changed_since_export == 2, format_summary(second)
+    latest = await current_snapshots(folder)
+    assert latest["kept"] == old["kept"] and latest["again"] != old["again"] != latest["again-masked"]
+    assert latest == {
+        info.rollout_id: info.snapshot_id
+        async for info in fresh().rollouts()
+        if info.rollout_id in ("again", "again-masked", "kept")
+    }
+    # The filter docs/export.md shows: each rollout's latest export only.
+    table = ds.dataset(folder, format="parquet").to_table()
+    keys = pc.binary_join_element_wise(table["rollout_id"], table["snapshot_id"], "\t")
+    table = table.filter(pc.is_in(keys, value_set=pa.array([f"{r}\t{s}" for r, s in latest.items()])))
+    rows = table.to_pylist()
+    assert {(row["rollout_id"], row["version"], row["masked"]) for row in rows} == {
+        ("kept", 5, False),
+        ("again", 1, False),
+        ("again-masked", 2, True),  # written masked over its earlier trainable rows
+    }
+    assert await current_snapshots(str(tmp_path / "nothing-here")) == {}
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
@@ -989,6 +1037,27 @@ async def test_row_groups_are_bounded_and_token_ids_have_the_exports_one_type(tm
         _ParquetWriter(wide, _LocalDestination(str(tmp_path)), 10).add(_built("huge", [2**63]))
 
 
+async def test_a_log_probability_beyond_float32_is_written_finite_and_huge_ids_name_the_way_out(
+    tmp_path: Path,
+) -> None:
+    # A breaker: put accepts -1e39 (finite), and the float32 column held -inf with numpy's overflow
+    # warning on stderr; ids of 2**63 and above failed under --token-ids int64 naming no way out.
+    import warnings
+
+    built = _built("tiny", [1, 2, 3])
+    built.build.trajectories[0].logprobs = [0.0, 0.0, -1e39]
+    writer = _ParquetWriter(ExportJob(url="s3://bkt/p", dest=str(tmp_path)), _LocalDestination(str(tmp_path)), 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning either
+        writer.add(built)
+    await writer.publish()
+    (logprobs,) = pq.read_table(tmp_path / "part-00003.parquet").column("logprobs").to_pylist()
+    assert logprobs[:2] == [0.0, 0.0] and logprobs[2] == float(np.finfo(np.float32).min)
+    wide = ExportJob(url="s3://bkt/p", dest=str(tmp_path), token_type="int64")
+    with pytest.raises(OverflowError, match="--format gym-jsonl"):
+        _ParquetWriter(wide, _LocalDestination(str(tmp_path)), 4).add(_built("huge", [2**63]))
+
+
 async def test_a_rollout_of_many_trajectories_fills_several_bounded_row_groups(tmp_path: Path) -> None:
     # A scale breaker: a 300-call per_request rollout was one row group of 300 rows and 40 MB under
     # --row-group-rows 32 --row-group-mb 4, all of it buffered at once.
@@ -1021,6 +1090,30 @@ async def test_a_rollout_of_many_trajectories_fills_several_bounded_row_groups(t
         assert 9 * tokens + 256 * rows <= 40_000 or rows == 1, (rows, tokens)  # one row over the bound: its own group
     assert (1, 9000) in sizes
     assert [row["chain_id"] for row in parquet.read(columns=["chain_id"]).to_pylist()] == [f"c{i}" for i in range(300)]
+
+
+async def test_a_broken_pool_leaves_no_worker_alive_not_even_one_spawned_while_it_broke() -> None:
+    """A breaker's export hung for good in about 1 of 20 SIGKILLs of a worker: a submit had
+    spawned a worker while the pool broke (CPython marks it broken without submit's lock), the
+    pool never terminated it, and shutdown and the interpreter's exit joined it for ever. Here the
+    stray is put in the pool's table by hand once the pool broke; closing the pool must still leave
+    none alive."""
+    import concurrent.futures
+    import multiprocessing
+
+    from s3capture.export.engines import _close_pool
+
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+        await asyncio.wrap_future(pool.submit(os._exit, 3))
+    assert pool._broken
+    # What the racing submit left: a live process in the pool's table that the break did not end
+    # (spawned by hand: a spawn after the break fails, the pool's queue is closed by then).
+    stray = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    stray.start()
+    pool._processes[stray.pid] = stray
+    await asyncio.wait_for(_close_pool(pool), 60)
+    assert not stray.is_alive() and not multiprocessing.active_children()
 
 
 def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
@@ -1171,6 +1264,36 @@ def test_the_summary_prints_each_example_on_one_line_whatever_the_id() -> None:
     text = format_summary(summary)
     (line,) = [line for line in text.splitlines() if "not_listed: no such" in line]
     assert line == "  skipped two\\nlines\\x1b[2J: not_listed: no such rollout" and "\x1b" not in text
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_export_json_stdout_is_the_summary_alone_whatever_an_engine_prints(
+    s3_env: Any, bucket_url: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--json`` promises one JSON object on stdout. Ray's driver prints its raylet's and workers'
+    messages there (a breaker's Ray export, a worker killed and the shard retried: five such lines
+    before the summary); here an engine that prints like it, from Python and on the descriptor."""
+    from s3capture.export import engines
+
+    asyncio.run(capture_chains(bucket_url, ("j-1", "j-2"), 2))
+    local = engines.ENGINES["local"]
+
+    async def noisy(*args: Any, **kwargs: Any) -> Any:
+        print("(raylet) A worker died or was killed while executing a task", flush=True)
+        os.write(1, b"Task _ray_export_shard failed. There are 2 retries remaining\n")
+        async for result in local(*args, **kwargs):
+            yield result
+
+    monkeypatch.setitem(engines.ENGINES, "local", noisy)
+    capfd.readouterr()
+    assert main(["export", bucket_url, "--out", str(tmp_path / "out"), "--workers", "0", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("{"), (out[:500], err[-2000:])
+    summary = json.loads(out)
+    assert summary["ok"] and summary["exported"] == 2, out
+    assert "(raylet) A worker died" in err and "retries remaining" in err
+    print("after", flush=True)  # stdout is stdout again
+    assert capfd.readouterr().out == "after\n"
 
 
 def test_an_out_folder_that_cannot_be_created_is_a_one_line_usage_error(

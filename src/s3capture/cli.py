@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlparse
 
@@ -403,12 +405,9 @@ def _states(text: str) -> tuple[str, ...]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import asyncio
-
     import msgspec
 
-    from s3capture.export import export, format_summary, read_ids
-    from s3capture.ops import _given_states
+    from s3capture.export import format_summary, read_ids
     from s3capture.store import parse_s3_url
 
     parse_s3_url(args.url)  # ValueError (exit 2, one line) before any request
@@ -428,7 +427,42 @@ def _export(args: argparse.Namespace) -> int:
             engine_options["runtime_env"] = {"env_vars": {name: os.environ[name] for name in names}}
     elif args.address or args.ray_env:
         raise ValueError("--address and --ray-env apply to --engine ray only")
-    summary = asyncio.run(
+    with _stdout_kept_for_json() if args.json else contextlib.nullcontext():
+        summary = _run_export(args, ids, engine_options)
+    if args.json:
+        data = msgspec.to_builtins(summary)
+        data["ok"] = summary.ok
+        print(msgspec.json.encode(data).decode())
+    else:
+        print(format_summary(summary))
+    return 0 if summary.ok else 1
+
+
+@contextlib.contextmanager
+def _stdout_kept_for_json() -> Iterator[None]:
+    """``export --json``: while the export runs, ``sys.stdout`` and file descriptor 1 point at stderr, so stdout
+    carries the summary's JSON and nothing else. Ray's driver prints its workers' and raylet's
+    messages ("A worker died ...", task retries) on stdout, and worker processes inherit the
+    descriptor; a parser of the output (``json.loads``, ``jq``) failed on them."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # and Python's own stdout, whatever it writes to
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run_export(args: argparse.Namespace, ids: Any, engine_options: dict) -> Any:
+    import asyncio
+
+    from s3capture.export import export
+    from s3capture.ops import _given_states
+
+    return asyncio.run(
         export(
             args.url,
             args.out,
@@ -456,13 +490,6 @@ def _export(args: argparse.Namespace) -> int:
             progress=not args.no_progress and not args.json,
         )
     )
-    if args.json:
-        data = msgspec.to_builtins(summary)
-        data["ok"] = summary.ok
-        print(msgspec.json.encode(data).decode())
-    else:
-        print(format_summary(summary))
-    return 0 if summary.ok else 1
 
 
 def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:

@@ -37,6 +37,7 @@ from s3capture.export.destinations import (
     CLAIM_RENEW as CLAIM_RENEW,
     _LocalDestination as _LocalDestination,
     _S3Destination as _S3Destination,
+    current_snapshots as current_snapshots,
     read_manifests as read_manifests,
 )
 from s3capture.export.driver import (
@@ -90,6 +91,7 @@ __all__ = [
     "ShardManifest",
     "ShardResult",
     "export",
+    "current_snapshots",
     "export_shard",
     "format_summary",
     "local_engine",

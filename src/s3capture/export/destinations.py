@@ -662,3 +662,25 @@ async def read_manifests(
     finally:
         await target.close()
     return sorted(existing.manifests, key=lambda m: m.shard)
+
+
+async def current_snapshots(
+    dest: str, *, endpoint_url: str | None = None, transport: str | None = None
+) -> dict[str, str]:
+    """``{rollout_id: snapshot_id}`` of the latest export of each rollout in a destination: the
+    record of the highest-numbered durable shard that holds the rollout (a re-run numbers its
+    shards after every earlier one, so a later record supersedes an earlier one).
+
+    A destination can hold rows of two snapshots of one rollout (``changed_since_export``: an open
+    rollout written to after an unsealed export, or an id deleted and captured again). Train on
+    the rows whose ``(rollout_id, snapshot_id)`` is in this map: the latest state, which is left
+    out altogether when it was masked and skipped. The highest ``version`` is not that rule: an id
+    captured again starts counting from zero, so its earlier, longer generation would win.
+
+    Raises what ``read_manifests`` raises.
+    """
+    latest: dict[str, str] = {}
+    for manifest in await read_manifests(dest, endpoint_url=endpoint_url, transport=transport):
+        for record in manifest.rollouts:
+            latest[record.rollout_id] = record.snapshot_id
+    return latest

@@ -126,6 +126,41 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(70)
 
 
+def _worker_died(when: str) -> ExportWorkerDied:
+    """The error of an export whose worker process died (``when``: which shard it ran, or ``""``)."""
+    return ExportWorkerDied(
+        f"an export worker process died{' ' + when if when else ''} (killed: out of memory? lower "
+        "--concurrency or --shard-rollouts). The shards published before are durable: a re-run resumes "
+        "from them. (Calling export() from a script: workers are spawned and re-import it, so call it "
+        "under `if __name__ == '__main__':`, or pass workers=0.)"
+    )
+
+
+async def _close_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Shut the pool down and leave none of its processes alive."""
+    # The pool's processes, before shutdown forgets them. A pool broken by a worker's death
+    # terminates the workers it knows and then joins them all, but a worker that a submit
+    # spawned while the pool was breaking (CPython sets the broken flag without the lock
+    # submit holds) is not terminated: it waits on the call queue for good, the pool's
+    # manager thread joins it for good, and so do shutdown and this process's exit. Seen in
+    # about 1 of 20 SIGKILLs of a worker (a breaker, 2026-12-02). Every submit happened
+    # before this point, so a broken pool's workers still alive here are such strays.
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    if getattr(pool, "_broken", False):
+        await asyncio.to_thread(_reap_workers, processes)
+    await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+    await asyncio.to_thread(_reap_workers, processes)
+
+
+def _reap_workers(processes: list[Any]) -> None:
+    """Kill and join the pool processes still alive after the pool shut down (a broken pool's
+    stragglers; a healthy pool's workers have exited by then)."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(5)
+
+
 async def local_engine(
     job: ExportJob, shards: AsyncIterator[ShardTask], *, workers: int = 2, report: Callable | None = None
 ) -> AsyncGenerator[ShardResult, None]:
@@ -200,18 +235,17 @@ async def local_engine(
                 "workers=0. Nothing was exported by this run."
             ) from error
         if isinstance(error, concurrent.futures.process.BrokenProcessPool):
-            raise ExportWorkerDied(
-                f"an export worker process died while it ran shard part-{shard:05d} (killed: out of memory? lower "
-                "--concurrency or --shard-rollouts). The shards published before are durable: a re-run resumes "
-                "from them. (Calling export() from a script: workers are spawned and re-import it, so call it "
-                "under `if __name__ == '__main__':`, or pass workers=0.)"
-            ) from error
+            raise _worker_died(f"while it ran shard part-{shard:05d}") from error
         return _failed_shard(shard, rollouts, error)
 
     try:
         async for task in shards:
             with _sigint_blocked():  # a submit may spawn a worker
-                future = asyncio.wrap_future(pool.submit(_pool_export_shard, job, task[0], task[1]))
+                try:
+                    submitted = pool.submit(_pool_export_shard, job, task[0], task[1])
+                except concurrent.futures.process.BrokenProcessPool as error:  # a worker died since the last result
+                    raise _worker_died("") from error
+                future = asyncio.wrap_future(submitted)
             pending[future] = task
             while len(pending) >= ahead:
                 done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
@@ -224,7 +258,7 @@ async def local_engine(
     finally:
         for future in pending:
             future.cancel()
-        await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        await _close_pool(pool)
         # The workers have exited, and a process flushes its queue's buffer into the pipe before
         # it exits: their progress is all in the pipe, ahead of the end marker put now. (A fixed
         # sleep here cost every export 0.3-0.5 s.) A worker killed while writing can leave the

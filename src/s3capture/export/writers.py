@@ -219,13 +219,22 @@ class _ParquetWriter(_Writer):
         highest = 0
         for row in rows:
             n = len(row["token_ids"])
+            logprobs = row["logprobs"]
             for name, kind in _LIST_COLUMNS:
                 try:
-                    row[name] = np.fromiter(row[name], dtype=kind, count=n)
+                    with np.errstate(over="ignore"):
+                        row[name] = np.fromiter(row[name], dtype=kind, count=n)
                 except OverflowError:
                     raise OverflowError(
-                        f"a token id of {built.info.rollout_id} does not fit a 64-bit integer"
+                        f"a token id of {built.info.rollout_id} does not fit a signed 64-bit integer, the widest "
+                        "Parquet token_ids type (ids of 2**63 and above): export it with --format gym-jsonl"
                     ) from None
+            if not np.isfinite(row["logprobs"]).all():
+                # put refuses non-finite log-probabilities; one that is finite but beyond float32's
+                # range (below about -3.4e38) is written as float32's lowest finite value, not -inf.
+                lowest = np.finfo(np.float32).min
+                wide = np.fromiter(logprobs, dtype="float64", count=n)
+                row["logprobs"] = np.clip(wide, lowest, -lowest).astype("float32")
             if n:
                 highest = max(highest, int(row["token_ids"].max()))
         if highest > _INT32_MAX and self.token_type == "int32":
