@@ -390,6 +390,21 @@ def _store_keys(prefix: str, cid: str) -> list[str]:
     ]
 
 
+def test_readers_keep_the_earlier_prefix_bound_so_rollouts_stored_under_it_stay_listed() -> None:
+    """Writers need 148 bytes after a rollout prefix (876 bytes at most); before 2026-12-02 the
+    bound was 926, and an entry fitted at prefixes of 877-879 bytes (call ids of 1-3 bytes). A
+    review found such rollouts silently gone from listings, status, export and gc once readers used
+    the writers' bound: readers keep the earlier one."""
+    layout = Layout("/".join(["p" * 174] * 4))  # 699 bytes
+    for length, readable, writable in ((876, True, True), (877, True, False), (926, True, False), (927, False, False)):
+        rid = "R" * (length - 699 - len("/rollouts/") - 1)
+        assert _accepts(layout.rollout, rid) == readable, length
+        assert _accepts(layout.rollout, rid, writing=True) == writable, length
+        if readable:
+            assert len(layout.rollout(rid).encode()) == length
+            assert len((layout.rollout(rid) + f"snap/{2**63:020d}-{'0' * 32}").encode()) <= MAX_KEY_BYTES
+
+
 # Ids of every escaped length up to well past the limit: a character of escaped width 1-12 bytes
 # repeated, plus arbitrary text.
 long_ids = st.builds(
@@ -407,7 +422,7 @@ def test_every_accepted_id_yields_keys_within_the_s3_limit(
 ) -> None:
     layout = Layout(root)
     try:
-        prefix = layout.rollout(rollout_id)
+        prefix = layout.rollout(rollout_id, writing=True)
     except ValueError as error:
         # Refused only for a real reason: a lone surrogate, an over-long segment or key.
         has_surrogate = any(0xD800 <= ord(c) <= 0xDFFF for c in rollout_id)

@@ -702,7 +702,7 @@ async def test_marker_of_an_unstorable_call_id_lands_under_the_longest_rollout_p
     prefix = store.layout.rollout(LONGEST_PREFIX_RID)
     assert len(prefix.encode()) == 876
     with pytest.raises(ValueError, match="1024-byte limit"):
-        store.layout.rollout(LONGEST_PREFIX_RID + "R")
+        store.layout.rollout(LONGEST_PREFIX_RID + "R", writing=True)
     with pytest.raises(ValueError, match="1024-byte limit"):
         await store.mark_incomplete(LONGEST_PREFIX_RID + "R", "c" * 300)
     assert dict(store.request_counts) == {}  # refused before any request
@@ -712,6 +712,35 @@ async def test_marker_of_an_unstorable_call_id_lands_under_the_longest_rollout_p
     snapshot = await new_store(url=f"s3://{bucket}/{LONG_ROOT}").freeze(LONGEST_PREFIX_RID)
     assert snapshot.incomplete
     assert [r for r in snapshot.reasons if r.startswith("marked_incomplete:~h")], snapshot.reasons
+
+
+async def test_a_rollout_stored_under_the_earlier_prefix_bound_stays_listed_readable_and_removable(
+    new_store, bucket_url, s3_client
+):
+    # Before 2026-12-02 a rollout prefix could take 926 bytes, and an entry fitted at 877-879
+    # (call ids of 1-3 bytes). Writers now stop at 876; a review found such stored rollouts gone
+    # from rollouts(), status, export and gc without a word once readers used that bound too.
+    bucket, _ = split_bucket_url(bucket_url)
+    url = f"s3://{bucket}/{LONG_ROOT}"
+    rid = LONGEST_PREFIX_RID + "R"
+    store = new_store(url=url)
+    prefix = store.layout.rollout(rid)
+    assert len(prefix.encode()) == 877
+    entry = simple_entry(rid, "c1")
+    payload = encode_entry(entry)
+    key = prefix + store.layout.entry_rel(
+        prefix, entry.continuation_fingerprint, "c1", hashlib.sha256(payload).hexdigest()
+    )
+    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(envelope(payload)))
+    with pytest.raises(ValueError, match="1024-byte limit"):
+        await store.put(simple_entry(rid, "c2"))  # writes stop at the new bound
+    assert [(i.rollout_id, i.state, i.version) async for i in new_store(url=url).rollouts()] == [(rid, "open", 1)]
+    snapshot = await new_store(url=url).freeze(rid)
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, [entry])
+    assert await new_store(url=url).drop(rid, snapshot.snapshot_id, snapshot.version) is True
+    assert await new_store(url=url).delete([rid]) == {"removed": [rid], "absent": []}
+    assert list_keys(s3_client, bucket, prefix) == []
 
 
 async def test_begin_call_with_long_call_id_is_stored_or_refused_before_any_request(new_store, s3_env, request):

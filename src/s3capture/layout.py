@@ -41,17 +41,20 @@ _HASHED = re.compile(r"^~h[0-9a-f]{64}$")
 _CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
 
 # Longest suffix s3capture appends to a rollout prefix with a call id it checks (an entry: the
-# call id's own length comes on top), and without one: a call id too long to escape is named by its
-# hashed stand-in ``~h<sha256>`` in a marker (``log/x/<segment>/<time_ns:020d>-<uuid hex>``) and in a
-# ledger failure row (``ledger/fail/<segment>/<sha256>.json``), which must land whenever ``put`` or
-# ``record`` could not; the longest of these bounds every rollout prefix (``Layout.rollout``).
+# call id's own length comes on top), and without one. A call id too long to escape is named by its
+# hashed stand-in ``~h<sha256>`` in a marker (``log/x/<segment>/<time_ns:020d>-<uuid hex>``, 126
+# bytes) and in a ledger failure row (``ledger/fail/<segment>/<sha256>.json``, 148 bytes), which
+# must land whenever ``put`` or ``record`` could not: the longest of these bounds the prefix of a
+# rollout written to (``Layout.rollout(..., writing=True)``). Readers keep the earlier bound (a
+# manifest key and an empty call id's marker), so that rollouts stored under it stay readable.
 _ENTRY_SUFFIX = len("log/e/") + 64 + 1 + 1 + 64 + len(".zst")
 _HASHED_SEGMENT = len("~h") + 64
-_LONGEST_SUFFIX = max(
+_WRITE_SUFFIX = max(
     len("snap/") + 20 + 1 + 32,
     len("log/x/") + _HASHED_SEGMENT + 1 + 20 + 1 + 32,
     len("ledger/fail/") + _HASHED_SEGMENT + 1 + 64 + len(".json"),
 )
+_READ_SUFFIX = len("snap/") + 20 + 1 + 32 + len("log/x/~/") + 32
 
 
 # Byte -> text of its escape: safe bytes stay, every other byte becomes ``.HH``. Applied with
@@ -163,12 +166,17 @@ class Layout:
             )
         self.root = f"{root}/" if root else ""
 
-    def rollout(self, rollout_id: str) -> str:
-        """The rollout's prefix (ends in ``/``). Raises ``ValueError`` for an unstorable id: also
-        for a prefix that leaves no room for the longest key s3capture may write under it (a
-        marker or ledger failure row of a call id too long to escape: 148 bytes after the prefix)."""
+    def rollout(self, rollout_id: str, *, writing: bool = False) -> str:
+        """The rollout's prefix (ends in ``/``). Raises ``ValueError`` for an unstorable id.
+
+        ``writing=True`` (what ``put``, ``begin_call``, ``mark_incomplete`` and the ledger's
+        writes ask): also for a prefix that leaves no room for the longest key s3capture may
+        write under it, a marker or ledger failure row of a call id too long to escape (148 bytes
+        after the prefix, so at most 876 bytes of prefix). Readers, freeze, drop, retire and
+        delete accept up to 926 bytes, the bound of releases before 2026-12-02, so that rollouts
+        they stored stay readable and removable."""
         prefix = f"{self.root}rollouts/{_check_id('rollout_id', rollout_id)}/"
-        if len(prefix.encode()) + _LONGEST_SUFFIX > MAX_KEY_BYTES:
+        if len(prefix.encode()) + (_WRITE_SUFFIX if writing else _READ_SUFFIX) > MAX_KEY_BYTES:
             raise ValueError(
                 f"rollout_id is too long to store: its keys would exceed S3's {MAX_KEY_BYTES}-byte limit "
                 f"(escaped length {len(prefix.encode())})"

@@ -210,7 +210,7 @@ class S3CaptureLedger(RolloutObjects):
         (``manifest``/``has_rows`` raise ``RolloutRetiredError``, ``resolve`` is UNRESOLVED).
         """
         c = validate_commit(commit)
-        prefix = self.layout.rollout(c.rollout_id)
+        prefix = self.layout.rollout(c.rollout_id, writing=True)
         cid = c.record.model_call_id
         segment = self.layout.check_call_id(prefix, cid)
         request_items = list(c.request_items)
@@ -291,7 +291,7 @@ class S3CaptureLedger(RolloutObjects):
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 raise ValueError(f"{name} {value!r} is not valid Unicode text (it contains a lone surrogate)") from None
-        prefix = self.layout.rollout(rollout_id)
+        prefix = self.layout.rollout(rollout_id, writing=True)
         body = msgspec.json.encode(
             _Failure(format=_FAILURE_FORMAT, rollout_id=rollout_id, model_call_id=model_call_id, reason=reason),
             order="sorted",
@@ -322,7 +322,7 @@ class S3CaptureLedger(RolloutObjects):
             ValueError: an id that cannot be stored (before any request).
             StoreError: the store failed the PUT.
         """
-        prefix = self.layout.rollout(rollout_id)
+        prefix = self.layout.rollout(rollout_id, writing=True)
         segment = self.layout.check_call_id(prefix, model_call_id)
         await self._put(f"{prefix}ledger/intent/{segment}", b"")
 

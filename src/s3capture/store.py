@@ -466,7 +466,7 @@ class S3TokenStore(RolloutObjects):
         # reader can decode, and a caller mutating its entry after put cannot change our cached
         # view of an immutable object.
         record, payload = prepare_entry(entry)
-        prefix = self.layout.rollout(record.rollout_id)
+        prefix = self.layout.rollout(record.rollout_id, writing=True)
         if len(payload) > self._max_entry_bytes:
             raise ValueError(
                 f"entry {record.model_call_id!r} is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}"
@@ -617,7 +617,7 @@ class S3TokenStore(RolloutObjects):
             ValueError: an id that cannot be stored (before any request).
             StoreError: the store failed the PUT or the GET.
         """
-        prefix = self.layout.rollout(rollout_id)
+        prefix = self.layout.rollout(rollout_id, writing=True)
         key = prefix + "log/i/" + self.layout.check_call_id(prefix, model_call_id)
         await self._put(key, b"")
         state = await self._fence_state(prefix)
@@ -651,7 +651,7 @@ class S3TokenStore(RolloutObjects):
             StoreError: the store failed and no ``spill_dir`` is configured.
             ValueError: an id that cannot be stored.
         """
-        prefix = self.layout.rollout(rollout_id)
+        prefix = self.layout.rollout(rollout_id, writing=True)
         cid = self.layout.marker_call_segment(prefix, model_call_id)
         key = f"{prefix}log/x/{cid}/{time.time_ns():020d}-{uuid.uuid4().hex}"
         started = awake_clock()
