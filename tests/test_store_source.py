@@ -982,6 +982,9 @@ async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(
     assert (sealed.version, sealed.snapshot_id) == (snapshot.version, snapshot.snapshot_id)
     assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
     assert raw.rollout_rel_keys(rid) == FENCE_ONLY
+    # A folder marker alone is no rollout: not listed (an export with --freeze would fence it).
+    raw.put(raw.rollout("r-folder-only"), b"")
+    assert "r-folder-only" not in [info.rollout_id async for info in new_store().rollouts()]
 
 
 async def test_foreign_object_added_after_freeze_changes_version(new_store, raw):

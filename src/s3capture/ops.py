@@ -302,7 +302,7 @@ async def status(
                 counts.objects += info.objects
                 counts.bytes += info.bytes
                 rollout_prefix = _rollout_prefix(store, info.rollout_id)
-                rels = [rel for item in items if (rel := item.key[len(rollout_prefix) :])]  # "": a folder marker
+                rels = [item.key[len(rollout_prefix) :] for item in items]
                 if info.state == "retired":
                     result.retired_leftover_objects += len(items)
                     result.retired_leftover_bytes += sum(item.size for item in items)

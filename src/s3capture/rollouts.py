@@ -155,10 +155,16 @@ class RolloutScan:
     """``s3capture.clocks.awake_clock()`` when the listing returned (this client's clock)."""
 
     @property
+    def contents(self) -> list[ListedObject]:
+        """The rollout's own objects besides the fence and tombstone: log, manifests, foreign keys,
+        drop tombstones and checkpoints (what ``rollouts`` counts; a folder marker alone is no
+        rollout)."""
+        return self.log + self.snaps + self.foreign + self.drops + self.checkpoints
+
+    @property
     def records(self) -> list[ListedObject]:
-        """Every object a retire removes: log, manifests, foreign keys, drop tombstones, checkpoints
-        and a folder marker."""
-        return self.log + self.snaps + self.foreign + self.drops + self.checkpoints + self.folders
+        """Every object a retire removes: ``contents`` and a folder marker."""
+        return self.contents + self.folders
 
     @property
     def all_keys(self) -> list[str]:
@@ -672,8 +678,9 @@ class RolloutObjects:
 
     def _owned(self, scan: RolloutScan) -> list[ListedObject]:
         """The objects of a scanned rollout that ``rollouts`` counts for this client: the token
-        store's (everything but the fence and the retire tombstone); the ledger overrides it."""
-        return scan.records
+        store's (everything but the fence, the retire tombstone and a folder marker); the ledger
+        overrides it."""
+        return scan.contents
 
     def _snapshot_fields(self, scan: RolloutScan) -> dict[str, Any]:
         """Extra ``RolloutInfo`` fields (the token store adds version, snapshot id and sealed)."""
