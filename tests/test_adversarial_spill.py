@@ -300,8 +300,9 @@ async def test_a_replay_into_a_retired_rollout_is_reported(s3_server, fresh, tmp
 
 
 def test_lines_a_spill_cannot_replay_are_kept_aside(tmp_path):
-    """Lines of another store, with a key outside the root, or with fields of a newer writer
-    were logged and deleted with the claim; they are now kept in ``<spill file>.rejected``."""
+    """Lines of another store, with a key outside the root or over S3's key limit, or with fields
+    of a newer writer were logged and deleted with the claim; they are now kept in
+    ``<spill file>.rejected``."""
     import json
 
     from s3capture.spill import Spill
@@ -313,6 +314,9 @@ def test_lines_a_spill_cannot_replay_are_kept_aside(tmp_path):
         dict(ours, endpoint="http://other", key="run/rollouts/r/log/x/c2/1-y"),
         dict(ours, key="elsewhere/rollouts/r/log/x/c3/1-z"),
         dict(ours, key="run/rollouts/r/log/x/c4/1-w", v=2, body_zstd="AAAA"),
+        # Spilled before a rollout prefix had to leave room for a hashed marker: S3 refuses the
+        # key, so every replay failed on it and re-sent it for ever (a review, 2026-12-02).
+        dict(ours, key="run/rollouts/" + "R" * 950 + "/log/x/~h" + "a" * 64 + "/1-v"),
     ]
     with open(spill.path, "ab") as handle:
         for line in lines:

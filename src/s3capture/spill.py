@@ -36,6 +36,8 @@ import uuid
 from dataclasses import dataclass
 from typing import IO
 
+from s3capture.layout import MAX_KEY_BYTES
+
 __all__ = ["Spill", "SpillClaim"]
 
 log = logging.getLogger("s3capture")
@@ -205,6 +207,10 @@ class Spill:
         key = item.get("key")
         if not isinstance(key, str) or not key.startswith(self.identity["root"] + "rollouts/"):
             return "names a key outside this store's root"
+        if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+            # Spilled by a release whose key check let it through (a marker under a rollout prefix
+            # longer than 876 bytes): S3 refuses it, so every replay would fail on it for ever.
+            return f"names a key over S3's {MAX_KEY_BYTES}-byte limit, which no store accepts"
         unknown = sorted(set(item) - {*self.identity, "key", "body"})
         if unknown:
             return f"carries fields this version does not know ({', '.join(unknown)})"
