@@ -406,13 +406,14 @@ async def test_current_snapshots_name_the_latest_export_of_an_id_deleted_and_cap
     # The filter docs/export.md shows: each rollout's latest export only.
     table = ds.dataset(folder, format="parquet").to_table()
     keys = pc.binary_join_element_wise(table["rollout_id"], table["snapshot_id"], "\t")
-    table = table.filter(pc.is_in(keys, value_set=pa.array([f"{r}\t{s}" for r, s in latest.items()])))
-    rows = table.to_pylist()
-    assert {(row["rollout_id"], row["version"], row["masked"]) for row in rows} == {
+    latest_rows = pc.is_in(keys, value_set=pa.array([f"{r}\t{s}" for r, s in latest.items()]))
+    assert {(row["rollout_id"], row["version"], row["masked"]) for row in table.filter(latest_rows).to_pylist()} == {
         ("kept", 5, False),
         ("again", 1, False),
         ("again-masked", 2, True),  # written masked over its earlier trainable rows
     }
+    table = table.filter(pc.and_(latest_rows, pc.invert(table["masked"])))  # never train on masked rows
+    assert {(row["rollout_id"], row["version"]) for row in table.to_pylist()} == {("kept", 5), ("again", 1)}
     assert await current_snapshots(str(tmp_path / "nothing-here")) == {}
 
 
@@ -1294,6 +1295,9 @@ def test_export_json_stdout_is_the_summary_alone_whatever_an_engine_prints(
     assert "(raylet) A worker died" in err and "retries remaining" in err
     print("after", flush=True)  # stdout is stdout again
     assert capfd.readouterr().out == "after\n"
+    # Run with stdout closed (`>&-`: sys.stdout is None), it exports and says nothing, as without --json.
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["export", bucket_url, "--out", str(tmp_path / "closed"), "--workers", "0", "--json"]) == 0
 
 
 def test_an_out_folder_that_cannot_be_created_is_a_one_line_usage_error(

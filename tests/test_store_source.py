@@ -985,6 +985,11 @@ async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(
     # A folder marker alone is no rollout: not listed (an export with --freeze would fence it).
     raw.put(raw.rollout("r-folder-only"), b"")
     assert "r-folder-only" not in [info.rollout_id async for info in new_store().rollouts()]
+    assert await new_store().delete(["r-folder-only"]) == {"removed": [], "absent": ["r-folder-only"]}
+    assert raw.rollout_rel_keys("r-folder-only") == []  # removed all the same
+    raw.put(raw.rollout("r-folder-only"), b"")
+    assert await new_store().retire(["r-folder-only"]) == {"removed": [], "absent": ["r-folder-only"]}
+    assert raw.rollout_rel_keys("r-folder-only") == FENCE_ONLY
 
 
 async def test_foreign_object_added_after_freeze_changes_version(new_store, raw):

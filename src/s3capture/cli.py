@@ -444,8 +444,15 @@ def _stdout_kept_for_json() -> Iterator[None]:
     carries the summary's JSON and nothing else. Ray's driver prints its workers' and raylet's
     messages ("A worker died ...", task retries) on stdout, and worker processes inherit the
     descriptor; a parser of the output (``json.loads``, ``jq``) failed on them."""
+    if sys.stdout is None:  # stdout closed (`>&-`): nothing to keep, and nothing can be printed
+        yield
+        return
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # descriptor 1 closed while sys.stdout was left open
+        yield
+        return
     os.dup2(2, 1)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # and Python's own stdout, whatever it writes to
@@ -823,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         code = args.func(args)
-        sys.stdout.flush()  # inside the try: a reader gone before the last flush is a quiet end too
+        if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
+            sys.stdout.flush()  # inside the try: a reader gone before the last flush is a quiet end too
         return code
     except BrokenPipeError:
         # The reader of our output went away (`s3capture ls URL | head`): a quiet end, as for any

@@ -793,7 +793,7 @@ class RolloutObjects:
 
         async def one(rollout_id: str) -> None:
             scan = await self._scan(rollout_id)
-            had = bool(scan.records) or (scan.fence and not scan.retired)
+            had = bool(scan.contents) or (scan.fence and not scan.retired)  # a folder marker alone is no rollout
             await self._retire_scanned(scan)
             (removed if had else absent).append(rollout_id)
 
@@ -829,7 +829,9 @@ class RolloutObjects:
         async def one(rollout_id: str) -> None:
             scan = await self._scan(rollout_id)
             keys = scan.all_keys
-            if keys:
+            if scan.folders and not (scan.contents or scan.fence or scan.retired):
+                await self._delete_keys([item.key for item in scan.folders])  # a folder marker alone: no rollout
+            elif keys:
                 if not (scan.fence and scan.retired):
                     # Retire first, as retire does: a delete that fails or crashes among the records
                     # then leaves a retired rollout, never a live one with a hole (its intents and
