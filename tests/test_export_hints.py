@@ -86,3 +86,23 @@ def test_a_prefix_matching_nothing_is_not_an_empty_root(s3_env: Any, bucket_url:
     summary = asyncio.run(export(bucket_url, str(tmp_path / "o"), prefix="zzz", workers=0))
     assert summary.ok and not summary.root_empty
     assert "no rollouts under" not in format_summary(summary)
+
+
+@MOTO
+def test_a_selection_matching_nothing_says_so_instead_of_naming_other_roots(
+    s3_env: Any, bucket_url: str, capsys: Any
+) -> None:
+    """A walkthrough: ``ls ROOT --state open`` on a root of frozen rollouts said "no rollouts here;
+    roots beside this URL ...", which reads as a mistyped URL. A selection that matches nothing in
+    a root that holds rollouts now says that; an empty root still gets the roots nearby."""
+    parent = bucket_url.rstrip("/")
+    asyncio.run(capture_chains(parent + "/run-42", ("r-0", "r-1")))
+    capsys.readouterr()
+    for args in (["ls", parent + "/run-42", "--state", "open"], ["status", parent + "/run-42", "--prefix", "zzz"]):
+        assert main(args) == 0
+        err = capsys.readouterr().err
+        assert "no rollouts match --state/--prefix; this root holds others" in err and "roots beside" not in err, err
+    assert main(["ls", parent + "/run-43"]) == 0  # a typo in the root's last segment
+    assert f"no rollouts here; roots beside this URL (among its parent's first 1,000 keys): {parent}/run-42" in (
+        capsys.readouterr().err
+    )

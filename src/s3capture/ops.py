@@ -890,7 +890,7 @@ def _ls_command(args: Any) -> int:
         if table:
             print(_counted(count, "rollout"), file=sys.stderr)
         if not count and not args.json:
-            _hint_empty_root(await roots_near(store))
+            _print_hint(await _empty_listing_hint(store, filtered=bool(args.state or args.prefix)))
         return 0
 
     return asyncio.run(_close_after(store, run()))
@@ -903,18 +903,34 @@ def _status_command(args: Any) -> int:
     async def run() -> tuple[StoreStatus, str]:
         result = await status(store, prefix=args.prefix, manifests=not args.no_manifests, progress=progress)
         empty = not any(counts.rollouts for counts in result.states.values())
-        return result, await roots_near(store) if empty and not args.json else ""
+        return result, await _empty_listing_hint(store, filtered=bool(args.prefix)) if empty and not args.json else ""
 
-    result, roots = asyncio.run(_close_after(store, run()))
+    result, hint = asyncio.run(_close_after(store, run()))
     print(msgspec.json.encode(result).decode() if args.json else format_status(result))
-    _hint_empty_root(roots)
+    _print_hint(hint)
     return 0
 
 
-def _hint_empty_root(hint: str) -> None:
-    """On stderr, for a root with no rollout: the roots inside or beside it (``roots_near``)."""
+async def _empty_listing_hint(store: RolloutObjects, *, filtered: bool) -> str:
+    """What ``ls`` and ``status`` say on stderr when they show no rollout: for a selection
+    (``--state``, ``--prefix``) of a root that holds rollouts, that none matched; else the roots
+    inside or beside the URL (``roots_near``), a mistyped or too short root. ``""``: nothing to say."""
+    if filtered:
+        from s3capture.errors import StoreError
+
+        try:
+            holds = bool((await store._list_page(store.layout.root + "rollouts/", 1)).objects)
+        except StoreError:
+            holds = False
+        if holds:
+            return "no rollouts match --state/--prefix; this root holds others (`s3capture ls URL` lists them all)"
+    hint = await roots_near(store)
+    return f"no rollouts here; {hint}" if hint else ""
+
+
+def _print_hint(hint: str) -> None:
     if hint:
-        print(f"no rollouts here; {hint}", file=sys.stderr)
+        print(hint, file=sys.stderr)
 
 
 def _gc_command(args: Any) -> int:
