@@ -930,6 +930,27 @@ class TokenStoreMachine(_Machine):
             self.settle()  # the id is reused only once the cancelled delete's requests are over
         self.model[rollout] = _StoreRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
 
+    def chain_was_stored(self, rollout: str, var: _Variant, ack: _Ack) -> bool:
+        """Whether the calls a delta payload continues were stored, one payload each, before it was
+        put (always true for a full prompt). A delta put names its ancestors from the writer's map
+        of keys and its cache, not from a GET (put is one round trip): when a parent's put failed
+        in this attempt of a reused id, a writer that wrote the previous attempt names that
+        attempt's deleted keys, the put is acknowledged, and its continuations resolve UNRESOLVED
+        (a lineage cost, never a wrong RESOLVED: docs/design.md, race 8). The Ceph chaos run of
+        2026-12-02 drew such a case: the parent's put had failed on a stale map of keys (two for
+        its own parent, one of the deleted attempt), which put now lists again."""
+        if not var.entry.prompt_is_delta:
+            return True
+        m = self.model[rollout]
+        turn = int(var.cid.rsplit("-", 1)[1])
+        for earlier in range(turn):
+            ancestor = self.variant(rollout, earlier, 0)
+            if m.attempted.get(ancestor.cid, set()) != {ancestor.sha}:
+                return False
+            if not any(b.key == ancestor.sha and b.end < ack.start for b in m.puts):
+                return False
+        return True
+
     @rule(
         client=st.integers(0, CLIENTS - 1),
         rollout=st.sampled_from(ROLLOUTS),
@@ -986,7 +1007,7 @@ class TokenStoreMachine(_Machine):
             and not m.maybe_removed
             and m.retired_at is None
             and set(same_output) == {var.sha}
-            and any(a.key == var.sha and a.end < out.start for a in m.puts)
+            and any(a.key == var.sha and a.end < out.start and self.chain_was_stored(rollout, var, a) for a in m.puts)
         ):
             self.stats.check(
                 False,

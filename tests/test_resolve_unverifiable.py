@@ -185,3 +185,36 @@ async def test_E2_the_same_with_a_digest_is_unresolved_not_wrong(fresh):
     cold = await fresh().resolve(rid, next_request(new[1]))
     assert_not_wrong(mine, new[1].call_id, new[1].cumulative)
     assert_not_wrong(cold, new[1].call_id, new[1].cumulative)
+
+
+async def test_F_stale_keys_of_a_conflicted_parent_are_listed_again_not_taken_for_a_conflict(fresh):
+    """The Ceph chaos run of 2026-12-02: a writer whose map held two keys for call-000 (it had
+    listed the old attempt's conflict) refused the new attempt's delta call-001 as "conflicting"
+    after the id was deleted and reused, then put call-002 on its stale key of call-001: that
+    continuation resolved UNRESOLVED although every call of the new attempt had been put in order.
+    A map with other than one key for the parent is now checked by a listing first."""
+    rid = "r-f"
+    turns = build_conversation(rid, 3)
+    w, other, builder = fresh(), fresh(), fresh()
+    await other.put(turn_entry(rid, turns[0]))
+    forked = make_entry(
+        rid,
+        turns[0].call_id,
+        turns[0].request_items,
+        turns[0].output_items,
+        turns[0].prompt,
+        [*turns[0].generation, 77],
+    )
+    await other.put(forked)  # a conflicting payload of call-000 (same output, other tokens)
+    with pytest.raises(ValueError, match="conflicting stored entries"):  # a real conflict: refused
+        await w.put(turn_entry(rid, turns[1], delta=True, parent_cumulative=turns[0].cumulative))
+    assert (await builder.delete([rid]))["removed"] == [rid]
+    # The new attempt, served in order by the same writer: nothing conflicts any more.
+    await w.put(turn_entry(rid, turns[0]))
+    await w.put(turn_entry(rid, turns[1], delta=True, parent_cumulative=turns[0].cumulative))
+    await w.put(turn_entry(rid, turns[2], delta=True, parent_cumulative=turns[1].cumulative))
+    for resolver in (w, fresh()):
+        resolution = await resolver.resolve(rid, next_request(turns[2]))
+        assert resolution.status == RESOLVED and list(resolution.match.cumulative_token_ids) == turns[2].cumulative
+    snapshot = await fresh().freeze(rid)
+    assert not snapshot.incomplete and len(snapshot.entries) == 3, snapshot.reasons

@@ -526,6 +526,11 @@ class S3TokenStore(RolloutObjects):
         ``CHAIN_KEYS``), and the checkpoint of the farthest one, if it has one."""
         parent_id = record.parent_call_id or ""
         keys = self._call_keys.get((record.rollout_id, parent_id))
+        if keys and len(keys) != 1:
+            # The map is a shortcut, and may hold keys of another attempt of a reused id (deleted by
+            # another client since: docs/design.md, race 8): a conflict is decided by a listing.
+            self._call_keys.forget(record.rollout_id)
+            keys = None
         if not keys:
             for item in await self._list(prefix + "log/e/"):
                 parsed = parse_log_key(item.key[len(prefix) :])
