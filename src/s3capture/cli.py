@@ -440,8 +440,8 @@ def _export(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _stdout_kept_for_json() -> Iterator[None]:
-    """``export --json``: while the export runs, ``sys.stdout`` and file descriptor 1 point at stderr, so stdout
-    carries the summary's JSON and nothing else. Ray's driver prints its workers' and raylet's
+    """``export --json``: while the export runs, ``sys.stdout`` and file descriptor 1 point at
+    stderr, so stdout carries the summary's JSON and nothing else. Ray's driver prints its workers' and raylet's
     messages ("A worker died ...", task retries) on stdout, and worker processes inherit the
     descriptor; a parser of the output (``json.loads``, ``jq``) failed on them."""
     if sys.stdout is None:  # stdout closed (`>&-`): nothing to keep, and nothing can be printed

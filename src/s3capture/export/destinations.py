@@ -674,8 +674,9 @@ async def current_snapshots(
     A destination can hold rows of two snapshots of one rollout (``changed_since_export``: an open
     rollout written to after an unsealed export, or an id deleted and captured again). Train on
     the rows whose ``(rollout_id, snapshot_id)`` is in this map and that are not ``masked``: the
-    latest state, which is left out altogether when it was masked and skipped. The highest ``version`` is not that rule: an id
-    captured again starts counting from zero, so its earlier, longer generation would win.
+    latest state, which is left out altogether when it was masked and skipped. The highest
+    ``version`` is not that rule: an id captured again starts counting from zero, so its
+    earlier, longer generation would win.
 
     Raises what ``read_manifests`` raises.
     """

@@ -230,7 +230,8 @@ async def local_engine(
         if isinstance(error, concurrent.futures.process.BrokenProcessPool) and not started.is_set():
             raise ExportWorkerDied(
                 "no export worker process could start (its error is printed above; with none printed, a "
-                "worker was killed while it started). Calling export() from a script: workers are spawned and re-import it, so call it under `if __name__ == "
+                "worker was killed while it started). Calling export() from a script: workers are "
+                "spawned and re-import it, so call it under `if __name__ == "
                 "'__main__':` (a script read from stdin cannot be re-imported: save it to a file), or pass "
                 "workers=0. Nothing was exported by this run."
             ) from error
