@@ -300,6 +300,30 @@ async def test_foreign_objects_under_the_ledger_poison_the_manifest(ledgers, s3_
     ]
 
 
+async def test_folder_markers_under_the_ledger_are_no_rows(ledgers, s3_client, bucket_url):
+    # An s3fs or rclone mount writes an empty "<folder>/" object per level. ``ledger/`` was
+    # reported as a foreign ledger object, and a marker in a call's row or failure folder made
+    # ``record`` raise a conflict and ``resolve`` answer UNRESOLVED (a review, 2026-12-03).
+    commit = make_commit("r", "call-1", REQ, assistant_output("red"))
+    bucket, root = split_bucket_url(bucket_url)
+    for rel in ("ledger/", "ledger/row/", "ledger/row/call-1/", "ledger/fail/", "ledger/fail/call-1/"):
+        put_bytes(s3_client, bucket, f"{root}rollouts/r/{rel}", b"")
+    await ledgers().record(commit)  # no conflict with a marker
+    manifest = await ledgers().manifest("r")
+    assert [r["model_call_id"] for r in manifest["records"]] == ["call-1"] and manifest["failures"] == []
+    resolution = await ledgers().resolve("r", continuation(commit))
+    assert resolution.status == RESOLVED and resolution.match.model_call_id == "call-1"
+    # A non-empty "ledger/" key is no marker.
+    put_bytes(s3_client, bucket, f"{root}rollouts/r/ledger/", b"x")
+    manifest = await ledgers().manifest("r")
+    if s3_client.head_object(Bucket=bucket, Key=f"{root}rollouts/r/ledger/")["ContentLength"]:
+        assert manifest["failures"] == [
+            {"schema_version": 2, "model_call_id": "ledger/", "reason": LEDGER_FOREIGN_OBJECT_REASON}
+        ]
+    else:  # SeaweedFS makes a key ending in "/" a folder and keeps none of its bytes
+        assert manifest["failures"] == []
+
+
 async def test_invalid_commits_are_refused_before_any_request(ledgers):
     ledger = ledgers()
     good = make_commit("r", "call-1", REQ, assistant_output("red"))

@@ -38,6 +38,7 @@ from s3capture.records import (
     encode_entry,
 )
 from s3capture.layout import parse_log_key
+from s3capture.errors import SnapshotNotSealedError
 from s3capture.store import FrozenSnapshot, S3TokenStore, StoreError
 
 # --------------------------------------------------------------------------- fixtures / helpers
@@ -990,6 +991,45 @@ async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(
     raw.put(raw.rollout("r-folder-only"), b"")
     assert await new_store().retire(["r-folder-only"]) == {"removed": [], "absent": ["r-folder-only"]}
     assert raw.rollout_rel_keys("r-folder-only") == FENCE_ONLY
+
+
+async def test_folder_markers_at_any_depth_are_outside_the_version(new_store, raw):
+    # s3fs, ``rclone mkdir`` and consoles write an empty object ending in "/" for every folder
+    # level. Only the one at the rollout prefix itself was outside the version; ``log/`` or
+    # ``log/e/`` counted as foreign objects and masked a trainable rollout, and ``snap/`` was taken
+    # for a manifest (a review, 2026-12-03). A non-empty key ending in "/" is still foreign.
+    rid = "r-nested-markers"
+    prefix = raw.rollout(rid)
+    markers = ["log/", "log/e/", "log/i/", "cum/", "drop/", "snap/", "ledger/"]
+    for rel in markers:
+        raw.put(prefix + rel, b"")
+    entries = [simple_entry(rid, "c1"), simple_entry(rid, "c2", text="b")]
+    for entry in entries:
+        await new_store().put(entry)
+    (listed,) = [info async for info in new_store().rollouts() if info.rollout_id == rid]
+    snapshot = await new_store().freeze(rid)
+    assert not snapshot.incomplete, snapshot.reasons
+    assert_same_entries(snapshot, entries)
+    assert (listed.version, listed.snapshot_id) == (snapshot.version, snapshot.snapshot_id) and snapshot.version == 2
+    sealed = await new_store().read_snapshot(rid)
+    assert (sealed.version, sealed.snapshot_id, sealed.incomplete) == (2, snapshot.snapshot_id, False)
+    assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
+    assert raw.rollout_rel_keys(rid) == FENCE_ONLY  # the markers went with the rest
+    # Markers alone are no rollout, and read as never written.
+    for rel in ("", "log/", "log/e/"):
+        raw.put(raw.rollout("r-markers-only") + rel, b"")
+    assert "r-markers-only" not in [info.rollout_id async for info in new_store().rollouts()]
+    with pytest.raises(SnapshotNotSealedError, match="never written"):
+        await new_store().read_snapshot("r-markers-only")
+    # A key ending in "/" that holds bytes is no marker: it masks the rollout.
+    rid = "r-full-slash"
+    await new_store().put(simple_entry(rid, "c1"))
+    raw.put(raw.rollout(rid) + "log/", b"not empty")
+    snapshot = await new_store().freeze(rid)
+    if raw.client.head_object(Bucket=raw.bucket, Key=raw.rollout(rid) + "log/")["ContentLength"]:
+        assert snapshot.incomplete and "foreign_object:log/" in snapshot.reasons
+    else:  # SeaweedFS makes a key ending in "/" a folder and keeps none of its bytes
+        assert (snapshot.incomplete, snapshot.version) == (False, 1)
 
 
 async def test_foreign_object_added_after_freeze_changes_version(new_store, raw):

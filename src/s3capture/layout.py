@@ -236,6 +236,15 @@ def checkpoint_rel(digest: str) -> str:
     return rel
 
 
+def is_folder_marker(rel: str, size: int) -> bool:
+    """Whether a key relative to a rollout prefix is a folder marker: the prefix itself (``rel``
+    empty, what a console's "Create folder" writes), or an empty object whose key ends in ``/`` at
+    any depth (what s3fs, ``rclone mkdir`` and consoles write for each folder level, e.g. ``log/``
+    or ``ledger/``). s3capture writes no key that ends in ``/``, so a marker holds nothing of the
+    rollout's: it is outside the version and the snapshot id, and removed with the rest."""
+    return not rel or (size == 0 and rel.endswith("/"))
+
+
 def is_checkpoint_rel(rel: str) -> bool:
     """Whether a key relative to a rollout prefix has the exact shape of a delta checkpoint."""
     return _CHECKPOINT.fullmatch(rel) is not None

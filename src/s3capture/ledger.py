@@ -38,7 +38,7 @@ import msgspec
 import zstandard
 
 from s3capture import fingerprint as _fp
-from s3capture.layout import MAX_KEY_BYTES, escape_id, parse_ledger_key
+from s3capture.layout import MAX_KEY_BYTES, escape_id, is_folder_marker, parse_ledger_key
 from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
     LEDGER_FOREIGN_OBJECT_REASON,
@@ -132,6 +132,12 @@ def _decompress(data: bytes) -> bytes:
     except zstandard.ZstdError as error:
         raise RecordError(f"ledger object is not valid zstd: {error}") from None
     return out.getvalue()
+
+
+def _without_folder_markers(prefix: str, listed: list[ListedObject]) -> list[ListedObject]:
+    """``listed`` without folder markers (``layout.is_folder_marker``: an s3fs or rclone mount's
+    ``.../row/<call>/``), which are no rows."""
+    return [item for item in listed if not is_folder_marker(item.key[len(prefix) :], item.size)]
 
 
 class S3CaptureLedger(RolloutObjects):
@@ -256,6 +262,7 @@ class S3CaptureLedger(RolloutObjects):
         listed, failed = results[1], results[2]
         assert not isinstance(listed, BaseException) and listed is not None  # raised above; the LIST's items
         assert not isinstance(failed, BaseException) and failed is not None
+        listed, failed = _without_folder_markers(prefix, listed), _without_folder_markers(prefix, failed)
         if failed:
             # Gym's ledgers refuse a row for a call whose failure row they hold (a conflicting
             # lineage record); the row is stored here, and resolve never answers with the call.
@@ -413,6 +420,8 @@ class S3CaptureLedger(RolloutObjects):
         for item in listing:
             rel = item.key[len(prefix) :]
             parsed = parse_ledger_key(rel)
+            if parsed is None and is_folder_marker(rel, item.size):
+                continue  # ``ledger/`` or a deeper folder of an s3fs or rclone mount: no row
             if parsed is None:
                 failures.add((rel, LEDGER_FOREIGN_OBJECT_REASON))
             elif parsed[0] == "row":
@@ -568,6 +577,7 @@ class S3CaptureLedger(RolloutObjects):
                 self._list(f"{prefix}ledger/row/{segment}/"),
                 self._list(self._fail_prefix(prefix, cid)),
             )
+            variants, failed = _without_folder_markers(prefix, variants), _without_folder_markers(prefix, failed)
             if len(variants) > 1:
                 return "conflict", None
             if failed:

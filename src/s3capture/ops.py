@@ -918,10 +918,14 @@ async def _empty_listing_hint(store: RolloutObjects, *, filtered: bool) -> str:
     if filtered:
         from s3capture.errors import StoreError
 
-        try:
-            holds = bool((await store._list_page(store.layout.root + "rollouts/", 1)).objects)
+        holds = False
+        try:  # the first rollout of the root, if any (folder markers alone are none)
+            async with contextlib.aclosing(store.rollouts_listed()) as every:
+                async for _ in every:
+                    holds = True
+                    break
         except StoreError:
-            holds = False
+            pass
         if holds:
             return "no rollouts match --state/--prefix; this root holds others (`s3capture ls URL` lists them all)"
     hint = await roots_near(store)

@@ -33,7 +33,15 @@ import msgspec
 from s3capture.cache import LRU
 from s3capture.clocks import awake_clock, store_time
 from s3capture.errors import ListingError, StoreError
-from s3capture.layout import MAX_KEY_BYTES, Layout, escape_id, is_checkpoint_rel, parse_log_key, unescape_id
+from s3capture.layout import (
+    MAX_KEY_BYTES,
+    Layout,
+    escape_id,
+    is_checkpoint_rel,
+    is_folder_marker,
+    parse_log_key,
+    unescape_id,
+)
 from s3capture.protocols import RolloutRemovalPayload
 from s3capture.records import RecordError
 from s3capture.spill import Spill
@@ -148,9 +156,10 @@ class RolloutScan:
     """Delta checkpoints (``cum/<digest>.zst``): derived from entries, so outside the version and
     the snapshot id, but removed with the rest."""
     folders: list[ListedObject] = field(default_factory=list)
-    """A folder marker: an object whose key is the rollout prefix itself (what a console's "Create
-    folder" writes). It holds nothing of the rollout's, so it is outside the version and the
-    snapshot id, like a checkpoint, and removed with the rest."""
+    """Folder markers (``layout.is_folder_marker``): the rollout prefix itself (what a console's
+    "Create folder" writes), or an empty object whose key ends in ``/`` inside it (s3fs, ``rclone
+    mkdir``). They hold nothing of the rollout's, so they are outside the version and the snapshot
+    id, like a checkpoint, and removed with the rest."""
     seen_at: float = 0.0
     """``s3capture.clocks.awake_clock()`` when the listing returned (this client's clock)."""
 
@@ -214,6 +223,8 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
             scan.fence = True
         elif rel == "retired":
             scan.retired = True
+        elif is_folder_marker(rel, item.size):
+            scan.folders.append(item)
         elif rel.startswith("drop/") and rel.count("/") == 1 and len(rel) > 5:
             scan.drops.append(item)
         elif rel.startswith("snap/"):
@@ -223,8 +234,6 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
             scan.parsed.append(parsed)
         elif rel.startswith("cum/") and is_checkpoint_rel(rel):
             scan.checkpoints.append(item)
-        elif not rel:
-            scan.folders.append(item)
         else:
             scan.foreign.append(item)
     return scan

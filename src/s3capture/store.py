@@ -845,7 +845,7 @@ class S3TokenStore(RolloutObjects):
         if not sealed:
             return await self._snapshot_of(rollout_id, scan)
         if not scan.fence:
-            if not scan.all_keys:
+            if not (scan.contents or scan.retired):  # folder markers alone: nothing written
                 raise SnapshotNotSealedError(
                     f"rollout {rollout_id!r} has no objects under {prefix!r}: never written, or deleted "
                     "(a mistyped id or root reads like this too)",
