@@ -22,6 +22,10 @@ One request per client connection (every answer says ``Connection: close``). A r
   mid-stream (the client sees fewer bytes than ``Content-Length`` and a closed connection);
 * ``ShortBody(fraction)`` - answer part of the body with a ``Content-Length`` that matches it: a
   silently short body (a well-formed response; only the ETag can tell);
+* ``Chunked()`` - forward, and send the answer with ``Transfer-Encoding: chunked`` instead of a
+  ``Content-Length`` (a gateway or compressing proxy that streams its answers);
+* ``Partial(length)`` - forward, and answer ``206 Partial Content`` with the first ``length`` bytes
+  and their ``Content-Range`` (an answer to a range nobody asked for);
 * ``Truncate(fraction)`` - forward the headers and only part of the request body, then close both
   sides (a writer killed mid-PUT);
 * ``ListEmpty()`` - answer a LIST with a 200 and an empty body;
@@ -64,6 +68,8 @@ __all__ = [
     "Twice",
     "CutBody",
     "ShortBody",
+    "Chunked",
+    "Partial",
     "Truncate",
     "ListEmpty",
     "ListSiblings",
@@ -153,6 +159,16 @@ class CutBody:
 @dataclass
 class ShortBody:
     fraction: float = 0.5
+
+
+@dataclass
+class Chunked:
+    pass
+
+
+@dataclass
+class Partial:
+    length: int = 5
 
 
 @dataclass
@@ -535,6 +551,18 @@ class FaultProxy:
                 writer.write(_build(status, headers, body[: int(len(body) * action.fraction)], length=len(body)))
             elif isinstance(action, ShortBody):
                 writer.write(_build(status, headers, body[: int(len(body) * action.fraction)]))
+            elif isinstance(action, Chunked) and status.split(" ")[1] == "200":
+                kept = [(n, v) for n, v in headers if n.lower() not in ("connection", "content-length")]
+                kept += [("Transfer-Encoding", "chunked"), ("Connection", "close")]
+                writer.write(("\r\n".join([status, *(f"{n}: {v}" for n, v in kept)]) + "\r\n\r\n").encode("latin-1"))
+                for start in range(0, len(body), 65536):
+                    piece = body[start : start + 65536]
+                    writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                writer.write(b"0\r\n\r\n")
+            elif isinstance(action, Partial) and status.split(" ")[1] == "200":
+                part = body[: action.length]
+                headers = _set_header(headers, "Content-Range", f"bytes 0-{len(part) - 1}/{len(body)}")
+                writer.write(_build("HTTP/1.1 206 Partial Content", headers, part))
             elif isinstance(action, (ListSkip, ListHideYoung, ListNoToken, ListPaged, ListCutShort)):
                 writer.write(_build(status, headers, self._rewrite_list_body(request, action, body)))
             else:

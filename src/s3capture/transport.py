@@ -133,6 +133,25 @@ def warn_connect_retry(
 
 
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+"""HTTP statuses every transport retries (up to its attempts, with backoff): throttling (429 is
+what GCS's XML API answers for a rate limit, 503 SlowDown S3's) and server errors."""
+RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",  # S3's 400 for a request body it waited too long for
+        "InternalError",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+    }
+)
+"""S3 error codes every transport retries, whatever the status. Not ``RequestTimeTooSkewed``:
+every retry is signed by the same clock."""
 _NOT_IMPLEMENTED = frozenset(
     {
         "NotImplemented",
@@ -206,7 +225,9 @@ def _body_errors() -> tuple[type[BaseException], ...]:
 def default_botocore_config(max_pool_connections: int = 64, **overrides: Any) -> Any:
     """The botocore ``Config`` s3capture uses unless given one.
 
-    Standard retry mode (5 retries, so 6 attempts; exponential backoff with jitter), connect/read timeouts of 5/30 s,
+    Standard retry mode (5 retries, so 6 attempts; exponential backoff with jitter; botocore's retry
+    quota applies: ``docs/design.md``, "What is retried"), connect/read timeouts of 5/30 s (per
+    read, not per operation),
     a pool of ``max_pool_connections``, and checksums only where an operation requires them
     (``when_required``), which S3-compatible stores such as GCS, R2, Ceph and older MinIO accept.
     Path-style addressing is chosen when an endpoint is configured.
@@ -418,11 +439,13 @@ class _BodyFailed(Exception):
 
 
 class _TooLarge(Exception):
-    """A GET whose Content-Length is over the caller's limit (the body is not read)."""
+    """A GET whose Content-Length is over the caller's limit (the body is not read), or whose
+    body without one passed it (read no further)."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, *, at_least: bool = False) -> None:
         super().__init__(length)
         self.length = length
+        self.at_least = at_least  # a body of unknown length, read until it passed the limit
 
 
 RequestHook = Callable[[str, str, "str | None"], Any]
@@ -785,7 +808,8 @@ class Transport:
                 try:
                     got = await self._send("GetObject", key, lambda: self._get_once(client, key, limit))
                 except _TooLarge as error:
-                    raise RecordError(f"object is {error.length} bytes, over the read limit {limit}") from None
+                    size = f"over {limit} bytes (no Content-Length)" if error.at_least else f"{error.length} bytes"
+                    raise RecordError(f"object is {size}, over the read limit {limit}") from None
                 except _BodyFailed as error:
                     problem = str(error)
                     if error.retried:
@@ -989,7 +1013,8 @@ class Transport:
         MalformedXML, goes out as single DELETEs this once). A key the answer neither confirms
         deleted nor reports failed (an answer that is not a DeleteObjects result, such as an empty
         or HTML 200 body from a proxy) is deleted again with a single DELETE, whose answer is
-        unambiguous. Missing keys are not an error. Raises ``StoreError``."""
+        unambiguous, as is a key the answer reports failed with a code of ``RETRY_CODES``
+        (the client retries that DELETE). Missing keys are not an error. Raises ``StoreError``."""
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
             if not self._bulk_delete:
@@ -1001,6 +1026,9 @@ class Transport:
                 if isinstance(answer, str):
                     return answer  # the store's code: fall back to single DELETEs
                 reported, confirmed = answer
+                # A per-key error the store may not repeat (InternalError, SlowDown, ...) is left
+                # to a single DELETE of that key, which the client retries; others fail at once.
+                reported = [e for e in reported if e.get("Code") not in RETRY_CODES]
                 errors = [e for e in reported if e.get("Code") not in _NOT_FOUND]
                 if errors:
                     raise StoreError(
@@ -1128,6 +1156,8 @@ class S3Transport(Transport):
         )
         client.meta.events.register("before-send.s3", self._count_request)
         client.meta.events.register("needs-retry.s3", self._note_retry)
+        # Before botocore's own handler: the first delay any handler returns is the one used.
+        client.meta.events.register_first("needs-retry.s3", self._retry_throttled)
         client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
         # botocore asks for "Expect: 100-continue" on every PUT with a body, which costs a
         # whole extra round trip before the body is sent; objects are small and every PUT
@@ -1138,6 +1168,27 @@ class S3Transport(Transport):
     def _count_request(self, event_name: str = "", **_: Any) -> None:
         self.request_counts[event_name.rsplit(".", 1)[-1]] += 1
 
+    def _attempt_limit(self) -> int:
+        retries = getattr(self._config, "retries", None) or {}
+        # botocore's max_attempts counts retries; total_max_attempts counts the first try too
+        return int(retries.get("total_max_attempts") or (int(retries.get("max_attempts") or 2) + 1))
+
+    def _retry_throttled(self, response: Any = None, attempts: int = 0, **_: Any) -> float | None:
+        """botocore's standard mode retries 5xx and the throttling codes it knows, but not a 429
+        with another code (GCS's XML API, some gateways: ``TooManyRequests``) nor every code of
+        ``RETRY_CODES``: for those, the delay of its own backoff (full jitter over 2**(attempt-1)
+        seconds, at most 20 s) while attempts remain; ``None`` leaves the decision to botocore."""
+        if response is None or attempts >= self._attempt_limit():
+            return None
+        http, parsed = response
+        status = getattr(http, "status_code", 0)
+        if status in RETRY_STATUS and status != 429:
+            return None  # botocore retries it (and keeps its retry quota)
+        code = str((parsed or {}).get("Error", {}).get("Code", ""))
+        if status == 429 or code in _RETRIED_HERE:
+            return random.uniform(0, min(20.0, 2.0 ** (attempts - 1)))
+        return None
+
     def _note_retry(self, attempts: int = 0, caught_exception: Any = None, **_: Any) -> None:
         """Observes botocore's retry decision (returns nothing, so decides nothing): warns when
         a request could not connect, or got no answer in time, and attempts remain."""
@@ -1145,9 +1196,7 @@ class S3Transport(Transport):
         from botocore.exceptions import ReadTimeoutError
 
         if isinstance(caught_exception, (BotocoreConnectionError, ReadTimeoutError)):
-            retries = getattr(self._config, "retries", None) or {}
-            # botocore's max_attempts counts retries; total_max_attempts counts the first try too
-            limit = int(retries.get("total_max_attempts") or (int(retries.get("max_attempts") or 2) + 1))
+            limit = self._attempt_limit()
             if attempts < limit:
                 no_answer = isinstance(caught_exception, ReadTimeoutError)
                 warn_connect_retry(self.endpoint_url, caught_exception, attempts, limit, no_answer=no_answer)
@@ -1193,12 +1242,22 @@ class S3Transport(Transport):
             raise _BodyFailed(f"answer body failed after {type(error).__name__}: {error}") from None
         expected = response.get("ContentLength")
         etag = str(response.get("ETag") or "").strip('"').lower()
-        if limit is not None and int(expected or 0) > limit:
+        if response.get("ContentRange"):
+            # A part (206) answered to a GET of the whole object: read again, never take it whole.
+            response["Body"].close()
+            raise _BodyFailed(f"answered only a part ({response['ContentRange']}) to a GET of the whole object")
+        if limit is not None and expected is not None and int(expected) > limit:
             response["Body"].close()
             raise _TooLarge(int(expected))
         try:
-            async with response["Body"] as stream:
-                data = await stream.read()
+            if limit is None or expected is not None:
+                async with response["Body"] as stream:
+                    data = await stream.read()
+            else:  # no Content-Length (a chunked answer): read no more than the limit allows
+                try:
+                    data = await _read_at_most(response["Body"], limit)
+                finally:
+                    response["Body"].close()
         except _body_errors() as error:
             raise _BodyFailed(f"body failed after {type(error).__name__}: {error}") from None
         return _Got(data, int(expected) if expected is not None else None, etag)
@@ -1267,6 +1326,33 @@ async def _frozen_credentials(session: Any) -> tuple[str, str, str | None] | Non
         return frozen.access_key, frozen.secret_key, frozen.token
     except Exception:  # noqa: BLE001 - an unresolvable chain is "no new credentials"
         return None
+
+
+_RETRIED_HERE = RETRY_CODES - {
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+}
+"""``RETRY_CODES`` that botocore's standard mode does not retry by itself (it retries these by
+code, and every 500, 502, 503 and 504 by status)."""
+
+
+async def _read_at_most(stream: Any, limit: int) -> bytes:
+    """A body of unknown length, read in pieces; raises ``_TooLarge`` once it is over ``limit``."""
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        piece = await stream.read(min(1 << 20, limit + 1 - total))
+        if not piece:
+            return b"".join(parts)
+        parts.append(piece)
+        total += len(piece)
+        if total > limit:
+            raise _TooLarge(total, at_least=True)
 
 
 def _backoff(attempt: int) -> float:

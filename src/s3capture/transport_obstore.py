@@ -42,6 +42,7 @@ import random
 import re
 import threading
 import xml.etree.ElementTree as ET
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
     from obstore.store import S3Config
 
 from s3capture.transport import (
+    RETRY_CODES,
+    RETRY_STATUS,
+    T,
     configured_endpoint,
     _NOT_FOUND,
     _NOT_IMPLEMENTED,
@@ -119,10 +123,6 @@ def settle_completions(timeout: float = 2.0) -> bool:
 
 _XML_CODE = re.compile(r"<Code>([A-Za-z0-9_.-]+)</Code>")
 _STATUS = re.compile(r"\b(?:status|Status)[: ]+(\d{3})\b")
-_RETRY_STATUS = frozenset({500, 502, 503, 504})
-_RETRY_CODES = frozenset(
-    {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling", "RequestTimeTooSkewed"}
-)
 
 
 class _S3HTTPError(Exception):
@@ -396,17 +396,33 @@ class ObstoreTransport(Transport):
         return match.group(1) if match else ""
 
     # ------------------------------------------------------------------ single requests
+    async def _riding_out(self, operation: str, request: Callable[[], Awaitable[T]]) -> T:
+        """``request()``, sent again on S3's ``400 RequestTimeout`` (a request body the store waited
+        too long for), which botocore retries and object_store does not (it retries 5xx, 429 and
+        lost connections itself): up to the configured attempts, with botocore's backoff."""
+        for attempt in range(self._attempts):
+            if attempt:
+                await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
+                self.request_counts[operation] += 1  # a retry is one more HTTP request
+            try:
+                return await request()
+            except Exception as error:
+                if attempt + 1 < self._attempts and self._error_code(error) == "RequestTimeout":
+                    continue
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def _put_once(self, client: Any, key: str, body: bytes) -> None:
         import obstore
 
-        await obstore.put_async(client[0], key, body, use_multipart=False)
+        await self._riding_out("PutObject", lambda: obstore.put_async(client[0], key, body, use_multipart=False))
 
     async def _get_once(self, client: Any, key: str, limit: int | None) -> _Got | None:
         import obstore
         import obstore.exceptions as oe
 
         try:
-            result = await obstore.get_async(client[0], key)
+            result = await self._riding_out("GetObject", lambda: obstore.get_async(client[0], key))
         except (oe.NotFoundError, FileNotFoundError) as error:  # obstore raises the built-in one for any 404
             if self._error_code(error) not in _NOT_FOUND:
                 raise  # NoSuchBucket is no "absent object": a fence would read "open"
@@ -414,6 +430,13 @@ class ObstoreTransport(Transport):
         except Exception as error:
             if self._error_code(error) in _NOT_FOUND:
                 return None
+            if "Content-Length Header missing" in str(error):
+                raise StoreError(
+                    f"GET {key!r} was answered without a Content-Length (a chunked answer, from a proxy or "
+                    "gateway?), which the obstore transport cannot read; use transport='aioboto3' there",
+                    operation="GET",
+                    key=key,
+                ) from error
             if "response body error" in str(error):
                 # An answer (a 404's error document, say) whose body was cut: object_store does not
                 # resume it, so read again, as a cut object body is.
@@ -510,7 +533,7 @@ class ObstoreTransport(Transport):
         headers: dict[str, str] | None = None,
         ok: tuple[int, ...] = (200,),
     ) -> tuple[bytes, str]:
-        """One SigV4-signed request, retried on 500, 502, 503, 504, throttling and connection
+        """One SigV4-signed request, retried on ``RETRY_STATUS``, ``RETRY_CODES`` and connection
         errors (up to the configured attempts, exponential backoff with full jitter); other answers
         raise ``_S3HTTPError`` (a 501 NotImplemented at once). Returns the body and the answer's
         ``Date`` header (``""`` when absent: ``Transport.store_now``)."""
@@ -541,7 +564,7 @@ class ObstoreTransport(Transport):
             text = answer.decode("utf-8", "replace")
             match = _XML_CODE.search(text)
             code = match.group(1) if match else str(status)
-            if (status in _RETRY_STATUS or code in _RETRY_CODES) and attempt + 1 < self._attempts:
+            if (status in RETRY_STATUS or code in RETRY_CODES) and attempt + 1 < self._attempts:
                 continue
             raise _S3HTTPError(operation, status, code, text)
         raise AssertionError("unreachable")  # pragma: no cover
