@@ -14,6 +14,7 @@ command line's usage errors are checked without a server.
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import json
 import os
@@ -1051,9 +1052,19 @@ async def test_a_log_probability_beyond_float32_is_written_finite_and_huge_ids_n
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no RuntimeWarning either
         writer.add(built)
+    # A review (2026-12-03): the clipping was silent. It is counted, and the summary names it.
+    assert writer.clipped == 1
     await writer.publish()
     (logprobs,) = pq.read_table(tmp_path / "part-00003.parquet").column("logprobs").to_pylist()
     assert logprobs[:2] == [0.0, 0.0] and logprobs[2] == float(np.finfo(np.float32).min)
+    from s3capture.export.driver import _account
+    from s3capture.export.records import ExportSummary, ShardResult
+
+    summary = ExportSummary(source="s3://bkt/p", dest=str(tmp_path), format="parquet")
+    _account(summary, ShardResult(shard=3, clipped=[("tiny", 1)]), collections.Counter())
+    assert (summary.logprobs_clipped, summary.clipped_examples) == (1, ["tiny: 1"])
+    assert "beyond float32's range, written as its nearest finite value: 1" in format_summary(summary)
+    assert writer.add(_built("fine", [1, 2])) and writer.clipped == 0
     wide = ExportJob(url="s3://bkt/p", dest=str(tmp_path), token_type="int64")
     with pytest.raises(OverflowError, match="--format gym-jsonl"):
         _ParquetWriter(wide, _LocalDestination(str(tmp_path)), 4).add(_built("huge", [2**63]))

@@ -695,6 +695,10 @@ def _account(summary: ExportSummary, result: ShardResult, requests: collections.
             summary.exported += 1
     summary.trajectories += result.rows
     summary.tokens += result.tokens
+    for rid, count in result.clipped:
+        summary.logprobs_clipped += count
+        if len(summary.clipped_examples) < 20:
+            summary.clipped_examples.append(f"{rid}: {count}")
     summary.bytes_read += result.bytes_read
     summary.bytes_written += result.bytes_written
 
@@ -731,6 +735,12 @@ def format_summary(summary: ExportSummary) -> str:
             lines.extend(f"  {title} {escape_controls(line)}" for line in kept[:3])
     if s.changed_since_export:
         lines.extend(f"  changed {escape_controls(line)}" for line in s.changed_examples[:3])
+    if s.logprobs_clipped:
+        lines.append(
+            f"log probabilities beyond float32's range, written as its nearest finite value: {s.logprobs_clipped:,} "
+            "(--format gym-jsonl keeps them)"
+        )
+        lines.extend(f"  clipped {escape_controls(line)}" for line in s.clipped_examples[:3])
     if s.dropped or s.drop_failed or s.not_dropped:
         lines.append(
             f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}"

@@ -132,6 +132,8 @@ class ShardResult(msgspec.Struct, kw_only=True):
     skipped: list[tuple[str, str]] = []
     failed: list[tuple[str, str]] = []
     tokens: int = 0
+    clipped: list[tuple[str, int]] = []
+    """``(rollout_id, count)`` of log probabilities written clipped to the column's finite range."""
     bytes_read: int = 0
     bytes_written: int = 0
     requests: dict[str, int] = {}
@@ -185,6 +187,11 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     masked_reasons: dict[str, int] = {}
     trajectories: int = 0
     tokens: int = 0
+    logprobs_clipped: int = 0
+    """Log probabilities written as float32's lowest (or highest) finite value because they lie
+    beyond float32's range (Parquet only; ``gym-jsonl`` keeps them). ``clipped_examples`` holds up
+    to 20 ``"rollout_id: count"`` lines."""
+    clipped_examples: list[str] = []
     shards_written: int = 0
     shards_failed: int = 0
     shards_existing: int = 0

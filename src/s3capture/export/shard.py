@@ -242,6 +242,8 @@ def _consume(built: _Built, writer: _Writer, result: ShardResult, job: ExportJob
         except OverflowError as error:
             result.failed.append((rid, f"token_overflow: {error}"))
             return
+        if writer.clipped:
+            result.clipped.append((rid, writer.clipped))
     result.records.append(
         RolloutRecord(
             rollout_id=rid,

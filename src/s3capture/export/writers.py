@@ -110,11 +110,15 @@ class _Writer:
         self.name = job.shard_name(shard)
         self.temp = dest.temp_path(self.name)
         self.rows = 0
+        self.clipped = 0
+        """Log probabilities of the last ``add`` written as the column type's nearest finite value
+        (Parquet's float32 column: finite values beyond about ±3.4e38)."""
 
     def add(self, built: _Built) -> tuple[int, int]:
-        """Write one built rollout; ``(rows, tokens)`` written. ``OverflowError`` for a token id
-        that the export's column type does not hold (int32 under ``token_type="auto"``, int64 under
-        ``"int64"``): nothing of that rollout is written then."""
+        """Write one built rollout; ``(rows, tokens)`` written (``clipped`` says how many of its log
+        probabilities were clipped). ``OverflowError`` for a token id that the export's column type
+        does not hold (int32 under ``token_type="auto"``, int64 under ``"int64"``): nothing of that
+        rollout is written then."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -217,6 +221,7 @@ class _ParquetWriter(_Writer):
 
         rows = _trajectory_rows(built)
         highest = 0
+        self.clipped = 0
         for row in rows:
             n = len(row["token_ids"])
             logprobs = row["logprobs"]
@@ -232,8 +237,10 @@ class _ParquetWriter(_Writer):
             if not np.isfinite(row["logprobs"]).all():
                 # put refuses non-finite log-probabilities; one that is finite but beyond float32's
                 # range (below about -3.4e38) is written as float32's lowest finite value, not -inf.
+                # Counted (``ExportSummary.logprobs_clipped``): the training data differs there.
                 lowest = np.finfo(np.float32).min
                 wide = np.fromiter(logprobs, dtype="float64", count=n)
+                self.clipped += int(np.count_nonzero((wide < lowest) | (wide > -lowest)))
                 row["logprobs"] = np.clip(wide, lowest, -lowest).astype("float32")
             if n:
                 highest = max(highest, int(row["token_ids"].max()))
