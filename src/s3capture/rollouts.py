@@ -239,6 +239,11 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
     return scan
 
 
+_QUIET_REPLAY_WAIT = 0.5
+"""Seconds a successful write waits for the spill replay it starts (``_replay_spill_quietly``)."""
+_CLOSE_REPLAY_SECONDS = 10.0
+"""Seconds ``close`` gives the spill replay before it leaves the rest spilled for the next one."""
+
 _CONFIRM_ROUNDS = 5
 """LISTs after a root listing's last key before it ends without a confirmed end (each that shows
 more keys moves the end; writers adding keys there faster than a LIST answers would otherwise keep
@@ -319,6 +324,8 @@ class RolloutObjects:
             if self._spill_dir is not None
             else None
         )
+        self._replay_task: asyncio.Future[None] | None = None
+        """The spill replay a write started (``_replay_spill_quietly``); it may outlive the write."""
 
     # ------------------------------------------------------------------ transport shorthands
     @property
@@ -380,14 +387,39 @@ class RolloutObjects:
         await self.transport.delete_one(key)
 
     async def close(self) -> None:
-        """Replay spilled objects (best effort), wait for requests in flight, release the HTTP
-        client. Idempotent. After it returns nothing is open and nothing more lands."""
-        if self._spill_file is not None and self.transport.opened and not self.transport.closed:
-            try:
+        """Replay spilled objects (best effort, for at most ``_CLOSE_REPLAY_SECONDS``: what is not
+        stored by then stays spilled for the next replay), wait for requests in flight (cancelling
+        them after 30 s), release the HTTP client. Idempotent; a cancelled ``close`` still releases
+        the client. After it returns nothing is open and nothing more lands."""
+        try:
+            await self._replay_at_close()
+        finally:
+            await self.transport.close()
+
+    async def _replay_at_close(self) -> None:
+        task, self._replay_task = self._replay_task, None
+        if task is not None and (task.done() or task.get_loop() is not asyncio.get_running_loop()):
+            task = None  # finished, or of another event loop (which cannot be awaited here)
+        try:
+            if self._spill_file is None or not self.transport.opened or self.transport.closed:
+                return
+            async with asyncio.timeout(_CLOSE_REPLAY_SECONDS):
+                if task is not None:
+                    await asyncio.wait({task})  # a write's replay still running; it logs its own errors
                 await self.replay_spill()
-            except Exception:  # replay is best effort at close; the spill file stays
-                log.warning("could not replay spilled objects at close", exc_info=True)
-        await self.transport.close()
+        except TimeoutError:
+            log.warning(
+                "spilled objects were not all replayed within %.0f s at close (the store does not answer); "
+                "they stay in %s for the next replay",
+                _CLOSE_REPLAY_SECONDS,
+                self._spill_dir,
+            )
+        except Exception:  # replay is best effort at close; the spill file stays
+            log.warning("could not replay spilled objects at close", exc_info=True)
+        finally:
+            if task is not None and not task.done():
+                task.cancel()  # what it had not stored is spilled again
+                await asyncio.wait({task})
 
     async def __aenter__(self) -> Any:
         return self
@@ -499,12 +531,23 @@ class RolloutObjects:
         log.warning("%s spilled to %s: %r", what, self._spill_dir, error)
 
     async def _replay_spill_quietly(self) -> None:
-        """After a successful write: the store answers again, so spilled objects must not wait."""
-        if self._spill_file is not None and self._spill_file.pending():
-            try:
-                await self.replay_spill()
-            except Exception:  # the spill stays for the next replay
-                log.warning("spilled objects could not be replayed yet", exc_info=True)
+        """After a successful write: the store answers again, so spilled objects must not wait.
+        The write waits for the replay at most ``_QUIET_REPLAY_WAIT`` seconds (a store that holds
+        the spilled keys' PUTs delayed every write by minutes, a cancellation breaker, 2026-12-03);
+        after that the replay goes on in the background, one at a time per client, and ``close``
+        waits for it (bounded)."""
+        if self._spill_file is None or not self._spill_file.pending():
+            return
+        task = self._replay_task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            task = self._replay_task = asyncio.ensure_future(self._replay_logged())
+        await asyncio.wait({task}, timeout=_QUIET_REPLAY_WAIT)  # a cancelled write leaves it running
+
+    async def _replay_logged(self) -> None:
+        try:
+            await self.replay_spill()
+        except Exception:  # the spill stays for the next replay
+            log.warning("spilled objects could not be replayed yet", exc_info=True)
 
     # ------------------------------------------------------------------ listing the root's rollouts
     _rollouts_page_keys = 1000
@@ -822,7 +865,8 @@ class RolloutObjects:
         it retired. A ``retire``, ``gc`` or ``drop`` of the same id running at the same time, or a
         request of this delete or of one of them that the network delivers late, can still land a
         tombstone after this delete returned: delete only ids that nothing writes, reads or
-        removes any more, and prefer new ids to reuse, ``docs/design.md`` race 8.) Requests per rollout (up
+        removes any more, and prefer new ids to reuse, ``docs/design.md`` race 8; after a
+        *cancelled* delete nothing tells when its requests have settled, so use a new id.) Requests per rollout (up
         to 8 at a time): one LIST page per 1,000 keys, for a rollout not yet retired up to three
         PUTs, one DeleteObjects per 1,000 records, then a DELETE of the tombstone and one of the
         fence.
