@@ -24,7 +24,7 @@ from helpers import list_keys, simple_entry, split_bucket_url
 
 import s3capture.clocks
 from s3capture.cli import main
-from s3capture.ops import GcAction, format_rollout_row, gc, status
+from s3capture.ops import GcAction, format_rollout_row, format_status, gc, status
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
 from s3capture.rollouts import FENCE_RETIRED, RolloutInfo
 from s3capture.store import S3TokenStore
@@ -93,14 +93,17 @@ async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_t
     assert result.oldest_open is not None and result.oldest_open.rollout_id == "open-1"
     assert result.oldest_open.age_seconds >= FAR - 5
     assert (result.frozen_sealed, result.frozen_changed, result.frozen_without_manifest) == (3, 1, 1)
-    assert (result.trainable, result.masked, result.manifest_errors) == (2, 2, 0)  # frozen-late's manifest: trainable
+    assert (result.complete, result.masked, result.manifest_errors) == (2, 2, 0)  # frozen-late's manifest: trainable
     assert result.masked_by_reason == {"dangling_intent": 1, "marked_incomplete": 1}
     # Two dropped rollouts keep fence + tombstone each; the straggled one also its straggler intent.
     assert result.retired_leftover_objects == 2 + 2 + 3
     assert result.retired_leftover_bytes > 0
     listed_only = await status(store, manifests=False)
-    assert (listed_only.trainable, listed_only.masked) == (0, 0)
+    assert (listed_only.complete, listed_only.masked, listed_only.manifests_read) == (0, 0, False)
     assert listed_only.states["retired"].rollouts == 3
+    # A new user's walkthrough: "0 complete, 0 masked" read as "nothing masked" when no manifest was read.
+    assert "newest manifests: not read (--no-manifests)" in format_status(listed_only)
+    assert "newest manifests: 2 complete, 2 masked" in format_status(result)
     bucket, root = split_bucket_url(bucket_url)
     _, old_newest = newest_modified(s3_client, bucket_url, OLD)
     await asyncio.sleep(1.2)  # LastModified has one-second resolution on some servers

@@ -123,17 +123,20 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     """Frozen rollouts with a manifest that is not of the listed state (a late write landed)."""
     frozen_without_manifest: int = 0
     """Frozen rollouts with no manifest at all (a freeze that did not finish, or a bare fence)."""
-    trainable: int = 0
+    manifests_read: bool = True
+    """Whether the manifests were read (``status(manifests=False)``, ``--no-manifests``: the
+    counts below are then all 0, not "nothing masked")."""
+    complete: int = 0
     """Frozen rollouts whose newest manifest is complete (not masked by the snapshot). A builder
     can still mask one (a chain with a missing parent decision, no generated token): what
-    ``export`` writes as trainable is at most this many."""
+    ``export`` writes as trainable is at most this many. (Named ``trainable`` before 2026-12-03.)"""
     masked: int = 0
     """Frozen rollouts whose newest manifest is ``incomplete`` (masked, not trainable)."""
     masked_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     """Reason code (the text of a manifest reason before its first ``:``, e.g. ``dangling_intent``)
     -> masked rollouts with at least one reason of that code."""
     manifest_errors: int = 0
-    """Manifests that could not be read or decoded (counted neither trainable nor masked)."""
+    """Manifests that could not be read or decoded (counted neither complete nor masked)."""
     retired_leftover_objects: int = 0
     """Every object under retired rollouts' prefixes: fence and tombstone (2 per rollout) plus
     objects of stragglers; what ``gc`` can remove."""
@@ -270,7 +273,9 @@ async def status(
     ``manifest_errors``), ``TypeError``/``ValueError`` for a bad ``prefix``.
     """
     clock = _clock(store, now)
-    result = StoreStatus(url=store.url, states={state: StateCounts() for state in ROLLOUT_STATES})
+    result = StoreStatus(
+        url=store.url, states={state: StateCounts() for state in ROLLOUT_STATES}, manifests_read=manifests
+    )
     oldest: tuple[float, str, float] | None = None  # (LastModified, rollout id, listed at)
     pending: set[asyncio.Task[None]] = set()
     limit = asyncio.Semaphore(_MANIFEST_CONCURRENCY)
@@ -290,7 +295,7 @@ async def status(
             for code in sorted({_reason_code(reason) for reason in head.reasons} or {"unknown"}):
                 result.masked_by_reason[code] = result.masked_by_reason.get(code, 0) + 1
         else:
-            result.trainable += 1
+            result.complete += 1
 
     bar = _progress(progress, "status")
     try:
@@ -688,10 +693,13 @@ def format_status(s: StoreStatus) -> str:
             f"frozen: {s.frozen_sealed} sealed, {s.frozen_changed} changed since freeze, "
             f"{s.frozen_without_manifest} without a manifest"
         )
-        lines.append(
-            f"newest manifests: {s.trainable} complete, {s.masked} masked, {s.manifest_errors} unreadable "
-            "(complete: the snapshot masks nothing; the builder may still mask)"
-        )
+        if not s.manifests_read:
+            lines.append("newest manifests: not read (--no-manifests)")
+        else:
+            lines.append(
+                f"newest manifests: {s.complete} complete, {s.masked} masked, {s.manifest_errors} unreadable "
+                "(complete: the snapshot masks nothing; the builder may still mask)"
+            )
         for code, count in s.masked_by_reason.items():
             lines.append(f"  masked by {code}: {count}")
     retired = s.states["retired"].rollouts
