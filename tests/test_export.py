@@ -298,7 +298,8 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     assert unsealed_frozen.skipped_reasons == {"not_sealed": 1} and "source:GetObject" not in unsealed_frozen.requests
     resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
     assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
-    assert "1 masked rollouts were left out: --masked include writes them too" in format_summary(resealed)
+    assert "1 masked rollout was left out: --masked include writes them too" in format_summary(resealed)
+    assert "1 shard (" in format_summary(resealed) and "manifests only, no data file" in format_summary(resealed)
     # A re-run finds that rollout recorded (a manifest, no data file): still nothing to read.
     rerun = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
     assert rerun.already_exported == 1 and rerun.data_files == 0
@@ -683,6 +684,41 @@ async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
         line for line in err.splitlines() if "interrupted" in line
     ], err
     assert "resume" in err
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads worker pids from /proc")
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
+async def test_sigterm_ends_an_export_as_ctrl_c_does(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
+    # A new user's walkthrough: SIGTERM (`timeout`, `kill`, a pod's stop) to the export alone killed
+    # it mid-shard with no word and a "leaked semaphore" warning; Ctrl-C says what is durable.
+    await _frozen_chains(fresh, "term", count=2, calls=2)
+    script = tmp_path / "run_export.py"
+    script.write_text(
+        "import sys\nfrom s3capture.cli import main\nif __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = await _export_with_workers_started(script, bucket_url, tmp_path / "out")
+    workers = _children(proc.pid)
+    try:
+        proc.send_signal(signal.SIGTERM)  # the export process only, not its workers
+        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 143, (proc.returncode, out, err)
+    assert "Traceback" not in err and "leaked" not in err, err
+    assert "interrupted by SIGTERM: shards published so far are durable" in err, err
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not [pid for pid in workers if running(pid)], "workers left running"
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads worker pids from /proc")

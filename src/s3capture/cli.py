@@ -7,7 +7,9 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -828,6 +830,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from s3capture.store import StoreError
 
+    previous_sigterm = _sigterm_as_ctrl_c() if args.command == "export" else None
     try:
         code = args.func(args)
         if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
@@ -854,8 +857,36 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "export"
             else ""
         )
-        print(f"s3capture {args.command}: interrupted{hint}", file=sys.stderr)
-        return 130
+        how = " by SIGTERM" if _TERMINATED else ""
+        print(f"s3capture {args.command}: interrupted{how}{hint}", file=sys.stderr)
+        return 143 if _TERMINATED else 130
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+_TERMINATED = False
+"""Whether a SIGTERM interrupted the command (``_sigterm_as_ctrl_c``)."""
+
+
+def _sigterm_as_ctrl_c() -> Any:
+    """For a long command (``export``): a SIGTERM (``timeout``, ``kill``, a Kubernetes pod's
+    stop) ends it as a Ctrl-C does (its workers stopped, one line saying what is durable, status
+    143) instead of killing it mid-shard with nothing said. Returns the previous handler, or
+    ``None`` where none can be set (not the main thread, or SIGTERM ignored by the caller)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        global _TERMINATED
+        _TERMINATED = True
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            raise KeyboardInterrupt  # Ctrl-C ignored by the caller: SIGTERM still ends the command
+        signal.raise_signal(signal.SIGINT)  # the Ctrl-C path: asyncio cancels, the pool stops
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 if __name__ == "__main__":

@@ -719,7 +719,8 @@ def format_summary(summary: ExportSummary) -> str:
         f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
         f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
         f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shard{'' if s.shards_written == 1 else 's'} "
-        f"({_size(s.bytes_written)}); read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
+        f"({_size(s.bytes_written)}{'; manifests only, no data file' if s.shards_written and not s.trajectories else ''}); "
+        f"read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
     ]
     if s.shards_existing or s.orphans_removed:
         lines.append(
@@ -758,7 +759,8 @@ def format_summary(summary: ExportSummary) -> str:
                 "(with --freeze they are frozen first, and a write still coming to one of them fails)"
             )
         if s.masked_excluded:
-            hints.append(f"{s.masked_excluded:,} masked rollouts were left out: --masked include writes them too")
+            were = "rollout was" if s.masked_excluded == 1 else "rollouts were"
+            hints.append(f"{s.masked_excluded:,} masked {were} left out: --masked include writes them too")
         for state, count in sorted(s.not_selected.items()):
             why = " (dropped or retired: their entries are gone)" if state == "retired" else ""
             hints.append(f"{count:,} {state} rollouts were not selected{why}")
