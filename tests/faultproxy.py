@@ -25,7 +25,8 @@ One request per client connection (every answer says ``Connection: close``). A r
 * ``Chunked()`` - forward, and send the answer with ``Transfer-Encoding: chunked`` instead of a
   ``Content-Length`` (a gateway or compressing proxy that streams its answers);
 * ``Partial(length)`` - forward, and answer ``206 Partial Content`` with the first ``length`` bytes
-  and their ``Content-Range`` (an answer to a range nobody asked for);
+  and their ``Content-Range`` (an answer to a range nobody asked for); ``Partial(None)``: a 200
+  with the whole body and a ``Content-Range`` that covers it (what some gateways send);
 * ``Truncate(fraction)`` - forward the headers and only part of the request body, then close both
   sides (a writer killed mid-PUT);
 * ``ListEmpty()`` - answer a LIST with a 200 and an empty body;
@@ -168,7 +169,7 @@ class Chunked:
 
 @dataclass
 class Partial:
-    length: int = 5
+    length: int | None = 5
 
 
 @dataclass
@@ -560,9 +561,9 @@ class FaultProxy:
                     writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
                 writer.write(b"0\r\n\r\n")
             elif isinstance(action, Partial) and status.split(" ")[1] == "200":
-                part = body[: action.length]
+                part = body if action.length is None else body[: action.length]
                 headers = _set_header(headers, "Content-Range", f"bytes 0-{len(part) - 1}/{len(body)}")
-                writer.write(_build("HTTP/1.1 206 Partial Content", headers, part))
+                writer.write(_build(status if action.length is None else "HTTP/1.1 206 Partial Content", headers, part))
             elif isinstance(action, (ListSkip, ListHideYoung, ListNoToken, ListPaged, ListCutShort)):
                 writer.write(_build(status, headers, self._rewrite_list_body(request, action, body)))
             else:

@@ -1242,7 +1242,7 @@ class S3Transport(Transport):
             raise _BodyFailed(f"answer body failed after {type(error).__name__}: {error}") from None
         expected = response.get("ContentLength")
         etag = str(response.get("ETag") or "").strip('"').lower()
-        if response.get("ContentRange"):
+        if response.get("ContentRange") and not _whole_range(str(response["ContentRange"])):
             # A part (206) answered to a GET of the whole object: read again, never take it whole.
             response["Body"].close()
             raise _BodyFailed(f"answered only a part ({response['ContentRange']}) to a GET of the whole object")
@@ -1339,6 +1339,16 @@ _RETRIED_HERE = RETRY_CODES - {
 }
 """``RETRY_CODES`` that botocore's standard mode does not retry by itself (it retries these by
 code, and every 500, 502, 503 and 504 by status)."""
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
+def _whole_range(content_range: str) -> bool:
+    """Whether a ``Content-Range`` (``bytes FIRST-LAST/TOTAL``) covers the whole object (some
+    gateways send one with every 200)."""
+    match = _CONTENT_RANGE.fullmatch(content_range.strip())
+    return match is not None and int(match.group(1)) == 0 and int(match.group(2)) + 1 == int(match.group(3))
 
 
 async def _read_at_most(stream: Any, limit: int) -> bytes:

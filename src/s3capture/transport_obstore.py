@@ -123,6 +123,9 @@ def settle_completions(timeout: float = 2.0) -> bool:
 
 _XML_CODE = re.compile(r"<Code>([A-Za-z0-9_.-]+)</Code>")
 _STATUS = re.compile(r"\b(?:status|Status)[: ]+(\d{3})\b")
+_ANSWER_STATUS = re.compile(r"non-2xx status code: (\d{3})\b")
+"""The HTTP status in object_store's error for an answer it did not take (``Server returned
+non-2xx status code: 400 Bad Request: <body>``)."""
 
 
 class _S3HTTPError(Exception):
@@ -397,9 +400,11 @@ class ObstoreTransport(Transport):
 
     # ------------------------------------------------------------------ single requests
     async def _riding_out(self, operation: str, request: Callable[[], Awaitable[T]]) -> T:
-        """``request()``, sent again on S3's ``400 RequestTimeout`` (a request body the store waited
-        too long for), which botocore retries and object_store does not (it retries 5xx, 429 and
-        lost connections itself): up to the configured attempts, with botocore's backoff."""
+        """``request()``, sent again on an answer of ``RETRY_CODES`` whose status object_store does
+        not retry itself (it retries 5xx, 429 and lost connections): S3's ``400 RequestTimeout`` (a
+        request body the store waited too long for), or a throttling code under another 4xx. Up
+        to the configured attempts, with botocore's backoff; object_store's own retries of a 5xx
+        inside one attempt are not counted here (``request_counts``: one per attempt)."""
         for attempt in range(self._attempts):
             if attempt:
                 await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
@@ -407,7 +412,9 @@ class ObstoreTransport(Transport):
             try:
                 return await request()
             except Exception as error:
-                if attempt + 1 < self._attempts and self._error_code(error) == "RequestTimeout":
+                status = _ANSWER_STATUS.search(str(error))
+                retried_inside = status is None or int(status.group(1)) in RETRY_STATUS
+                if attempt + 1 < self._attempts and not retried_inside and self._error_code(error) in RETRY_CODES:
                     continue
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
