@@ -362,7 +362,7 @@ def _conformance(args: argparse.Namespace) -> int:
             url = f"s3://s3capture-conformance/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
             _ensure_bucket(url, endpoint, server.env())
         elif args.endpoint:
-            os.environ["AWS_ENDPOINT_URL"] = args.endpoint
+            os.environ["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL_S3"] = args.endpoint
         print(f"s3capture conformance against {url} on {endpoint or 'AWS S3'}", flush=True)
         report = asyncio.run(
             run_s3_conformance(
@@ -554,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--endpoint",
         type=_argument(check_endpoint),
-        help="S3 endpoint URL, http(s)://host[:port] (default: AWS_ENDPOINT_URL, else embedded moto)",
+        help="S3 endpoint URL, http(s)://host[:port] (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else embedded moto)",
     )
     demo.add_argument(
         "--workers",
@@ -635,7 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("url", nargs="?", help="s3://bucket/prefix to check (default: an embedded moto server)")
     check.add_argument(
-        "--endpoint", type=_argument(check_endpoint), help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)"
+        "--endpoint",
+        type=_argument(check_endpoint),
+        help="S3 endpoint URL (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)",
     )
     check.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable)")
     check.add_argument("--list", action="store_true", help="print the names of the checks and exit")
@@ -736,7 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         metavar="ADDRESS",
         help="--engine ray: the cluster, ray://HOST:10001 (Ray Client) or auto (the cluster 'ray start' "
-        "runs on this machine); default: RAY_ADDRESS, else a local Ray runtime for this export",
+        "runs on this machine); default: RAY_ADDRESS, else a 'ray start' cluster of this machine if one "
+        "runs, else a local Ray runtime for this export",
     )
     export.add_argument(
         "--ray-env",
@@ -791,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--endpoint",
         type=_argument(check_endpoint),
-        help="S3 endpoint URL of the source and an s3:// DEST (default: AWS_ENDPOINT_URL, else AWS S3)",
+        help="S3 endpoint URL of the source and an s3:// DEST (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)",
     )
     export.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar / progress lines")

@@ -925,7 +925,7 @@ async def run_s3_conformance(
 
     Every factory call builds a new client with its own HTTP connection pool, caches and state;
     they share one ``aioboto3.Session`` (the credential chain and service model, ~0.1 s to load).
-    Credentials come from the standard AWS chain; ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL``.
+    Credentials come from the standard AWS chain; ``endpoint_url`` defaults to ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``.
     """
     import aioboto3
 

@@ -146,13 +146,16 @@ class S3CaptureLedger(RolloutObjects):
     Parameters:
         url: ``s3://bucket/prefix``; shares the layout (and the rollout fences) of an
             ``S3TokenStore`` on the same URL. A rollout id is used by one family or the other.
-        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL`` (then AWS itself).
-        botocore_config: a ``botocore.config.Config``; defaults to ``default_botocore_config()``.
+        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``,
+            then the AWS profile's ``endpoint_url`` (then AWS itself).
+        botocore_config: a ``botocore.config.Config``; defaults to
+            ``default_botocore_config(max(max_concurrency, 10))`` (a pool of that many connections).
         session: an ``aioboto3.Session``; defaults to one from the standard credential chain.
         cache_bytes: bound on the estimated heap of decoded rows kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client.
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
-            about a seventh of the client CPU per request) or a ``s3capture.transport.Transport``;
+            3.5-3.9x less client CPU per capture call, measured in ``docs/design.md``) or a
+            ``s3capture.transport.Transport``;
             ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``record_failure`` durably spills a failure row it could
             not store; spilled rows are replayed by the next ``record_failure``, ``replay_spill``
@@ -648,8 +651,9 @@ class S3CaptureLedger(RolloutObjects):
         Returns ``{"removed": [...], "absent": [...]}`` (absent: nothing stored, or retired
         already). Later ``record``/``record_failure`` calls for a retired rollout are discarded,
         and ``manifest``/``has_rows`` raise ``RolloutRetiredError`` until the id is deleted.
-        Requests per rollout: one LIST page per 1,000 keys, two PUTs, one DeleteObjects per
-        1,000 keys.
+        Requests per rollout: one LIST page per 1,000 keys and one LIST that confirms its end, three
+        PUTs for a live ledger (the retired fence, the tombstone, the fence again; two when a fence
+        exists), one DeleteObjects per 1,000 keys.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

@@ -824,7 +824,7 @@ def register(sub: Any) -> dict[str, Any]:
         parser.add_argument(
             "--endpoint",
             type=_argument(check_endpoint),
-            help="S3 endpoint URL (default: AWS_ENDPOINT_URL, else AWS S3)",
+            help="S3 endpoint URL (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)",
         )
         parser.add_argument("--prefix", default="", help="only rollout ids starting with this text")
         parser.add_argument("--json", action="store_true", help="machine-readable output")

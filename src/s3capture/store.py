@@ -234,8 +234,10 @@ class S3TokenStore(RolloutObjects):
 
     Parameters:
         url: ``s3://bucket/prefix``; every key lives under the prefix.
-        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL`` (then AWS itself).
-        botocore_config: a ``botocore.config.Config``; defaults to ``default_botocore_config()``.
+        endpoint_url: S3 endpoint; defaults to ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``,
+            then the AWS profile's ``endpoint_url`` (then AWS itself).
+        botocore_config: a ``botocore.config.Config``; defaults to
+            ``default_botocore_config(max(max_concurrency, 10))`` (a pool of that many connections).
         session: an ``aioboto3.Session``; defaults to one built from the standard credential chain.
         entry_type: ``"s3capture"`` (``s3capture.records.TokenEntry``) or ``"gym"`` (NeMo Gym's
             pydantic ``TokenEntry``) for entries handed back by ``freeze``.
@@ -245,13 +247,16 @@ class S3TokenStore(RolloutObjects):
             "Encode CPU"; every level is readable by every reader).
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
-            about a seventh of the client CPU per request) or a ``s3capture.transport.Transport``;
+            3.5-3.9x less client CPU per capture call, measured in ``docs/design.md``) or a
+            ``s3capture.transport.Transport``;
             ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
-            store; they are replayed by the next ``mark_incomplete``, ``replay_spill`` or ``close``.
+            store; they are replayed after the next successful ``put`` or ``mark_incomplete`` (which
+            waits at most 0.5 s for it), by ``replay_spill``, or at ``close`` (at most 10 s).
         fence_grace: seconds. A ``put`` slower than this reads the fence again after landing, and
-            ``drop`` waits until the fence is this old (by the store's clock) before its final
-            LIST; together they close the stale-drop window (``docs/design.md``). Every client of
+            ``drop`` waits until ``fence_grace`` + 0.1 s have passed on this client's own monotonic
+            clock (``CLOCK_BOOTTIME``) since it knew the fence existed, before its final LIST (no
+            two machines' clocks are compared); together they close the stale-drop window (``docs/design.md``). Every client of
             a bucket must use the same value.
 
     Every method raises ``ValueError`` (or ``TypeError``) for an id that cannot be stored, before
@@ -713,8 +718,9 @@ class S3TokenStore(RolloutObjects):
         Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
         cached and one LIST after the listing's last key that confirms its end (in parallel), and
         one PUT of the sealed manifest unless it already exists.
-        ``version`` is the number of log objects and ``snapshot_id`` a digest of their sorted keys
-        and ETags, so two clients freezing the same state agree. The snapshot is ``incomplete`` when
+        ``version`` is the number of log and foreign objects and ``snapshot_id`` a digest of their
+        sorted keys (and of the foreign objects' ETags: s3capture's own keys name their content),
+        so two clients freezing the same state agree. The snapshot is ``incomplete`` when
         any call id has conflicting payloads, an intent has no entry, a marker exists, or any object
         is unreadable or foreign.
 
