@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -650,6 +651,18 @@ async def _export_with_workers_started(script: Path, source: str, out: Path) -> 
     return proc
 
 
+async def _signalled(proc: subprocess.Popen, signal_it: Callable[[], Awaitable[None]]) -> tuple[str, str]:
+    """``signal_it()``, then the export's stdout and stderr once it ended (SIGKILL to its group if
+    the test fails before)."""
+    try:
+        await signal_it()
+        return await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads worker pids from /proc")
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
@@ -670,14 +683,12 @@ async def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(
         "    sys.exit(main(sys.argv[1:]))\n"
     )
     proc = await _export_with_workers_started(script, bucket_url, tmp_path / "out")
-    try:
+
+    async def ctrl_c() -> None:
         await asyncio.sleep(0.5)  # inside the workers' 3 s start-up
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+
+    out, err = await _signalled(proc, ctrl_c)
     assert proc.returncode == 130, (proc.returncode, out, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert [line for line in err.splitlines() if line.strip()] == [
@@ -698,13 +709,11 @@ async def test_sigterm_ends_an_export_as_ctrl_c_does(fresh: Any, bucket_url: str
     )
     proc = await _export_with_workers_started(script, bucket_url, tmp_path / "out")
     workers = _children(proc.pid)
-    try:
+
+    async def sigterm() -> None:
         proc.send_signal(signal.SIGTERM)  # the export process only, not its workers
-        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+
+    out, err = await _signalled(proc, sigterm)
     assert proc.returncode == 143, (proc.returncode, out, err)
     assert "Traceback" not in err and "leaked" not in err, err
     assert "interrupted by SIGTERM: shards published so far are durable" in err, err
@@ -739,16 +748,14 @@ async def test_an_export_that_ignores_sigint_is_not_stopped_by_its_workers(
     )
     out = tmp_path / "out"
     proc = await _export_with_workers_started(script, bucket_url, out)
-    try:
+
+    async def ctrl_c_again_and_again() -> None:
         deadline = time.monotonic() + 60
-        while proc.poll() is None and time.monotonic() < deadline:  # Ctrl-C, again and again
+        while proc.poll() is None and time.monotonic() < deadline:
             os.killpg(proc.pid, signal.SIGINT)
             await asyncio.sleep(0.02)
-        out_text, err = await asyncio.to_thread(proc.communicate, timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+
+    out_text, err = await _signalled(proc, ctrl_c_again_and_again)
     assert proc.returncode == 0, (proc.returncode, out_text, err)
     assert sorted({row["rollout_id"] for row in read_rows(str(out))}) == [f"ign-{i}" for i in range(6)]
 

@@ -961,14 +961,12 @@ async def test_corrupt_and_foreign_objects_mark_incomplete(new_store, raw):
     assert raw.rollout_rel_keys(rid) == FENCE_ONLY
 
 
-async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(new_store, raw):
-    # A console's "Create folder" writes an empty object whose key is the rollout prefix itself. The
-    # listing skipped it while freeze counted it as foreign: the two gave different versions and
-    # snapshot ids, an export read the open rollout under a version no freeze gives, and a frozen
-    # rollout never looked sealed. It is now outside the version everywhere, and removed with the rest.
-    rid = "r-folder-marker"
+async def _markers_stay_outside_the_version(new_store: Any, raw: "Raw", rid: str, rels: list[str]) -> None:
+    """Empty marker objects at ``rels`` under a rollout of two entries: listing, freeze, the
+    sealed read and drop agree on version 2, nothing is masked, and drop removes the markers."""
     prefix = raw.rollout(rid)
-    raw.put(prefix, b"")
+    for rel in rels:
+        raw.put(prefix + rel, b"")
     entries = [simple_entry(rid, "c1"), simple_entry(rid, "c2", text="b")]
     for entry in entries:
         await new_store().put(entry)
@@ -980,9 +978,17 @@ async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(
     (frozen,) = [info async for info in new_store().rollouts() if info.rollout_id == rid]
     assert (frozen.state, frozen.sealed, frozen.version) == ("frozen", True, 2)
     sealed = await new_store().read_snapshot(rid)
-    assert (sealed.version, sealed.snapshot_id) == (snapshot.version, snapshot.snapshot_id)
+    assert (sealed.version, sealed.snapshot_id, sealed.incomplete) == (snapshot.version, snapshot.snapshot_id, False)
     assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
-    assert raw.rollout_rel_keys(rid) == FENCE_ONLY
+    assert raw.rollout_rel_keys(rid) == FENCE_ONLY  # the markers went with the rest
+
+
+async def test_folder_marker_is_outside_the_version_for_listing_freeze_and_drop(new_store, raw):
+    # A console's "Create folder" writes an empty object whose key is the rollout prefix itself. The
+    # listing skipped it while freeze counted it as foreign: the two gave different versions and
+    # snapshot ids, an export read the open rollout under a version no freeze gives, and a frozen
+    # rollout never looked sealed. It is now outside the version everywhere, and removed with the rest.
+    await _markers_stay_outside_the_version(new_store, raw, "r-folder-marker", [""])
     # A folder marker alone is no rollout: not listed (an export with --freeze would fence it).
     raw.put(raw.rollout("r-folder-only"), b"")
     assert "r-folder-only" not in [info.rollout_id async for info in new_store().rollouts()]
@@ -998,23 +1004,8 @@ async def test_folder_markers_at_any_depth_are_outside_the_version(new_store, ra
     # level. Only the one at the rollout prefix itself was outside the version; ``log/`` or
     # ``log/e/`` counted as foreign objects and masked a trainable rollout, and ``snap/`` was taken
     # for a manifest (a review, 2026-12-03). A non-empty key ending in "/" is still foreign.
-    rid = "r-nested-markers"
-    prefix = raw.rollout(rid)
     markers = ["log/", "log/e/", "log/i/", "cum/", "drop/", "snap/", "ledger/"]
-    for rel in markers:
-        raw.put(prefix + rel, b"")
-    entries = [simple_entry(rid, "c1"), simple_entry(rid, "c2", text="b")]
-    for entry in entries:
-        await new_store().put(entry)
-    (listed,) = [info async for info in new_store().rollouts() if info.rollout_id == rid]
-    snapshot = await new_store().freeze(rid)
-    assert not snapshot.incomplete, snapshot.reasons
-    assert_same_entries(snapshot, entries)
-    assert (listed.version, listed.snapshot_id) == (snapshot.version, snapshot.snapshot_id) and snapshot.version == 2
-    sealed = await new_store().read_snapshot(rid)
-    assert (sealed.version, sealed.snapshot_id, sealed.incomplete) == (2, snapshot.snapshot_id, False)
-    assert await new_store().drop(rid, snapshot.snapshot_id, snapshot.version) is True
-    assert raw.rollout_rel_keys(rid) == FENCE_ONLY  # the markers went with the rest
+    await _markers_stay_outside_the_version(new_store, raw, "r-nested-markers", markers)
     # Markers alone are no rollout, and read as never written.
     for rel in ("", "log/", "log/e/"):
         raw.put(raw.rollout("r-markers-only") + rel, b"")
