@@ -369,3 +369,67 @@ def test_ray_options_usage_errors_are_one_line(
     assert main(["export", "s3://bkt/p", "--out", str(tmp_path / "x"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_ray_init_does_not_take_the_callers_sigterm_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ray.init`` replaces the driver's SIGTERM handler with Ray's, which exits at once (status
+    15, a stack dump): a SIGTERM to ``s3capture export --engine ray`` skipped the CLI's Ctrl-C path
+    (status 143, one line, the runtime shut down). The engine now puts a caller's own handler back
+    (2026-12-03; checked by hand on a real runtime: status 143, no Ray process left). A stand-in for
+    Ray here: it does what ``ray.init`` does to the handler, then fails the engine's next call."""
+    import signal
+
+    from s3capture.export import engines
+    from s3capture.export.records import ExportJob
+
+    class Stop(Exception):
+        pass
+
+    def ray_handler(signum: int, frame: Any) -> None:  # pragma: no cover - never delivered
+        raise SystemExit(15)
+
+    class FakeRay:
+        initialized = False
+        shutdowns = 0
+
+        def is_initialized(self) -> bool:
+            return self.initialized
+
+        def init(self, **options: Any) -> None:
+            self.initialized = True
+            signal.signal(signal.SIGTERM, ray_handler)
+
+        def remote(self, *args: Any, **kwargs: Any) -> Any:
+            raise Stop
+
+        def shutdown(self) -> None:
+            self.shutdowns += 1
+
+    def callers_handler(signum: int, frame: Any) -> None:  # pragma: no cover - never delivered
+        pass
+
+    fake = FakeRay()
+    monkeypatch.setattr(engines, "_import_ray", lambda: fake)
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+
+        async def shards() -> Any:
+            yield  # pragma: no cover - the engine fails before it takes a shard
+
+        async def run() -> None:
+            job = ExportJob(url="s3://bkt/p", dest="/tmp/unused")
+            async for _ in engines.ray_engine(job, shards(), workers=1, address="ray://stand-in:10001"):
+                pass  # pragma: no cover
+
+        with pytest.raises(Stop):
+            asyncio.run(run())
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+        assert fake.shutdowns == 1  # the runtime it started is shut down
+        # The default handler is no handler of the caller's: Ray's stays (it shuts Ray down).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        fake.initialized = False
+        with pytest.raises(Stop):
+            asyncio.run(run())
+        assert signal.getsignal(signal.SIGTERM) is ray_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

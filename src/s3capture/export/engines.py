@@ -396,6 +396,10 @@ async def ray_engine(
             options["include_dashboard"] = False  # a local runtime for this export only
             # Started before ray.init, so that a kill while ray.init starts the runtime is covered.
             watchdog = _start_ray_watchdog()
+        # ray.init replaces the driver's SIGTERM handler with one that exits at once (status 15,
+        # a stack dump); the caller's (the CLI's: SIGTERM ends an export as Ctrl-C does, and the
+        # Ctrl-C path shuts down what this export started) is put back.
+        sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         try:
             ray.init(address=address, **options)
         except BaseException:
@@ -403,6 +407,8 @@ async def ray_engine(
                 _stop_ray_watchdog(watchdog)  # ends what the failed ray.init left running
             raise
         started_here = True
+        if callable(sigterm):  # a handler of the caller's own (not the default: Ray's stays)
+            signal.signal(signal.SIGTERM, sigterm)
         if watchdog is not None:
             watchdog = _name_ray_session(watchdog)
     sink: Any = None
