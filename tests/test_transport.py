@@ -375,3 +375,15 @@ async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_
     assert len(warnings) == 1  # at most once a minute per endpoint, whatever the number of retries
     assert str(failed.value).startswith(f"cannot connect to {endpoint} (LIST s3://bkt/p/)")
     assert "check the endpoint" in str(failed.value)
+
+
+def test_requests_retried_by_s3capture_wait_as_botocore_standard_mode_does() -> None:
+    """Retries s3capture sends itself (a 429 botocore does not know, obstore's answers of
+    ``RETRY_CODES``) wait with botocore's standard-mode backoff: full jitter over 2**(attempt-1)
+    seconds, never more than 20 s, so both transports and botocore's own retries back off alike."""
+    from s3capture.transport import store_retry_delay
+
+    for attempt, ceiling in [(1, 1.0), (2, 2.0), (3, 4.0), (6, 20.0), (12, 20.0)]:
+        delays = [store_retry_delay(attempt) for _ in range(400)]
+        assert all(0.0 <= delay <= ceiling for delay in delays), (attempt, max(delays))
+        assert max(delays) > ceiling / 2, (attempt, max(delays))  # jittered over the whole range

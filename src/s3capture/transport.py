@@ -51,6 +51,7 @@ from botocore import handlers as botocore_handlers
 from s3capture.clocks import awake_clock
 from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
+from botocore.retries.standard import ExponentialBackoff, RetryContext
 
 from s3capture.errors import ListingError, StoreError
 from s3capture.records import RecordError
@@ -1186,7 +1187,7 @@ class S3Transport(Transport):
             return None  # botocore retries it (and keeps its retry quota)
         code = str((parsed or {}).get("Error", {}).get("Code", ""))
         if status == 429 or code in _RETRIED_HERE:
-            return random.uniform(0, min(20.0, 2.0 ** (attempts - 1)))
+            return store_retry_delay(attempts)
         return None
 
     def _note_retry(self, attempts: int = 0, caught_exception: Any = None, **_: Any) -> None:
@@ -1363,6 +1364,18 @@ async def _read_at_most(stream: Any, limit: int) -> bytes:
         total += len(piece)
         if total > limit:
             raise _TooLarge(total, at_least=True)
+
+
+_STANDARD_BACKOFF = ExponentialBackoff()
+
+
+def store_retry_delay(attempt: int) -> float:
+    """Seconds to wait before retry ``attempt`` (1 for the first retry) of a request the store
+    answered with ``RETRY_STATUS`` or ``RETRY_CODES``: botocore's standard-mode backoff
+    (``botocore.retries.standard.ExponentialBackoff``: full jitter over 2**(attempt-1) s, at most
+    20 s), so requests s3capture retries itself wait as botocore's own retries do, on either
+    transport."""
+    return float(_STANDARD_BACKOFF.delay_amount(RetryContext(attempt_number=attempt)))
 
 
 def _backoff(attempt: int) -> float:

@@ -38,7 +38,6 @@ import datetime as _dt
 import hashlib
 import logging
 import os
-import random
 import re
 import threading
 import xml.etree.ElementTree as ET
@@ -59,6 +58,7 @@ from s3capture.transport import (
     RETRY_STATUS,
     T,
     configured_endpoint,
+    store_retry_delay,
     _NOT_FOUND,
     _NOT_IMPLEMENTED,
     Transport,
@@ -407,7 +407,7 @@ class ObstoreTransport(Transport):
         inside one attempt are not counted here (``request_counts``: one per attempt)."""
         for attempt in range(self._attempts):
             if attempt:
-                await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
+                await asyncio.sleep(store_retry_delay(attempt))
                 self.request_counts[operation] += 1  # a retry is one more HTTP request
             try:
                 return await request()
@@ -550,8 +550,7 @@ class ObstoreTransport(Transport):
         target = yarl.URL(url, encoded=True)
         for attempt in range(self._attempts):
             if attempt:
-                # botocore's standard mode: full jitter over 2**(attempt-1) seconds, at most 20 s
-                await asyncio.sleep(random.uniform(0, min(20.0, 2.0 ** (attempt - 1))))
+                await asyncio.sleep(store_retry_delay(attempt))
                 self.request_counts[operation] += 1  # a retry is one more HTTP request
             # signed again per attempt: X-Amz-Date is part of the signature
             signed = self._sign(url, method, body, headers)
