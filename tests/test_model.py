@@ -2,25 +2,28 @@
 
 The machines live in ``tests/model_machines.py`` (shared with ``tools/chaos.py``, which runs them
 longer); ``docs/reliability.md`` lists the invariants they check after every step. Here they run
-on each test server with the small fixed CI budget of ``ci_settings()`` (derandomized, so every
-CI run explores the same sequences).
+on each test server and each transport (aioboto3 and obstore) with the small fixed CI budget of
+``ci_settings()`` (derandomized, so every CI run explores the same sequences).
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
 from model_machines import Stats, ci_settings, ledger_machine, store_machine
 
 
-def test_token_store_model(s3_env):
+@pytest.mark.all_transports  # every client the machine builds uses the transport (S3CAPTURE_TRANSPORT)
+def test_token_store_model(s3_env, transport_kind):
     stats = Stats()
     run_state_machine_as_test(store_machine(s3_env, stats), settings=ci_settings())
     assert not stats.violations
     assert sum(stats.checks.values()) > 0 and stats.runs > 0
 
 
-def test_ledger_model(s3_env):
+@pytest.mark.all_transports
+def test_ledger_model(s3_env, transport_kind):
     stats = Stats()
     run_state_machine_as_test(ledger_machine(s3_env, stats), settings=ci_settings())
     assert not stats.violations
@@ -39,7 +42,6 @@ async def test_writes_to_a_retired_rollout_say_retired_while_a_freeze_rewrites_i
     (``TokenCaptureFrozenError`` in that window, the base class of the retired error; telling them
     apart would cost every refused put a GET). The window is reproduced by writing the frozen
     fence by hand, as that freeze does."""
-    import pytest
 
     from helpers import simple_entry, split_bucket_url
     from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError

@@ -4,11 +4,12 @@
     python tools/chaos.py --server moto --examples 200 --steps 40 --seed 1
     python tools/chaos.py --server seaweedfs --machine ledger --examples 100 --verbose
     python tools/chaos.py --server ceph --machine store --examples 40   # the Ceph RADOS Gateway (radosgw installed)
+    python tools/chaos.py --server seaweedfs --transport obstore --examples 30
 
 Starts its own local S3 server (``s3capture.localserver``: moto, SeaweedFS or the Ceph gateway), then runs the
 token-store machine and/or the ledger machine of ``tests/model_machines.py`` (the same machines
 ``tests/test_model.py`` runs in CI with a small fixed budget) for ``--examples`` runs of up to
-``--steps`` operations each. Every run gets a fresh bucket, three clients (two behind a fault
+``--steps`` operations each, on the transport ``--transport`` names. Every run gets a fresh bucket, three clients (two behind a fault
 proxy whose faults rules switch on and off) and checks the invariants of
 ``docs/reliability.md`` after every operation.
 
@@ -38,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machine", choices=("store", "ledger", "both"), default="both")
     parser.add_argument("--examples", type=int, default=200, help="runs per machine (default 200)")
     parser.add_argument("--steps", type=int, default=40, help="operations per run, at most (default 40)")
+    parser.add_argument(
+        "--transport",
+        choices=("aioboto3", "obstore"),
+        default="aioboto3",
+        help="the transport every client of the machines uses (default aioboto3)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="hypothesis seed (default 1)")
     parser.add_argument("--verbose", action="store_true", help="print every operation as it happens")
     args = parser.parse_args(argv)
@@ -55,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
         os.environ.pop(name, None)
     os.environ.update(server.env())
+    os.environ["S3CAPTURE_TRANSPORT"] = args.transport  # read by every store the machines build
     machines = {"store": store_machine, "ledger": ledger_machine}
     chosen = list(machines) if args.machine == "both" else [args.machine]
     violations = 0
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             config = ci_settings(max_examples=args.examples, stateful_step_count=args.steps, derandomize=False)
             test = hypothesis_seed(args.seed)(lambda: run_state_machine_as_test(machine, settings=config))
             print(
-                f"== {name} machine on {args.server}: {args.examples} runs of up to {args.steps} steps, seed {args.seed}"
+                f"== {name} machine on {args.server} ({args.transport}): {args.examples} runs of up to {args.steps} steps, seed {args.seed}"
             )
             t0 = time.monotonic()
             failure = ""
