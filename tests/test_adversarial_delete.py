@@ -226,3 +226,62 @@ async def test_delete_objects_deletes_a_key_with_a_carriage_return_and_not_its_n
     left = list_keys(s3_client, bucket, prefix)
     assert prefix + "note\n" in left, left  # never another key
     assert prefix + "note\r" not in left, left
+
+
+def _access_denied() -> Respond:
+    return Respond(403, not_implemented_xml("AccessDenied", "Access Denied"), "Forbidden")
+
+
+@pytest.mark.all_transports
+async def test_a_delete_objects_refused_for_access_but_not_its_deletes_falls_back_and_remembers(
+    s3_server, fresh, s3_client, bucket_url, caplog
+):
+    """The Ceph gateway checks ``s3:DeleteObject`` of a DeleteObjects request against the bucket's
+    ARN, so the builder role of docs/permissions.md (DeleteObject on the root's keys) was refused
+    every batch, while a single DELETE of the same key was allowed: drop, retire, delete and gc
+    failed after writing their tombstone (a Ceph breaker, 2026-12-03). The batch now goes out as
+    single DELETEs, and the transport remembers it after they succeed."""
+
+    async def rule(request: Any) -> Any:
+        return _access_denied() if _is_delete_objects(request) else None
+
+    proxy, store = await _setup(s3_server, fresh, rule)
+    try:
+        for rid in ("r-403a", "r-403b"):
+            await _fill(store, rid, 3)
+            snapshot = await store.freeze(rid)
+            with caplog.at_level("WARNING", logger="s3capture"):
+                assert await store.drop(rid, snapshot.snapshot_id, snapshot.version)
+            assert sorted(k.rsplit("/", 1)[-1] for k in _left(s3_client, bucket_url, rid)) == ["fence", "retired"]
+        assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 1  # remembered after the first
+        assert sum("AccessDenied" in m and "one DELETE per key" in m for m in caplog.messages) == 1
+    finally:
+        await proxy.stop()
+
+
+@pytest.mark.all_transports
+async def test_deletes_refused_for_access_raise_and_leave_the_entries(s3_server, fresh, s3_client, bucket_url):
+    """A role without DeleteObject at all: the drop raises a StoreError naming AccessDenied, the
+    entries stay (the rollout reads as retired by its tombstone), and nothing is remembered: the
+    retire that finishes the drop's deletes tries DeleteObjects again (permissions may have been
+    granted meanwhile)."""
+
+    async def rule(request: Any) -> Any:
+        return _access_denied() if _is_delete_objects(request) or request.method == "DELETE" else None
+
+    proxy, store = await _setup(
+        s3_server, fresh, rule, botocore_config=default_botocore_config(8, retries={"max_attempts": 1})
+    )
+    try:
+        await _fill(store, "r-deny", 3)
+        snapshot = await store.freeze("r-deny")
+        with pytest.raises(StoreError, match="AccessDenied"):
+            await store.drop("r-deny", snapshot.snapshot_id, snapshot.version)
+        assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 1
+        with pytest.raises(StoreError, match="AccessDenied"):
+            await store.retire(["r-deny"])  # finishes a failed drop's deletes: refused again
+        assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 2  # not remembered
+        left = sorted(k.rsplit("/", 1)[-1] for k in _left(s3_client, bucket_url, "r-deny"))
+        assert len([k for k in left if k.endswith(".zst")]) >= 3, left
+    finally:
+        await proxy.stop()

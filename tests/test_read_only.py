@@ -26,6 +26,7 @@ from helpers import (
     assistant_output,
     build_conversation,
     gym_entry,
+    list_keys,
     make_commit,
     put_bytes,
     put_chain,
@@ -224,6 +225,20 @@ READER_KEY = "s3capture-reader-access"
 READER_SECRET = "s3capture-reader-secret"
 
 
+def _ceph_user(s3_server: Any, uid: str, access: str, secret: str) -> None:
+    """A second user of the test Ceph gateway (``radosgw-admin user create``)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CEPH_ARGS", "CEPH_CONF", "CEPH_KEYRING", "PYTHONHOME", "PYTHONPATH")
+    }
+    subprocess.run(
+        ["radosgw-admin", "-c", os.path.join(s3_server.data_dir, "ceph.conf"), "user", "create", f"--uid={uid}",
+         f"--display-name={uid}", f"--access-key={access}", f"--secret-key={secret}"],
+        check=True, capture_output=True, env=env, cwd=s3_server.data_dir, timeout=60,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def read_only(s3_server: Any, s3_client: Any, bucket_url: str, s3_env: Any) -> Any:
     """``(endpoint, admin keys, reader keys, url)``: a bucket whose reader may only GET and LIST."""
@@ -252,16 +267,7 @@ def read_only(s3_server: Any, s3_client: Any, bucket_url: str, s3_env: Any) -> A
     elif s3_server.kind == "ceph":
         uid = f"reader-{uuid.uuid4().hex[:12]}"
         access = f"{READER_KEY}-{uid}"
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("CEPH_ARGS", "CEPH_CONF", "CEPH_KEYRING", "PYTHONHOME", "PYTHONPATH")
-        }
-        subprocess.run(
-            ["radosgw-admin", "-c", os.path.join(s3_server.data_dir, "ceph.conf"), "user", "create", f"--uid={uid}",
-             "--display-name=read-only exporter", f"--access-key={access}", f"--secret-key={READER_SECRET}"],
-            check=True, capture_output=True, env=env, cwd=s3_server.data_dir, timeout=60,
-        )  # fmt: skip
+        _ceph_user(s3_server, uid, access, READER_SECRET)
         bucket = split_bucket_url(bucket_url)[0]
         policy = {
             "Version": "2012-10-17",
@@ -334,3 +340,63 @@ async def test_a_read_only_exporter_lists_and_reads_frozen_rollouts(read_only: A
     finally:
         for client in (writer, ledger, reader, reader_ledger):
             await client.close()
+
+
+@pytest.mark.all_transports
+async def test_the_documented_builder_role_drops_retires_and_deletes_on_the_ceph_gateway(
+    s3_server: Any, s3_client: Any, bucket_url: str, transport_kind: str, caplog: Any
+) -> None:
+    """The Builders policy of docs/permissions.md, granted to a second Ceph user by a bucket policy
+    as its Ceph section says (object actions on ``BUCKET/ROOT/*`` only). The gateway checks a
+    DeleteObjects request against the bucket's ARN, so every drop, retire and delete of such a
+    builder failed after writing its tombstone (a Ceph breaker, 2026-12-03); they now fall back to
+    single DELETEs, which the gateway checks against each key."""
+    if s3_server.kind != "ceph":
+        pytest.skip("only the Ceph gateway enforces bucket policies among the test servers")
+    import aioboto3
+
+    uid = f"builder-{uuid.uuid4().hex[:12]}"
+    access, secret = f"s3capture-builder-{uid}", "s3capture-builder-secret"
+    _ceph_user(s3_server, uid, access, secret)
+    bucket, root = split_bucket_url(bucket_url)
+    root = root.strip("/")
+    principal = {"AWS": [f"arn:aws:iam:::user/{uid}"]}
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": principal,
+                "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                "Resource": f"arn:aws:s3:::{bucket}/{root}/*",
+            },
+            {
+                "Effect": "Allow",
+                "Principal": principal,
+                "Action": "s3:ListBucket",
+                "Resource": f"arn:aws:s3:::{bucket}",
+            },
+        ],
+    }
+    s3_client.put_bucket_policy(Bucket=bucket, Policy=json.dumps(policy))
+    session = aioboto3.Session(aws_access_key_id=access, aws_secret_access_key=secret, region_name="us-east-1")
+    builder = S3TokenStore(bucket_url, endpoint_url=s3_server.endpoint_url, session=session)
+    layout = Layout(root)
+    try:
+        for rid in ("dropped", "retired", "deleted"):
+            for turn in build_conversation(rid, 2):
+                await builder.put(turn_entry(rid, turn))
+        frozen = await builder.freeze("dropped")
+        with caplog.at_level("WARNING", logger="s3capture"):
+            assert await builder.drop("dropped", frozen.snapshot_id, frozen.version)
+        assert (await builder.retire(["retired"]))["removed"] == ["retired"]
+        assert (await builder.delete(["deleted"]))["removed"] == ["deleted"]
+        left = {
+            rid: sorted(k.rsplit("/", 1)[-1] for k in list_keys(s3_client, bucket, layout.rollout(rid)))
+            for rid in ("dropped", "retired", "deleted")
+        }
+        assert left == {"dropped": ["fence", "retired"], "retired": ["fence", "retired"], "deleted": []}
+        assert any("AccessDenied" in m and "one DELETE per key" in m for m in caplog.messages)
+    finally:
+        await builder.close()
+        s3_client.delete_bucket_policy(Bucket=bucket)

@@ -76,6 +76,20 @@ def test_a_root_with_a_control_character_is_refused_not_silently_changed(control
         S3TokenStore(f"s3://bkt/a{control}b")
 
 
+@pytest.mark.parametrize("character", ["\ufffe", "\uffff", "\ud800"])
+def test_a_root_xml_cannot_carry_is_refused_before_any_request(character):
+    """The Ceph gateway writes a listing's ``<Prefix>`` unencoded: under a root holding U+FFFE or
+    U+FFFF every LIST answered a body no client can parse, after the puts were acknowledged (a
+    Ceph breaker, 2026-12-03). Every s3:// URL refuses them, the export's destination included."""
+    from s3capture.ledger import S3CaptureLedger
+    from s3capture.rollouts import parse_s3_url
+
+    for build in (S3TokenStore, S3CaptureLedger, parse_s3_url):
+        with pytest.raises(ValueError, match="XML 1.0"):
+            build(f"s3://bkt/run{character}7")
+    assert parse_s3_url("s3://bkt/run\ufffd7") == ("bkt", "run\ufffd7")  # U+FFFD is XML text
+
+
 def test_a_root_with_a_backslash_is_refused():
     # SeaweedFS lists "a\\b/..." under another key than the one written: the fence would vanish.
     with pytest.raises(ValueError, match="backslash"):

@@ -152,12 +152,17 @@ _NOT_IMPLEMENTED = frozenset(
         "InvalidDigest",
         "BadDigest",
         "400",  # a 400 without an error code (Ceph's answer to a key XML 1.0 cannot carry)
+        # The Ceph gateway checks s3:DeleteObject of a DeleteObjects request against the bucket's
+        # ARN, so a role granted it on its keys only (docs/permissions.md) is refused the batch
+        # but not the single DELETEs (a Ceph breaker, 2026-12-03).
+        "AccessDenied",
     }
 )
 _BULK_UNSUPPORTED = frozenset({"NotImplemented", "MethodNotAllowed", "501", "405"})
 """Answers to DeleteObjects that mean the store has none: remembered (``Transport.delete``). The
 rest of ``_NOT_IMPLEMENTED`` (a digest or body the store refuses, a bare 400) sends that batch as
-single DELETEs and tries DeleteObjects again next time."""
+single DELETEs and tries DeleteObjects again next time; ``AccessDenied`` is remembered once the
+single DELETEs of its batch succeeded."""
 _CREDENTIAL_ERRORS = frozenset(
     {
         "ExpiredToken",
@@ -969,7 +974,10 @@ class Transport:
         """Delete ``keys`` with DeleteObjects in batches of 1,000, or one DELETE each where the store
         does not implement it (remembered: after a NotImplemented or MethodNotAllowed answer this
         transport sends single DELETEs only; a batch the store refuses otherwise, e.g. 400
-        MalformedXML, goes out as single DELETEs this once). A key the answer neither confirms
+        MalformedXML, goes out as single DELETEs this once). A batch refused with AccessDenied goes
+        out as single DELETEs, remembered when they are allowed (the Ceph gateway authorizes
+        DeleteObjects against the bucket's ARN, single DELETEs against each key's); refused too,
+        the first key's ``StoreError`` is raised. A key the answer neither confirms
         deleted nor reports failed (an answer that is not a DeleteObjects result, such as an empty
         or HTML 200 body from a proxy) is deleted again with a single DELETE, whose answer is
         unambiguous, as is a key the answer reports failed with a code of ``RETRY_CODES``
@@ -1010,6 +1018,18 @@ class Transport:
                             outcome,
                         )
                     self._bulk_delete = False
+                if outcome == "AccessDenied":
+                    # StoreError (the key's own AccessDenied) when single DELETEs are refused too
+                    await asyncio.gather(*(self.delete_one(k) for k in batch))
+                    if self._bulk_delete:
+                        log.warning(
+                            "s3://%s: DeleteObjects was refused (AccessDenied) but the DELETE of each key was "
+                            "allowed (the Ceph gateway checks a DeleteObjects request against the bucket's ARN: "
+                            "docs/permissions.md); this client sends one DELETE per key from now on",
+                            self.bucket,
+                        )
+                    self._bulk_delete = False
+                    continue
                 outcome = batch
             elif outcome:
                 log.warning(
