@@ -62,6 +62,9 @@ FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow", "late", "
 FAULT_SCOPES = ("PUT", "GET", "LIST", "DELETE", "ALL")
 RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3, 0.35, 0.45)
 SLOW = 0.3
+RETRY_WINDOW = 5.0
+"""Seconds within which a request repeated by a client without botocore's attempt header (the
+obstore transport) counts as a retry of the earlier one (``FaultSwitch._first_attempt``)."""
 """Seconds the ``slow`` fault holds a request before forwarding it (it widens race windows)."""
 LATE = 0.6
 """Seconds after which the ``late`` fault applies a request whose client already gave up on it
@@ -160,8 +163,8 @@ class FaultSwitch:
 
     ``503``: answer 503 SlowDown without forwarding (not applied), on every attempt;
     ``lost``: forward, let the server apply it, then close the connection without an answer;
-    ``transient503`` / ``transientlost``: the same on a request's first attempt only (botocore's
-    ``amz-sdk-request: attempt=N`` header), so botocore's retry succeeds;
+    ``transient503`` / ``transientlost``: the same on a request's first attempt only
+    (``_first_attempt``), so the transport's retry succeeds;
     ``cut``: answer a LIST with its first ``CUT_KEYS`` keys as the whole listing (``IsTruncated``
     false): a listing cut short. Not on the listings whose end nothing confirms (``resolve``'s
     candidates and a ledger's row and index listings, which a cut reads as "fewer candidates":
@@ -179,6 +182,23 @@ class FaultSwitch:
         self.name = name
         self.kind: str | None = None
         self.scope = "ALL"
+        self._recent: dict[tuple[str, str, str], float] = {}
+
+    def _first_attempt(self, request: Any) -> bool:
+        """Whether ``request`` is a first attempt: botocore says so (``amz-sdk-request:
+        attempt=N``); the obstore transport sends no such header, so there a request is a retry
+        when the same method, path and query came within ``RETRY_WINDOW`` seconds (without this,
+        every obstore attempt was "first": the transient faults never let a retry through)."""
+        header = request.headers.get("amz-sdk-request", "")
+        if header:
+            return header.split(";")[0].strip() == "attempt=1"
+        now = time.monotonic()
+        key = (request.method, request.path, request.query)
+        last = self._recent.get(key)
+        self._recent[key] = now
+        if len(self._recent) > 4096:
+            self._recent = {k: t for k, t in self._recent.items() if now - t < RETRY_WINDOW}
+        return last is None or now - last >= RETRY_WINDOW
 
     async def __call__(self, request: Any) -> Any:
         kind = self.kind
@@ -205,10 +225,8 @@ class FaultSwitch:
                 return None
             self.stats.faults[f"{kind}:{op}"] += 1
             return ListCutShort(CUT_KEYS)
-        if kind.startswith("transient") or kind == "late":
-            attempt = request.headers.get("amz-sdk-request", "attempt=1").split(";")[0].strip()
-            if attempt not in ("attempt=1", ""):
-                return None
+        if (kind.startswith("transient") or kind == "late") and not self._first_attempt(request):
+            return None
         self.stats.faults[f"{kind}:{op}"] += 1
         if kind == "slow":
             await asyncio.sleep(SLOW)
