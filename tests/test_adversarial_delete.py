@@ -234,7 +234,7 @@ def _access_denied() -> Respond:
 
 @pytest.mark.all_transports
 async def test_a_delete_objects_refused_for_access_but_not_its_deletes_falls_back_and_remembers(
-    s3_server, fresh, s3_client, bucket_url, caplog
+    s3_server, fresh, s3_client, bucket_url, caplog, monkeypatch
 ):
     """The Ceph gateway checks ``s3:DeleteObject`` of a DeleteObjects request against the bucket's
     ARN, so the builder role of docs/permissions.md (DeleteObject on the root's keys) was refused
@@ -255,13 +255,20 @@ async def test_a_delete_objects_refused_for_access_but_not_its_deletes_falls_bac
             assert sorted(k.rsplit("/", 1)[-1] for k in _left(s3_client, bucket_url, rid)) == ["fence", "retired"]
         assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 1  # remembered after the first
         assert sum("AccessDenied" in m and "one DELETE per key" in m for m in caplog.messages) == 1
+        # ... for BULK_DENIED_SECONDS: credentials or the policy may change, so it is tried again
+        monkeypatch.setattr(store.transport, "_bulk_denied_until", 0.0)
+        await _fill(store, "r-403c", 3)
+        assert (await store.delete(["r-403c"]))["removed"] == ["r-403c"]
+        assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 2
+        assert sum("AccessDenied" in m and "one DELETE per key" in m for m in caplog.messages) == 1  # said once
     finally:
         await proxy.stop()
 
 
 @pytest.mark.all_transports
 async def test_deletes_refused_for_access_raise_and_leave_the_entries(s3_server, fresh, s3_client, bucket_url):
-    """A role without DeleteObject at all: the drop raises a StoreError naming AccessDenied, the
+    """A role without DeleteObject at all: the drop raises a StoreError naming AccessDenied after
+    one DeleteObjects and one DELETE, the
     entries stay (the rollout reads as retired by its tombstone), and nothing is remembered: the
     retire that finishes the drop's deletes tries DeleteObjects again (permissions may have been
     granted meanwhile)."""
@@ -278,9 +285,12 @@ async def test_deletes_refused_for_access_raise_and_leave_the_entries(s3_server,
         with pytest.raises(StoreError, match="AccessDenied"):
             await store.drop("r-deny", snapshot.snapshot_id, snapshot.version)
         assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 1
+        # one key's DELETE tells: not a DELETE per key, each refused (a review, 2026-12-03)
+        assert sum(1 for r in proxy.requests if r.method == "DELETE") == 1
         with pytest.raises(StoreError, match="AccessDenied"):
             await store.retire(["r-deny"])  # finishes a failed drop's deletes: refused again
         assert sum(1 for r in proxy.requests if _is_delete_objects(r)) == 2  # not remembered
+        assert sum(1 for r in proxy.requests if r.method == "DELETE") == 2
         left = sorted(k.rsplit("/", 1)[-1] for k in _left(s3_client, bucket_url, "r-deny"))
         assert len([k for k in left if k.endswith(".zst")]) >= 3, left
     finally:

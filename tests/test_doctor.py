@@ -246,6 +246,27 @@ def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(
     assert _keys(s3_client, bucket_url) == []
 
 
+def test_doctor_with_delete_objects_refused_for_access_notes_it_and_says_how_to_keep_batches(
+    s3_env: Any, bucket_url: str, s3_client: Any, proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Ceph gateway refuses DeleteObjects to a role granted s3:DeleteObject on its keys only
+    (docs/permissions.md): doctor ran its table to the end only after the fallback to single
+    DELETEs, and then its advice said there was nothing to change (a review, 2026-12-03)."""
+    from faultproxy import Respond, not_implemented_xml
+
+    async def rule(request: Request) -> Any:
+        if request.method == "POST" and "delete" in request.query.split("&"):
+            return Respond(403, not_implemented_xml("AccessDenied", "Access Denied"), "Forbidden")
+        return None
+
+    proxy.rule = rule
+    code, out, _err = _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
+    verdicts = {p["name"]: p for p in json.loads(out)["probes"]}
+    assert verdicts["delete-objects"]["verdict"] == "note"
+    assert "arn:aws:s3:::BUCKET" in verdicts["delete-objects"]["advice"]
+    assert verdicts["cleanup"]["verdict"] == "ok" and _keys(s3_client, bucket_url) == []
+
+
 async def test_diagnose_refuses_bad_arguments_before_any_request() -> None:
     # A prefix with '..' or '//' segments, which every other command refuses, got "OK" (a breaker).
     bad_prefixes = (("s3://b/x/..", 1), ("s3://b/a//b", 1))

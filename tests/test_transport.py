@@ -76,7 +76,7 @@ def test_a_root_with_a_control_character_is_refused_not_silently_changed(control
         S3TokenStore(f"s3://bkt/a{control}b")
 
 
-@pytest.mark.parametrize("character", ["\ufffe", "\uffff", "\ud800"])
+@pytest.mark.parametrize("character", ["\ufffe", "\uffff", "\ud800", "\udcff"])
 def test_a_root_xml_cannot_carry_is_refused_before_any_request(character):
     """The Ceph gateway writes a listing's ``<Prefix>`` unencoded: under a root holding U+FFFE or
     U+FFFF every LIST answered a body no client can parse, after the puts were acknowledged (a
@@ -84,8 +84,10 @@ def test_a_root_xml_cannot_carry_is_refused_before_any_request(character):
     from s3capture.ledger import S3CaptureLedger
     from s3capture.rollouts import parse_s3_url
 
-    for build in (S3TokenStore, S3CaptureLedger, parse_s3_url):
-        with pytest.raises(ValueError, match="XML 1.0"):
+    from s3capture.cli import check_s3_url  # what `serve --prefix` and the CLI's arguments go through
+
+    for build in (S3TokenStore, S3CaptureLedger, parse_s3_url, check_s3_url):
+        with pytest.raises(ValueError, match="XML 1.0" if character in "\ufffe\uffff" else "lone surrogate"):
             build(f"s3://bkt/run{character}7")
     assert parse_s3_url("s3://bkt/run\ufffd7") == ("bkt", "run\ufffd7")  # U+FFFD is XML text
 

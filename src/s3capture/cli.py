@@ -95,7 +95,11 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
 
 
 def check_s3_url(url: str) -> str:
-    """``url`` when it is ``s3://bucket[/prefix]`` with a valid bucket name; ``ValueError`` otherwise."""
+    """``url`` when it is ``s3://bucket[/prefix]`` with a valid bucket name and characters a root
+    can keep (``s3capture.layout.check_url_characters``); ``ValueError`` otherwise."""
+    from s3capture.layout import check_url_characters
+
+    check_url_characters(url)
     parsed = urlparse(url)
     if parsed.scheme != "s3":
         raise ValueError(f"expected s3://bucket[/prefix], got {url!r}")

@@ -802,14 +802,15 @@ class _Doctor:
             code = _code(error)
             data = {"supported": False, "code": code}
             await self.t.delete(keys)  # the transport's own fallback
-            return Probe(
-                "delete-objects",
-                "note",
-                f"DeleteObjects is refused ({code})",
-                "nothing to change: s3capture falls back to one DELETE per key (retire, delete and drop "
-                "send more requests)",
-                data,
+            advice = (
+                "s3capture falls back to one DELETE per key (retire, delete and drop send more requests); "
+                "to keep the batches, grant s3:DeleteObject on the bucket's ARN too (arn:aws:s3:::BUCKET: the "
+                "Ceph gateway checks DeleteObjects against it; docs/permissions.md)"
+                if code == "AccessDenied"
+                else "nothing to change: s3capture falls back to one DELETE per key (retire, delete and drop "
+                "send more requests)"
             )
+            return Probe("delete-objects", "note", f"DeleteObjects is refused ({code})", advice, data)
         errors = list(response.get("Errors", ()) or ())
         left = await self.raw_list(base)
         gone = []

@@ -127,6 +127,31 @@ def unescape_id(segment: str) -> str:
     return value
 
 
+def check_url_characters(url: str) -> None:
+    """Raise ``ValueError`` for an ``s3://`` URL (or prefix) holding a character no root can keep:
+    a control character (URL parsing silently drops tabs and newlines, which would store everything
+    under another prefix than the one configured), U+FFFE or U+FFFF (S3 listings are XML 1.0,
+    which cannot carry them, and the Ceph gateway writes a listing's ``<Prefix>`` unencoded: every
+    LIST under such a root answered a body no client can parse; a Ceph breaker, 2026-12-03), or
+    a lone surrogate (no key can hold one; a command-line argument that is not UTF-8 arrives as
+    U+DC80-U+DCFF)."""
+    bad = next((c for c in url if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"an s3:// URL may not contain control characters ({bad!r} in {url!r})")
+    bad = next((c for c in url if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        raise ValueError(
+            f"an s3:// URL must be valid Unicode text: {url!r} holds a lone surrogate (U+{ord(bad):04X}; "
+            "a command-line argument that is not UTF-8 arrives so)"
+        )
+    bad = next((c for c in url if c in "\ufffe\uffff"), None)
+    if bad is not None:
+        raise ValueError(
+            f"an s3:// URL may not contain U+{ord(bad):04X}: S3 listings are XML 1.0, which cannot carry it "
+            f"(in {url!r})"
+        )
+
+
 def _check_id(kind: str, value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{kind} must be a str, got {type(value).__name__}")

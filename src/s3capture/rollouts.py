@@ -36,6 +36,7 @@ from s3capture.errors import ListingError, StoreError
 from s3capture.layout import (
     MAX_KEY_BYTES,
     Layout,
+    check_url_characters,
     escape_id,
     is_checkpoint_rel,
     is_folder_marker,
@@ -123,20 +124,9 @@ class RolloutInfo(msgspec.Struct, frozen=True, kw_only=True):
 def parse_s3_url(url: str) -> tuple[str, str]:
     """Split ``s3://bucket/prefix`` into ``(bucket, prefix)``; raises ``ValueError`` otherwise.
 
-    Control characters are refused: URL parsing silently drops tabs and newlines, which would
-    store everything under a different prefix than the one configured. So are U+FFFE and U+FFFF,
-    which XML 1.0 cannot carry: the Ceph gateway writes a listing's ``<Prefix>`` unencoded, so
-    every LIST under such a prefix answered a body no client can parse (a Ceph breaker,
-    2026-12-03), and lone surrogates, which no key can hold."""
-    bad = next((c for c in url if ord(c) < 0x20 or ord(c) == 0x7F), None)
-    if bad is not None:
-        raise ValueError(f"an s3:// URL may not contain control characters ({bad!r} in {url!r})")
-    bad = next((c for c in url if c in "\ufffe\uffff" or "\ud800" <= c <= "\udfff"), None)
-    if bad is not None:
-        raise ValueError(
-            f"an s3:// URL may not contain {bad!r} (U+{ord(bad):04X}): S3 listings are XML 1.0, which cannot "
-            f"carry it (in {url!r})"
-        )
+    Refuses control characters, U+FFFE, U+FFFF and lone surrogates first
+    (``s3capture.layout.check_url_characters`` says why)."""
+    check_url_characters(url)
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
         raise ValueError(f"expected an s3://bucket/prefix URL, got {url!r}")

@@ -1,6 +1,8 @@
-"""The S3 transport: the few object operations s3capture uses, over aioboto3, verified.
+"""The S3 transport seam: the few object operations s3capture uses, verified, and the
+``Transport`` base that its two transports share (``S3Transport`` over aioboto3 in
+``s3capture.transport_aioboto3``, ``ObstoreTransport`` in ``s3capture.transport_obstore``).
 
-Every request s3capture sends goes through one ``S3Transport``. It owns:
+Every request s3capture sends goes through one ``Transport``. It owns:
 
 - **one client per event loop and per process**: a store used from two event loops (a sync wrapper
   calling ``asyncio.run`` per operation) or in a child after ``fork`` gets a fresh HTTP client
@@ -158,11 +160,14 @@ _NOT_IMPLEMENTED = frozenset(
         "AccessDenied",
     }
 )
+BULK_DENIED_SECONDS = 600.0
+"""Seconds a transport sends single DELETEs after a DeleteObjects refused with AccessDenied whose
+single DELETEs were allowed, before it tries DeleteObjects again."""
 _BULK_UNSUPPORTED = frozenset({"NotImplemented", "MethodNotAllowed", "501", "405"})
 """Answers to DeleteObjects that mean the store has none: remembered (``Transport.delete``). The
 rest of ``_NOT_IMPLEMENTED`` (a digest or body the store refuses, a bare 400) sends that batch as
-single DELETEs and tries DeleteObjects again next time; ``AccessDenied`` is remembered once the
-single DELETEs of its batch succeeded."""
+single DELETEs and tries DeleteObjects again next time; ``AccessDenied`` for
+``BULK_DENIED_SECONDS`` once the single DELETEs of its batch succeeded."""
 _CREDENTIAL_ERRORS = frozenset(
     {
         "ExpiredToken",
@@ -318,7 +323,7 @@ def warn_start_after_ignored(prefix: str, key: str) -> None:
 
 
 class _Unverified(ListingError):
-    """One LIST attempt that cannot be trusted; retried by ``S3Transport`` before it escapes."""
+    """One LIST attempt that cannot be trusted; retried by the ``Transport`` before it escapes."""
 
 
 def _code(error: BaseException) -> str:
@@ -470,6 +475,8 @@ class Transport:
         self._server_time: tuple[float, float] | None = None  # (Date of the last LIST answer, awake_clock then)
         self._warned_more_keys = False  # _rest_of_listing warned once: later ones at INFO
         self._bulk_delete = True  # False once the store answered DeleteObjects "not implemented"
+        self._bulk_denied_until = 0.0  # awake_clock() until which a batch refused as AccessDenied is not sent
+        self._bulk_denied_said = False
 
     def store_now(self) -> float | None:
         """The store's clock now, in seconds since the epoch: the ``Date`` header of the newest
@@ -975,16 +982,18 @@ class Transport:
         does not implement it (remembered: after a NotImplemented or MethodNotAllowed answer this
         transport sends single DELETEs only; a batch the store refuses otherwise, e.g. 400
         MalformedXML, goes out as single DELETEs this once). A batch refused with AccessDenied goes
-        out as single DELETEs, remembered when they are allowed (the Ceph gateway authorizes
-        DeleteObjects against the bucket's ARN, single DELETEs against each key's); refused too,
-        the first key's ``StoreError`` is raised. A key the answer neither confirms
+        out as single DELETEs, one key first: refused too, that key's ``StoreError`` is raised and
+        no other key is sent; allowed (the Ceph gateway authorizes DeleteObjects against the
+        bucket's ARN, single DELETEs against each key's), the rest follow and this transport sends
+        single DELETEs for ``BULK_DENIED_SECONDS`` before it tries DeleteObjects again (credentials
+        or a policy may change). A key the answer neither confirms
         deleted nor reports failed (an answer that is not a DeleteObjects result, such as an empty
         or HTML 200 body from a proxy) is deleted again with a single DELETE, whose answer is
         unambiguous, as is a key the answer reports failed with a code of ``RETRY_CODES``
         (the client retries that DELETE). Missing keys are not an error. Raises ``StoreError``."""
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
-            if not self._bulk_delete:
+            if not self._bulk_delete or awake_clock() < self._bulk_denied_until:
                 await asyncio.gather(*(self.delete_one(k) for k in batch))
                 continue
 
@@ -1019,16 +1028,21 @@ class Transport:
                         )
                     self._bulk_delete = False
                 if outcome == "AccessDenied":
-                    # StoreError (the key's own AccessDenied) when single DELETEs are refused too
-                    await asyncio.gather(*(self.delete_one(k) for k in batch))
-                    if self._bulk_delete:
+                    # One key first: refused too, its StoreError, and no other key is sent (a role
+                    # without any delete right would otherwise send a DELETE per key to fail).
+                    await self.delete_one(batch[0])
+                    await asyncio.gather(*(self.delete_one(k) for k in batch[1:]))
+                    if not self._bulk_denied_said:
+                        self._bulk_denied_said = True
                         log.warning(
                             "s3://%s: DeleteObjects was refused (AccessDenied) but the DELETE of each key was "
                             "allowed (the Ceph gateway checks a DeleteObjects request against the bucket's ARN: "
-                            "docs/permissions.md); this client sends one DELETE per key from now on",
+                            "docs/permissions.md); this client sends one DELETE per key, and tries DeleteObjects "
+                            "again every %.0f minutes",
                             self.bucket,
+                            BULK_DENIED_SECONDS / 60,
                         )
-                    self._bulk_delete = False
+                    self._bulk_denied_until = awake_clock() + BULK_DENIED_SECONDS
                     continue
                 outcome = batch
             elif outcome:
@@ -1108,6 +1122,10 @@ def make_transport(
         return ObstoreTransport(bucket, **kwargs)
     source = "transport" if transport else TRANSPORT_ENV
     raise ValueError(f"{source} must be one of {', '.join(TRANSPORTS)} (or a Transport), got {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "S3Transport"])
 
 
 def __getattr__(name: str) -> Any:
