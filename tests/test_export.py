@@ -300,6 +300,10 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
     assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
     assert "1 masked rollout was left out: --masked include writes them too" in format_summary(resealed)
+    # by reason class, with a colon: "roots 1" read as "one root" for roots:2 (a walkthrough)
+    assert "masked rollouts by reason (the mask_reasons column has each in full): marked_incomplete: 1" in (
+        format_summary(resealed)
+    )
     assert "1 shard (" in format_summary(resealed) and "manifests only, no data file" in format_summary(resealed)
     # A re-run finds that rollout recorded (a manifest, no data file): still nothing to read.
     rerun = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)

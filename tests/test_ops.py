@@ -310,6 +310,7 @@ def test_cli_ls_status_gc(
     assert main(["status", bucket_url]) == 0
     text = capsys.readouterr().out
     assert "masked by dangling_intent: 1" in text and "retired leftovers: 2 objects" in text
+    assert "'s3capture gc' removes them" in text
 
     bucket, root = split_bucket_url(bucket_url)
     before = list_keys(s3_client, bucket, root)
@@ -329,6 +330,9 @@ def test_cli_ls_status_gc(
         f"{root}rollouts/dropped/fence",
         f"{root}rollouts/dropped/retired",
     ]
+    assert main(["status", bucket_url]) == 0
+    text = capsys.readouterr().out
+    assert "retired leftovers: 0 objects" in text and "gc' removes" not in text  # nothing to suggest (a walkthrough)
 
 
 class _ClockAhead:

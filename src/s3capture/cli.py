@@ -161,7 +161,12 @@ def _input_files(names: list[str]) -> list[Path]:
     for name in names:
         path = Path(name)
         if not path.exists():
-            raise ValueError(f"input {name}: no such file or folder")
+            hint = (
+                " (NeMo Gym's example rollouts: put them in a folder and point S3CAPTURE_EXAMPLE_DATA at it; README.md)"
+                if "gym-example-rollouts" in name
+                else ""
+            )
+            raise ValueError(f"input {name}: no such file or folder{hint}")
         if path.is_dir():
             try:
                 found = sorted(p for p in path.iterdir() if p.suffix == ".jsonl" and p.is_file())

@@ -705,7 +705,8 @@ def format_status(s: StoreStatus) -> str:
     retired = s.states["retired"].rollouts
     lines.append(
         f"retired leftovers: {_counted(s.retired_leftover_objects, 'object')} ({_human_bytes(s.retired_leftover_bytes)}) "
-        f"for {_counted(retired, 'retired rollout')}; 's3capture gc' removes them"
+        f"for {_counted(retired, 'retired rollout')}"
+        + ("; 's3capture gc' removes them" if s.retired_leftover_objects else "")
     )
     if s.bare_fences:
         lines.append(f"bare fences (an interrupted delete or gc): {s.bare_fences}")
@@ -843,7 +844,7 @@ def register(sub: Any) -> dict[str, Any]:
         type=_argument(duration),
         required=True,
         metavar="AGE",
-        help="handle a retired rollout only when every key under it is this old, e.g. 7d, 12h",
+        help="handle a retired rollout only when every key under it is this old, e.g. 7d, 12h (a bare number is seconds)",
     )
     g.add_argument(
         "--abandoned-after",

@@ -729,7 +729,11 @@ def format_summary(summary: ExportSummary) -> str:
         )
     for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
         if counts:
-            lines.append(f"{title} by reason: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
+            # counted by reason class (``roots`` for ``roots:2``): "roots 1" read as "one root"
+            lines.append(
+                f"{title} rollouts by reason (the {'mask_reasons column' if title == 'masked' else 'lines below'} "
+                "has each in full): " + ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items()))
+            )
     # Example lines name rollout ids, which may hold control characters: escaped, one line each.
     for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
         for _, kept in sorted(examples.items()):
