@@ -301,8 +301,9 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
     assert "1 masked rollout was left out: --masked include writes them too" in format_summary(resealed)
     # by reason class, with a colon: "roots 1" read as "one root" for roots:2 (a walkthrough)
-    assert "masked rollouts by reason (the mask_reasons column has each in full): marked_incomplete: 1" in (
-        format_summary(resealed)
+    line = next(x for x in format_summary(resealed).splitlines() if x.startswith("masked rollouts by reason"))
+    assert line.startswith("masked rollouts by reason class (a rollout may have several): ") and (
+        "marked_incomplete: 1" in line
     )
     assert "1 shard (" in format_summary(resealed) and "manifests only, no data file" in format_summary(resealed)
     # A re-run finds that rollout recorded (a manifest, no data file): still nothing to read.

@@ -731,8 +731,8 @@ def format_summary(summary: ExportSummary) -> str:
         if counts:
             # counted by reason class (``roots`` for ``roots:2``): "roots 1" read as "one root"
             lines.append(
-                f"{title} rollouts by reason (the {'mask_reasons column' if title == 'masked' else 'lines below'} "
-                "has each in full): " + ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items()))
+                f"{title} rollouts by reason class (a rollout may have several): "
+                + ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items()))
             )
     # Example lines name rollout ids, which may hold control characters: escaped, one line each.
     for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
