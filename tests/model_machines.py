@@ -1493,6 +1493,8 @@ class LedgerMachine(_Machine):
             and not m.maybe_removed
             and m.retired_at is None
             and m.attempted.get(c.cid) == {v}
+            # a call with a failure row is never a parent (UNRESOLVED failed_candidate, ledger.resolve)
+            and c.cid not in m.failure_attempted
             and any(cid == c.cid and w == v and end < out.start for cid, w, end in m.rows)
         ):
             self.stats.check(
