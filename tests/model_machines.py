@@ -677,6 +677,16 @@ class TokenStoreMachine(_Machine):
             )
             shas[entry.model_call_id] = sha
         record = _Snap(snap, out.start, out.end, shas)
+        # Every marker acknowledged before the freeze masks it, and is named: a snapshot masked for
+        # another reason (a conflict) must not hide a lost marker. Counted when it holds too, so a
+        # CI budget that never checks it shows (test_model.py).
+        marked = sorted({ack.cid for ack in m.markers if ack.end < out.start})
+        if marked and not m.maybe_removed:  # a removal in doubt may have deleted one (see check_complete_snapshot)
+            self.stats.check(
+                snap.incomplete and all(f"marked_incomplete:{cid}" in snap.reasons for cid in marked),
+                "marker_masks",
+                lambda: f"{out.describe()} although {marked} were marked incomplete",
+            )
         if not snap.incomplete:
             self.check_complete_snapshot(rollout, record, out.start, "freeze")
             for entry in snap.entries:
@@ -868,6 +878,7 @@ class TokenStoreMachine(_Machine):
         conflict=st.sampled_from((None, None, 0, 1, 2)),
         consume=st.sampled_from(("no", "drop", "drop+retry")),
         delay=st.sampled_from(RACE_DELAYS),
+        mark=st.sampled_from((False, False, True)),
     )
     def lifecycle(
         self,
@@ -879,13 +890,17 @@ class TokenStoreMachine(_Machine):
         conflict: int | None,
         consume: str,
         delay: float,
+        mark: bool = False,
     ) -> None:
         """A whole attempt: delete the id, serve ``turns`` calls in order (optionally one call again
-        with another payload), resolve, freeze, and maybe drop, alone or racing an identical retry
-        of the last put (a retry that may read the drop's tentative retired fence)."""
+        with another payload, or marked incomplete), resolve, freeze, and maybe drop, alone or
+        racing an identical retry of the last put (a retry that may read the drop's tentative
+        retired fence)."""
         self.delete(builder, rollout)
         for _ in range(turns):
             self.put_next(writer, rollout, intents)
+        if mark:
+            self.do(self.op_mark(writer, rollout, turns - 1))
         if conflict is not None:
             turn = min(conflict, turns - 1)
             self.do(self.op_put(builder, rollout, self.variant(rollout, turn, 2 if turn == conflict else 1)))
