@@ -20,8 +20,9 @@ others are skipped. ``external`` is an S3 endpoint you run yourself, described b
 ``AWS_SECRET_ACCESS_KEY`` (optional ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``); the tests
 create and delete buckets named ``s3capture-test-*`` there. See docs/testing.md.
 
-Choosing transports: modules marked ``pytest.mark.all_transports`` (conformance, Gym's
-conformance, request budgets, fault injection) run every test once per transport selected by
+Choosing transports: tests marked ``pytest.mark.all_transports`` (docs/testing.md lists them:
+conformance, Gym's conformance, request budgets, fault injection, the model test, ...) run once
+per transport selected by
 ``S3CAPTURE_TEST_TRANSPORTS`` (``aioboto3,obstore`` when unset; test ids ``[...-obstore]``); the
 autouse ``transport_kind`` fixture sets ``S3CAPTURE_TRANSPORT`` for them, so every store a test
 builds uses that transport. Other tests use ``S3CAPTURE_TRANSPORT`` (``aioboto3`` when unset).

@@ -62,10 +62,10 @@ FAULT_KINDS = ("503", "lost", "transient503", "transientlost", "slow", "late", "
 FAULT_SCOPES = ("PUT", "GET", "LIST", "DELETE", "ALL")
 RACE_DELAYS = (0.0, 0.0, 0.05, 0.15, 0.3, 0.35, 0.45)
 SLOW = 0.3
+"""Seconds the ``slow`` fault holds a request before forwarding it (it widens race windows)."""
 RETRY_WINDOW = 5.0
 """Seconds within which a request repeated by a client without botocore's attempt header (the
 obstore transport) counts as a retry of the earlier one (``FaultSwitch._first_attempt``)."""
-"""Seconds the ``slow`` fault holds a request before forwarding it (it widens race windows)."""
 LATE = 0.6
 """Seconds after which the ``late`` fault applies a request whose client already gave up on it
 (longer than a drop's wait, so a late fence PUT can land inside another operation's window)."""
