@@ -802,13 +802,12 @@ class _Doctor:
             code = _code(error)
             data = {"supported": False, "code": code}
             await self.t.delete(keys)  # the transport's own fallback
+            fallback = "s3capture falls back to one DELETE per key (retire, delete and drop send more requests)"
             advice = (
-                "s3capture falls back to one DELETE per key (retire, delete and drop send more requests); "
-                "to keep the batches, grant s3:DeleteObject on the bucket's ARN too (arn:aws:s3:::BUCKET: the "
-                "Ceph gateway checks DeleteObjects against it; docs/permissions.md)"
+                f"{fallback}; to keep the batches, grant s3:DeleteObject on the bucket's ARN too "
+                "(arn:aws:s3:::BUCKET: the Ceph gateway checks DeleteObjects against it; docs/permissions.md)"
                 if code == "AccessDenied"
-                else "nothing to change: s3capture falls back to one DELETE per key (retire, delete and drop "
-                "send more requests)"
+                else f"nothing to change: {fallback}"
             )
             return Probe("delete-objects", "note", f"DeleteObjects is refused ({code})", advice, data)
         errors = list(response.get("Errors", ()) or ())
