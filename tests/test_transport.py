@@ -386,11 +386,46 @@ async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_
                 await transport.list_page("p/")
     finally:
         await transport.close()
-    warnings = [r.getMessage() for r in caplog.records if "cannot connect" in r.getMessage()]
+    records = [r for r in caplog.records if "cannot connect" in r.getMessage()]
+    warnings = [r.getMessage() for r in records]
     assert warnings and all(endpoint in message for message in warnings)
-    assert len(warnings) == 1  # at most once a minute per endpoint, whatever the number of retries
+    assert "attempt 2 of" in warnings[0]  # the first retry says so at once
+    gaps = [later.created - earlier.created for earlier, later in zip(records, records[1:])]
+    assert all(gap >= 4.9 for gap in gaps), gaps  # at most one line per 5 s, whatever the number of retries
     assert str(failed.value).startswith(f"cannot connect to {endpoint} (LIST s3://bkt/p/)")
     assert "check the endpoint" in str(failed.value)
+
+
+def test_connect_warnings_repeat_every_5_seconds_while_the_retries_go_on(monkeypatch, caplog) -> None:
+    """A wrong endpoint's retries take 8-14 s; one warning and then silence (the warning came at
+    most once a minute) looked like a hang. Now: at once, then at most one line per 5 s per
+    endpoint, however many requests fail together; another endpoint has its own."""
+    import logging
+
+    from s3capture import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "_CONNECT_WARNED", {})
+    now = [1000.0]
+    monkeypatch.setattr(transport_module.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="s3capture.connect"):
+        for at, endpoint in [
+            (0.0, "http://a"), (0.1, "http://a"), (0.2, "http://b"), (4.9, "http://a"),
+            (5.1, "http://a"), (9.0, "http://a"), (10.2, "http://a"),
+        ]:  # fmt: skip
+            now[0] = 1000.0 + at
+            transport_module.warn_connect_retry(endpoint, OSError("refused"), 1, 6)
+    said = [(r.created, r.getMessage().split(" (")[0]) for r in caplog.records]
+    assert [message for _, message in said] == [
+        "cannot connect to http://a",
+        "cannot connect to http://b",
+        "cannot connect to http://a",
+        "cannot connect to http://a",
+    ], said
+    # the first retry of six attempts: up to 1 + 2 + 4 + 8 + 16 s of backoff follow
+    assert "retrying, attempt 2 of 6, backing off up to 31 s" in caplog.records[0].getMessage()
+    transport_module._CONNECT_WARNED.clear()
+    transport_module.warn_connect_retry("http://c", OSError("refused"), 5, 6)
+    assert "attempt 6 of 6, backing off up to 16 s" in caplog.records[-1].getMessage()
 
 
 def test_requests_retried_by_s3capture_wait_as_botocore_standard_mode_does() -> None:

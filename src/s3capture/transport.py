@@ -69,7 +69,10 @@ T = TypeVar("T")
 _CONNECT_WARNED: dict[str, float] = {}
 connect_log = logging.getLogger("s3capture.connect")
 """The logger of ``warn_connect_retry`` (a start-up probe that reports its own error quiets it)."""
-_CONNECT_WARN_EVERY = 60.0  # seconds between two warnings for one endpoint
+_CONNECT_WARN_EVERY = 5.0
+"""Seconds between two ``warn_connect_retry`` warnings for one endpoint: a retry sequence of a
+wrong endpoint takes 8-14 s, so the user sees it go on (a warning a minute left that silent), and
+many requests failing together still make one line per 5 s."""
 _CANCELLED_REQUESTS_WAIT = 10.0
 """Seconds ``close`` waits for requests it cancelled (after its timeout) to leave, before closing
 their client under them."""
@@ -100,11 +103,11 @@ def configured_endpoint(endpoint_url: str | None = None) -> str | None:
 def warn_connect_retry(
     endpoint: str | None, error: BaseException, attempt: int, attempts: int, *, no_answer: bool = False
 ) -> None:
-    """Log (at most once a minute per endpoint) that a request could not connect and is retried.
+    """Log (at most once every 5 s per endpoint) that a request could not connect and is retried.
 
     Retries of connection errors are right for a store that blips, but with a wrong endpoint they
-    take a quarter of a minute of silence before the error; this warning says at once what is
-    happening. ``attempt`` is the attempt that failed (1-based) of ``attempts``. ``no_answer``: the
+    take up to a quarter of a minute before the error; this warning says at once what is
+    happening, and again while it goes on. ``attempt`` is the attempt that failed (1-based) of ``attempts``. ``no_answer``: the
     request was sent on a connection but no answer came within the read timeout (an endpoint that
     accepts connections and never answers took minutes of silence).
     """
@@ -114,13 +117,17 @@ def warn_connect_retry(
         return
     _CONNECT_WARNED[where] = now
     reason = str(error).strip() or type(error).__name__
+    # The longest the remaining retries' backoff can take (store_retry_delay's bound per retry):
+    # a user waiting on a wrong endpoint learns how long the silence after this line may last.
+    wait = sum(min(20, 2 ** (retry - 1)) for retry in range(attempt, attempts))
     what = (
-        "no answer from %s within the read timeout (%s); retrying, attempt %d of %d (an endpoint that accepts "
-        "connections but does not answer, or an overloaded store)"
+        "no answer from %s within the read timeout (%s); retrying, attempt %d of %d, backing off up to %d s "
+        "(an endpoint that accepts connections but does not answer, or an overloaded store)"
         if no_answer
-        else "cannot connect to %s (%s); retrying, attempt %d of %d (check the endpoint: --endpoint or AWS_ENDPOINT_URL)"
+        else "cannot connect to %s (%s); retrying, attempt %d of %d, backing off up to %d s (check the endpoint: "
+        "--endpoint or AWS_ENDPOINT_URL)"
     )
-    connect_log.warning(what, where, reason, attempt + 1, attempts)
+    connect_log.warning(what, where, reason, attempt + 1, attempts, wait)
 
 
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
