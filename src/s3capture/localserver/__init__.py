@@ -30,11 +30,16 @@ Child processes are started in their own session (so Ctrl-C in a terminal reache
 parent, which then stops them in order). On Linux, when started from the main thread, the
 child also gets a parent-death signal, so a parent that crashes or is SIGKILLed does not
 leave a server running. Live servers are also stopped by an ``atexit`` hook.
+
+The code lives in submodules, and every name is importable from ``s3capture.localserver`` itself:
+``server`` (:class:`LocalS3Server`, :class:`ServerUnavailable`, the ``atexit`` hook,
+:func:`remove_dead_server_dirs`), ``process`` (spawning, stopping and probing child processes,
+free ports), and, for now, the three launchers here. To
+monkeypatch a private helper, patch it in the submodule that uses it: the names here are copies.
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import importlib.util
 import io
@@ -44,22 +49,46 @@ import random
 import re
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from s3capture import leftovers
 from s3capture.errors import install_hint
+from s3capture.localserver.process import (
+    _LOG_TAIL_BYTES as _LOG_TAIL_BYTES,
+    _PDEATHSIG_LAUNCHER as _PDEATHSIG_LAUNCHER,
+    _file_size as _file_size,
+    _http_request as _http_request,
+    _pick_free_ports as _pick_free_ports,
+    _port_free as _port_free,
+    _port_open as _port_open,
+    _read_from as _read_from,
+    _read_tail as _read_tail,
+    _signal_group as _signal_group,
+    _spawn as _spawn,
+    _TailBuffer as _TailBuffer,
+    _terminate as _terminate,
+)
+from s3capture.localserver.server import (
+    _REGION as _REGION,
+    _SERVER_DIR as _SERVER_DIR,
+    SERVER_DIR_STALE as SERVER_DIR_STALE,
+    LocalS3Server as LocalS3Server,
+    ServerUnavailable as ServerUnavailable,
+    _empty_bucket as _empty_bucket,
+    _live_servers as _live_servers,
+    _remove_weed_sockets as _remove_weed_sockets,
+    _server_dir_prefix as _server_dir_prefix,
+    _stop_all_at_exit as _stop_all_at_exit,
+    _unix_socket_paths as _unix_socket_paths,
+    remove_dead_server_dirs as remove_dead_server_dirs,
+)
 
 __all__ = [
     "LocalS3Server",
@@ -76,6 +105,7 @@ __all__ = [
     "CEPH_APT_PACKAGES",
 ]
 
+
 #: Credentials handed out for moto (it accepts any).
 MOTO_ACCESS_KEY = "testing"
 MOTO_SECRET_KEY = "testing"
@@ -88,8 +118,6 @@ CEPH_SECRET_KEY = "s3capture-secret"
 #: Debian packages that bring the Ceph binaries :func:`start_ceph_rgw` runs.
 CEPH_APT_PACKAGES = ("radosgw", "ceph-mon", "ceph-osd", "ceph-common")
 
-_REGION = "us-east-1"
-_LOG_TAIL_BYTES = 64 * 1024
 _RUNNING_ON = re.compile(r"Running on (https?://[^\s\x1b]+?):(\d+)")
 # Port flags of `weed mini`; each also opens PORT + 10000 (gRPC).
 _WEED_PORT_FLAGS = (
@@ -105,266 +133,6 @@ _WEED_GRPC_OFFSET = 10000
 _WEED_PORT_RACE = re.compile(r"port allocation failed|address already in use|bind: |is not available", re.I)
 _WEED_START_ATTEMPTS = 3
 _WEED_S3_READY = re.compile(r"^\s*S3\s+ready\b", re.M)  # "  S3           ready     0.2s"
-
-# Tiny launcher used on Linux: ask the kernel to signal the child when the parent (the
-# thread that forked it) dies, then exec the real server. PR_SET_PDEATHSIG survives execve.
-_PDEATHSIG_LAUNCHER = (
-    "import ctypes,os,sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[2]):\n"
-    "    sys.exit(70)\n"
-    "os.execv(sys.argv[3], sys.argv[4:])\n"
-)
-
-# Strong references: a server nobody stopped is still stopped at interpreter exit.
-_live_servers: "set[LocalS3Server]" = set()
-
-
-def _stop_all_at_exit() -> None:
-    for server in list(_live_servers):  # stop() removes it from the set
-        try:
-            server.stop()
-        except Exception:  # noqa: BLE001  # pragma: no cover - best effort at interpreter exit
-            pass
-
-
-atexit.register(_stop_all_at_exit)
-
-
-class ServerUnavailable(RuntimeError):
-    """The software a local server needs is not installed on this machine.
-
-    Raised by the launchers before anything is started; the message names what is missing
-    and how to install it, in one line (tests turn it into a skip reason).
-    """
-
-
-class LocalS3Server:
-    """A running local S3 server (child processes) and how to reach it.
-
-    Instances are created by :func:`start_moto`, :func:`start_seaweedfs` and
-    :func:`start_ceph_rgw`; do not construct them directly.
-
-    Attributes:
-        kind: ``"moto"``, ``"seaweedfs"`` or ``"ceph"``.
-        endpoint_url: e.g. ``"http://127.0.0.1:40123"`` (no trailing slash). Clients
-            should use path-style addressing.
-        access_key: access key id the server accepts.
-        secret_key: secret access key the server accepts.
-        region: always ``"us-east-1"``.
-        pid: process id of the server process (for Ceph: of ``radosgw``).
-        data_dir: the temporary directory of SeaweedFS or of the Ceph cluster (removed
-            by :meth:`stop`); ``None`` for moto.
-        startup_seconds: wall time the ``start_*`` function took.
-
-    The object is a context manager: ``__enter__`` returns it, ``__exit__`` calls
-    :meth:`stop`.
-    """
-
-    def __init__(
-        self,
-        *,
-        kind: str,
-        endpoint_url: str,
-        access_key: str,
-        secret_key: str,
-        process: subprocess.Popen,
-        data_dir: str | None = None,
-        log_path: str | None = None,
-        log_tail: "_TailBuffer | None" = None,
-        ports: tuple[int, ...] = (),
-        helpers: tuple[subprocess.Popen, ...] = (),
-    ) -> None:
-        self.kind = kind
-        self.endpoint_url = endpoint_url
-        self.access_key = access_key
-        self.secret_key = secret_key
-        self.region = _REGION
-        self.data_dir = data_dir
-        self.startup_seconds: float = 0.0
-        self._process = process
-        self._log_path = log_path
-        self._log_tail = log_tail
-        self._ports = ports
-        self._helpers = helpers  # Ceph: the OSD and the monitor radosgw depends on
-        self._lock = threading.Lock()
-        self._stopped = False
-        _live_servers.add(self)
-
-    # ------------------------------------------------------------------ info
-    @property
-    def pid(self) -> int:
-        """Process id of the server process."""
-        return self._process.pid
-
-    @property
-    def pids(self) -> tuple[int, ...]:
-        """Process ids of all its processes (Ceph: radosgw, the OSD, the monitor)."""
-        return (self._process.pid, *(helper.pid for helper in self._helpers))
-
-    @property
-    def port(self) -> int:
-        """TCP port of the S3 endpoint."""
-        return int(self.endpoint_url.rsplit(":", 1)[1])
-
-    @property
-    def running(self) -> bool:
-        """True while the server's processes are alive and :meth:`stop` was not called."""
-        return (
-            not self._stopped
-            and self._process.poll() is None
-            and all(helper.poll() is None for helper in self._helpers)
-        )
-
-    def env(self) -> dict[str, str]:
-        """Environment variables that point an AWS SDK at this server.
-
-        Returns:
-            ``{"AWS_ENDPOINT_URL": ..., "AWS_ACCESS_KEY_ID": ...,
-            "AWS_SECRET_ACCESS_KEY": ..., "AWS_DEFAULT_REGION": "us-east-1"}``, suitable
-            for ``subprocess`` ``env=`` (merge with ``os.environ``) or ``monkeypatch``.
-        """
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-        }
-
-    def client_kwargs(self) -> dict[str, str]:
-        """Keyword arguments for ``boto3.client("s3", **kw)`` / aioboto3 ``session.client``.
-
-        Returns:
-            ``endpoint_url``, ``aws_access_key_id``, ``aws_secret_access_key`` and
-            ``region_name``. Add a ``config`` with ``s3={"addressing_style": "path"}``.
-        """
-        return {
-            "endpoint_url": self.endpoint_url,
-            "aws_access_key_id": self.access_key,
-            "aws_secret_access_key": self.secret_key,
-            "region_name": self.region,
-        }
-
-    def log_tail(self, max_chars: int = 4000) -> str:
-        """The last ``max_chars`` characters the server wrote to stdout/stderr.
-
-        Available until :meth:`stop` for SeaweedFS and Ceph (their logs live in the data
-        dir; for Ceph this is ``radosgw``'s log) and for the whole lifetime of the object
-        for moto. Returns ``""`` if nothing is available.
-        """
-        if self._log_tail is not None:
-            return self._log_tail.text(max_chars)
-        if self._log_path is not None:
-            return _read_tail(self._log_path, max_chars)
-        return ""
-
-    # ------------------------------------------------------------- lifecycle
-    def reset(self) -> None:
-        """Wipe all server state (buckets and objects).
-
-        * moto: ``POST /moto-api/reset`` (a few ms).
-        * SeaweedFS, Ceph: deletes every bucket via the S3 API (needs ``boto3``, which
-          comes with aioboto3); objects are emptied first if a bucket refuses deletion.
-
-        Raises:
-            RuntimeError: the server is stopped or the reset request failed.
-        """
-        if not self.running:
-            raise RuntimeError(f"{self.kind} server at {self.endpoint_url} is not running")
-        if self.kind == "moto":
-            status = _http_request(self.endpoint_url + "/moto-api/reset", method="POST", timeout=10.0)
-            if status is None or status >= 300:
-                raise RuntimeError(f"moto reset failed (HTTP status {status})")
-            return
-        self._reset_via_s3()
-
-    def _reset_via_s3(self) -> None:
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError as exc:  # pragma: no cover - boto3 ships with aioboto3
-            raise RuntimeError(f"reset() of a {self.kind} server needs boto3") from exc
-        client = boto3.client(
-            "s3",
-            config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard"}),
-            **self.client_kwargs(),
-        )
-        try:
-            for bucket in client.list_buckets().get("Buckets", []):
-                name = bucket["Name"]
-                try:
-                    client.delete_bucket(Bucket=name)
-                except client.exceptions.ClientError:
-                    _empty_bucket(client, name)
-                    client.delete_bucket(Bucket=name)
-        except Exception as exc:
-            raise RuntimeError(f"{self.kind} reset failed: {exc}") from exc
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        """Stop the server and clean up; safe to call more than once (and concurrently).
-
-        * moto: SIGTERM, wait up to 5 s, then SIGKILL.
-        * SeaweedFS: SIGTERM, wait up to 2 s (started with ``-volume.preStopSeconds=0`` it
-          usually exits in ~1.2 s; by default graceful shutdown can take 2-25 s), then
-          SIGKILL; afterwards removes its temporary data directory and any Unix sockets
-          it left in /tmp.
-        * Ceph: SIGTERM to ``radosgw``, then the OSD, then the monitor (~1 s in all), each
-          with up to 5 s before SIGKILL; afterwards removes the cluster's temporary
-          directory.
-
-        Never raises for an already dead process.
-        """
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        _live_servers.discard(self)
-        proc = self._process
-        sockets: list[str] = []
-        if self.kind == "seaweedfs":
-            sockets = _unix_socket_paths(proc.pid)
-            grace = 2.0
-        else:
-            grace = 5.0
-        if self.kind == "ceph":
-            # One at a time, clients before servers: radosgw, the OSD, the monitor (~1 s in
-            # all). Signalled together, the OSD waits for the gone monitor and needs SIGKILL.
-            for each in (proc, *self._helpers):
-                _terminate(each, 5.0)
-            if self.data_dir:
-                shutil.rmtree(self.data_dir, ignore_errors=True)
-            return
-        _terminate(proc, grace)
-        if self.kind == "seaweedfs":
-            _remove_weed_sockets(sockets, self._ports)
-            if self.data_dir:
-                shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> "LocalS3Server":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        state = "running" if self.running else "stopped"
-        return f"<LocalS3Server {self.kind} {self.endpoint_url} pid={self.pid} {state}>"
-
-
-def _empty_bucket(client: Any, bucket: str) -> None:
-    """Delete every object and multipart upload in ``bucket`` (1,000 keys per request)."""
-    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
-        for upload in page.get("Uploads", []):
-            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
 
 
 # ---------------------------------------------------------------------- moto
@@ -626,34 +394,6 @@ def start_seaweedfs(
     raise RuntimeError(f"SeaweedFS could not start after {_WEED_START_ATTEMPTS} attempts: {last_error}")
 
 
-_SERVER_DIR = re.compile(r"^s3capture-(?:weed|ceph)-(?P<host>[0-9a-f]{10})-(?P<pid>\d{1,10})-[^/]+$")
-"""The temp folder of a SeaweedFS or Ceph server this module started:
-``s3capture-<weed|ceph>-<short host tag>-<pid of the starting process>-<random>``."""
-SERVER_DIR_STALE = 600.0
-"""Seconds since the last write to a dead process's server folder before it is removed."""
-
-
-def _server_dir_prefix(kind: str) -> str:
-    return f"s3capture-{kind}-{leftovers.host_tag(short=True)}-{os.getpid()}-"
-
-
-def remove_dead_server_dirs(folder: str | None = None, *, stale_after: float = SERVER_DIR_STALE) -> list[str]:
-    """Remove the temp folders (data, logs, sockets) of SeaweedFS and Ceph servers that this
-    module started in processes since killed (SIGKILL skips :meth:`LocalS3Server.stop`; the
-    servers die with them, by ``PR_SET_PDEATHSIG``). A folder goes only when it is this user's,
-    named for this host and PID namespace, its starting process is gone, and nothing in it was
-    written for ``stale_after`` seconds (``s3capture.leftovers.remove_dead``). ``folder``
-    defaults to the system's temp folder. Never raises; returns the removed paths. Called when a
-    server starts."""
-    return leftovers.remove_dead(
-        folder or tempfile.gettempdir(),
-        _SERVER_DIR,
-        host=leftovers.host_tag(short=True),
-        stale_after=stale_after,
-        directories=True,
-    )
-
-
 def _find_weed() -> str:
     found = shutil.which("weed")
     if found:
@@ -697,15 +437,6 @@ def _pick_weed_ports(count: int) -> tuple[int, ...]:
     raise RuntimeError("could not find free port pairs (P, P+10000) for SeaweedFS")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _weed_log(data_dir: str, log_path: str, max_chars: int = 4000) -> str:
     text = _read_tail(log_path, max_chars)
     # glog writes errors (e.g. "Port allocation failed") to stderr and to weed.ERROR in TMPDIR
@@ -715,48 +446,6 @@ def _weed_log(data_dir: str, log_path: str, max_chars: int = 4000) -> str:
         if err_tail and err_tail not in text:
             text += "\n--- weed.ERROR (tail) ---\n" + err_tail
     return text
-
-
-def _unix_socket_paths(pid: int) -> list[str]:
-    """Paths of the bound Unix sockets held by ``pid`` (Linux only; else ``[]``)."""
-    try:
-        inodes = set()
-        fd_dir = f"/proc/{pid}/fd"
-        for fd in os.listdir(fd_dir):
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-        paths = []
-        with open(f"/proc/{pid}/net/unix") as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
-                    paths.append(parts[7])
-        return paths
-    except (OSError, StopIteration):
-        return []
-
-
-def _remove_weed_sockets(paths: list[str], ports: tuple[int, ...]) -> None:
-    """Remove the Unix sockets weed creates in /tmp (it does not after SIGKILL)."""
-    candidates = set(paths)
-    tmp = "/tmp"
-    for port in ports:
-        for role in ("master", "volume", "filer", "s3", "admin"):
-            candidates.add(f"{tmp}/seaweedfs-{role}-{port}.sock")
-            candidates.add(f"{tmp}/seaweedfs-{role}-grpc-{port}.sock")
-    for path in candidates:
-        if not os.path.basename(path).startswith("seaweedfs-") and "s3capture-weed-" not in path:
-            continue  # never touch sockets that are not SeaweedFS's
-        try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)
-        except OSError:
-            pass
 
 
 # ---------------------------------------------------------------------- ceph
@@ -1040,148 +729,3 @@ def _start_ceph_once(ports: tuple[int, ...], memstore_bytes: int, deadline: floa
         ports=tuple(ports),
         helpers=(osd, mon),
     )
-
-
-def _pick_free_ports(count: int, *, exclude: range = range(0)) -> tuple[int, ...]:
-    """``count`` distinct ports currently bindable on 127.0.0.1, below the ephemeral range."""
-    low, high = 10000, 32767
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            eph_low = int(f.read().split()[0])
-        if eph_low - low >= 2000:
-            high = eph_low - 1
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.SystemRandom()
-    chosen: list[int] = []
-    for _ in range(2000):
-        if len(chosen) == count:
-            return tuple(chosen)
-        p = rng.randint(low, high)
-        if p in chosen or p in exclude:
-            continue
-        if _port_free(p):
-            chosen.append(p)
-    raise RuntimeError(f"could not find {count} free ports on 127.0.0.1")
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
-    """Up to ``limit`` bytes of ``path`` from ``offset`` (``""`` if unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(limit).decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def _port_open(port: int) -> bool:
-    """True if something accepts TCP connections on 127.0.0.1:``port``."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-# ------------------------------------------------------------------ helpers
-class _TailBuffer:
-    """Thread-safe ring of the last bytes a process wrote."""
-
-    def __init__(self, limit: int = _LOG_TAIL_BYTES) -> None:
-        self._buf = bytearray()
-        self._limit = limit
-        self._lock = threading.Lock()
-
-    def add(self, data: bytes) -> None:
-        with self._lock:
-            self._buf += data
-            if len(self._buf) > self._limit:
-                del self._buf[: len(self._buf) - self._limit]
-
-    def text(self, max_chars: int) -> str:
-        with self._lock:
-            return bytes(self._buf).decode("utf-8", "replace")[-max_chars:]
-
-
-def _read_tail(path: str, max_chars: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_chars * 4))
-            return f.read().decode("utf-8", "replace")[-max_chars:]
-    except OSError:
-        return ""
-
-
-def _spawn(cmd: list[str], *, death_signal: int, **kwargs: Any) -> subprocess.Popen:
-    """Popen in a new session; on Linux from the main thread also with PR_SET_PDEATHSIG.
-
-    The parent-death signal fires when the *thread* that forked the child ends, so it is
-    only requested from the main thread.
-    """
-    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-        executable = cmd[0] if os.sep in cmd[0] else (shutil.which(cmd[0]) or cmd[0])
-        cmd = [
-            sys.executable,
-            "-S",
-            "-c",
-            _PDEATHSIG_LAUNCHER,
-            str(int(death_signal)),
-            str(os.getpid()),
-            executable,
-            *cmd,
-        ]
-    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
-
-
-def _terminate(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the child's process group, wait ``grace`` s, then SIGKILL it; reap it."""
-    if proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.poll() is None:
-        _signal_group(proc, signal.SIGKILL)
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
-            pass
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # its own session: pgid == pid
-    except (ProcessLookupError, PermissionError, OSError):
-        try:
-            proc.send_signal(sig)
-        except (ProcessLookupError, OSError):
-            pass
-
-
-def _http_request(url: str, *, method: str = "GET", timeout: float = 2.0) -> int | None:
-    """HTTP status of ``url`` (any status counts as an answer), ``None`` if unreachable.
-
-    Ignores proxy environment variables: the servers are on loopback.
-    """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            response.read()
-            return response.status
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        return exc.code
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
