@@ -155,6 +155,12 @@ def check_url_characters(url: str) -> None:
 def _check_id(kind: str, value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{kind} must be a str, got {type(value).__name__}")
+    if type(value) is not str:
+        # A str subclass (a ``(str, Enum)`` member, say) is stored as its text, the value every
+        # JSON encoder writes in the payload: formatting it (``f"{value}"``) can give another
+        # string ("E.A"), which put an entry under a key its own payload and every reader disowned
+        # (an API breaker, 2026-12-03).
+        value = str.__str__(value)
     if value == "":
         raise ValueError(f"{kind} must not be empty")
     try:

@@ -211,7 +211,9 @@ def _literal_floats(value: Any, kind: type) -> Any:
 
 def _builtins(value: Any) -> Any:
     if isinstance(value, msgspec.Struct):
-        return msgspec.to_builtins(value)
+        # Bytes stay bytes, for the conversion to refuse (``rollout_id=b"r1"`` became the base64
+        # text "cjE=": a row acknowledged under an id nobody asked for; an API breaker, 2026-12-03).
+        return msgspec.to_builtins(value, builtin_types=(bytes, bytearray, memoryview))
     dump = getattr(value, "model_dump", None)
     if callable(dump):  # a pydantic model, e.g. NeMo Gym's own record
         return dump(mode="json")

@@ -192,6 +192,8 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
 
 
 _FIELD_NAMES = frozenset(TokenEntry.__struct_fields__)
+_BYTES_TYPES = (bytes, bytearray, memoryview)
+"""Kept as they are by ``msgspec.to_builtins`` on the way to validation (it would write base64)."""
 _json_encoder = msgspec.json.Encoder(order="sorted")
 _json_decoder = msgspec.json.Decoder()
 _typed_decoder = msgspec.json.Decoder(TokenEntry)
@@ -376,12 +378,39 @@ def _coerce_general(entry: Any) -> TokenEntry:
         ) from None
 
 
+def _unencodable(entry: TokenEntry, error: TypeError) -> str:
+    """The ``RecordError`` text for an entry holding a value JSON cannot hold: the first field
+    that holds one, and what to do about numpy values (the usual cause)."""
+    field = next(
+        (name for name in TokenEntry.__struct_fields__ if not _converts(getattr(entry, name, None))),
+        "?",
+    )
+    hint = " (numpy arrays and scalars: convert them with .tolist())" if "numpy" in str(error) else ""
+    return f"{field} of model call {entry.model_call_id!r} holds a value JSON cannot hold: {error}{hint}"
+
+
+def _converts(value: Any) -> bool:
+    try:
+        msgspec.to_builtins(value, builtin_types=_BYTES_TYPES)
+    except TypeError:
+        return False
+    return True
+
+
 def _coerce_general_unguarded(entry: Any) -> TokenEntry:
     if isinstance(entry, TokenEntry):
         # The constructor checks no types; a round trip through builtins checks them all and
-        # returns a copy the caller cannot mutate behind our back.
+        # returns a copy the caller cannot mutate behind our back. Bytes stay bytes: to_builtins
+        # would turn ``rollout_id=b"r1"`` into the base64 text "cjE=", an id nobody asked for (an
+        # API breaker, 2026-12-03: acknowledged, then invisible under "r1"); the conversion below
+        # refuses them as the dict path does.
         _checked_extra(entry)
-        return _from_mapping(entry.model_dump())
+        try:
+            raw = msgspec.to_builtins(entry, builtin_types=_BYTES_TYPES)
+        except TypeError as error:  # e.g. numpy scalars or arrays: msgspec names no field
+            raise RecordError(_unencodable(entry, error)) from None
+        raw.update(copy.deepcopy(entry.extra_fields))
+        return _from_mapping(raw)
     if isinstance(entry, dict):
         record = _from_mapping(entry)
         # msgspec.convert copies containers of known types only: copy what the caller still shares.

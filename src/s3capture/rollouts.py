@@ -52,7 +52,7 @@ from s3capture.transport import (
     Transport,
     _backoff,
     cancel_unfinished,
-    configured_endpoint,
+    checked_endpoint,
     make_transport,
     warn_start_after_ignored,
 )
@@ -297,10 +297,12 @@ class RolloutObjects:
         spill_dir: str | os.PathLike | None = None,
         transport: str | Transport | None = None,
     ) -> None:
+        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0 (0: no cache), got {cache_bytes!r}")
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
         self.layout = Layout(prefix)
-        self.endpoint_url = configured_endpoint(endpoint_url)
+        self.endpoint_url = checked_endpoint(endpoint_url, self.bucket)
         self.transport = make_transport(
             transport,
             self.bucket,
@@ -325,6 +327,15 @@ class RolloutObjects:
         )
         self._replay_task: asyncio.Future[None] | None = None
         """The spill replay a write started (``_replay_spill_quietly``); it may outlive the write."""
+
+    def __reduce__(self) -> Any:
+        # pickle, copy.deepcopy, multiprocessing's spawn and Ray's argument shipping all come here;
+        # they failed on a weakref deep inside (an API breaker, 2026-12-03).
+        name = type(self).__name__
+        raise TypeError(
+            f"a {name} cannot be pickled or copied: it holds HTTP clients bound to this process's event "
+            f"loops. Build one in each process (or Ray actor) from its URL: {name}({self.url!r}, ...)"
+        )
 
     # ------------------------------------------------------------------ transport shorthands
     @property

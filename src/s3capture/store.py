@@ -32,6 +32,7 @@ import hashlib
 import io
 import logging
 import math
+import operator
 import os
 import sys
 import threading
@@ -307,6 +308,10 @@ class S3TokenStore(RolloutObjects):
         self._compressors = threading.local()
         self._compressor()  # a bad level fails here, not in the first put
         self._max_entry_bytes = max_entry_bytes
+        if isinstance(fence_grace, bool) or not isinstance(fence_grace, (int, float)):
+            raise TypeError(
+                f"fence_grace must be a number of seconds, got {type(fence_grace).__name__} {fence_grace!r}"
+            )
         if not 0 <= fence_grace < math.inf:  # NaN would turn off drop's wait and the slow-put re-read
             raise ValueError(f"fence_grace must be a finite number of seconds >= 0, got {fence_grace!r}")
         self._fence_grace = fence_grace
@@ -1090,10 +1095,27 @@ class S3TokenStore(RolloutObjects):
         already); nothing is removed then.
 
         Raises:
+            TypeError: ``snapshot_id`` not a str or ``version`` not an int (before any request:
+                swapped or mistyped arguments answered False, "changed since the freeze", and a
+                caller then retired the rollout without ever hearing of its mistake).
             ValueError: an id that cannot be stored (before any request).
             StoreError: the store failed a request; ``ListingError`` (a ``StoreError``) for a
                 decisive listing without the tombstone, after retries.
         """
+        if not isinstance(snapshot_id, str):
+            raise TypeError(
+                f"snapshot_id must be the str FrozenSnapshot.snapshot_id, got {type(snapshot_id).__name__}"
+                " (drop takes rollout_id, snapshot_id, version in that order)"
+            )
+        if isinstance(version, bool):
+            raise TypeError("version must be the int FrozenSnapshot.version, got bool")
+        try:
+            version = operator.index(version)
+        except TypeError:
+            raise TypeError(
+                f"version must be the int FrozenSnapshot.version, got {type(version).__name__} {version!r}"
+                " (drop takes rollout_id, snapshot_id, version in that order)"
+            ) from None
         prefix = self.layout.rollout(rollout_id)
         scan = await self._scan(rollout_id)
         if not scan.fence or scan.retired or scan.version_and_id() != (version, snapshot_id):

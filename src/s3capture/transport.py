@@ -37,6 +37,7 @@ import hashlib
 import inspect
 import logging
 import os
+import urllib.parse
 import random
 import re
 import time
@@ -58,6 +59,8 @@ __all__ = [
     "ListedObject",
     "ListPage",
     "RequestHook",
+    "check_endpoint_url",
+    "checked_endpoint",
     "default_botocore_config",
     "make_transport",
 ]
@@ -76,6 +79,60 @@ many requests failing together still make one line per 5 s."""
 _CANCELLED_REQUESTS_WAIT = 10.0
 """Seconds ``close`` waits for requests it cancelled (after its timeout) to leave, before closing
 their client under them."""
+
+
+def check_endpoint_url(endpoint: str, *, bucket: str | None = None, source: str = "endpoint_url") -> str:
+    """``endpoint`` when it is ``http(s)://host[:port]`` (a trailing ``/`` allowed); ``ValueError``
+    naming ``source`` (the argument or environment variable it came from) otherwise.
+
+    Refused: no scheme (``127.0.0.1:9000``: botocore failed at the first request, obstore with a
+    Rust panic), a user name or password, a query or fragment, and any path. With path-style
+    addressing a path is prepended to every key's path: an endpoint ending in the bucket
+    (``https://ACCOUNT.r2.cloudflarestorage.com/BUCKET``, as consoles show it) stored every object
+    under ``BUCKET/<prefix>/...`` while only LISTs failed, so a writer was acknowledged and every
+    reader saw nothing (an API breaker, 2026-12-03); SigV4 signs the path, so an S3 server behind a
+    path-rewriting proxy refuses it anyway.
+    """
+    if not isinstance(endpoint, str):
+        raise TypeError(f"{source} must be a str URL, got {type(endpoint).__name__}")
+    parsed = urllib.parse.urlsplit(endpoint)
+    shape = "http://HOST[:PORT] or https://HOST[:PORT]"
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"{source} {endpoint!r} is not {shape} (the scheme is required)")
+    try:
+        port = parsed.port
+    except ValueError:
+        raise ValueError(f"{source} {endpoint!r} has a bad port") from None
+    if not parsed.hostname or port == 0:
+        raise ValueError(f"{source} {endpoint!r} is not {shape}")
+    if parsed.username is not None or parsed.password is not None:
+        raise ValueError(f"{source} {endpoint!r} takes no user name or password (credentials come from the AWS chain)")
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"{source} {endpoint!r} takes no query or fragment")
+    if parsed.path not in ("", "/"):
+        names_bucket = bucket is not None and parsed.path.strip("/").split("/")[-1] == bucket
+        raise ValueError(
+            f"{source} {endpoint!r} has a path ({parsed.path!r}): give the server's address only, "
+            f"{parsed.scheme}://{parsed.netloc}"
+            + (
+                f"; the bucket {bucket!r} comes from the s3:// URL (with it in the endpoint too, every key "
+                f"would be stored under '{bucket}/')"
+                if names_bucket
+                else ""
+            )
+        )
+    return endpoint
+
+
+def checked_endpoint(endpoint_url: str | None, bucket: str | None = None) -> str | None:
+    """``configured_endpoint(endpoint_url)`` after ``check_endpoint_url`` of it, whose error names
+    where it came from (``endpoint_url``, ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``)."""
+    if endpoint_url:
+        return check_endpoint_url(endpoint_url, bucket=bucket)
+    for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(variable):
+            return check_endpoint_url(os.environ[variable], bucket=bucket, source=variable)
+    return None
 
 
 def _cannot_connect(error: BaseException) -> bool:
@@ -462,10 +519,18 @@ class Transport:
         read_attempts: int = 4,
         list_attempts: int = 5,
     ) -> None:
+        for name, value in (
+            ("max_concurrency", max_concurrency),
+            ("read_attempts", read_attempts),
+            ("list_attempts", list_attempts),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         if read_attempts < 1 or list_attempts < 1:
             raise ValueError("read_attempts and list_attempts must be >= 1")
+        checked_endpoint(endpoint_url, bucket)
         self.bucket = bucket
         self.endpoint_url = endpoint_url
         self._max_concurrency = max_concurrency
@@ -671,7 +736,9 @@ class Transport:
         After it returns, no request of this transport is in flight and none starts (later calls
         raise ``StoreError``): the clients of event loops still running in other threads are
         closed on their own loops. Clients of loops that no longer run cannot be closed any more
-        and are dropped.
+        and are dropped. A loop of another thread that does not run for ``timeout`` + 15 s
+        (blocked in synchronous code) closes its client when it runs again: ``close`` returns
+        then, with a warning.
         """
         self._closed = True
         if os.getpid() != self._pid:
@@ -693,10 +760,27 @@ class Transport:
                 jobs.append(self._close_state(state, timeout))
             elif other.is_running() and not other.is_closed():
                 future = asyncio.run_coroutine_threadsafe(self._close_state(state, timeout), other)
-                jobs.append(asyncio.wrap_future(future))
+                jobs.append(self._await_other_loop(asyncio.wrap_future(future), timeout))
         for result in await asyncio.gather(*jobs, return_exceptions=True):
             if isinstance(result, BaseException):
                 log.warning("close(): %r", result)
+
+    @staticmethod
+    async def _await_other_loop(closed: Awaitable[None], timeout: float) -> None:
+        """Wait for another thread's loop to close its client, at most as long as that close may
+        take (``timeout`` plus the wait for cancelled requests) and 5 s for the loop to get to it.
+        A loop blocked in synchronous code held ``close`` for as long as it stayed blocked, for
+        ever when it waited on the closing thread (an API breaker, 2026-12-03); its close stays
+        scheduled there and runs when the loop does."""
+        limit = timeout + _CANCELLED_REQUESTS_WAIT + 5.0
+        try:
+            await asyncio.wait_for(asyncio.shield(closed), limit)
+        except asyncio.TimeoutError:
+            log.warning(
+                "close(): the event loop of another thread did not run for %.0f s (blocked?); its client is "
+                "closed when it runs again, and it sends no new request",
+                limit,
+            )
 
     async def _close_state(self, state: _LoopState, timeout: float) -> None:
         """Close one loop's client, on that loop, after its requests in flight.
@@ -1116,6 +1200,23 @@ def make_transport(
             f"transport must be a name ({', '.join(TRANSPORTS)}) or a Transport, got {type(transport).__name__}"
         )
     name = (transport or os.environ.get(TRANSPORT_ENV) or "aioboto3").strip().lower()
+    # Checked here, not at the first request: a dict for ``botocore_config`` or a string for
+    # ``session`` failed deep inside botocore on aioboto3 and was silently ignored on obstore (an
+    # API breaker, 2026-12-03).
+    if botocore_config is not None:
+        from botocore.config import Config
+
+        if not isinstance(botocore_config, Config):
+            raise TypeError(
+                f"botocore_config must be a botocore.config.Config (or None), got {type(botocore_config).__name__}"
+                " (wrap a dict: botocore.config.Config(**settings))"
+            )
+    if session is not None and not (
+        callable(getattr(session, "client", None)) or callable(getattr(session, "create_client", None))
+    ):
+        raise TypeError(
+            f"session must be an aioboto3.Session or a botocore Session (or None), got {type(session).__name__}"
+        )
     kwargs = dict(
         endpoint_url=endpoint_url, botocore_config=botocore_config, session=session, max_concurrency=max_concurrency
     )

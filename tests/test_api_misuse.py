@@ -1,0 +1,239 @@
+"""The public Python API misused as training jobs misuse it (an API breaker, 2026-12-03).
+
+Each test is a defect that breaker found: an id or an argument the API accepted and then stored
+where nobody looks, answered wrongly, or refused with an opaque error from deep inside a library.
+Every store here talks to the test server; the refusals must come before any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import enum
+import pickle
+import threading
+
+import msgspec
+import pytest
+from helpers import list_keys, make_commit, simple_entry, split_bucket_url, system, user
+
+from s3capture import S3CaptureLedger, S3TokenStore
+from s3capture.records import RecordError, TokenEntry
+from s3capture.transport import check_endpoint_url
+
+pytestmark = pytest.mark.all_transports  # every test runs on aioboto3 and obstore (tests/conftest.py)
+
+REQ = [system("Be brief."), user("Hi")]
+
+
+class _Ids(str, enum.Enum):
+    RA = "ra"
+
+
+async def test_a_str_enum_rollout_id_is_stored_under_its_value(fresh, s3_client, bucket_url):
+    """``rollout_id=E.A`` (a ``(str, Enum)`` member of value "ra") was stored under the key segment
+    "E.A" (``f"{E.A}"`` on Python 3.11) while its payload said "ra": acknowledged, and invisible
+    to ``read_snapshot("ra")``, ``freeze`` and ``rollouts()``. It is stored as "ra" now."""
+    store = fresh()
+    entry = simple_entry("ra", "c1", request_items=REQ)
+    entry.rollout_id = _Ids.RA
+    await store.put(entry)
+    bucket, root = split_bucket_url(bucket_url)
+    keys = list_keys(s3_client, bucket, root)
+    assert keys and all(k.startswith(f"{root}rollouts/ra/") for k in keys), keys
+    reader = fresh()
+    snapshot = await reader.read_snapshot("ra", sealed=False)
+    assert [e.model_call_id for e in snapshot.entries] == ["c1"]
+    assert [info.rollout_id async for info in reader.rollouts()] == ["ra"]
+    assert (await reader.read_snapshot(_Ids.RA, sealed=False)).snapshot_id == snapshot.snapshot_id
+
+
+async def test_bytes_ids_in_an_entry_struct_are_refused_before_any_request(fresh, s3_client, bucket_url):
+    """``TokenEntry(rollout_id=b"rb")`` went through ``to_builtins``, which writes bytes as base64:
+    the put was acknowledged under the rollout "cmI=" and ``read_snapshot("rb")`` was empty. Now
+    refused as the same ids in a dict are."""
+    store = fresh()
+    for field, value in (("rollout_id", b"rb"), ("model_call_id", b"c1")):
+        entry = simple_entry("rb", "c1", request_items=REQ)
+        setattr(entry, field, value)
+        with pytest.raises(RecordError, match=f"Expected `str`, got `bytes` - at `\\$.{field}`"):
+            await store.put(entry)
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == []
+    assert store.request_counts.total() == 0
+
+
+async def test_bytes_ids_in_a_ledger_commit_struct_are_refused(ledgers, s3_client, bucket_url):
+    """The ledger's struct path had the same base64 conversion: ``record`` was acknowledged and
+    ``manifest("lb")`` was empty."""
+    from s3capture.ledger_records import validate_commit
+
+    commit = validate_commit(make_commit("lb", "c1", REQ, [user("x")]))
+    forged = msgspec.structs.replace(commit, rollout_id=b"lb")
+    ledger = ledgers()
+    with pytest.raises(RecordError, match="Expected `str`, got `bytes`"):
+        await ledger.record(forged)
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == []
+
+
+async def test_numpy_like_values_name_their_field(fresh):
+    """A value JSON cannot hold (numpy's scalars are the usual case) gave msgspec's bare
+    ``TypeError: Encoding objects of type ... is unsupported``, naming no field."""
+
+    class Int64:  # stands in for numpy.int64 (numpy is not a test dependency)
+        __module__ = "numpy"
+
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+    entry = simple_entry("rn", "c1", request_items=REQ)
+    entry.generation_token_ids = [Int64(3)]  # type: ignore[list-item]
+    with pytest.raises(RecordError, match=r"generation_token_ids of model call 'c1' holds a value JSON cannot hold"):
+        await fresh().put(entry)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        ("{endpoint}/{bucket}", "has a path ('/{bucket}'): give the server's address only"),
+        ("{endpoint}/s3", "has a path ('/s3')"),
+        ("{host}", "is not http://HOST[:PORT] or https://HOST[:PORT] (the scheme is required)"),
+        ("{endpoint}?x=1", "takes no query or fragment"),
+    ],
+)
+async def test_an_endpoint_that_is_not_a_server_address_is_refused_at_construction(
+    s3_env, bucket_url, s3_client, endpoint, says
+):
+    """An endpoint ending in the bucket (as R2's and MinIO's consoles show it) stored every
+    object under ``BUCKET/<root>/...``: puts and intents were acknowledged, only LISTs failed,
+    and every reader saw nothing. One without a scheme failed at the first request (obstore: a
+    Rust panic on stderr). Both are refused when the store is built, naming what to give."""
+    bucket, root = split_bucket_url(bucket_url)
+    base = s3_env.endpoint_url
+    given = endpoint.format(endpoint=base, bucket=bucket, host=base.split("://", 1)[1])
+    for cls in (S3TokenStore, S3CaptureLedger):
+        with pytest.raises(ValueError, match="endpoint_url") as refused:
+            cls(bucket_url, endpoint_url=given)
+        assert says.format(bucket=bucket) in str(refused.value), refused.value
+    assert list_keys(s3_client, bucket) == []
+
+
+def test_an_endpoint_from_the_environment_is_checked_and_named(monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://acct.r2.cloudflarestorage.com/bkt")
+    with pytest.raises(
+        ValueError, match=r"^AWS_ENDPOINT_URL 'https://acct.r2.cloudflarestorage.com/bkt' has a path"
+    ) as refused:
+        S3TokenStore("s3://bkt/run")
+    assert "the bucket 'bkt' comes from the s3:// URL" in str(refused.value)
+    for good in ("http://127.0.0.1:9000", "http://127.0.0.1:9000/", "https://s3.example.com"):
+        assert check_endpoint_url(good) == good
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"fence_grace": "1"}, TypeError, "fence_grace must be a number of seconds"),
+        ({"cache_bytes": -1}, ValueError, "cache_bytes must be an int >= 0"),
+        ({"max_concurrency": 1.5}, TypeError, "max_concurrency must be an int"),
+        (
+            {"botocore_config": {"retries": {"max_attempts": 2}}},
+            TypeError,
+            "botocore_config must be a botocore.config.Config",
+        ),
+        ({"session": "abc"}, TypeError, "session must be an aioboto3.Session or a botocore Session"),
+    ],
+)
+def test_constructor_arguments_are_checked_when_the_store_is_built(s3_env, bucket_url, kwargs, error, says):
+    """These failed at the first request deep inside botocore, at a comparison, or not at all
+    (obstore ignored a session it could not use, so other credentials were used)."""
+    with pytest.raises(error, match=says):
+        S3TokenStore(bucket_url, **kwargs)
+
+
+async def test_drop_refuses_swapped_or_mistyped_arguments_before_any_request(fresh):
+    """``drop(rollout_id, version, snapshot_id)`` (swapped), a str version or the snapshot object
+    answered False ("changed since the freeze") after a LIST, and the README's flow then retired
+    the rollout without the caller hearing of the mistake."""
+    store = fresh()
+    await store.put(simple_entry("rd", "c1", request_items=REQ))
+    snapshot = await store.freeze("rd")
+    sent = store.request_counts.total()
+    for args in (
+        (snapshot.version, snapshot.snapshot_id),
+        (snapshot.snapshot_id, str(snapshot.version)),
+        (snapshot, snapshot.version),
+        (snapshot.snapshot_id, 1.0),
+        (snapshot.snapshot_id, True),
+    ):
+        with pytest.raises(TypeError, match="drop takes rollout_id, snapshot_id, version|got bool"):
+            await store.drop("rd", *args)
+    assert store.request_counts.total() == sent
+    assert await store.drop("rd", snapshot.snapshot_id, snapshot.version) is True
+
+
+async def test_a_store_refuses_pickling_with_what_to_do_instead(fresh, ledgers):
+    """pickle, deepcopy, multiprocessing's spawn and Ray's argument shipping failed on a weakref
+    deep inside ("Can't pickle local object 'WeakKeyDictionary...'")."""
+    store = fresh()
+    await store.put(simple_entry("rp", "c1", request_items=REQ))
+    for made in (store, ledgers()):
+        name = type(made).__name__
+        with pytest.raises(TypeError, match=f"a {name} cannot be pickled or copied.*Build one in each process"):
+            pickle.dumps(made)
+        with pytest.raises(TypeError, match=f"{name}\\('s3://"):
+            copy.deepcopy(made)
+
+
+async def test_close_does_not_wait_for_ever_on_another_threads_blocked_loop(fresh, caplog, monkeypatch):
+    """A loop in another thread used the store and then blocked in synchronous code (waiting on
+    the closing thread, say): ``close`` waited for it to run again, for ever in that case. It now
+    gives up after its bound, warns, and leaves the close scheduled on that loop."""
+    import logging
+
+    from s3capture import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "_CANCELLED_REQUESTS_WAIT", 0.2)
+    store = fresh()
+    other = asyncio.new_event_loop()
+    used, release = threading.Event(), threading.Event()
+
+    async def use_then_block() -> None:
+        await store.put(simple_entry("rc", "c1", request_items=REQ))
+        used.set()
+        release.wait(60)  # blocks this loop, as synchronous code in a handler does
+        await asyncio.sleep(1.0)  # running again: the close left scheduled here closes its client
+
+    thread = threading.Thread(target=other.run_until_complete, args=(use_then_block(),))
+    thread.start()
+    try:
+        assert await asyncio.to_thread(used.wait, 60)
+        with caplog.at_level(logging.WARNING, logger="s3capture"):
+            # the store's close() closes its transport with the default timeout (30 s): the same
+            # wait, with a test-sized bound
+            await asyncio.wait_for(store.transport.close(timeout=0.2), 30)  # waited until release before
+            await asyncio.wait_for(store.close(), 30)
+        assert any("did not run for" in r.getMessage() for r in caplog.records), caplog.records
+    finally:
+        release.set()
+        await asyncio.to_thread(thread.join, 60)
+        other.close()
+    assert not thread.is_alive()
+    with pytest.raises(Exception, match="closed"):
+        await store.put(simple_entry("rc", "c2", request_items=REQ))
+
+
+async def test_the_entry_struct_path_still_keeps_extra_fields_and_copies(fresh):
+    """The struct path's conversion changed (bytes kept for the refusal): extra fields and the
+    private copy behave as before."""
+    entry = simple_entry("rx", "c1", request_items=REQ)
+    entry.extra_fields["served_by"] = "m1"
+    store = fresh()
+    await store.put(entry)
+    entry.generation_token_ids.append(99)  # the caller's object: the stored entry must not change
+    snapshot = await fresh().read_snapshot("rx", sealed=False)
+    (stored,) = snapshot.entries
+    assert stored.extra_fields == {"served_by": "m1"}
+    assert 99 not in stored.generation_token_ids
+    assert isinstance(stored, TokenEntry)
