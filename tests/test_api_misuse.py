@@ -237,3 +237,49 @@ async def test_the_entry_struct_path_still_keeps_extra_fields_and_copies(fresh):
     assert stored.extra_fields == {"served_by": "m1"}
     assert 99 not in stored.generation_token_ids
     assert isinstance(stored, TokenEntry)
+
+
+def test_asyncio_run_per_operation_closes_each_loops_client(s3_env, bucket_url, caplog):
+    """A sync wrapper calling ``asyncio.run`` per operation (the transport's module docstring
+    says each loop gets its own client) logged an asyncio ERROR "Unclosed client session" per
+    call: each loop's client was left to the garbage collector. Each loop's end now closes it."""
+    import gc
+    import logging
+
+    store = S3TokenStore(bucket_url)
+    with caplog.at_level(logging.WARNING):
+        for index in range(3):
+            asyncio.run(store.put(simple_entry("rr", f"c{index}", request_items=REQ)))
+            gc.collect()
+        snapshot = asyncio.run(store.read_snapshot("rr", sealed=False))
+        asyncio.run(store.close())
+        gc.collect()
+    assert sorted(e.model_call_id for e in snapshot.entries) == ["c0", "c1", "c2"]
+    unclosed = [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()]
+    assert unclosed == [], unclosed
+
+
+def test_a_thread_with_its_own_loop_closes_its_client_when_the_loop_ends(s3_env, bucket_url, caplog):
+    """Threads each with its own ``asyncio.run`` (what a thread pool of sync handlers does) left
+    "Unclosed connector" errors with their connection lists when their loops ended."""
+    import gc
+    import logging
+
+    store = S3TokenStore(bucket_url)
+
+    def work(index: int) -> None:
+        asyncio.run(store.put(simple_entry("rt", f"c{index}", request_items=REQ)))
+
+    with caplog.at_level(logging.WARNING):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        gc.collect()
+        snapshot = asyncio.run(store.read_snapshot("rt", sealed=False))
+        asyncio.run(store.close())
+        gc.collect()
+    assert len(snapshot.entries) == 3
+    unclosed = [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()]
+    assert unclosed == [], unclosed

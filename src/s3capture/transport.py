@@ -6,7 +6,8 @@ Every request s3capture sends goes through one ``Transport``. It owns:
 
 - **one client per event loop and per process**: a store used from two event loops (a sync wrapper
   calling ``asyncio.run`` per operation) or in a child after ``fork`` gets a fresh HTTP client
-  there instead of failing later with errors that read like an outage;
+  there instead of failing later with errors that read like an outage, and a loop that ends
+  through ``asyncio.run`` (its ``shutdown_asyncgens``) closes its client as it ends;
 - **request counting** (``request_counts``, by S3 operation, retries included) and a bound on
   requests in flight (``max_concurrency``);
 - **the verified listing** (``list`` and ``list_page``): the one place where a LIST answer is
@@ -450,6 +451,16 @@ class _LoopState:
     inflight: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     retired: list[AsyncExitStack] = field(default_factory=list)
+    loop_end: Any = None
+    """``Transport._loop_end`` of this state, first iterated on its loop (``None`` once closed)."""
+
+
+_ABANDONED: list[Any] = []
+"""The ``_loop_end`` generators of a parent's states in a forked child, kept so that they are
+never finalized there: a finalizer would schedule their clean-up on the parent's loop object and
+close the parent's clients (whose sockets the child shares) from the child."""
+_LOOP_END_WAIT = 1.0
+"""Seconds a loop's end waits for its requests in flight (``asyncio.run`` has cancelled them)."""
 
 
 @dataclass(frozen=True)
@@ -624,6 +635,7 @@ class Transport:
     def _state(self) -> _LoopState:
         if os.getpid() != self._pid:
             self._forked(self._states)
+            _ABANDONED.extend(s.loop_end for s in list(self._states.values()) if s.loop_end is not None)
             self._states = weakref.WeakKeyDictionary()
             self._pid = os.getpid()
         loop = asyncio.get_running_loop()
@@ -655,7 +667,24 @@ class Transport:
                 state.sem = asyncio.Semaphore(self._max_concurrency)
                 state.stack, state.client = stack, client
                 state.generation += 1
+                if state.loop_end is None:
+                    state.loop_end = self._loop_end(state)
+                    await state.loop_end.__anext__()  # registers it with this loop's shutdown_asyncgens
             return state.client, state.generation
+
+    async def _loop_end(self, state: _LoopState) -> Any:
+        """An async generator first iterated on the state's loop: ``asyncio.run`` (any loop's
+        ``shutdown_asyncgens``) closes it as the loop ends, and it closes that loop's client then.
+        A store used through ``asyncio.run`` per operation, or from a thread's own loop, otherwise
+        left each loop's client to the garbage collector, which logged an asyncio ERROR
+        "Unclosed client session" per loop (an API breaker, 2026-12-03); a closed loop cannot
+        close it any more. ``_close_state`` closes it first when the store is closed."""
+        try:
+            yield
+        finally:
+            if state.loop_end is not None:  # the loop is ending (or the transport was dropped)
+                state.loop_end = None
+                await self._close_state(state, _LOOP_END_WAIT)
 
     async def _open(self, stack: AsyncExitStack) -> Any:
         """Open this loop's client; register its clean-up on ``stack``."""
@@ -813,6 +842,9 @@ class Transport:
             state.client, state.stack, state.retired = None, None, []
         for stack in stacks:
             await stack.aclose()
+        loop_end, state.loop_end = state.loop_end, None
+        if loop_end is not None:  # not called from its own clean-up: it has nothing left to do
+            await loop_end.aclose()
 
     # ------------------------------------------------------------------ single requests (per transport)
     async def _put_once(self, client: Any, key: str, body: bytes) -> None:
