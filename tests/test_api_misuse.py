@@ -283,3 +283,31 @@ def test_a_thread_with_its_own_loop_closes_its_client_when_the_loop_ends(s3_env,
     assert len(snapshot.entries) == 3
     unclosed = [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()]
     assert unclosed == [], unclosed
+
+
+async def test_a_put_or_get_that_cannot_connect_says_to_check_the_endpoint(monkeypatch):
+    """obstore's own retries of a refused connection ended in "GenericError ... HTTP error: error
+    sending request", without the "cannot connect ... check the endpoint" aioboto3 gives."""
+    import socket
+
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config, make_transport
+
+    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    config = default_botocore_config(
+        4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+    )
+    transport = make_transport(None, "bkt", endpoint_url=endpoint, botocore_config=config)
+    try:
+        for request in (transport.put("k/1", b"x"), transport.get("k/1")):
+            with pytest.raises(StoreError) as failed:
+                await request
+            assert str(failed.value).startswith(f"cannot connect to {endpoint} ("), failed.value
+            assert "check the endpoint" in str(failed.value)
+    finally:
+        await transport.close()

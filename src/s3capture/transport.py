@@ -732,6 +732,15 @@ class Transport:
                     state.idle.set()
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _error_text(self, error: BaseException) -> str:
+        """The text of a client library's error, as a ``StoreError`` message quotes it."""
+        return str(error)
+
+    def _could_not_send(self, error: BaseException) -> bool:
+        """Whether this transport's client failed to send the request at all (after its own
+        retries), beyond ``_cannot_connect``: the error then says to check the endpoint."""
+        return False
+
     def _wrap(self, error: BaseException, operation: str, key: str) -> StoreError:
         code = self._error_code(error)
         where = f"{operation} s3://{self.bucket}/{key}"
@@ -746,17 +755,19 @@ class Transport:
                 operation=operation,
                 key=key,
             )
-        if _cannot_connect(error):
+        if _cannot_connect(error) or self._could_not_send(error):
             check = "check the endpoint (--endpoint or AWS_ENDPOINT_URL) and the network"
             if "WRONG_VERSION_NUMBER" in str(error) and (self.endpoint_url or "").startswith("https://"):
                 check = "the server answers plain HTTP: use http:// in the endpoint (--endpoint or AWS_ENDPOINT_URL)"
             return StoreError(
                 f"cannot connect to {self.endpoint_url or 'the AWS S3 endpoint'} ({where}): {type(error).__name__}: "
-                f"{error}; {check}",
+                f"{self._error_text(error)}; {check}",
                 operation=operation,
                 key=key,
             )
-        return StoreError(f"{where} failed: {type(error).__name__}: {error}", operation=operation, key=key)
+        return StoreError(
+            f"{where} failed: {type(error).__name__}: {self._error_text(error)}", operation=operation, key=key
+        )
 
     async def close(self, timeout: float = 30.0) -> None:
         """Wait for requests in flight (up to ``timeout`` seconds, then cancel them), then close
@@ -772,6 +783,7 @@ class Transport:
         self._closed = True
         if os.getpid() != self._pid:
             self._forked(self._states)
+            _ABANDONED.extend(s.loop_end for s in list(self._states.values()) if s.loop_end is not None)
             self._states = weakref.WeakKeyDictionary()
             return
         loop = asyncio.get_running_loop()

@@ -371,13 +371,16 @@ class ObstoreTransport(Transport):
         stack.push_async_callback(http.close)
         return store, http, (frozen.access_key, frozen.secret_key, frozen.token)
 
-    def _wrap(self, error: BaseException, operation: str, key: str) -> StoreError:
-        # object_store's messages end in a multi-line Rust debug dump: keep the first line.
-        wrapped = super()._wrap(error, operation, key)
-        text = str(wrapped).split("\n\nDebug source:", 1)[0].split("\n", 1)[0]
-        if len(text) > 400:
-            text = text[:400] + "..."
-        return StoreError(text, operation=operation, key=key)
+    def _error_text(self, error: BaseException) -> str:
+        # object_store's messages end in a multi-line Rust debug dump: keep the first line (the
+        # StoreError's own words, e.g. "; check the endpoint", come after it).
+        text = str(error).split("\n\nDebug source:", 1)[0].split("\n", 1)[0]
+        return text[:400] + "..." if len(text) > 400 else text
+
+    def _could_not_send(self, error: BaseException) -> bool:
+        # object_store's own retries of a refused connection end in "HTTP error: error sending
+        # request", naming no cause (an API breaker, 2026-12-03: no "check the endpoint" hint).
+        return "error sending request" in str(error)
 
     def _error_code(self, error: BaseException) -> str:
         response = getattr(error, "response", None)
