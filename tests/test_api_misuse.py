@@ -311,3 +311,12 @@ async def test_a_put_or_get_that_cannot_connect_says_to_check_the_endpoint(monke
             assert "check the endpoint" in str(failed.value)
     finally:
         await transport.close()
+
+
+def test_a_spill_dir_that_is_a_file_is_refused_when_the_store_is_built(s3_env, bucket_url, tmp_path):
+    """It was accepted and failed only during an outage, when a marker had to be spilled."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="spill_dir .* exists and is not a directory"):
+        S3TokenStore(bucket_url, spill_dir=afile)
+    S3TokenStore(bucket_url, spill_dir=tmp_path / "not-yet")  # made at the first spill: fine

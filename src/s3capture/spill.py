@@ -76,6 +76,10 @@ class Spill:
         files a replay also claims and stores (before 2026-12-02 a store whose endpoint came from
         the AWS config was named ``aws``, like AWS S3 itself)."""
         self.directory = os.fspath(directory)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            # Found at construction, not in the outage the spill exists for (an API breaker,
+            # 2026-12-03: a file here failed only when a marker had to be spilled).
+            raise ValueError(f"spill_dir {self.directory!r} exists and is not a directory")
         self.identity = {"endpoint": (endpoint or "aws").rstrip("/"), "bucket": bucket, "root": root}
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:24]
         readable = re.sub(r"[^A-Za-z0-9_.-]", "_", bucket)[:64]
