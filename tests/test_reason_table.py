@@ -35,8 +35,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "s3capture"
 DOC = ROOT / "docs" / "reasons.md"
-MODULES = ["store.py", "ledger.py", "trajectory.py", "rollouts.py", "records.py"] + sorted(
-    f"export/{path.name}" for path in (SRC / "export").glob("*.py")
+MODULES = (
+    ["store.py", "ledger.py", "rollouts.py", "records.py"]
+    + sorted(f"trajectory/{path.name}" for path in (SRC / "trajectory").glob("*.py"))
+    + sorted(f"export/{path.name}" for path in (SRC / "export").glob("*.py"))
 )
 _CODE = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -149,7 +151,7 @@ def source_codes() -> dict[str, dict[str, set[str]]]:
 
 def _section_of(module: str, form: str) -> str:
     """The section of docs/reasons.md a code produced by ``form`` in ``module`` belongs to."""
-    if module == "trajectory.py" or module.startswith("export/"):
+    if module.startswith(("trajectory/", "export/")):
         return "mask"
     if form == "reason=" and module in ("store.py", "ledger.py"):
         return "lineage"
@@ -204,7 +206,12 @@ def doc_codes() -> dict[tuple[str, str], str]:
 def test_extractor_sees_known_forms():
     """Each production form yields the codes it is known to produce (so the scan cannot go blind)."""
     codes = source_codes()
-    store, ledger, trajectory = (codes[m] for m in ("store.py", "ledger.py", "trajectory.py"))
+    store, ledger = (codes[m] for m in ("store.py", "ledger.py"))
+    trajectory: dict[str, set[str]] = {}
+    for m, found in codes.items():
+        if m.startswith("trajectory/"):
+            for code, forms in found.items():
+                trajectory.setdefault(code, set()).update(forms)
     export = {code: forms for m, found in codes.items() if m.startswith("export/") for code, forms in found.items()}
     # f-strings appended to ``reasons``, and problems returned by the loader
     assert {
