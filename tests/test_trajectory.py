@@ -601,7 +601,7 @@ def test_without_nemo_gym_auto_uses_the_builtin_engine(monkeypatch):
     import subprocess
     import sys
 
-    from s3capture import trajectory
+    from s3capture.trajectory import build as trajectory_build  # _gym_importable reads _gym_found there
 
     # The module imports and builds with NeMo Gym unimportable (a fresh interpreter).
     code = (
@@ -615,7 +615,7 @@ def test_without_nemo_gym_auto_uses_the_builtin_engine(monkeypatch):
     assert proc.returncode == 0, proc.stderr
     for name in ("nemo_gym.token_id_capture.consumer", "nemo_gym.token_id_capture.records"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setattr(trajectory, "_gym_found", None)
+    monkeypatch.setattr(trajectory_build, "_gym_found", None)
     snap = snapshot(conversation(3, delta=True))
     auto = build_rollout(snap)
     assert (
