@@ -900,6 +900,3 @@ def _sigterm_as_ctrl_c() -> Any:
 
     return signal.signal(signal.SIGTERM, interrupt)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
