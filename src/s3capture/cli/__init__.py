@@ -1,4 +1,11 @@
-"""The ``s3capture`` command line (``s3capture demo``, ``s3capture conformance``, ``s3capture export``)."""
+"""The ``s3capture`` command line (``s3capture demo``, ``s3capture conformance``, ``s3capture export``).
+
+``main`` (the ``s3capture`` entry point) and ``build_parser``, which declares every subcommand's
+arguments (``ls``, ``status``, ``gc``, ``doctor`` and ``serve`` register theirs from their own
+modules) and the commands ``demo``, ``conformance`` and ``export``. The parser class and the
+argument checks they share live in ``s3capture.cli.arguments``; their names stay importable from
+here.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,6 @@ import argparse
 import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -14,14 +20,17 @@ import time
 import uuid
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any, Callable, TypeVar
-from urllib.parse import urlparse
+from typing import Any
 
+from s3capture.cli.arguments import (
+    _argument as _argument,
+    _int_in as _int_in,
+    _Parser as _Parser,
+    check_endpoint as check_endpoint,
+    check_s3_url as check_s3_url,
+    stdout_to_devnull as stdout_to_devnull,
+)
 from s3capture.errors import install_hint
-
-# Bucket names S3-compatible stores accept between them (AWS, GCS, MinIO, R2, Ceph): letters, digits,
-# dots, hyphens and underscores, 3 to 222 characters, starting and ending with a letter or digit.
-_BUCKET = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{1,220})[A-Za-z0-9]")
 
 # The demo's numeric options: (lowest, highest). Upper bounds keep a typo from forking a thousand
 # processes or generating a workload that cannot fit in memory.
@@ -45,110 +54,6 @@ def generated_tokens(rollouts: int, calls: int) -> int:
     Call ``k``'s prompt has 64 + 48k ids and its generation 32.
     """
     return rollouts * (96 * calls + 24 * calls * (calls - 1))
-
-
-class _Parser(argparse.ArgumentParser):
-    """``argparse`` with one-line errors: ``s3capture demo: error: <what> (see 's3capture demo --help')``."""
-
-    commands: dict[str, argparse.ArgumentParser]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # No abbreviations: ``ls --stat frozen`` ran as ``--state``, so a typo passed unnoticed.
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        self._given = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
-
-    def error(self, message: str) -> Any:
-        if message.startswith("the following arguments are required"):
-            # argparse reports a missing required option before an unknown one: a typo'd
-            # ``--ouf`` would read as a forgotten ``--out``. Name the unknown options first.
-            known = tuple(self._option_string_actions)
-            words = [word.split("=", 1)[0] for word in getattr(self, "_given", []) if word.startswith("--")]
-            unknown = [word for word in words if word not in known]
-            if unknown:
-                message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
-        # An unknown option is the subcommand's error ("s3capture demo: error: ..."), not the top level's.
-        parsed, extra = self.parse_known_args(args, namespace)
-        if extra:
-            command = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
-            command.error(f"unrecognized arguments: {' '.join(extra)}")
-        return parsed
-
-
-def _int_in(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
-        return value
-
-    return parse
-
-
-def check_s3_url(url: str) -> str:
-    """``url`` when it is ``s3://bucket[/prefix]`` with a valid bucket name and characters a root
-    can keep (``s3capture.layout.check_url_characters``); ``ValueError`` otherwise."""
-    from s3capture.layout import check_url_characters
-
-    check_url_characters(url)
-    parsed = urlparse(url)
-    if parsed.scheme != "s3":
-        raise ValueError(f"expected s3://bucket[/prefix], got {url!r}")
-    if not parsed.netloc:
-        raise ValueError(f"no bucket in {url!r}; expected s3://bucket[/prefix]")
-    if parsed.query or parsed.fragment:
-        raise ValueError(f"an s3:// URL takes no query or fragment: {url!r}")
-    if not _BUCKET.fullmatch(parsed.netloc):
-        hint = "; the endpoint goes in --endpoint" if ":" in parsed.netloc else ""
-        raise ValueError(
-            f"{parsed.netloc!r} in {url!r} is not a bucket name (3 to 222 letters, digits, '.', '-' or '_', "
-            f"starting and ending with a letter or digit){hint}"
-        )
-    return url
-
-
-def check_endpoint(url: str) -> str:
-    """``url`` when it is ``http(s)://host[:port][/path]``; ``ValueError`` otherwise."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"expected http://host[:port] or https://host[:port], got {url!r}")
-    try:
-        port = parsed.port
-    except ValueError:
-        raise ValueError(f"bad port in {url!r}") from None
-    if port == 0:
-        raise ValueError(f"bad port in {url!r}")
-    if parsed.username is not None or parsed.password is not None:
-        raise ValueError(
-            f"an endpoint URL takes no user name or password (credentials come from the AWS chain): {url!r}"
-        )
-    if parsed.query or parsed.fragment:
-        raise ValueError(f"an endpoint URL takes no query or fragment: {url!r}")
-    return url
-
-
-_T = TypeVar("_T")
-
-
-def _argument(check: Callable[[str], _T]) -> Callable[[str], _T]:
-    """An argparse ``type`` from a ``ValueError``-raising check."""
-
-    def parse(text: str) -> _T:
-        try:
-            return check(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parse
 
 
 def _input_files(names: list[str]) -> list[Path]:
@@ -823,15 +728,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stdout_to_devnull() -> None:
-    """Point stdout at /dev/null, after its reader went away (``BrokenPipeError``): later output,
-    and the interpreter's final flush, then cannot fail."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass  # stdout is not a file descriptor (an embedding, a test's capture)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -899,4 +795,3 @@ def _sigterm_as_ctrl_c() -> Any:
         signal.raise_signal(signal.SIGINT)  # the Ctrl-C path: asyncio cancels, the pool stops
 
     return signal.signal(signal.SIGTERM, interrupt)
-
