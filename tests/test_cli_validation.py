@@ -22,6 +22,7 @@ import pytest
 from test_demo import example_file
 
 import s3capture.cli as cli
+import s3capture.cli.demo as cli_demo
 import s3capture.demo as demo
 import s3capture.localserver as localserver
 from s3capture.cli import main
@@ -59,7 +60,7 @@ def guarded(monkeypatch: pytest.MonkeyPatch) -> None:
         return reached
 
     monkeypatch.setattr(localserver, "start_moto", guard("start_moto"))
-    monkeypatch.setattr(cli, "_ensure_bucket", guard("_ensure_bucket"))
+    monkeypatch.setattr(cli_demo, "_ensure_bucket", guard("_ensure_bucket"))  # the module whose commands read it
     monkeypatch.setattr(demo, "run_workload", guard("run_workload"))
 
 
