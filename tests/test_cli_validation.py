@@ -121,6 +121,10 @@ URLS = [
     (["--endpoint", "http://host:99999"], "argument --endpoint: bad port in 'http://host:99999'"),
     (["--endpoint", "http://host:port"], "argument --endpoint: bad port in 'http://host:port'"),
     (["--endpoint", "http://key:secret@host"], "argument --endpoint: an endpoint URL takes no user name or password"),
+    (
+        ["--endpoint", "http://host:9000/bkt"],
+        "argument --endpoint: an endpoint URL takes no path ('/bkt'): give the server's address only, http://host:9000",
+    ),
     (["--endpoint", "https://host/?x=1"], "argument --endpoint: an endpoint URL takes no query or fragment"),
 ]
 

@@ -91,7 +91,8 @@ def check_s3_url(url: str) -> str:
 
 
 def check_endpoint(url: str) -> str:
-    """``url`` when it is ``http(s)://host[:port][/path]``; ``ValueError`` otherwise."""
+    """``url`` when it is ``http(s)://host[:port]`` (a trailing ``/`` allowed); ``ValueError``
+    otherwise (the stores refuse a path too: ``s3capture.transport.check_endpoint_url``)."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(f"expected http://host[:port] or https://host[:port], got {url!r}")
@@ -107,6 +108,11 @@ def check_endpoint(url: str) -> str:
         )
     if parsed.query or parsed.fragment:
         raise ValueError(f"an endpoint URL takes no query or fragment: {url!r}")
+    if parsed.path not in ("", "/"):
+        raise ValueError(
+            f"an endpoint URL takes no path ({parsed.path!r}): give the server's address only, "
+            f"{parsed.scheme}://{parsed.netloc} (the bucket comes from the s3:// URL)"
+        )
     return url
 
 
