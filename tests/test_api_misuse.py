@@ -135,7 +135,8 @@ def test_an_endpoint_from_the_environment_is_checked_and_named(monkeypatch):
     ("kwargs", "error", "says"),
     [
         ({"fence_grace": "1"}, TypeError, "fence_grace must be a number of seconds"),
-        ({"cache_bytes": -1}, ValueError, "cache_bytes must be an int >= 0"),
+        ({"cache_bytes": -1}, ValueError, "cache_bytes must be a number of bytes >= 0"),
+        ({"cache_bytes": float("nan")}, ValueError, "cache_bytes must be a number of bytes >= 0"),
         ({"max_concurrency": 1.5}, TypeError, "max_concurrency must be an int"),
         (
             {"botocore_config": {"retries": {"max_attempts": 2}}},

@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -297,8 +298,13 @@ class RolloutObjects:
         spill_dir: str | os.PathLike | None = None,
         transport: str | Transport | None = None,
     ) -> None:
-        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an int >= 0 (0: no cache), got {cache_bytes!r}")
+        if (
+            isinstance(cache_bytes, bool)
+            or not isinstance(cache_bytes, (int, float))
+            or not 0 <= cache_bytes < math.inf
+        ):
+            raise ValueError(f"cache_bytes must be a number of bytes >= 0 (0: no cache), got {cache_bytes!r}")
+        cache_bytes = int(cache_bytes)  # 1e9 is a fine bound
         self.bucket, prefix = parse_s3_url(url)
         self.url = url
         self.layout = Layout(prefix)
