@@ -76,7 +76,7 @@ LEDGER = "src/s3capture/ledger.py"
 RECORDS = "src/s3capture/records.py"
 EXPORT_SHARD = "src/s3capture/export/shard.py"
 EXPORT_DRIVER = "src/s3capture/export/driver.py"
-OPS = "src/s3capture/ops.py"
+OPS_GC = "src/s3capture/ops/gc_run.py"
 TRANSPORT_OBSTORE = "src/s3capture/transport_obstore.py"
 EXPORT_WRITERS = "src/s3capture/export/writers.py"
 EXPORT_DESTINATIONS = "src/s3capture/export/destinations.py"
@@ -483,7 +483,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "gc-retires-an-unfinished-retire-again",
-        OPS,
+        OPS_GC,
         'if records and rollout_prefix + "fence" not in listed:',
         "if False:",
         "gc leaves a retire tombstone without a fence alone (writers took the rollout for open: their puts were "
