@@ -26,8 +26,8 @@ import pytest
 
 from faultproxy import s3_error
 from helpers import simple_entry
-from s3capture import rollouts
 from s3capture.errors import StoreError
+from s3capture.rollouts import client as rollouts_client
 
 pytestmark = pytest.mark.all_transports
 
@@ -121,7 +121,7 @@ async def _spilled_marker_and_a_held_replay(fresh: Any, proxy: Any, tmp_path: An
 
 
 async def test_a_write_does_not_wait_for_a_spill_replay_the_store_holds(fresh, proxy, tmp_path, monkeypatch):
-    monkeypatch.setattr(rollouts, "_CLOSE_REPLAY_SECONDS", 0.5)
+    monkeypatch.setattr(rollouts_client, "_CLOSE_REPLAY_SECONDS", 0.5)  # read by RolloutObjects._replay_at_close
     store, release = await _spilled_marker_and_a_held_replay(fresh, proxy, tmp_path)
     try:
         # Completes while the replay's PUT is still held (never released during the put).
