@@ -36,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "s3capture"
 DOC = ROOT / "docs" / "reasons.md"
 MODULES = (
-    ["store.py", "ledger.py", "rollouts.py", "records.py"]
+    ["store.py", "ledger.py", "records.py"]
+    + sorted(f"rollouts/{path.name}" for path in (SRC / "rollouts").glob("*.py"))
     + sorted(f"trajectory/{path.name}" for path in (SRC / "trajectory").glob("*.py"))
     + sorted(f"export/{path.name}" for path in (SRC / "export").glob("*.py"))
 )

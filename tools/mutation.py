@@ -69,7 +69,8 @@ def _m(
 
 LAYOUT = "src/s3capture/layout.py"
 STORE = "src/s3capture/store.py"
-ROLLOUTS = "src/s3capture/rollouts.py"
+ROLLOUTS_FENCES = "src/s3capture/rollouts/fences.py"
+ROLLOUTS_SCAN = "src/s3capture/rollouts/scan.py"
 TRANSPORT = "src/s3capture/transport.py"
 SPILL = "src/s3capture/spill.py"
 LEDGER = "src/s3capture/ledger.py"
@@ -119,7 +120,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "scan-list-prefix-without-slash",
-        ROLLOUTS,
+        ROLLOUTS_FENCES,
         "listing = await self._list(\n            prefix,\n            require=",
         'listing = await self._list(\n            prefix.rstrip("/"),\n            require=',
         "every LIST prefix ends in '/': rollout r1 never sees (or retires) the objects of r10",
@@ -211,7 +212,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ snapshot identity and drop
     _m(
         "snapshot-id-ignores-log-keys",
-        ROLLOUTS,
+        ROLLOUTS_SCAN,
         'hasher.update(f"{item.key[len(self.prefix) :]}\\n".encode())',
         "pass",
         "snapshot_id is a digest of the sorted log keys: another state with as many objects has another id",
@@ -221,7 +222,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "version-ignores-foreign",
-        ROLLOUTS,
+        ROLLOUTS_SCAN,
         "return len(self.log) + len(self.foreign), hasher.hexdigest()[:32]",
         "return len(self.log), hasher.hexdigest()[:32]",
         "version counts every object under the rollout's log, foreign ones included",
@@ -472,7 +473,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "delete-removes-fence-before-tombstone",
-        ROLLOUTS,
+        ROLLOUTS_FENCES,
         'last = [scan.prefix + "retired", scan.prefix + "fence"]',
         'last = [scan.prefix + "fence", scan.prefix + "retired"]',
         "delete removes the retire tombstone before the fence: a failure in between never leaves a tombstone "
@@ -504,7 +505,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "retire-of-open-rollout-writes-tombstone-first",
-        ROLLOUTS,
+        ROLLOUTS_FENCES,
         "        if not scan.fence:\n            # An open rollout: the retired fence first.",
         "        if False:\n            # An open rollout: the retired fence first.",
         "an open rollout's retire writes the retired fence before its tombstone: a failure between them "
@@ -651,7 +652,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "scan-without-the-listing-end-confirmation",
-        ROLLOUTS,
+        ROLLOUTS_FENCES,
         "            unless=[prefix + rel for rel in unless],\n            confirm_end=True,",
         "            unless=[prefix + rel for rel in unless],\n            confirm_end=False,",
         "drop's decisive listing (and retire's, delete's) confirms its end: a late marker a cut listing "
