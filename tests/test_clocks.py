@@ -133,7 +133,7 @@ async def test_a_put_whose_host_was_suspended_mid_request_re_reads_the_fence(
         pytest.skip("no CLOCK_BOOTTIME here: a suspend is not measurable")
     import s3capture.clocks
     import s3capture.rollouts
-    import s3capture.store
+    import s3capture.store_writes
     from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
     from s3capture.store import S3TokenStore
 
@@ -162,7 +162,7 @@ async def test_a_put_whose_host_was_suspended_mid_request_re_reads_the_fence(
             return now - (window["end"] - window["start"])
 
     shim = Suspended("time")
-    modules = (s3capture.clocks, s3capture.rollouts, s3capture.store)
+    modules = (s3capture.clocks, s3capture.rollouts, s3capture.store_writes)  # store_writes: the store's ``time``
     saved = {module: module.time for module in modules if hasattr(module, "time")}
     for module in saved:
         module.time = shim  # type: ignore[attr-defined]

@@ -36,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "s3capture"
 DOC = ROOT / "docs" / "reasons.md"
 MODULES = (
-    ["store.py", "ledger.py", "records.py"]
+    sorted(path.name for path in SRC.glob("store*.py"))  # s3capture.store and its store_* parts
+    + ["ledger.py", "records.py"]
     + sorted(f"rollouts/{path.name}" for path in (SRC / "rollouts").glob("*.py"))
     + sorted(f"trajectory/{path.name}" for path in (SRC / "trajectory").glob("*.py"))
     + sorted(f"export/{path.name}" for path in (SRC / "export").glob("*.py"))
@@ -154,9 +155,9 @@ def _section_of(module: str, form: str) -> str:
     """The section of docs/reasons.md a code produced by ``form`` in ``module`` belongs to."""
     if module.startswith(("trajectory/", "export/")):
         return "mask"
-    if form == "reason=" and module in ("store.py", "ledger.py"):
+    if form == "reason=" and (module.startswith("store") or module == "ledger.py"):
         return "lineage"
-    if module == "store.py":
+    if module.startswith("store"):
         return "snapshot"
     if module == "ledger.py" and form == "_REASON":
         return "manifest"
@@ -207,7 +208,12 @@ def doc_codes() -> dict[tuple[str, str], str]:
 def test_extractor_sees_known_forms():
     """Each production form yields the codes it is known to produce (so the scan cannot go blind)."""
     codes = source_codes()
-    store, ledger = (codes[m] for m in ("store.py", "ledger.py"))
+    ledger = codes["ledger.py"]
+    store: dict[str, set[str]] = {}
+    for m, found in codes.items():
+        if m.startswith("store"):
+            for code, forms in found.items():
+                store.setdefault(code, set()).update(forms)
     trajectory: dict[str, set[str]] = {}
     for m, found in codes.items():
         if m.startswith("trajectory/"):

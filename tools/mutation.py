@@ -68,7 +68,12 @@ def _m(
 
 
 LAYOUT = "src/s3capture/layout.py"
-STORE = "src/s3capture/store.py"
+# s3capture.store is split by theme (its module docstrings say what each holds).
+STORE_CORE = "src/s3capture/store_core.py"
+STORE_WRITES = "src/s3capture/store_writes.py"
+STORE_SNAPSHOTS = "src/s3capture/store_snapshots.py"
+STORE_LIFECYCLE = "src/s3capture/store_lifecycle.py"
+STORE_LINEAGE = "src/s3capture/store_lineage.py"
 ROLLOUTS_FENCES = "src/s3capture/rollouts/fences.py"
 ROLLOUTS_SCAN = "src/s3capture/rollouts/scan.py"
 TRANSPORT = "src/s3capture/transport.py"
@@ -142,7 +147,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ freeze
     _m(
         "freeze-misfiled-call-id",
-        STORE,
+        STORE_SNAPSHOTS,
         "if entry.rollout_id != rollout_id or entry.model_call_id != cid or entry.continuation_fingerprint != fp:",
         "if entry.rollout_id != rollout_id or entry.continuation_fingerprint != fp:",
         "freeze flags an entry stored under another call id's key as misfiled",
@@ -152,7 +157,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-misfiled-fingerprint",
-        STORE,
+        STORE_SNAPSHOTS,
         "if entry.rollout_id != rollout_id or entry.model_call_id != cid or entry.continuation_fingerprint != fp:",
         "if entry.rollout_id != rollout_id or entry.model_call_id != cid:",
         "freeze flags an entry stored under another fingerprint's key as misfiled",
@@ -160,7 +165,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-reads-one-copy-per-sha",
-        STORE,
+        STORE_SNAPSHOTS,
         "by_call.setdefault(cid, {}).setdefault(sha, []).append((item, fp))",
         "by_call.setdefault(cid, {})[sha] = [(item, fp)]",
         "freeze reads and judges every listed key of an entry's bytes: a copy under another fingerprint's key is "
@@ -171,7 +176,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-conflict-needs-three",
-        STORE,
+        STORE_SNAPSHOTS,
         "if len(by_call[cid]) > 1:",
         "if len(by_call[cid]) > 2:",
         "freeze reports conflicting_payloads for a call id with two payloads",
@@ -181,7 +186,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-ignores-dangling-intent",
-        STORE,
+        STORE_SNAPSHOTS,
         'reasons.append(f"dangling_intent:{cid}")',
         "pass",
         "a begin_call intent without an entry masks the rollout (dangling_intent)",
@@ -191,7 +196,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-ignores-markers",
-        STORE,
+        STORE_SNAPSHOTS,
         'reasons.append(f"marked_incomplete:{cid}")',
         "pass",
         "a mark_incomplete marker masks the rollout (marked_incomplete)",
@@ -201,7 +206,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-ignores-broken-chain",
-        STORE,
+        STORE_SNAPSHOTS,
         "if entry.parent_call_id is not None and entry.parent_call_id not in present:",
         "if False:",
         "a delta entry whose parent is not in the snapshot masks it (broken_chain)",
@@ -232,7 +237,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "drop-ignores-version",
-        STORE,
+        STORE_LIFECYCLE,
         "or scan.version_and_id() != (version, snapshot_id):",
         "or scan.version_and_id()[1] != snapshot_id:",
         "drop retires only when both version and snapshot_id equal the consumed snapshot's",
@@ -245,7 +250,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "drop-ignores-changes",
-        STORE,
+        STORE_LIFECYCLE,
         " or scan.version_and_id() != (version, snapshot_id):",
         ":",
         "drop returns False and keeps everything when anything changed since the snapshot",
@@ -257,7 +262,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ resolve
     _m(
         "resolve-uses-a-conflicted-call",
-        STORE,
+        STORE_LINEAGE,
         "        if conflicted:\n",
         "        if False:\n",
         "a call id with conflicting payloads makes resolve UNRESOLVED, never a guess",
@@ -273,7 +278,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "resolve-ignores-fingerprint",
-        STORE,
+        STORE_LINEAGE,
         "if entry.rollout_id != rollout_id or entry.continuation_fingerprint != fingerprint:",
         "if entry.rollout_id != rollout_id:",
         "resolve returns only an entry whose own fingerprint is the request's (never a misfiled one)",
@@ -281,7 +286,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "resolve-ignores-context",
-        STORE,
+        STORE_LINEAGE,
         "if context != entry.continuation_context_digest:\n                continue",
         "if False:\n                continue",
         "resolve requires the request's leading items to match the entry's recorded context digest",
@@ -291,7 +296,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "read-skips-sha-check",
-        STORE,
+        STORE_CORE,
         "if sha is not None and hashlib.sha256(payload).hexdigest() != sha:",
         "if False:",
         "a reader verifies the SHA-256 in an entry's key against its bytes",
@@ -301,7 +306,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "delta-chain-skips-parent-check",
-        STORE,
+        STORE_CORE,
         "nearer.entry.parent_call_id != farther.entry.model_call_id\n",
         "False\n",
         "rebuilding a delta prompt checks every parent link of the ancestor chain",
@@ -314,7 +319,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ put and the fence
     _m(
         "put-ignores-retired-fence",
-        STORE,
+        STORE_WRITES,
         '        if state == "retired":\n            # Never delete the key: it is content-addressed',
         "        if False:\n            # Never delete the key: it is content-addressed",
         "put into a retired rollout raises TokenCaptureRetiredError",
@@ -324,7 +329,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "put-ignores-frozen-fence",
-        STORE,
+        STORE_WRITES,
         '        if state == "frozen":\n            raise TokenCaptureFrozenError(\n'
         '                f"rollout {record.rollout_id!r} is frozen; the late entry',
         "        if False:\n            raise TokenCaptureFrozenError(\n"
@@ -359,7 +364,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "freeze-list-need-not-show-fence",
-        STORE,
+        STORE_SNAPSHOTS,
         'listing = await self._list(prefix, require=[prefix + "fence"])',
         "listing = await self._list(prefix)",
         "freeze's listing must show the fence that freeze just wrote (a stale listing is retried, then ListingError)",
@@ -370,7 +375,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ issue 7: fences and drop
     _m(
         "put-retired-deletes-shared-key",
-        STORE,
+        STORE_WRITES,
         '        if state == "retired":\n            # Never delete the key: it is content-addressed',
         '        if state == "retired":\n            await self._delete_one(key)\n            # Never delete the key: it is content-addressed',
         "a put that reads the rollout retired never deletes its key (an acknowledged identical put may own it)",
@@ -381,7 +386,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "drop-skips-fence-grace",
-        STORE,
+        STORE_LIFECYCLE,
         "wait = seen_at + self._fence_grace + _CLOCK_SLACK - awake_clock()",
         "wait = 0.0",
         "drop waits fence_grace on this client's clock (awake_clock) since it knew the fence existed",
@@ -393,7 +398,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ issue 7: holes and bytes
     _m(
         "missing-parent-only-for-deltas",
-        STORE,
+        STORE_SNAPSHOTS,
         "if entry.parent_call_id is not None and entry.parent_call_id not in present:",
         "if entry.prompt_is_delta and entry.parent_call_id not in present:",
         "any entry (full prompt or delta) whose parent_call_id is not in the snapshot masks it (missing_parent)",
@@ -425,7 +430,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ later contracts (2026-12-02)
     _m(
         "resolve-rebuilds-digestless-delta",
-        STORE,
+        STORE_LINEAGE,
         "if stored.entry.prompt_is_delta and not stored.entry.digest:",
         "if False:",
         "resolve never rebuilds a delta winner without a digest: UNRESOLVED unverifiable_parent (its chain is a "
@@ -434,7 +439,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "delta-chain-accepts-another-rollouts-ancestor",
-        STORE,
+        STORE_CORE,
         "or farther.entry.rollout_id != stored.entry.rollout_id",
         "or False",
         "every ancestor of a delta rebuild belongs to the winner's rollout",
@@ -537,7 +542,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ issue 7: spill
     _m(
         "cancelled-marker-not-spilled",
-        STORE,
+        STORE_WRITES,
         '            self._spill_on_cancel(key, b"", f"mark_incomplete({rollout_id!r}, {model_call_id!r})")\n',
         "            pass\n",
         "a mark_incomplete cancelled by the caller is spilled (fsynced) before the cancellation propagates",
@@ -713,7 +718,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "drop-retries-a-settled-decisive-listing",
-        STORE,
+        STORE_LIFECYCLE,
         'after = await self._scan(rollout_id, require=[tombstone], unless=["retired"])',
         "after = await self._scan(rollout_id, require=[tombstone])",
         "a drop whose tombstone a concurrent drop deleted answers False from its decisive listing",
@@ -763,7 +768,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "resolve-compares-raw-cum-len",
-        STORE,
+        STORE_LINEAGE,
         "(entry.digest, entry.cum_len if entry.cum_len is not None else _cumulative_len(entry)) for entry in entries",
         "(entry.digest, entry.cum_len) for entry in entries",
         "several resolve candidates are one parent only by Gym's rule: a missing cum_len counts as the token count",
