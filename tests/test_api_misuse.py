@@ -193,7 +193,7 @@ async def test_close_does_not_wait_for_ever_on_another_threads_blocked_loop(fres
     gives up after its bound, warns, and leaves the close scheduled on that loop."""
     import logging
 
-    from s3capture import transport as transport_module
+    from s3capture import transport_clients as transport_module
 
     monkeypatch.setattr(transport_module, "_CANCELLED_REQUESTS_WAIT", 0.2)
     store = fresh()
@@ -294,7 +294,7 @@ async def test_a_put_or_get_that_cannot_connect_says_to_check_the_endpoint(monke
     from s3capture.errors import StoreError
     from s3capture.transport import default_botocore_config, make_transport
 
-    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     with socket.socket() as probe:  # a port nobody listens on

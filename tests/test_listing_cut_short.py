@@ -284,7 +284,7 @@ async def test_a_store_that_ignores_start_after_still_lists_freezes_and_reads(fr
     ``StartAfter``), nothing fails: the end is not confirmed, and that is said once."""
     from faultproxy import ListIgnoreStartAfter
 
-    import s3capture.transport as transport_module
+    import s3capture.listing as listing_module
 
     writer = fresh()
     await _rollout_with_marker(writer)
@@ -293,7 +293,7 @@ async def test_a_store_that_ignores_start_after_still_lists_freezes_and_reads(fr
         return ListIgnoreStartAfter() if request.is_list and "start-after" in request.params else None
 
     proxy.rule = rule
-    transport_module._IGNORES_START_AFTER = False
+    listing_module._IGNORES_START_AFTER = False
     store = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
     with caplog.at_level("WARNING", logger="s3capture"):
         assert [info.rollout_id async for info in store.rollouts()] == ["r"]

@@ -292,7 +292,7 @@ async def test_https_to_a_plain_http_server_says_to_use_http(s3_server, transpor
     from s3capture.errors import StoreError
     from s3capture.transport import default_botocore_config
 
-    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     endpoint = s3_server.endpoint_url.replace("http://", "https://")
@@ -319,7 +319,7 @@ async def test_an_endpoint_that_accepts_but_never_answers_warns_at_the_first_ret
     from s3capture.errors import StoreError
     from s3capture.transport import default_botocore_config
 
-    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     server = socket.socket()
@@ -369,7 +369,7 @@ async def test_a_request_that_cannot_connect_warns_at_once_then_fails_after_its_
     from s3capture.errors import StoreError
     from s3capture.transport import default_botocore_config
 
-    monkeypatch.setattr("s3capture.transport._CONNECT_WARNED", {})
+    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     with socket.socket() as probe:  # a port nobody listens on
@@ -402,7 +402,7 @@ def test_connect_warnings_repeat_every_5_seconds_while_the_retries_go_on(monkeyp
     endpoint, however many requests fail together; another endpoint has its own."""
     import logging
 
-    from s3capture import transport as transport_module
+    from s3capture import transport_errors as transport_module
 
     monkeypatch.setattr(transport_module, "_CONNECT_WARNED", {})
     now = [1000.0]
