@@ -77,6 +77,8 @@ STORE_LINEAGE = "src/s3capture/store_lineage.py"
 ROLLOUTS_FENCES = "src/s3capture/rollouts/fences.py"
 ROLLOUTS_SCAN = "src/s3capture/rollouts/scan.py"
 TRANSPORT = "src/s3capture/transport.py"
+LISTING = "src/s3capture/listing.py"
+TRANSPORT_DELETE = "src/s3capture/transport_delete.py"
 SPILL = "src/s3capture/spill.py"
 LEDGER = "src/s3capture/ledger.py"
 RECORDS = "src/s3capture/records.py"
@@ -342,7 +344,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ issue 7: verified listings
     _m(
         "list-keeps-keys-outside-prefix",
-        TRANSPORT,
+        LISTING,
         'outside the requested prefix; ignored", prefix, key)\n            continue\n',
         'outside the requested prefix; ignored", prefix, key)\n',
         "a verified listing ignores keys outside the requested prefix: retire, delete and drop of r1 never "
@@ -353,7 +355,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "list-empty-200-is-no-objects",
-        TRANSPORT,
+        LISTING,
         'if "IsTruncated" not in page:',
         "if False:",
         "a 200 LIST with an empty or unparseable body is a store error (retried, then StoreError), never 'no objects'",
@@ -521,7 +523,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "delete-objects-trusts-an-answer-that-confirms-nothing",
-        TRANSPORT,
+        TRANSPORT_DELETE,
         "return [k for k in batch if k not in confirmed]",
         "return []",
         "keys a DeleteObjects answer does not confirm are deleted one by one (an empty or HTML 200 is no result)",
@@ -646,7 +648,7 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ 2026-12-02 (2): listings cut short, claims
     _m(
         "freeze-ignores-the-listing-end-confirmation",
-        TRANSPORT,
+        LISTING,
         "    if more:\n        return await work(listing + more)",
         "    if False:\n        return await work(listing + more)",
         "a freeze whose listing was cut short (IsTruncated false after the entries) sees the keys the "
