@@ -284,7 +284,7 @@ async def test_a_store_that_ignores_start_after_still_lists_freezes_and_reads(fr
     ``StartAfter``), nothing fails: the end is not confirmed, and that is said once."""
     from faultproxy import ListIgnoreStartAfter
 
-    import s3capture.listing as listing_module
+    import s3capture.transport_listing as listing_module
 
     writer = fresh()
     await _rollout_with_marker(writer)

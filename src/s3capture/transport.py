@@ -29,7 +29,7 @@ Fault injection for tests wraps the wire (``tests/faultproxy.py``), never this m
 
 # The parts of the seam live beside this module, which re-exports their names:
 # s3capture.transport_config (endpoint checks, default_botocore_config), s3capture.transport_errors
-# (error codes, connect warnings, retry delays), s3capture.listing (ListedObject, ListPage, page
+# (error codes, connect warnings, retry delays), s3capture.transport_listing (ListedObject, ListPage, page
 # verification, the confirmation of a listing's end: Transport's listing methods),
 # s3capture.transport_delete (Transport's delete with fallback) and s3capture.transport_clients
 # (the client per event loop and process, and how close closes them).
@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 from s3capture.clocks import awake_clock
 from s3capture.errors import StoreError
-from s3capture.listing import (
+from s3capture.transport_listing import (
     ListedObject as ListedObject,
     ListingMixin,
     ListPage as ListPage,
