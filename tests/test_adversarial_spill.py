@@ -225,8 +225,11 @@ async def test_a_spill_that_fails_keeps_the_callers_error_and_cancellation(s3_se
         _down(proxy, "c1")
         target = tmp_path / "gone"
         spill = tmp_path / "spill"
-        spill.symlink_to(target, target_is_directory=True)  # dangling: makedirs raises FileExistsError
         worker = fresh(endpoint_url=proxy.endpoint, spill_dir=spill, botocore_config=_no_retry_config())
+        # Made when the store was built; broken afterwards (a dangling link: makedirs raises
+        # FileExistsError), as a folder removed or unmounted under a running worker is.
+        spill.rmdir()
+        spill.symlink_to(target, target_is_directory=True)
         await worker.put(simple_entry("r", "c0"))
         from s3capture.errors import StoreError
 

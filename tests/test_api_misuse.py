@@ -315,9 +315,100 @@ async def test_a_put_or_get_that_cannot_connect_says_to_check_the_endpoint(monke
 
 
 def test_a_spill_dir_that_is_a_file_is_refused_when_the_store_is_built(s3_env, bucket_url, tmp_path):
-    """It was accepted and failed only during an outage, when a marker had to be spilled."""
+    """It was accepted and failed only during an outage, when a marker had to be spilled; so did
+    a folder that cannot be made."""
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(ValueError, match="spill_dir .* exists and is not a directory"):
         S3TokenStore(bucket_url, spill_dir=afile)
-    S3TokenStore(bucket_url, spill_dir=tmp_path / "not-yet")  # made at the first spill: fine
+    with pytest.raises(ValueError, match="spill_dir .* cannot be created"):
+        S3TokenStore(bucket_url, spill_dir=afile / "sub")  # a file on its path
+    S3TokenStore(bucket_url, spill_dir=tmp_path / "not-yet")
+    assert (tmp_path / "not-yet").is_dir()  # made when the store is built
+
+
+def test_a_request_from_another_generators_clean_up_at_the_loops_end_is_not_cut(s3_env, bucket_url, caplog):
+    """``shutdown_asyncgens`` closes every async generator at once: one whose clean-up writes to
+    the store ran beside the store's own loop-end close, which closed the client under that PUT
+    (a false "cannot connect" warning, a retry on a second client nobody closed; a review,
+    2026-12-03). The loop's end now waits for the request and closes the client after it. The
+    late PUT is held 0.5 s by a fault proxy on its own thread, so the two overlap."""
+    import gc
+    import logging
+
+    from faultproxy import FaultProxy
+
+    proxy_loop = asyncio.new_event_loop()
+    proxy_thread = threading.Thread(target=proxy_loop.run_forever, daemon=True)
+    proxy_thread.start()
+    proxy = asyncio.run_coroutine_threadsafe(FaultProxy.for_server(s3_env).start(), proxy_loop).result(30)
+
+    async def hold_the_late_put(request) -> None:
+        if request.method == "PUT" and "late" in request.path:
+            await asyncio.sleep(0.5)
+
+    proxy.rule = hold_the_late_put
+    store = S3TokenStore(bucket_url, endpoint_url=proxy.endpoint)
+    held: list = []
+
+    async def main() -> None:
+        await store.put(simple_entry("rg", "c0", request_items=REQ))
+
+        async def writes_at_its_end():
+            try:
+                yield
+            finally:
+                await store.put(simple_entry("rg", "late", request_items=REQ))
+
+        generator = writes_at_its_end()
+        await generator.__anext__()
+        held.append(generator)
+
+    try:
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(main())
+            gc.collect()
+            snapshot = asyncio.run(store.read_snapshot("rg", sealed=False))
+            asyncio.run(store.close())
+            gc.collect()
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.stop(), proxy_loop).result(30)
+        proxy_loop.call_soon_threadsafe(proxy_loop.stop)
+        proxy_thread.join(30)
+        proxy_loop.close()
+    assert sorted(e.model_call_id for e in snapshot.entries) == ["c0", "late"]
+    noise = [
+        r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage() or "cannot connect" in r.getMessage()
+    ]
+    assert noise == [], noise
+
+
+def test_an_endpoint_with_a_path_from_the_aws_config_is_refused_before_any_request(
+    s3_server, s3_client, bucket_url, monkeypatch, tmp_path, transport_kind
+):
+    """The argument and the environment were checked, but botocore also takes a profile's
+    ``endpoint_url`` from the AWS config file: one ending in the bucket stored every key under
+    ``BUCKET/`` (a review, 2026-12-03). The aioboto3 transport checks it when it opens its
+    client, before the first request (obstore does not read the AWS config's endpoint)."""
+    if transport_kind != "aioboto3":
+        pytest.skip("only botocore reads endpoint_url from the AWS config")
+    bucket, root = split_bucket_url(bucket_url)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    config = tmp_path / "config"
+    config.write_text(f"[default]\nendpoint_url = {s3_server.endpoint_url}/{bucket}\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+
+    async def write() -> None:
+        store = S3TokenStore(bucket_url)
+        try:
+            with pytest.raises(ValueError, match="endpoint_url of the AWS config .* has a path"):
+                await store.put(simple_entry("rf", "c1", request_items=REQ))
+            assert store.request_counts.total() == 0
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+    assert list_keys(s3_client, bucket) == []

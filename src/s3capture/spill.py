@@ -80,6 +80,10 @@ class Spill:
             # Found at construction, not in the outage the spill exists for (an API breaker,
             # 2026-12-03: a file here failed only when a marker had to be spilled).
             raise ValueError(f"spill_dir {self.directory!r} exists and is not a directory")
+        try:  # and a folder that cannot be made (a file on its path, no permission) too
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"spill_dir {self.directory!r} cannot be created: {error}") from None
         self.identity = {"endpoint": (endpoint or "aws").rstrip("/"), "bucket": bucket, "root": root}
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:24]
         readable = re.sub(r"[^A-Za-z0-9_.-]", "_", bucket)[:64]

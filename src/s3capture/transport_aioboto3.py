@@ -35,6 +35,7 @@ from s3capture.transport import (
     _TooLarge,
     _Unverified,
     _code,
+    check_endpoint_url,
     default_botocore_config,
     store_retry_delay,
     warn_connect_retry,
@@ -164,6 +165,17 @@ class S3Transport(Transport):
         client = await stack.enter_async_context(
             self._session.client("s3", endpoint_url=self.endpoint_url, config=self._config)
         )
+        if not self.endpoint_url:
+            # An endpoint from the AWS config (a profile's endpoint_url) is checked as the argument
+            # and the environment's are at construction (a review, 2026-12-03: one ending in the
+            # bucket stored every key under "BUCKET/"): here, before the first request is sent.
+            try:
+                check_endpoint_url(
+                    str(client.meta.endpoint_url), bucket=self.bucket, source="endpoint_url of the AWS config"
+                )
+            except ValueError:
+                await stack.aclose()
+                raise
         client.meta.events.register("before-send.s3", self._count_request)
         client.meta.events.register("needs-retry.s3", self._note_retry)
         # Before botocore's own handler: the first delay any handler returns is the one used.

@@ -47,7 +47,10 @@ _ABANDONED: list[Any] = []
 never finalized there: a finalizer would schedule their clean-up on the parent's loop object and
 close the parent's clients (whose sockets the child shares) from the child."""
 _LOOP_END_WAIT = 1.0
-"""Seconds a loop's end waits for its requests in flight (``asyncio.run`` has cancelled them)."""
+"""Seconds of one wait of a loop's end for its requests in flight (``asyncio.run`` has cancelled
+its tasks; another async generator's clean-up may still send one)."""
+_LOOP_END_ROUNDS = 10
+"""Waits of ``_LOOP_END_WAIT`` a loop's end makes before leaving its client open."""
 
 
 class LoopClientsMixin:
@@ -102,7 +105,10 @@ class LoopClientsMixin:
                 state.sem = asyncio.Semaphore(self._max_concurrency)
                 state.stack, state.client = stack, client
                 state.generation += 1
-                if state.loop_end is None:
+                # Not after the loop's shutdown_asyncgens began (a request from another async
+                # generator's clean-up): a generator first iterated then is never closed.
+                loop = asyncio.get_running_loop()
+                if state.loop_end is None and not getattr(loop, "_asyncgens_shutdown_called", False):
                     state.loop_end = self._loop_end(state)
                     await state.loop_end.__anext__()  # registers it with this loop's shutdown_asyncgens
             return state.client, state.generation
@@ -119,7 +125,30 @@ class LoopClientsMixin:
         finally:
             if state.loop_end is not None:  # the loop is ending (or the transport was dropped)
                 state.loop_end = None
-                await self._close_state(state, _LOOP_END_WAIT)
+                await self._close_at_loop_end(state)
+
+    async def _close_at_loop_end(self, state: _LoopState) -> None:
+        """Close a loop's client as the loop ends, never under a request: ``shutdown_asyncgens``
+        closes every async generator at once, so another one's clean-up may send a request on
+        this client right now (a review, 2026-12-03: closing it under that PUT turned it into a
+        connection error and a retry on a second client nobody closed). Nothing is cancelled;
+        the client is taken only at a moment no request holds it (checked under the lock, with no
+        await between the check and the take), after at most ``_LOOP_END_ROUNDS`` waits of
+        ``_LOOP_END_WAIT`` s; past them it is left to the garbage collector, as before."""
+        for _ in range(_LOOP_END_ROUNDS):
+            try:
+                await asyncio.wait_for(state.idle.wait(), _LOOP_END_WAIT)
+            except asyncio.TimeoutError:
+                continue
+            async with state.lock:
+                if state.inflight:
+                    continue  # a request took the client after the wait: wait for it too
+                stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
+                state.client, state.stack, state.retired = None, None, []
+            for stack in stacks:
+                await stack.aclose()
+            return
+        log.debug("a loop ended with requests of s3://%s still in flight: its client is left open", self.bucket)
 
     async def _open(self, stack: AsyncExitStack) -> Any:
         """Open this loop's client; register its clean-up on ``stack``."""
@@ -167,6 +196,7 @@ class LoopClientsMixin:
         cancelled task may go on to await this same ``close`` (``async with store:``, or a
         ``finally: await store.close()``), and waiting for it to end deadlocked both for ever
         (a breaker, 2026-12-02)."""
+        mine = state.loop_end  # closed last; a generator of a client opened meanwhile is not ours
         try:
             await asyncio.wait_for(state.idle.wait(), timeout)
         except asyncio.TimeoutError:
@@ -187,6 +217,6 @@ class LoopClientsMixin:
             state.client, state.stack, state.retired = None, None, []
         for stack in stacks:
             await stack.aclose()
-        loop_end, state.loop_end = state.loop_end, None
-        if loop_end is not None:  # not called from its own clean-up: it has nothing left to do
-            await loop_end.aclose()
+        if mine is not None and state.loop_end is mine:  # still registered: it has nothing left to do
+            state.loop_end = None
+            await mine.aclose()
