@@ -26,48 +26,35 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import io
-import logging
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zstandard
 
 from s3capture import fingerprint as _fp
-from s3capture.layout import MAX_KEY_BYTES, escape_id, is_folder_marker, parse_ledger_key
-from s3capture.ledger_records import (
-    LEDGER_CONFLICTING_ROWS_REASON,
-    LEDGER_FOREIGN_OBJECT_REASON,
-    LEDGER_MISSING_PARENT_REASON,
-    LEDGER_UNREADABLE_ROW_REASON,
-    UNCOMMITTED_CALL_REASON,
-    CallRecord,
-    ManifestFailure,
-    RolloutManifest,
-    to_wire,
-    validate_commit,
+from s3capture.layout import MAX_KEY_BYTES, escape_id, parse_ledger_key
+from s3capture.ledger_manifest import _LedgerManifest
+from s3capture.ledger_records import validate_commit
+from s3capture.ledger_rows import (
+    _COMPRESS_ABOVE,
+    _FAILURE_FORMAT,
+    _MAX_ROW_BYTES,
+    _ROW_FORMAT,
+    _Cached,
+    _Failure,
+    _heap_estimate,
+    _Row,
+    _sha,
+    _without_folder_markers,
 )
-from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload, RolloutRetiredError
+from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from s3capture.records import ParentResolutionStatus, RecordError
-from s3capture.rollouts import RolloutObjects, RolloutScan
-from s3capture.transport import ListedObject, beside_confirmation
+from s3capture.rollouts import RolloutScan
+from s3capture.transport import ListedObject
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
-
-log = logging.getLogger("s3capture")
-
-_ROW_FORMAT = "s3capture.ledger-row/1"
-_FAILURE_FORMAT = "s3capture.ledger-failure/1"
-_MAX_ROW_BYTES = 4 * 1024 * 1024
-"""Largest ledger object a reader decodes (after decompression): rows are token-free."""
-_COMPRESS_ABOVE = 1024
-"""Rows longer than this (bytes of JSON) are stored zstd-compressed: a deep call's row repeats its
-whole ``staging_chain``, which compresses about tenfold."""
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 class LedgerConflictError(ValueError):
@@ -79,68 +66,7 @@ class LedgerConflictError(ValueError):
     """
 
 
-class _Row(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A stored committed row: the manifest row plus what resolution needs (no request items)."""
-
-    format: str
-    rollout_id: str
-    record: CallRecord
-    staging_chain: list[str]
-    fingerprint: str | None
-    fingerprint_version: int
-    context_len: int
-    context_digest: str
-
-
-class _Failure(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    format: str
-    rollout_id: str
-    model_call_id: str
-    reason: str
-
-
-@dataclass
-class _Cached:
-    """A decoded immutable ledger object (cached by key: the key names the SHA-256 of its bytes)."""
-
-    value: Any
-    nbytes: int
-
-
-def _sha(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()
-
-
-def _heap_estimate(value: Any, json_bytes: int) -> int:
-    """Bytes a decoded row holds on the heap: about 2x its JSON, plus a str object per chain key.
-
-    Each ``staging_chain`` key is its own ``str`` (about 50 bytes of header and list slot), which
-    dominates a row of many short keys; counting it keeps ``cache_bytes`` a real bound.
-    """
-    return 2 * json_bytes + 1024 + 64 * len(getattr(value, "staging_chain", ()))
-
-
-def _decompress(data: bytes) -> bytes:
-    """Decompress a stored row, refusing more than ``_MAX_ROW_BYTES``; raises ``RecordError``."""
-    out = io.BytesIO()
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
-        while chunk := reader.read(1 << 16):
-            out.write(chunk)
-            if out.tell() > _MAX_ROW_BYTES:
-                raise RecordError(f"ledger object decompresses beyond {_MAX_ROW_BYTES} bytes")
-    except zstandard.ZstdError as error:
-        raise RecordError(f"ledger object is not valid zstd: {error}") from None
-    return out.getvalue()
-
-
-def _without_folder_markers(prefix: str, listed: list[ListedObject]) -> list[ListedObject]:
-    """``listed`` without folder markers (``layout.is_folder_marker``: an s3fs or rclone mount's
-    ``.../row/<call>/``), which are no rows."""
-    return [item for item in listed if not is_folder_marker(item.key[len(prefix) :], item.size)]
-
-
-class S3CaptureLedger(RolloutObjects):
+class S3CaptureLedger(_LedgerManifest):
     """NeMo Gym's ``CaptureLedger`` (and so a ``LineageResolver``) on S3.
 
     Parameters:
@@ -336,193 +262,7 @@ class S3CaptureLedger(RolloutObjects):
         segment = self.layout.check_call_id(prefix, model_call_id)
         await self._put(f"{prefix}ledger/intent/{segment}", b"")
 
-    # ------------------------------------------------------------------ reads
-    async def _retired(self, prefix: str) -> bool:
-        # The tombstone, not the fence: it is written before the retired fence, and delete removes
-        # it (after the rows) before the fence.
-        return await self._present(prefix + "retired")
-
-    async def _load(self, key: str, sha: str, kind: type) -> Any:
-        """The decoded row at ``key`` (cache or one GET); ``None`` if absent. Raises ``RecordError``."""
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached.value
-
-        def check(data: bytes) -> tuple[Any, int]:
-            if data.startswith(_ZSTD_MAGIC):
-                data = _decompress(data)
-            if _sha(data) != sha:
-                raise RecordError("ledger object bytes do not match the SHA-256 in their key")
-            try:
-                value: Any = msgspec.json.decode(data, type=kind)
-            except (msgspec.DecodeError, RecursionError) as error:  # RecursionError: nested past the stack
-                raise RecordError(f"not an s3capture ledger object: {error}") from None
-            expected = _ROW_FORMAT if kind is _Row else _FAILURE_FORMAT
-            if value.format != expected:
-                raise RecordError(f"unknown ledger object format {value.format!r} (newer s3capture?)")
-            if msgspec.json.encode(value, order="sorted") != data:
-                # Valid JSON that is not what a writer produces (a repeated key decodes last-wins, ...).
-                raise RecordError("ledger object bytes are not the canonical encoding of what they decode to")
-            return value, len(data)
-
-        checked = await self._get_checked(key, _MAX_ROW_BYTES, check)
-        if checked is None:
-            return None
-        value, size = checked
-        self._cache.put(key, _Cached(value, _heap_estimate(value, size)))
-        return value
-
-    async def manifest(self, rollout_id: str) -> dict:
-        """The rollout's token-free ledger as plain wire data (validates as Gym's ``RolloutManifest``).
-
-        Shape: ``{"schema_version": 2, "rollout_id", "records": [CallRecord...], "failures":
-        [{"schema_version", "model_call_id", "reason"}...]}``; records sorted by ``admitted_at``
-        then call id. A call id with more than one committed row is listed under ``failures`` with
-        reason ``conflicting_ledger_rows`` instead of under ``records``; an unreadable row gives
-        ``unreadable_ledger_row``, an object s3capture did not write ``foreign_ledger_object`` (its
-        key as the call id), and a ``begin_call`` intent without any row Gym's
-        ``request_finished_without_staged_coordinates``, and a row whose ``parent_call_id`` has no
-        committed row ``missing_parent_row``, so such a rollout never looks trainable. Requests: one LIST page per 1,000 ledger keys with a GET of the retire tombstone, then one
-        GET per uncached row with a second GET of the tombstone (in parallel). Every failure code
-        and its meaning: ``docs/reasons.md``.
-
-        Raises:
-            RolloutRetiredError: the rollout was retired before or while the manifest was read.
-            ValueError: an id that cannot be stored (before any request).
-            StoreError: the store failed a request (``ListingError`` for a listing that cannot
-                be trusted after retries).
-        """
-        prefix = self.layout.rollout(rollout_id)
-        listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
-        if retired:
-            raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
-
-        # The listing's end is confirmed by one more LIST, beside the rows' GETs: a listing cut
-        # short hides the ledger's last keys (its rows, which sort after the failures and
-        # intents), and the manifest would read as whole (Transport.confirm_listing_end).
-        async def confirmed_end() -> list[ListedObject]:
-            more = await self.transport.confirm_listing_end(f"{prefix}ledger/", listing)
-            # The tombstone lies outside ledger/, so this LIST cannot show it: read it again after
-            # the LIST, as _manifest_of's own GET follows the first one, or a retire that deleted
-            # rows while this LIST ran would go unseen (a breaker, 2026-12-02).
-            if not more and await self._retired(prefix):
-                raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while its manifest was read")
-            return more
-
-        return await beside_confirmation(
-            confirmed_end(), listing, lambda whole: self._manifest_of(rollout_id, prefix, whole)
-        )
-
-    async def _manifest_of(self, rollout_id: str, prefix: str, listing: list[ListedObject]) -> dict:
-        """``manifest``'s result for the listed ledger keys (GETs of the rows not cached and of the
-        retire tombstone, in parallel)."""
-        rows: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
-        fails: list[tuple[str, str, bool, str]] = []
-        intents: set[str] = set()
-        failures: set[tuple[str, str]] = set()
-        for item in listing:
-            rel = item.key[len(prefix) :]
-            parsed = parse_ledger_key(rel)
-            if parsed is None and is_folder_marker(rel, item.size):
-                continue  # ``ledger/`` or a deeper folder of an s3fs or rclone mount: no row
-            if parsed is None:
-                failures.add((rel, LEDGER_FOREIGN_OBJECT_REASON))
-            elif parsed[0] == "row":
-                rows[parsed[1]].append((item.key, parsed[3]))
-            elif parsed[0] == "fail":
-                fails.append((item.key, parsed[1], parsed[2] == "~h", parsed[3]))
-            elif parsed[0] == "intent":
-                intents.add(parsed[1])
-        records: list[CallRecord] = []
-
-        async def load_row(cid: str, key: str, sha: str) -> None:
-            try:
-                row = await self._load(key, sha, _Row)
-            except RecordError as error:
-                log.warning("unreadable ledger row %s: %s", key, error)
-                row = None
-            if row is None or row.rollout_id != rollout_id or row.record.model_call_id != cid:
-                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
-            else:
-                records.append(row.record)
-
-        async def load_failure(key: str, cid: str, hashed: bool, sha: str) -> None:
-            try:
-                failure = await self._load(key, sha, _Failure)
-            except RecordError as error:
-                log.warning("unreadable ledger failure row %s: %s", key, error)
-                failure = None
-            if failure is None or failure.rollout_id != rollout_id or not failure.reason or not failure.model_call_id:
-                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
-            elif hashed and _sha(failure.model_call_id.encode("utf-8", "surrogatepass")) != cid[2:]:
-                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
-            elif not hashed and failure.model_call_id != cid:
-                failures.add((cid, LEDGER_UNREADABLE_ROW_REASON))
-            else:
-                failures.add((failure.model_call_id, failure.reason))
-
-        jobs = []
-        for cid, variants in rows.items():
-            if len(variants) > 1:
-                failures.add((cid, LEDGER_CONFLICTING_ROWS_REASON))
-            else:
-                jobs.append(load_row(cid, *variants[0]))
-        jobs.extend(load_failure(*f) for f in fails)
-
-        async def still_live() -> None:
-            # Retire writes its tombstone before deleting a row, so a LIST that missed rows a
-            # retire deleted is always followed by a tombstone this GET sees: never hand back a
-            # ledger with a hole as live.
-            if await self._retired(prefix):
-                raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while its manifest was read")
-
-        await asyncio.gather(still_live(), *jobs)
-        accounted = set(rows) | {cid for cid, _ in failures}
-        failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)
-        committed = {record.model_call_id for record in records}
-        failures.update(
-            (record.model_call_id, LEDGER_MISSING_PARENT_REASON)
-            for record in records
-            if record.parent_call_id is not None and record.parent_call_id not in committed
-        )
-        records.sort(key=lambda r: (r.admitted_at is None, r.admitted_at or 0.0, r.model_call_id))
-        manifest = RolloutManifest(
-            rollout_id=rollout_id,
-            records=records,
-            failures=[ManifestFailure(model_call_id=c, reason=r) for c, r in sorted(failures)],
-        )
-        return to_wire(manifest)
-
-    async def has_rows(self, rollout_id: str) -> bool:
-        """Whether any committed or failure row exists (two round trips).
-
-        Requests: two LISTs (one key each) together, then a GET of the retire tombstone: read after
-        the LISTs, it also catches a retire that deleted rows while they were listed. When neither
-        LIST shows a key, both are asked again beside that GET: Gym's sink admits an unresolved
-        continuation of a rollout without rows as a fresh root, so one LIST answer that left out
-        the only key (a store's bug, a page lost on the way) must not decide it alone.
-
-        Raises:
-            RolloutRetiredError: the rollout is retired, so admission can refuse its late calls.
-            ValueError: an id that cannot be stored (before any request).
-            StoreError: the store failed a request.
-        """
-        prefix = self.layout.rollout(rollout_id)
-        prefixes = (f"{prefix}ledger/row/", f"{prefix}ledger/fail/")
-        pages = await asyncio.gather(*(self._list_page(p, 1) for p in prefixes))
-        # A truncated page says keys follow, even when it shows none itself.
-        found = any(page.objects or page.next_token for page in pages)
-        if found:
-            retired = await self._retired(prefix)
-        else:
-            row_page, fail_page, retired = await asyncio.gather(
-                self._list_page(prefixes[0], 1), self._list_page(prefixes[1], 1), self._retired(prefix)
-            )
-            found = any(page.objects or page.next_token for page in (row_page, fail_page))
-        if retired:
-            raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
-        return found
-
+    # ------------------------------------------------------------------ reads (manifest, has_rows: _LedgerManifest)
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         """ROOT, RESOLVED (exactly one proven parent row) or UNRESOLVED with a reason.
 
