@@ -81,6 +81,8 @@ LISTING = "src/s3capture/transport_listing.py"
 TRANSPORT_DELETE = "src/s3capture/transport_delete.py"
 SPILL = "src/s3capture/spill.py"
 LEDGER = "src/s3capture/ledger.py"
+LEDGER_MANIFEST = "src/s3capture/ledger_manifest.py"
+LEDGER_ROWS = "src/s3capture/ledger_rows.py"
 RECORDS = "src/s3capture/records.py"
 EXPORT_SHARD = "src/s3capture/export/shard.py"
 EXPORT_DRIVER = "src/s3capture/export/driver.py"
@@ -586,7 +588,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "ledger-ignores-retire",
-        LEDGER,
+        LEDGER_MANIFEST,
         'return await self._present(prefix + "retired")',
         "return False",
         "a retired rollout's manifest and has_rows raise RolloutRetiredError, its resolve is UNRESOLVED",
@@ -596,7 +598,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "ledger-ignores-intent",
-        LEDGER,
+        LEDGER_MANIFEST,
         "failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)",
         "failures.update(())",
         "a begin_call intent without a committed or failure row is a manifest failure",
@@ -606,7 +608,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "ledger-reader-limit-halved",
-        LEDGER,
+        LEDGER_ROWS,
         "if out.tell() > _MAX_ROW_BYTES:",
         "if out.tell() > _MAX_ROW_BYTES // 2:",
         "every row record accepts is readable by every client (reader limit = writer limit)",
@@ -760,7 +762,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "has-rows-trusts-one-empty-listing",
-        LEDGER,
+        LEDGER_MANIFEST,
         "        if found:\n            retired = await self._retired(prefix)",
         "        if True:\n            retired = await self._retired(prefix)",
         "has_rows asks its LISTs again before answering False (one answer that lost the only row admitted a fresh root)",
