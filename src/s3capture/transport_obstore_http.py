@@ -32,7 +32,7 @@ _XML_CODE = re.compile(r"<Code>([A-Za-z0-9_.-]+)</Code>")
 
 
 class _S3HTTPError(Exception):
-    """A non-2xx answer to one of this module's own requests, shaped like botocore's ``ClientError``
+    """A non-2xx answer to one of the obstore transport's own requests, shaped like botocore's ``ClientError``
     (``response["Error"]["Code"]``) so that ``Transport`` maps it the same way."""
 
     def __init__(self, operation: str, status: int, code: str, message: str) -> None:
@@ -93,7 +93,7 @@ _LIST_SIGNER: Any = None
 
 
 def _list_signer_class() -> Any:
-    """``_ListSigner``: botocore's ``S3SigV4Auth`` for this module's own requests (the LIST, and
+    """``_ListSigner``: botocore's ``S3SigV4Auth`` for the obstore transport's own requests (the LIST, and
     DeleteObjects and DELETE), made cheap where it may be. The canonical request, the string to
     sign and the signature are botocore's; two things are worked out once instead of per request:
 
