@@ -508,3 +508,14 @@ def test_ids_with_control_characters_keep_one_row_each_and_read_back_in_a_shell(
     assert len(table) == 1 + len(ids) and sorted(line.split()[-1] for line in table[1:]) == sorted(shown)
     assert main(["ls", bucket_url, "--json"]) == 0
     assert sorted(json.loads(line)["rollout_id"] for line in capsys.readouterr().out.splitlines()) == sorted(ids)
+
+
+async def test_the_roots_beside_a_mistyped_url_come_closest_first(fresh, bucket_url):
+    """Six roots beside a typo of one of them: the hint named the first five in key order, and
+    the root the typo missed (``run-44`` for ``run-4``) was left out (a walkthrough, 2026-12-03)."""
+    from s3capture.ops import roots_beside
+
+    for name in ("alpha", "beta", "delta", "epsilon", "gamma", "run-44"):
+        await fresh(url=f"{bucket_url}/{name}").put(simple_entry("r", "c1"))
+    found = await roots_beside(fresh(url=f"{bucket_url}/run-4"))
+    assert len(found) == 5 and found[0] == f"{bucket_url}/run-44", found

@@ -4,6 +4,8 @@ beside it (a typo in its last segment), from one LIST page each (``roots_below``
 
 from __future__ import annotations
 
+import difflib
+
 from s3capture.rollouts import RolloutObjects
 
 
@@ -23,13 +25,22 @@ async def roots_beside(store: RolloutObjects, limit: int = 5) -> list[str]:
     """``s3://`` URLs of s3capture roots beside ``store``'s root: other prefixes under its parent
     that hold a ``rollouts/`` folder, from one LIST page (the parent's first 1,000 keys).
 
-    A hint for a URL with a typo in its last segment (``run-43`` for ``run-42``), whose listing of
-    rollouts is empty. At most ``limit`` URLs, in key order; empty for a root at the top of its
-    bucket's own key space (``s3://b``) and when the LIST fails (a hint, never an error)."""
+    A hint for a URL with a typo in its last segment (``run-4`` for ``run-44``), whose listing of
+    rollouts is empty. At most ``limit`` URLs, the closest to the root's last segment first
+    (``difflib``'s ratio; a walkthrough, 2026-12-03: in key order the root a typo missed could be
+    left out of the five named); empty for a root at the top of its bucket's own key space
+    (``s3://b``) and when the LIST fails (a hint, never an error)."""
     root = store.layout.root
     if not root:
         return []
-    return await _roots_under(store, root[: root.rstrip("/").rfind("/") + 1], limit, skip=root)
+    parent = root[: root.rstrip("/").rfind("/") + 1]
+    found = await _roots_under(store, parent, 1000, skip=root)
+    mine = root[len(parent) :].rstrip("/")
+
+    def closeness(url: str) -> float:
+        return difflib.SequenceMatcher(None, mine, url.rsplit("/", 1)[-1]).ratio()
+
+    return sorted(found, key=closeness, reverse=True)[:limit]  # a stable sort: key order among equals
 
 
 async def _roots_under(store: RolloutObjects, prefix: str, limit: int, skip: str = "") -> list[str]:
