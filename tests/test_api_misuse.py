@@ -174,6 +174,13 @@ async def test_drop_refuses_swapped_or_mistyped_arguments_before_any_request(fre
     assert await store.drop("rd", snapshot.snapshot_id, snapshot.version) is True
 
 
+async def test_a_plain_with_says_to_use_async_with(s3_env, bucket_url):
+    """``with S3TokenStore(...)`` said only "does not support the context manager protocol"."""
+    with pytest.raises(TypeError, match=r"use 'async with S3TokenStore\(\.\.\.\)'"):
+        with S3TokenStore(bucket_url):
+            pass
+
+
 async def test_a_store_refuses_pickling_with_what_to_do_instead(fresh, ledgers):
     """pickle, deepcopy, multiprocessing's spawn and Ray's argument shipping failed on a weakref
     deep inside ("Can't pickle local object 'WeakKeyDictionary...'")."""

@@ -123,7 +123,7 @@ URLS = [
     (["--endpoint", "http://key:secret@host"], "argument --endpoint: an endpoint URL takes no user name or password"),
     (
         ["--endpoint", "http://host:9000/bkt"],
-        "argument --endpoint: an endpoint URL takes no path ('/bkt'): give the server's address only, http://host:9000",
+        "argument --endpoint: the endpoint 'http://host:9000/bkt' has a path ('/bkt'): give the server's address only, http://host:9000",
     ),
     (["--endpoint", "https://host/?x=1"], "argument --endpoint: an endpoint URL takes no query or fragment"),
 ]

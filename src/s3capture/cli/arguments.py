@@ -108,12 +108,10 @@ def check_endpoint(url: str) -> str:
         )
     if parsed.query or parsed.fragment:
         raise ValueError(f"an endpoint URL takes no query or fragment: {url!r}")
-    if parsed.path not in ("", "/"):
-        raise ValueError(
-            f"an endpoint URL takes no path ({parsed.path!r}): give the server's address only, "
-            f"{parsed.scheme}://{parsed.netloc} (the bucket comes from the s3:// URL)"
-        )
-    return url
+    from s3capture.transport_config import check_endpoint_url
+
+    # a path: the stores' own check and words
+    return check_endpoint_url(url, source="the endpoint")
 
 
 _T = TypeVar("_T")

@@ -194,6 +194,13 @@ class _RolloutClient:
                 task.cancel()  # what it had not stored is spilled again
                 await asyncio.wait({task})
 
+    def __enter__(self) -> Any:
+        # A plain ``with`` said only "does not support the context manager protocol".
+        raise TypeError(f"use 'async with {type(self).__name__}(...)': its methods are coroutines")
+
+    def __exit__(self, *exc: Any) -> None:  # pragma: no cover - __enter__ never succeeds
+        pass
+
     async def __aenter__(self) -> Any:
         return self
 
