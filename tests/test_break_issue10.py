@@ -27,7 +27,7 @@ async def test_a_renewal_that_lands_after_a_takeover_does_not_resurrect_the_clai
     a VM pause, a put stuck in retries) between the two is enough. Fix: after the PUT, treat the
     claim as lost when ``time.monotonic() - self._renewed`` (the previous renewal) exceeds
     ``CLAIM_HOLD``."""
-    import s3capture.export.destinations as export_module  # the claim's constants are read there
+    import s3capture.export.destination_s3 as export_module  # the claim's constants are read there
 
     monkeypatch.setattr(export_module, "CLAIM_RENEW", 0.05)
     monkeypatch.setattr(export_module, "CLAIM_HOLD", 0.5)
@@ -78,7 +78,7 @@ async def test_a_taken_over_export_never_overwrites_the_new_export_s_shards(
     import io
     import threading
 
-    import s3capture.export.destinations as export_module  # the claim's constants are read there
+    import s3capture.export.destination_s3 as export_module  # the claim's constants are read there
     from s3capture.export import export, read_manifests
 
     pq = pytest.importorskip("pyarrow.parquet")

@@ -97,7 +97,7 @@ async def test_a_dead_export_s_claim_is_taken_over_after_the_lease(
 ) -> None:
     """A killed export leaves its claim; the next export is refused while the claim is younger than
     the lease (by the store's clock) and takes the destination over after it."""
-    import s3capture.export.destinations as export_module  # the claim's constants are read there
+    import s3capture.export.destination_s3 as export_module  # the claim's constants are read there
 
     await frozen_chains(fresh, ["k1"])
     bucket = bucket_url[len("s3://") :].split("/")[0]
@@ -122,7 +122,7 @@ async def test_an_export_whose_claim_was_taken_over_publishes_and_drops_nothing(
     workers publish no shard (each checks the claim before its PUTs; an export resumed after a
     takeover used to publish its shards beside the new export's, every row twice) and it drops
     nothing (the rollouts stay frozen, for the export that took over)."""
-    import s3capture.export.destinations as export_module  # the claim's constants are read there
+    import s3capture.export.destination_s3 as export_module  # the claim's constants are read there
 
     await frozen_chains(fresh, ["p1", "p2"])
     bucket = bucket_url[len("s3://") :].split("/")[0]
@@ -526,7 +526,7 @@ async def test_an_s3_destination_without_delete_permission_keeps_its_export_and_
     the summary of a finished export was lost), and its request is in the summary. Stale claims it
     cannot delete are ignored after the lease. Without PUT either, the error is the refused PUT,
     not the clean-up's refused DELETE."""
-    import s3capture.export.destinations as export_module
+    import s3capture.export.destination_s3 as export_module  # the claim's constants are read there
     from faultproxy import FaultProxy, s3_error
 
     from s3capture.errors import StoreError

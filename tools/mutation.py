@@ -89,7 +89,7 @@ EXPORT_DRIVER = "src/s3capture/export/driver.py"
 OPS_GC = "src/s3capture/ops/gc_run.py"
 TRANSPORT_OBSTORE = "src/s3capture/transport_obstore.py"
 EXPORT_WRITERS = "src/s3capture/export/writers.py"
-EXPORT_DESTINATIONS = "src/s3capture/export/destinations.py"
+EXPORT_DESTINATION_S3 = "src/s3capture/export/destination_s3.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ layout
@@ -672,7 +672,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "export-scan-deletes-on-one-listings-word",
-        EXPORT_DESTINATIONS,
+        EXPORT_DESTINATION_S3,
         "        listed = await self.transport.list(self.prefix, confirm_end=True)",
         "        listed = await self.transport.list(self.prefix)",
         "an export's destination scan never takes a durable shard for an orphan because one listing ended early",
@@ -688,7 +688,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "export-worker-publishes-without-its-claim",
-        EXPORT_DESTINATIONS,
+        EXPORT_DESTINATION_S3,
         "        if not self.owner:\n            return\n        claim =",
         "        if True:\n            return\n        claim =",
         "a worker of an export whose claim is gone (taken over) publishes no shard",

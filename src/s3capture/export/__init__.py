@@ -31,10 +31,12 @@ schema and writer, Gym JSONL), ``shard`` (``export_shard``: read, build, write o
 resume, drop, progress, summary). Everything is importable from ``s3capture.export`` itself.
 """
 
-from s3capture.export.destinations import (
+from s3capture.export.destination_s3 import (
     CLAIM_HOLD as CLAIM_HOLD,
     CLAIM_LEASE as CLAIM_LEASE,
     CLAIM_RENEW as CLAIM_RENEW,
+)
+from s3capture.export.destinations import (
     _LocalDestination as _LocalDestination,
     _S3Destination as _S3Destination,
     current_snapshots as current_snapshots,
