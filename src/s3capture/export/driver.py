@@ -1,6 +1,7 @@
-"""The export run (``export``): options, the destination's durable shards and orphans, the streamed
-listing cut into shard tasks (selection, resume), the engine, drops after durable shards, progress
-and the summary (``format_summary``)."""
+"""The export run (``export``): the destination's durable shards and orphans, the streamed
+listing cut into shard tasks (selection, resume), the engine, drops after durable shards. Its
+options are checked in ``options``; its progress and summary are in ``report`` (both re-exported
+here: ``parse_duration``, ``read_ids``, ``check_destination``, ``format_summary``)."""
 
 from __future__ import annotations
 
@@ -8,36 +9,35 @@ import asyncio
 import collections
 import contextlib
 import os
-import re
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
-from s3capture.errors import install_hint
 from s3capture.export.destinations import _is_s3, _LocalDestination, _open_destination, _S3Destination
-from s3capture.layout import escape_controls
-from s3capture.export.engines import ENGINES, ShardTask, _import_ray
+from s3capture.export.engines import ENGINES, ShardTask
+from s3capture.export.options import (
+    _called_by_a_reimported_script,
+    _check_options,
+    _resolved_engine,
+    _root_of,
+    check_destination as check_destination,
+    parse_duration as parse_duration,
+    read_ids as read_ids,
+)
 from s3capture.export.records import (
     _EXAMPLES,
-    BUILD_WITH,
-    FORMATS,
-    MASKED_CHOICES,
-    STATES,
-    TOKEN_TYPES,
     ExportJob,
     ExportSummary,
     RolloutRecord,
-    ShardResult,
     _note,
-    _reason_class,
     source_endpoint_of,
 )
+from s3capture.export.report import _account, _Progress, format_summary as format_summary
 from s3capture.export.shard import NOT_SEALED, ListedRollout
-from s3capture.ops import roots_below, roots_beside, roots_hint, store_time
+from s3capture.ops import roots_below, roots_beside, store_time
 
 _DROPS_AHEAD = 1024
 """Drops started and not finished at most (32 of them run at once); the listing and the shard results
@@ -49,225 +49,7 @@ HOLD_ENV = "S3CAPTURE_EXPORT_HOLD_AFTER_SHARDS"
 already assigned), so a test can SIGKILL the export between shards."""
 
 
-# --------------------------------------------------------------------------- progress
-class _Progress:
-    """A tqdm bar on a TTY, else a plain line every ``interval`` seconds (and none when disabled)."""
-
-    def __init__(self, enabled: bool, *, stream: Any = None, interval: float = 10.0) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.interval = interval
-        self.lock = threading.Lock()
-        self.rollouts = self.trajectories = self.tokens = self.bytes = 0
-        self.total = 0
-        self.listing_done = False
-        self.started = time.monotonic()
-        self.last_line = self.started
-        self.first: tuple[float, int] | None = None
-        """When the first rollouts were done, and how many: the ETA's rate counts from there, not
-        from the start (starting worker processes or a Ray runtime takes seconds)."""
-        self.bar: Any = None
-        if self.tty:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=0, desc="export", unit="rollout", file=self.stream, dynamic_ncols=True)
-
-    def add(self, item: tuple[int, int, int, int]) -> None:
-        rollouts, trajectories, tokens, size = item
-        with self.lock:
-            self.rollouts += rollouts
-            if self.first is None:
-                self.first = (time.monotonic(), self.rollouts)
-            self.trajectories += trajectories
-            self.tokens += tokens
-            self.bytes += size
-            self._render(rollouts)
-
-    def planned(self, count: int, *, done: bool = False) -> None:
-        with self.lock:
-            self.total += count
-            self.listing_done = self.listing_done or done
-            if self.bar is not None:
-                self.bar.total = self.total
-                self.bar.refresh()
-
-    def _rate(self) -> float:
-        return self.bytes / 1e6 / max(1e-9, time.monotonic() - self.started)
-
-    def _render(self, advanced: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix_str(
-                f"{self.trajectories:,} traj, {self.tokens / 1e6:.1f}M tok, {self._rate():.1f} MB/s", refresh=False
-            )
-            self.bar.update(advanced)
-            return
-        now = time.monotonic()
-        if now - self.last_line >= self.interval:
-            self.last_line = now
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self.started
-        eta = "?"
-        if self.listing_done and self.first is not None and self.rollouts > self.first[1]:
-            since, counted = self.first
-            rate = (self.rollouts - counted) / max(1e-9, time.monotonic() - since)
-            eta = f"{(self.total - self.rollouts) / rate:.0f}s"
-        total = f"{self.total:,}" if self.listing_done else f"{self.total:,}+"
-        return (
-            f"export: {self.rollouts:,}/{total} rollouts, {self.trajectories:,} trajectories, "
-            f"{self.tokens:,} tokens, {self._rate():.1f} MB/s, {elapsed:.0f}s elapsed, ETA {eta}"
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled and self.rollouts:
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
-
-
 # --------------------------------------------------------------------------- the export
-def parse_duration(text: str) -> float:
-    """Seconds from ``"90"``, ``"90s"``, ``"10m"``, ``"2h"`` or ``"1d"``; ``ValueError`` otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
-    if not match:
-        raise ValueError(f"expected a duration such as 90s, 10m, 2h or 1d, got {text!r}")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-
-
-def read_ids(path: str | os.PathLike) -> list[str]:
-    """Rollout ids of an ``--ids`` file: one per line; blank lines and lines starting with ``#``
-    are ignored, surrounding whitespace is stripped. ``ValueError`` for an unreadable or empty file."""
-    try:
-        with open(path, encoding="utf-8-sig") as handle:  # a BOM (Notepad, PowerShell) is not part of an id
-            ids = [line.strip() for line in handle]
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"--ids {path}: cannot read it: {error}") from None
-    ids = [i for i in ids if i and not i.startswith("#")]
-    if not ids:
-        raise ValueError(f"--ids {path}: no rollout id in it")
-    return ids
-
-
-def check_destination(url: str, dest: str) -> None:
-    """Refuse an ``s3://`` destination inside the source root's rollouts, or one that contains
-    them (its scan would list every captured object). ``ValueError``; a local folder passes."""
-    from s3capture.rollouts import parse_s3_url
-
-    bucket, root = parse_s3_url(url)
-    if _is_s3(dest):
-        dest_bucket, dest_prefix = parse_s3_url(dest)
-        inside = f"{root}/rollouts" if root else "rollouts"
-        if dest_bucket == bucket and (
-            dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
-        ):
-            raise ValueError(f"destination {dest} lies inside the rollouts of {url}; choose a prefix outside it")
-        if dest_bucket == bucket and (not dest_prefix or inside.startswith(dest_prefix + "/")):
-            # The destination scan lists every key under DEST: here every captured object, each run.
-            raise ValueError(
-                f"destination {dest} contains the rollouts of {url}: reading the destination would list every captured "
-                "object; choose a prefix beside them"
-            )
-
-
-def _check_options(url: str, dest: str, opts: dict[str, Any]) -> None:
-    from s3capture.rollouts import parse_s3_url
-
-    parse_s3_url(url)
-    for name, allowed in (
-        ("format", FORMATS),
-        ("masked", MASKED_CHOICES),
-        ("build_with", BUILD_WITH),
-        ("token_type", TOKEN_TYPES),
-    ):
-        if opts[name] not in allowed:
-            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {opts[name]!r}")
-    if opts["format"] == "gym-jsonl" and opts["builder"] == "per_request":
-        # A Gym JSONL line is the one response (main chain) Gym's consumer returns for a rollout;
-        # per_request gives one trajectory per call, all but one of which it would leave out.
-        raise ValueError(
-            "--format gym-jsonl holds one Gym response (the main chain) per rollout and Gym has no "
-            "per_request builder: use --format parquet with --builder per_request"
-        )
-    if opts["engine"] not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {opts['engine']!r}")
-    for name in opts["states"]:
-        if name not in STATES:
-            raise ValueError(f"state must be among {', '.join(STATES)}, got {name!r}")
-    for name, low in (("workers", 0), ("concurrency", 1), ("shard_rollouts", 1), ("row_group_rows", 1)):
-        if not isinstance(opts[name], int) or opts[name] < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {opts[name]!r}")
-    if not opts["min_age"] >= 0:  # NaN too: no age compares below it, every open rollout would pass
-        raise ValueError(f"min_age must be >= 0 seconds, got {opts['min_age']!r}")
-    if isinstance(opts["ids"], (str, bytes)):
-        raise TypeError("ids must be a collection of rollout ids, not a single str")
-    if not opts["fence_grace"] >= 0:
-        raise ValueError(f"fence_grace must be >= 0 seconds, got {opts['fence_grace']!r}")
-    if opts["engine"] == "ray":
-        _import_ray()  # one line naming the extra, before anything is read
-        if opts["workers"] < 1:
-            raise ValueError(f"--engine ray needs --workers >= 1 (Ray tasks at once), got {opts['workers']}")
-    if not dest:
-        raise ValueError("no destination (dest, or --out on the command line)")
-    check_destination(url, dest)
-    if opts["format"] == "parquet":
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise ValueError(f"--format parquet needs pyarrow: {install_hint('parquet')}") from None
-    # The builder and engine, checked once here (on an empty snapshot, which only masks) rather than
-    # failing every rollout (NeMo Gym 0.7.0 knows prefix_merging only; per_request is built-in).
-    from s3capture.store import FrozenSnapshot
-    from s3capture.trajectory import build_rollout
-
-    try:
-        build_rollout(
-            FrozenSnapshot("s3capture-export-probe", (), False, "", 0),
-            builder=opts["builder"],
-            engine=opts["build_with"],
-        )
-    except ValueError as error:
-        raise ValueError(f"--builder {opts['builder']} --build-with {opts['build_with']}: {error}") from None
-    except ImportError as error:
-        raise ValueError(f"--build-with {opts['build_with']}: {error}") from None
-
-
-def _resolved_engine(builder: str, build_with: str) -> str:
-    """``"gym"`` or ``"builtin"``: the engine ``build_with`` (``auto`` | ``gym`` | ``builtin``) picks here."""
-    from s3capture.store import FrozenSnapshot
-    from s3capture.trajectory import _choose_engine
-
-    return _choose_engine(FrozenSnapshot("s3capture-export-probe", (), False, "", 0), builder, build_with)
-
-
-def _root_of(url: str) -> tuple[str, str]:
-    """``(bucket, prefix)`` of a source URL, so that ``s3://b/run`` and ``s3://b/run/`` compare equal."""
-    from s3capture.rollouts import parse_s3_url
-
-    try:
-        return parse_s3_url(url)
-    except ValueError:
-        return url, ""
-
-
-def _called_by_a_reimported_script() -> bool:
-    """Whether this call comes from the top-level code of a script that a ``spawn`` child is
-    re-importing as ``__mp_main__`` (a script that calls ``export`` without a ``__main__`` guard):
-    left to run, it would start an export of its own inside the worker."""
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        # (spawn runs the script through runpy under the name __mp_main__, in a namespace of its own)
-        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
-            return True
-        frame = frame.f_back
-    return False
-
-
 async def export(
     url: str,
     dest: str,
@@ -664,118 +446,3 @@ async def export(
     summary.requests = dict(sorted(requests.items()))
     summary.wall_seconds = round(time.monotonic() - started, 3)
     return summary
-
-
-def _account(summary: ExportSummary, result: ShardResult, requests: collections.Counter) -> None:
-    requests.update(result.requests)
-    if result.error:
-        summary.shards_failed += 1
-    elif result.manifest:
-        summary.shards_written += 1
-        if result.data:
-            summary.data_files += 1
-    for rid, reason in result.skipped:
-        summary.skipped += 1
-        _note(summary.skipped_reasons, summary.skipped_examples, rid, reason)
-    for rid, reason in result.failed:
-        summary.failed += 1
-        _note(summary.failed_reasons, summary.failed_examples, rid, reason)
-    if result.error:
-        return
-    for record in result.records:
-        if record.masked:
-            for reason in record.mask_reasons or ["masked"]:
-                kind = _reason_class(reason)
-                summary.masked_reasons[kind] = summary.masked_reasons.get(kind, 0) + 1
-            if record.written:
-                summary.masked_written += 1
-            else:
-                summary.masked_excluded += 1
-        else:
-            summary.exported += 1
-    summary.trajectories += result.rows
-    summary.tokens += result.tokens
-    for rid, count in result.clipped:
-        summary.logprobs_clipped += count
-        if len(summary.clipped_examples) < 20:
-            summary.clipped_examples.append(f"{rid}: {count}")
-    summary.bytes_read += result.bytes_read
-    summary.bytes_written += result.bytes_written
-
-
-def _size(nbytes: float) -> str:
-    """``nbytes`` in MB with one decimal, or in kB under 1 MB (a small export is not "0.0 MB")."""
-    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
-
-
-def format_summary(summary: ExportSummary) -> str:
-    """The human-readable summary ``s3capture export`` prints at the end."""
-    s = summary
-    mb = s.bytes_read / 1e6
-    rate = mb / s.wall_seconds if s.wall_seconds else 0.0
-    lines = [
-        f"export {s.source} -> {s.dest} ({s.format})",
-        f"rollouts: exported {s.exported:,}, masked {s.masked_written + s.masked_excluded:,} "
-        f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
-        f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
-        f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shard{'' if s.shards_written == 1 else 's'} "
-        f"({_size(s.bytes_written)}{'; manifests only, no data file' if s.shards_written and not s.trajectories else ''}); "
-        f"read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
-    ]
-    if s.shards_existing or s.orphans_removed:
-        lines.append(
-            f"destination: {s.shards_existing:,} durable shard{'' if s.shards_existing == 1 else 's'} found; "
-            f"{s.orphans_removed:,} unfinished file{'' if s.orphans_removed == 1 else 's'} removed"
-        )
-    for title, counts in (("masked", s.masked_reasons), ("skipped", s.skipped_reasons), ("failed", s.failed_reasons)):
-        if counts:
-            # counted by reason class (``roots`` for ``roots:2``): "roots 1" read as "one root"
-            lines.append(
-                f"{title} rollouts by reason class (a rollout may have several): "
-                + ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items()))
-            )
-    # Example lines name rollout ids, which may hold control characters: escaped, one line each.
-    for title, examples in (("skipped", s.skipped_examples), ("failed", s.failed_examples)):
-        for _, kept in sorted(examples.items()):
-            lines.extend(f"  {title} {escape_controls(line)}" for line in kept[:3])
-    if s.changed_since_export:
-        lines.extend(f"  changed {escape_controls(line)}" for line in s.changed_examples[:3])
-    if s.logprobs_clipped:
-        lines.append(
-            f"log probabilities beyond float32's range, written as its nearest finite value: {s.logprobs_clipped:,} "
-            "(--format gym-jsonl keeps them)"
-        )
-        lines.extend(f"  clipped {escape_controls(line)}" for line in s.clipped_examples[:3])
-    if s.dropped or s.drop_failed or s.not_dropped:
-        lines.append(
-            f"dropped: {s.dropped:,}; drop failed (evidence kept): {s.drop_failed:,}; not dropped: {s.not_dropped:,}"
-        )
-        lines.extend(f"  {escape_controls(line)}" for line in (s.drop_failed_examples[:3] + s.not_dropped_examples[:3]))
-    if s.shards_failed:
-        lines.append(f"shards failed: {s.shards_failed:,} (their rollouts are counted failed; a re-run retries them)")
-    if not s.data_files and not s.shards_failed:
-        # Reading such a folder fails in pyarrow ("No match for FieldRef.Name(masked)"): say why.
-        hints = []
-        waiting = s.skipped_reasons.get("not_quiescent", 0)
-        if waiting:
-            hints.append(
-                f"{waiting:,} open rollouts have not been quiet for --min-age: --min-age 0 takes them now "
-                "(with --freeze they are frozen first, and a write still coming to one of them fails)"
-            )
-        if s.masked_excluded:
-            were = "rollout was" if s.masked_excluded == 1 else "rollouts were"
-            hints.append(f"{s.masked_excluded:,} masked {were} left out: --masked include writes them too")
-        for state, count in sorted(s.not_selected.items()):
-            why = " (dropped or retired: their entries are gone)" if state == "retired" else ""
-            hints.append(f"{count:,} {state} rollouts were not selected{why}")
-        if s.root_empty:
-            where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
-            hint = roots_hint(s.roots_below, s.roots_beside)
-            if hint:
-                where += "; " + hint
-            hints.append(where)
-        lines.append("nothing to read: the destination holds no data file (no row was written)")
-        lines.extend(f"  {hint}" for hint in hints)
-    lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
-    lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {'OK' if s.ok else 'FAILED'}")
-    return "\n".join(lines)
