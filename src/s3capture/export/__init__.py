@@ -25,10 +25,12 @@ manifest still records the decision), ``masked="include"`` writes it with ``mask
 reasons.
 
 Modules: ``records`` (options, ``ExportJob``, manifests, results, summary), ``destinations`` (local
-folder and ``s3://`` destinations, their lock / claim, ``read_manifests``), ``writers`` (Parquet
+folder and ``s3://`` destinations, their lock / claim, ``read_manifests``; their parts in
+``destination_base``, ``destination_local`` and ``destination_s3``), ``writers`` (Parquet
 schema and writer, Gym JSONL), ``shard`` (``export_shard``: read, build, write one shard),
-``engines`` (``local_engine``, ``ray_engine``, ``ENGINES``) and ``driver`` (``export``: listing,
-resume, drop, progress, summary). Everything is importable from ``s3capture.export`` itself.
+``engines`` (``local_engine``, ``ray_engine``, ``ENGINES``), ``driver`` (``export``: listing,
+resume, drop), ``options`` (its checks, ``parse_duration``, ``read_ids``) and ``report`` (progress,
+``format_summary``). Everything is importable from ``s3capture.export`` itself.
 """
 
 from s3capture.export.destination_s3 import (
