@@ -136,6 +136,11 @@ class LoopClientsMixin:
         await between the check and the take), after at most ``_LOOP_END_ROUNDS`` waits of
         ``_LOOP_END_WAIT`` s; past them it is left to the garbage collector, as before."""
         for _ in range(_LOOP_END_ROUNDS):
+            # Yield first: the other generators' clean-ups, started beside this one, then reach
+            # their first request (and count as in flight) before the check below, in whatever
+            # order shutdown_asyncgens started them (Python 3.12's wait_for does not yield on an
+            # event already set).
+            await asyncio.sleep(0)
             try:
                 await asyncio.wait_for(state.idle.wait(), _LOOP_END_WAIT)
             except asyncio.TimeoutError:
