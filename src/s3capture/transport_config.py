@@ -28,14 +28,16 @@ def check_endpoint_url(endpoint: str, *, bucket: str | None = None, source: str 
         raise TypeError(f"{source} must be a str URL, got {type(endpoint).__name__}")
     parsed = urllib.parse.urlsplit(endpoint)
     shape = "http://HOST[:PORT] or https://HOST[:PORT]"
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+    if parsed.scheme not in ("http", "https"):
         raise ValueError(f"{source} {endpoint!r} is not {shape} (the scheme is required)")
+    if not parsed.hostname:
+        raise ValueError(f"{source} {endpoint!r} is not {shape} (it names no host)")
     try:
         port = parsed.port
     except ValueError:
-        raise ValueError(f"{source} {endpoint!r} has a bad port") from None
-    if not parsed.hostname or port == 0:
-        raise ValueError(f"{source} {endpoint!r} is not {shape}")
+        port = 0
+    if port == 0:
+        raise ValueError(f"{source} {endpoint!r} has a bad port")
     if parsed.username is not None or parsed.password is not None:
         raise ValueError(f"{source} {endpoint!r} takes no user name or password (credentials come from the AWS chain)")
     if parsed.query or parsed.fragment:

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from s3capture.cli.arguments import check_endpoint
+from s3capture.transport_config import check_endpoint_url
 from s3capture.errors import install_hint
 
 # The demo's numeric options: (lowest, highest). Upper bounds keep a typo from forking a thousand
@@ -143,10 +143,7 @@ def _check_demo(args: argparse.Namespace) -> str | None:
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):  # the order in which the store reads them
         value = os.environ.get(name)
         if value:
-            try:
-                return check_endpoint(value)
-            except ValueError as error:
-                raise ValueError(f"{name}: {error}") from None
+            return check_endpoint_url(value, source=name)
     return None
 
 
