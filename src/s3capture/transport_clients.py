@@ -148,8 +148,7 @@ class LoopClientsMixin:
             async with state.lock:
                 if state.inflight:
                     continue  # a request took the client after the wait: wait for it too
-                stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
-                state.client, state.stack, state.retired = None, None, []
+                stacks = _take_clients(state)
             for stack in stacks:
                 await stack.aclose()
             return
@@ -218,10 +217,17 @@ class LoopClientsMixin:
                     _CANCELLED_REQUESTS_WAIT,
                 )
         async with state.lock:  # waits for a client being opened or rebuilt right now
-            stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
-            state.client, state.stack, state.retired = None, None, []
+            stacks = _take_clients(state)
         for stack in stacks:
             await stack.aclose()
         if mine is not None and state.loop_end is mine:  # still registered: it has nothing left to do
             state.loop_end = None
             await mine.aclose()
+
+
+def _take_clients(state: _LoopState) -> list[AsyncExitStack]:
+    """Take a loop's clients (the current one and those a credential refresh retired) for closing:
+    after this, a request opens a new one. Called under ``state.lock``."""
+    stacks = [*state.retired, *([state.stack] if state.stack is not None else [])]
+    state.client, state.stack, state.retired = None, None, []
+    return stacks
