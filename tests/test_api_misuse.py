@@ -321,6 +321,60 @@ async def test_a_put_or_get_that_cannot_connect_says_to_check_the_endpoint(monke
         await transport.close()
 
 
+async def test_a_connection_reset_after_connecting_is_not_called_a_wrong_endpoint(monkeypatch):
+    """obstore ends a refused connection and one reset after it was made in the same words ("error
+    sending request"), and both were reported as "cannot connect ... check the endpoint", which
+    sends an operator after a right endpoint. A reset names its cause and no endpoint check."""
+    import socket
+    import struct
+    import threading
+
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config, make_transport
+
+    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def reset_every_connection() -> None:  # accepts, reads the request, answers with a TCP reset
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                except OSError:
+                    pass
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    thread = threading.Thread(target=reset_every_connection, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    config = default_botocore_config(
+        4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
+    )
+    transport = make_transport(None, "bkt", endpoint_url=endpoint, botocore_config=config)
+    try:
+        with pytest.raises(StoreError) as failed:
+            await transport.get("k/1")
+        text = str(failed.value)
+        assert not text.startswith("cannot connect"), text
+        assert "check the endpoint" not in text, text
+        assert "reset" in text.lower() or "closed" in text.lower() or "disconnect" in text.lower(), text
+    finally:
+        await transport.close()
+        stop.set()
+        server.close()
+        thread.join(5)
+
+
 def test_a_spill_dir_that_is_a_file_is_refused_when_the_store_is_built(s3_env, bucket_url, tmp_path):
     """It was accepted and failed only during an outage, when a marker had to be spilled; so did
     a folder that cannot be made."""

@@ -83,6 +83,7 @@ from s3capture.transport_errors import (
     RETRY_STATUS as RETRY_STATUS,
     _backoff as _backoff,
     _cannot_connect,
+    _lost_after_connecting,
     _code as _code,
     _payload_errors as _payload_errors,
     connect_log as connect_log,
@@ -316,8 +317,12 @@ class Transport(DeleteMixin, ListingMixin, LoopClientsMixin):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _error_text(self, error: BaseException) -> str:
-        """The text of a client library's error, as a ``StoreError`` message quotes it."""
-        return str(error)
+        """The text of a client library's error, as a ``StoreError`` message quotes it (for a
+        connection lost after it was made, the cause, not botocore's "Could not connect")."""
+        if _cannot_connect(error):
+            return str(error)
+        lost = _lost_after_connecting(error) if hasattr(error, "kwargs") else None
+        return f"{type(lost).__name__}: {lost}" if lost is not None else str(error)
 
     def _could_not_send(self, error: BaseException) -> bool:
         """Whether this transport's client failed to send the request at all (after its own

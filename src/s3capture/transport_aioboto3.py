@@ -22,6 +22,7 @@ from botocore import handlers as botocore_handlers
 from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
 
+from s3capture.transport_errors import _cannot_connect
 from s3capture.transport import (
     _NOT_FOUND,
     _NOT_IMPLEMENTED,
@@ -214,10 +215,11 @@ class S3Transport(Transport):
     def _note_retry(self, attempts: int = 0, caught_exception: Any = None, **_: Any) -> None:
         """Observes botocore's retry decision (returns nothing, so decides nothing): warns when
         a request could not connect, or got no answer in time, and attempts remain."""
-        from botocore.exceptions import ConnectionError as BotocoreConnectionError
         from botocore.exceptions import ReadTimeoutError
 
-        if isinstance(caught_exception, (BotocoreConnectionError, ReadTimeoutError)):
+        if isinstance(caught_exception, ReadTimeoutError) or (
+            caught_exception is not None and _cannot_connect(caught_exception)
+        ):
             limit = self._attempt_limit()
             if attempts < limit:
                 no_answer = isinstance(caught_exception, ReadTimeoutError)

@@ -29,16 +29,31 @@ many requests failing together still make one line per 5 s."""
 def _cannot_connect(error: BaseException) -> bool:
     """Whether ``error`` is a failure to connect at all (refused, unresolvable, connect timeout):
     botocore's ``ConnectionError`` family, or aiohttp's ``ClientConnectorError`` (the obstore
-    transport's LIST)."""
+    transport's LIST). Not a connection reset or closed after it was made: aiobotocore raises
+    ``EndpointConnectionError`` ("Could not connect") for those too, and the hint to check the
+    endpoint then sent an operator after a right one."""
     from botocore.exceptions import ConnectionError as BotocoreConnectionError
 
-    if isinstance(error, BotocoreConnectionError):
-        return True
     try:
         import aiohttp
     except ImportError:  # pragma: no cover - aiobotocore requires it
-        return False
+        return isinstance(error, BotocoreConnectionError)
+    if isinstance(error, BotocoreConnectionError):
+        return not _lost_after_connecting(error)
     return isinstance(error, aiohttp.ClientConnectorError)
+
+
+def _lost_after_connecting(error: BaseException) -> BaseException | None:
+    """The aiohttp error inside a botocore ``ConnectionError`` when it is one of a connection
+    that was made and then lost (reset, broken pipe), else ``None``."""
+    import aiohttp
+
+    inner = getattr(error, "kwargs", {}).get("error")
+    if isinstance(inner, aiohttp.ClientConnectionError) and not isinstance(
+        inner, (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError)
+    ):
+        return inner
+    return None
 
 
 def warn_connect_retry(

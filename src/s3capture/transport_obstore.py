@@ -136,6 +136,8 @@ _STATUS = re.compile(r"\b(?:status|Status)[: ]+(\d{3})\b")
 _ANSWER_STATUS = re.compile(r"non-2xx status code: (\d{3})\b")
 """The HTTP status in object_store's error for an answer it did not take (``Server returned
 non-2xx status code: 400 Bad Request: <body>``)."""
+# the operating system's words for an I/O error in object_store's debug dump ("Connection reset by peer")
+_OS_MESSAGE = re.compile(r'message: "([^"\n]{1,200})"')
 
 
 def _settings(botocore_config: Any) -> tuple[int, float, float]:
@@ -371,14 +373,23 @@ class ObstoreTransport(Transport):
 
     def _error_text(self, error: BaseException) -> str:
         # object_store's messages end in a multi-line Rust debug dump: keep the first line (the
-        # StoreError's own words, e.g. "; check the endpoint", come after it).
-        text = str(error).split("\n\nDebug source:", 1)[0].split("\n", 1)[0]
-        return text[:400] + "..." if len(text) > 400 else text
+        # StoreError's own words, e.g. "; check the endpoint", come after it), and the operating
+        # system's words for the cause when the dump names one ("Connection reset by peer").
+        full = str(error)
+        text = full.split("\n\nDebug source:", 1)[0].split("\n", 1)[0]
+        text = text[:400] + "..." if len(text) > 400 else text
+        causes = _OS_MESSAGE.findall(full)
+        return f"{text} ({causes[-1]})" if causes and causes[-1] not in text else text
 
     def _could_not_send(self, error: BaseException) -> bool:
         # object_store's own retries of a refused connection end in "HTTP error: error sending
         # request", naming no cause (an API breaker, 2026-12-03: no "check the endpoint" hint).
-        return "error sending request" in str(error)
+        # The same words end a request whose connection was reset after it was made; the debug
+        # dump tells them apart ("kind: Connect" for a connection never made).
+        text = str(error)
+        if "error sending request" not in text:
+            return False
+        return "Debug source:" not in text or "kind: Connect," in text
 
     def _error_code(self, error: BaseException) -> str:
         response = getattr(error, "response", None)
