@@ -495,3 +495,19 @@ def test_conformance_checks_its_endpoint_like_the_other_commands(capsys: pytest.
     assert main(["conformance", "s3://b/p", "--endpoint", "http://user:pw@127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "takes no user name or password" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"])
+def test_conformance_without_a_url_names_the_endpoint_variable_that_is_set(
+    variable: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With only ``AWS_ENDPOINT_URL_S3`` set, the refusal said ``AWS_ENDPOINT_URL=... is set``, a
+    variable the user had not set (a docs walkthrough, 2026-12-03)."""
+    from s3capture.cli import main
+
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "http://127.0.0.1:1")
+    assert main(["conformance"]) == 2
+    err = capsys.readouterr().err
+    assert f"{variable}=http://127.0.0.1:1 is set" in err, err

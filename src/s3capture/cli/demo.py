@@ -246,7 +246,8 @@ def _conformance(args: argparse.Namespace) -> int:
     try:
         if url is None:
             if endpoint is not None:
-                source = "--endpoint" if args.endpoint else f"AWS_ENDPOINT_URL={endpoint}"
+                variable = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+                source = "--endpoint" if args.endpoint else f"{variable}={endpoint}"
                 print(
                     f"s3capture conformance: {source} is set, so give the s3://bucket/prefix to check there "
                     "(unset it to check an embedded moto server)",
