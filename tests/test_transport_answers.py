@@ -157,3 +157,28 @@ async def test_a_whole_object_with_a_content_range_is_read(s3_server: Any, fresh
         assert [e.model_call_id for e in snapshot.entries] == ["c1"] and not snapshot.incomplete
     finally:
         await proxy.stop()
+
+
+async def test_a_list_answered_with_a_part_is_listed_again(s3_server: Any, fresh: Any) -> None:
+    # A 206 with the first 10 bytes of a LIST's answer (a range nobody asked for) failed a freeze
+    # with StoreError on obstore, while aioboto3 read the listing again (a resolve breaker,
+    # 2026-12-03). Both now read it again.
+    store = fresh()
+    await store.put(simple_entry("r-list-part", "c0"))
+    await store.put(simple_entry("r-list-part", "c1"))
+    proxy = await FaultProxy(s3_server.port).start()
+    parted: list[str] = []
+
+    async def rule(request: Any) -> Any:
+        if request.is_list and not parted:
+            parted.append(request.path)
+            return Partial(10)
+        return None
+
+    proxy.rule = rule
+    try:
+        snapshot = await fresh(endpoint_url=proxy.endpoint).freeze("r-list-part")
+        assert parted, "no LIST went through the proxy"
+        assert sorted(e.model_call_id for e in snapshot.entries) == ["c0", "c1"] and not snapshot.incomplete
+    finally:
+        await proxy.stop()
