@@ -52,6 +52,7 @@ from s3capture.ledger_rows import (
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from s3capture.records import ParentResolutionStatus, RecordError
 from s3capture.rollouts import RolloutScan
+from s3capture.store_lineage import request_fingerprint
 from s3capture.transport import ListedObject
 
 __all__ = ["S3CaptureLedger", "LedgerConflictError"]
@@ -284,12 +285,9 @@ class S3CaptureLedger(_LedgerManifest):
             StoreError: the store failed a LIST or a GET.
         """
         prefix = self.layout.rollout(rollout_id)
-        try:
-            fingerprint = _fp.assistant_fingerprint(request_items)
-        except Exception as error:  # noqa: BLE001 - any malformed request is UNRESOLVED, never a crash
-            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
-        if not fingerprint:
-            return LineageResolution(ParentResolutionStatus.ROOT)
+        fingerprint = request_fingerprint(request_items)
+        if isinstance(fingerprint, LineageResolution):
+            return fingerprint
         listing, retired = await asyncio.gather(
             self._list(f"{prefix}ledger-index/{escape_id(fingerprint)}/"), self._retired(prefix)
         )

@@ -18,6 +18,19 @@ from s3capture.records import ParentResolutionStatus, RecordError, TokenEntry, c
 from s3capture.store_core import _StoreCore
 
 
+def request_fingerprint(request_items: list) -> str | LineageResolution:
+    """The assistant fingerprint a continuation request is looked up by
+    (``fingerprint.assistant_fingerprint`` of its items), or the answer that ends a resolve before
+    any request: ROOT for a request with no assistant turn, UNRESOLVED ``malformed_request`` for
+    items that cannot be fingerprinted (never an error). Shared by ``S3TokenStore.resolve`` and
+    ``S3CaptureLedger.resolve``."""
+    try:
+        fingerprint = _fp.assistant_fingerprint(request_items)
+    except Exception as error:  # noqa: BLE001 - any malformed request is UNRESOLVED, never a crash
+        return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
+    return fingerprint or LineageResolution(ParentResolutionStatus.ROOT)
+
+
 def _interchangeable(entries: Sequence[TokenEntry]) -> bool:
     """Whether several candidates for one request are one parent: Gym's rule (``lineage.py``,
     ``resolve_node``), equal non-empty ``digest`` and equal ``cum_len``, a missing ``cum_len``
@@ -64,12 +77,9 @@ class _StoreLineage(_StoreCore):
             StoreError: the store failed the LIST or a GET.
         """
         prefix = self.layout.rollout(rollout_id)
-        try:
-            fingerprint = _fp.assistant_fingerprint(request_items)
-        except Exception as error:  # noqa: BLE001 - any malformed request is UNRESOLVED, never a crash
-            return LineageResolution(ParentResolutionStatus.UNRESOLVED, reason=f"malformed_request: {error}")
-        if not fingerprint:
-            return LineageResolution(ParentResolutionStatus.ROOT)
+        fingerprint = request_fingerprint(request_items)
+        if isinstance(fingerprint, LineageResolution):
+            return fingerprint
         listing = await self._list(f"{prefix}log/e/{escape_id(fingerprint)}/")
         by_call: dict[str, list[str]] = collections.defaultdict(list)
         sizes: dict[str, int] = {}
