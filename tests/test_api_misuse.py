@@ -7,6 +7,8 @@ Every store here talks to the test server; the refusals must come before any req
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import copy
 import enum
@@ -321,7 +323,7 @@ async def test_a_put_or_get_that_cannot_connect_says_to_check_the_endpoint(monke
         await transport.close()
 
 
-async def test_a_connection_reset_after_connecting_is_not_called_a_wrong_endpoint(monkeypatch):
+async def test_a_connection_reset_after_connecting_is_not_called_a_wrong_endpoint(monkeypatch, caplog):
     """obstore ends a refused connection and one reset after it was made in the same words ("error
     sending request"), and both were reported as "cannot connect ... check the endpoint", which
     sends an operator after a right endpoint. A reset names its cause and no endpoint check."""
@@ -361,6 +363,7 @@ async def test_a_connection_reset_after_connecting_is_not_called_a_wrong_endpoin
         4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}
     )
     transport = make_transport(None, "bkt", endpoint_url=endpoint, botocore_config=config)
+    caplog.set_level(logging.WARNING, logger="s3capture.connect")
     try:
         with pytest.raises(StoreError) as failed:
             await transport.get("k/1")
@@ -368,11 +371,64 @@ async def test_a_connection_reset_after_connecting_is_not_called_a_wrong_endpoin
         assert not text.startswith("cannot connect"), text
         assert "check the endpoint" not in text, text
         assert "reset" in text.lower() or "closed" in text.lower() or "disconnect" in text.lower(), text
+        # retried (two attempts) without the "cannot connect ... retrying" warning a wrong endpoint gets
+        warned = [r.getMessage() for r in caplog.records if r.name == "s3capture.connect"]
+        assert warned == [], warned
     finally:
         await transport.close()
         stop.set()
         server.close()
         thread.join(5)
+
+
+async def test_a_connect_timeout_says_to_check_the_endpoint(monkeypatch):
+    """An endpoint that drops connection attempts (a wrong address, a firewall): object_store
+    labels its connect timeout "kind: Timeout", and a review found the first version of the reset
+    fix reporting it as a plain failure, without the endpoint hint aioboto3 gives."""
+    import socket
+
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config, make_transport
+
+    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = socket.socket()  # a listener whose accept queue is full: new connections time out
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        try:
+            filler.connect(server.getsockname())
+        except BlockingIOError:
+            pass
+        fillers.append(filler)
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    probe = socket.socket()
+    probe.settimeout(1)
+    try:
+        probe.connect(server.getsockname())
+        pytest.skip("this kernel accepts connections beyond a full backlog")
+    except OSError:
+        pass
+    finally:
+        probe.close()
+    config = default_botocore_config(
+        4, retries={"mode": "standard", "max_attempts": 1}, s3={"addressing_style": "path"}, connect_timeout=1
+    )
+    transport = make_transport(None, "bkt", endpoint_url=endpoint, botocore_config=config)
+    try:
+        with pytest.raises(StoreError) as failed:
+            await transport.get("k/1")
+        assert str(failed.value).startswith(f"cannot connect to {endpoint} ("), failed.value
+        assert "check the endpoint" in str(failed.value)
+    finally:
+        await transport.close()
+        for filler in fillers:
+            filler.close()
+        server.close()
 
 
 def test_a_spill_dir_that_is_a_file_is_refused_when_the_store_is_built(s3_env, bucket_url, tmp_path):

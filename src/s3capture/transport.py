@@ -319,9 +319,11 @@ class Transport(DeleteMixin, ListingMixin, LoopClientsMixin):
     def _error_text(self, error: BaseException) -> str:
         """The text of a client library's error, as a ``StoreError`` message quotes it (for a
         connection lost after it was made, the cause, not botocore's "Could not connect")."""
-        if _cannot_connect(error):
+        from botocore.exceptions import ConnectionError as BotocoreConnectionError
+
+        if not isinstance(error, BotocoreConnectionError) or _cannot_connect(error):
             return str(error)
-        lost = _lost_after_connecting(error) if hasattr(error, "kwargs") else None
+        lost = _lost_after_connecting(error)
         return f"{type(lost).__name__}: {lost}" if lost is not None else str(error)
 
     def _could_not_send(self, error: BaseException) -> bool:
@@ -344,9 +346,9 @@ class Transport(DeleteMixin, ListingMixin, LoopClientsMixin):
                 key=key,
             )
         if _cannot_connect(error) or self._could_not_send(error):
-            check = "check the endpoint (--endpoint or AWS_ENDPOINT_URL) and the network"
+            check = "check the endpoint (--endpoint, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL) and the network"
             if "WRONG_VERSION_NUMBER" in str(error) and (self.endpoint_url or "").startswith("https://"):
-                check = "the server answers plain HTTP: use http:// in the endpoint (--endpoint or AWS_ENDPOINT_URL)"
+                check = "the server answers plain HTTP: use http:// in the endpoint (--endpoint, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)"
             return StoreError(
                 f"cannot connect to {self.endpoint_url or 'the AWS S3 endpoint'} ({where}): {type(error).__name__}: "
                 f"{self._error_text(error)}; {check}",

@@ -40,7 +40,9 @@ def _cannot_connect(error: BaseException) -> bool:
         return isinstance(error, BotocoreConnectionError)
     if isinstance(error, BotocoreConnectionError):
         return not _lost_after_connecting(error)
-    return isinstance(error, aiohttp.ClientConnectorError)
+    # aiohttp's own (the obstore transport's LIST and deletes): refused, DNS, or a connect timeout
+    connect_timeout = getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError)
+    return isinstance(error, (aiohttp.ClientConnectorError, connect_timeout))
 
 
 def _lost_after_connecting(error: BaseException) -> BaseException | None:
@@ -81,7 +83,7 @@ def warn_connect_retry(
         "(an endpoint that accepts connections but does not answer, or an overloaded store)"
         if no_answer
         else "cannot connect to %s (%s); retrying, attempt %d of %d, backing off up to %d s (check the endpoint: "
-        "--endpoint or AWS_ENDPOINT_URL)"
+        "--endpoint, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)"
     )
     connect_log.warning(what, where, reason, attempt + 1, attempts, wait)
 

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from s3capture.errors import StoreError, install_hint
+from s3capture.transport_errors import _cannot_connect
 
 if TYPE_CHECKING:
     from obstore.store import S3Config
@@ -385,11 +386,12 @@ class ObstoreTransport(Transport):
         # object_store's own retries of a refused connection end in "HTTP error: error sending
         # request", naming no cause (an API breaker, 2026-12-03: no "check the endpoint" hint).
         # The same words end a request whose connection was reset after it was made; the debug
-        # dump tells them apart ("kind: Connect" for a connection never made).
+        # dump tells them apart: "kind: Connect" or hyper's "ConnectError(" (a connect timeout is
+        # "kind: Timeout" around one) for a connection never made.
         text = str(error)
         if "error sending request" not in text:
             return False
-        return "Debug source:" not in text or "kind: Connect," in text
+        return "Debug source:" not in text or "kind: Connect," in text or "ConnectError(" in text
 
     def _error_code(self, error: BaseException) -> str:
         response = getattr(error, "response", None)
@@ -573,7 +575,7 @@ class ObstoreTransport(Transport):
                     date = response.headers.get("Date", "")
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
                 if attempt + 1 < self._attempts:
-                    if isinstance(error, aiohttp.ClientConnectorError):  # could not connect (refused, DNS)
+                    if _cannot_connect(error):  # could not connect (refused, DNS, connect timeout)
                         warn_connect_retry(self.endpoint_url, error, attempt + 1, self._attempts)
                     continue
                 raise
