@@ -182,3 +182,30 @@ async def test_a_list_answered_with_a_part_is_listed_again(s3_server: Any, fresh
         assert sorted(e.model_call_id for e in snapshot.entries) == ["c0", "c1"] and not snapshot.incomplete
     finally:
         await proxy.stop()
+
+
+async def test_a_bulk_delete_answered_with_a_part_is_sent_again(
+    s3_server: Any, s3_client: Any, bucket_url: str, fresh: Any
+) -> None:
+    # The DeleteObjects side of the 206 resend above (a review): the answer's first 10 bytes, as
+    # a 206, to a request that asked for no range. The keys must all be gone afterwards.
+    bucket, root = split_bucket_url(bucket_url)
+    keys = [f"{root}part-delete/{name}" for name in ("a", "b", "c")]
+    for key in keys:
+        put_bytes(s3_client, bucket, key, b"x")
+    proxy = await FaultProxy(s3_server.port).start()
+    parted: list[str] = []
+
+    async def rule(request: Any) -> Any:
+        if request.method == "POST" and not parted:
+            parted.append(request.path)
+            return Partial(10)
+        return None
+
+    proxy.rule = rule
+    try:
+        await fresh(endpoint_url=proxy.endpoint).transport.delete(keys)
+        assert parted, "no DeleteObjects went through the proxy"
+        assert list_keys(s3_client, bucket, f"{root}part-delete/") == []
+    finally:
+        await proxy.stop()

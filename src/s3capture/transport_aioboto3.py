@@ -313,6 +313,10 @@ class S3Transport(Transport):
             if code in _NOT_IMPLEMENTED:
                 return code
             raise
+        except ResponseParserError:
+            # A garbled answer (a proxy's part of it, a 206 nobody asked for) confirms nothing:
+            # every key goes out again as a single DELETE, as for an empty or HTML 200 body.
+            return [], set()
         return list(response.get("Errors", ())), {d.get("Key", "") for d in response.get("Deleted", ())}
 
     async def _delete_one_once(self, client: Any, key: str) -> None:

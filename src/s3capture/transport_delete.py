@@ -61,7 +61,7 @@ class DeleteMixin:
         single DELETEs for ``BULK_DENIED_SECONDS`` before it tries DeleteObjects again (credentials
         or a policy may change). A key the answer neither confirms
         deleted nor reports failed (an answer that is not a DeleteObjects result, such as an empty
-        or HTML 200 body from a proxy) is deleted again with a single DELETE, whose answer is
+        or HTML 200 body from a proxy, or one cut short) is deleted again with a single DELETE, whose answer is
         unambiguous, as is a key the answer reports failed with a code of ``RETRY_CODES``
         (the client retries that DELETE). Missing keys are not an error. Raises ``StoreError``."""
         for start in range(0, len(keys), 1000):
