@@ -321,9 +321,7 @@ class Transport(DeleteMixin, ListingMixin, LoopClientsMixin):
         connection lost after it was made, the cause, not botocore's "Could not connect")."""
         from botocore.exceptions import ConnectionError as BotocoreConnectionError
 
-        if not isinstance(error, BotocoreConnectionError) or _cannot_connect(error):
-            return str(error)
-        lost = _lost_after_connecting(error)
+        lost = _lost_after_connecting(error) if isinstance(error, BotocoreConnectionError) else None
         return f"{type(lost).__name__}: {lost}" if lost is not None else str(error)
 
     def _could_not_send(self, error: BaseException) -> bool:
