@@ -235,6 +235,28 @@ async def test_failure_row_for_a_call_id_too_long_for_a_key_keeps_its_real_id(le
         await ledgers().record(make_commit("r", long_id, REQ, assistant_output("red")))
 
 
+async def test_a_failure_reason_of_megabytes_is_stored_cut_and_still_masks(ledgers):
+    """A 5 MiB reason was PUT and acknowledged, then every reader refused the row as over its
+    4 MiB limit: the manifest said ``unreadable_ledger_row`` and the reason was lost (a scale
+    breaker, 2026-12-03). It is now cut to 64 KiB with a note of its length, before any request."""
+    reason = "traceback line é\n" * (5 * 1024 * 1024 // 18)
+    ledger = ledgers()
+    await ledger.record_failure("r", "call-1", reason)
+    await ledger.record_failure("r", "call-1", reason)  # the same cut: one row
+    manifest = await ledgers().manifest("r")
+    [failure] = manifest["failures"]
+    assert failure["model_call_id"] == "call-1"
+    stored = failure["reason"]
+    note = f" [... cut: the reason was {len(reason.encode('utf-8'))} bytes]"
+    assert stored.endswith(note) and reason.startswith(stored[: -len(note)])
+    assert len(stored.encode("utf-8")) <= 64 * 1024
+    # A call id of megabytes cannot make a readable row at all: refused before any request.
+    sent = ledger.request_counts.total()
+    with pytest.raises(ValueError, match="over the 4194304-byte limit of a ledger row"):
+        await ledger.record_failure("r", "c" * (5 * 1024 * 1024), "worker_capture_failed")
+    assert ledger.request_counts.total() == sent
+
+
 # --------------------------------------------------------------------------- damage in the bucket
 
 

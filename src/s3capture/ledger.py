@@ -48,6 +48,7 @@ from s3capture.ledger_rows import (
     _Row,
     _sha,
     _without_folder_markers,
+    bounded_reason,
 )
 from s3capture.protocols import LineageMatch, LineageResolution, RolloutRemovalPayload
 from s3capture.records import ParentResolutionStatus, RecordError
@@ -81,7 +82,7 @@ class S3CaptureLedger(_LedgerManifest):
         cache_bytes: bound on the estimated heap of decoded rows kept in memory (bytes).
         max_concurrency: bound on requests in flight from this client.
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
-            3.5-3.9x less client CPU per capture call, measured in ``docs/design.md``) or a
+            2.3-3.9x less client CPU per capture call across the runs in ``docs/benchmarks.md``) or a
             ``s3capture.transport.Transport``;
             ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``record_failure`` durably spills a failure row it could
@@ -215,7 +216,10 @@ class S3CaptureLedger(_LedgerManifest):
         Failure rows never take part in resolution; ``manifest`` lists them under ``failures`` so
         finalization rejects the rollout. The same ``(model_call_id, reason)`` twice is one row; a
         call id too long for a key is stored under a hashed stand-in and keeps its real id in the
-        row. Raises ``ValueError`` for an empty or non-str id or reason, and ``StoreError`` when the
+        row. A reason over 64 KiB of UTF-8 is stored cut to that, with a note of its length
+        (``ledger_rows.bounded_reason``). Raises ``ValueError`` for an empty or non-str id or reason
+        (or a call id so long that the row would pass the 4 MiB a reader accepts), and
+        ``StoreError`` when the
         PUT fails and no ``spill_dir`` is configured; with one, the row is spilled locally (fsynced,
         also when the caller cancels the call before the store answered)
         and stored by the next replay, because ``record`` and ``record_failure`` failing together
@@ -229,10 +233,16 @@ class S3CaptureLedger(_LedgerManifest):
             except UnicodeEncodeError:
                 raise ValueError(f"{name} {value!r} is not valid Unicode text (it contains a lone surrogate)") from None
         prefix = self.layout.rollout(rollout_id, writing=True)
+        reason = bounded_reason(reason)
         body = msgspec.json.encode(
             _Failure(format=_FAILURE_FORMAT, rollout_id=rollout_id, model_call_id=model_call_id, reason=reason),
             order="sorted",
         )
+        if len(body) > _MAX_ROW_BYTES:  # only a call id of megabytes gets here: its readers would refuse the row
+            raise ValueError(
+                f"the failure row of a {len(model_call_id.encode('utf-8'))}-byte call id is {len(body)} bytes, "
+                f"over the {_MAX_ROW_BYTES}-byte limit of a ledger row"
+            )
         key = f"{self._fail_prefix(prefix, model_call_id)}{_sha(body)}.json"
         try:
             await self._put(key, body)

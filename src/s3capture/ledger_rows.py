@@ -26,10 +26,24 @@ _ROW_FORMAT = "s3capture.ledger-row/1"
 _FAILURE_FORMAT = "s3capture.ledger-failure/1"
 _MAX_ROW_BYTES = 4 * 1024 * 1024
 """Largest ledger object a reader decodes (after decompression): rows are token-free."""
+_MAX_REASON_BYTES = 64 * 1024
+"""Longest failure reason stored (UTF-8 bytes); ``bounded_reason`` cuts a longer one, so the row of
+``record_failure`` always fits ``_MAX_ROW_BYTES`` and its readers never refuse it."""
 _COMPRESS_ABOVE = 1024
 """Rows longer than this (bytes of JSON) are stored zstd-compressed: a deep call's row repeats its
 whole ``staging_chain``, which compresses about tenfold."""
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def bounded_reason(reason: str) -> str:
+    """``reason`` itself when it is at most ``_MAX_REASON_BYTES`` of UTF-8; otherwise its longest
+    prefix that fits with a note of the full length, cut on a character boundary. The same input
+    always gives the same text, so a repeated ``record_failure`` is still one row."""
+    data = reason.encode("utf-8")
+    if len(data) <= _MAX_REASON_BYTES:
+        return reason
+    note = f" [... cut: the reason was {len(data)} bytes]"
+    return data[: _MAX_REASON_BYTES - len(note)].decode("utf-8", errors="ignore") + note
 
 
 class _Row(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

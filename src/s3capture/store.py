@@ -73,9 +73,10 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         max_concurrency: bound on requests in flight from this client (at most the pool size).
         compression_level: zstd level for stored entries (default 1: see ``docs/design.md``,
             "Encode CPU"; every level is readable by every reader).
-        max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader.
+        max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader (an
+            ``int`` >= 1, bytes; ``TypeError`` / ``ValueError`` otherwise).
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
-            3.5-3.9x less client CPU per capture call, measured in ``docs/design.md``) or a
+            2.3-3.9x less client CPU per capture call across the runs in ``docs/benchmarks.md``) or a
             ``s3capture.transport.Transport``;
             ``None`` reads ``S3CAPTURE_TRANSPORT``.
         spill_dir: a local directory where ``mark_incomplete`` durably spills markers it could not
@@ -134,6 +135,13 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         self._compression_level = compression_level
         self._compressors = threading.local()
         self._compressor()  # a bad level fails here, not in the first put
+        if isinstance(max_entry_bytes, bool) or not isinstance(max_entry_bytes, int):
+            raise TypeError(
+                f"max_entry_bytes must be an int number of bytes, got {type(max_entry_bytes).__name__} "
+                f"{max_entry_bytes!r}"
+            )
+        if max_entry_bytes < 1:  # a limit below one byte would refuse every put and mask every reader's rollouts
+            raise ValueError(f"max_entry_bytes must be >= 1 byte, got {max_entry_bytes!r}")
         self._max_entry_bytes = max_entry_bytes
         if isinstance(fence_grace, bool) or not isinstance(fence_grace, (int, float)):
             raise TypeError(
