@@ -472,6 +472,60 @@ def test_gc_yes_into_a_closed_pipe_finishes_its_deletions(s3_env: Any, bucket_ur
             assert "finishing the run" in done.stderr.decode()
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # CLI plumbing: one server is enough
+def test_output_that_cannot_be_written_never_stops_ls_or_gc_part_way(s3_env: Any, bucket_url: str) -> None:
+    """A CLI breaker (2026-12-03): under an output encoding without ``ü`` (``PYTHONIOENCODING=ascii``,
+    an ISO-8859 locale) ``ls`` stopped at the id ``c-ü`` and ``gc --yes`` deleted it unreported,
+    then exited 2 with two rollouts never handled; ``gc --yes > /dev/full`` stopped after one
+    rollout; ``ls >&-`` (stdout closed) printed a traceback. Ids the encoding lacks are now written
+    as ``\\uXXXX`` (valid in ``--json`` too), and ``gc --yes`` finishes whatever its output does."""
+    import json
+    import os
+    import subprocess
+
+    from s3capture.ops import status
+
+    ids = ["a-1", "b-2", "c-\u00fc", "d-4", "e-5"]
+
+    async def setup() -> None:
+        async with S3TokenStore(bucket_url) as writer:
+            for rid in ids:
+                await writer.put(simple_entry(rid, "c1"))
+            await writer.retire(ids)
+
+    async def retired_objects() -> int:
+        async with S3TokenStore(bucket_url) as reader:
+            return (await status(reader)).retired_leftover_objects
+
+    asyncio.run(setup())
+    command = [sys.executable, "-c", "import sys; from s3capture.cli import main; sys.exit(main())"]
+    ascii_env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    shown = subprocess.run([*command, "ls", bucket_url], capture_output=True, env=ascii_env, timeout=120)
+    assert shown.returncode == 0, shown.stderr.decode()
+    rows = shown.stdout.decode("ascii").splitlines()[1:]
+    assert [row.split("\t")[0] for row in rows] == ["a-1", "b-2", "c-\\u00fc", "d-4", "e-5"]
+    listed = subprocess.run([*command, "ls", "--json", bucket_url], capture_output=True, env=ascii_env, timeout=120)
+    assert listed.returncode == 0, listed.stderr.decode()
+    assert [json.loads(line)["rollout_id"] for line in listed.stdout.decode("ascii").splitlines()] == ids
+    closed = subprocess.run(f"{subprocess.list2cmdline([*command, 'ls', bucket_url])} >&-", shell=True,
+                            capture_output=True, timeout=120)  # fmt: skip
+    assert (closed.returncode, closed.stderr.decode()) == (0, "")
+    before = asyncio.run(retired_objects())
+    assert before > 0
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [*command, "gc", bucket_url, "--retired-older-than", "0", "--yes"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            env=ascii_env,
+            timeout=300,
+        )
+    said = done.stderr.decode("ascii")
+    assert done.returncode == 0, said
+    assert "cannot write the output" in said and "finishing the run" in said
+    assert asyncio.run(retired_objects()) == 0  # every retired rollout handled
+
+
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # output formatting: one server is enough
 def test_ids_with_control_characters_keep_one_row_each_and_read_back_in_a_shell(
     s3_env: Any, bucket_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -24,6 +24,7 @@ from s3capture.cli.arguments import (
     _Parser as _Parser,
     check_endpoint as check_endpoint,
     check_s3_url as check_s3_url,
+    escape_unencodable_output as escape_unencodable_output,
     stdout_to_devnull as stdout_to_devnull,
 )
 from s3capture.cli.demo import (
@@ -334,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    escape_unencodable_output()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args = build_parser().parse_args(argv)

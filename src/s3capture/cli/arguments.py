@@ -10,6 +10,7 @@ and ``_argument``, the URL checks ``check_s3_url`` and ``check_endpoint`` (also 
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import re
 import sys
@@ -111,6 +112,39 @@ def _argument(check: Callable[[str], _T]) -> Callable[[str], _T]:
             raise argparse.ArgumentTypeError(str(error)) from None
 
     return parse
+
+
+def _escape_unencodable(error: UnicodeError) -> tuple[str, int]:
+    """Codec error handler ``s3capture.escape``: what the output's encoding cannot write, as
+    ``\\uXXXX`` escapes (a surrogate pair beyond the BMP), valid inside a JSON string too."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    out = []
+    for char in error.object[error.start : error.end]:
+        code = ord(char)
+        if code > 0xFFFF:
+            code -= 0x10000
+            out.append(f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return "".join(out), error.end
+
+
+codecs.register_error("s3capture.escape", _escape_unencodable)
+
+
+def escape_unencodable_output() -> None:
+    """Make stdout and stderr write what their encoding cannot (an id like ``c-ü`` under
+    ``PYTHONIOENCODING=ascii`` or an ISO-8859 locale) as ``\\uXXXX`` instead of raising
+    ``UnicodeEncodeError`` part-way through a listing or a ``gc --yes`` run."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is None:
+            continue  # closed (None) or not a text stream of io's: left as it is
+        try:
+            reconfigure(errors="s3capture.escape")
+        except (ValueError, OSError, TypeError):
+            pass  # a stream that cannot take it (detached, or a test's replacement)
 
 
 def stdout_to_devnull() -> None:

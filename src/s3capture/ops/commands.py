@@ -129,7 +129,7 @@ async def _close_after(store: Any, work: Any) -> Any:
 
 def _ls_command(args: Any) -> int:
     store = _open_store(args)
-    table = sys.stdout.isatty() and not args.json
+    table = sys.stdout is not None and sys.stdout.isatty() and not args.json  # None: stdout closed (`>&-`)
 
     async def run() -> int:
         count = 0
@@ -219,17 +219,22 @@ def _gc_command(args: Any) -> int:
         )
         try:
             print(line, flush=True)
-        except BrokenPipeError:
+        except OSError as error:
             if dry_run:
-                raise  # `gc URL | head`: a quiet end, nothing was changed
-            # `gc --yes | head`: stopping here would leave the run half done and exit 0; it
-            # finishes its deletions, and says so where it still can.
+                raise  # `gc URL | head`: a quiet end; a full disk: an error; either way nothing was changed
+            # `gc --yes | head`, or output to a full disk: stopping here would leave the run half
+            # done; it finishes its deletions, and says so (and its summary) on stderr.
             from s3capture.cli import stdout_to_devnull
 
             stdout_to_devnull()
             if not reader_gone:
                 reader_gone = True
-                print("s3capture gc: the output's reader went away; finishing the run", file=sys.stderr)
+                why = (
+                    "the output's reader went away"
+                    if isinstance(error, BrokenPipeError)
+                    else f"cannot write the output ({error})"
+                )
+                print(f"s3capture gc: {why}; finishing the run", file=sys.stderr)
 
     report = asyncio.run(
         _close_after(
