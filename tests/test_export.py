@@ -1220,6 +1220,12 @@ def test_progress_is_a_plain_line_when_stderr_is_not_a_terminal() -> None:
         (["export", "s3://bkt/p", "--out", "x", "--workers", "-1"], "must be from 0"),
         (["export", "http://bkt/p", "--out", "x"], "s3://"),
         (["export", "s3://bkt/p", "--out", "s3://bkt/p/rollouts/x"], "inside the rollouts"),
+        # Accepted before (a CLI breaker, 2026-12-03): SeaweedFS wrote the claim under a rewritten
+        # key, failed with a misleading "stale listing" and blocked the real prefix for 10 minutes.
+        (["export", "s3://bkt/p", "--out", "s3://out/a\\b"], "contains a backslash"),
+        (["export", "s3://bkt/p", "--out", "s3://out/run7/../x"], "contains a '.' or '..' path segment"),
+        (["export", "s3://bkt/p", "--out", "s3://out/./y"], "contains a '.' or '..' path segment"),
+        (["export", "s3://bkt/p", "--out", "s3://out/a//b"], "empty path segment"),
         (["export", "s3://bkt/p", "--out", "x", "--builder", "per_request", "--build-with", "gym"], "per_request"),
     ],
 )

@@ -176,20 +176,28 @@ def _check_id(kind: str, value: object) -> str:
     return escaped
 
 
+def check_prefix_segments(root: str) -> None:
+    """Refuse a prefix (``"a/b"``, stripped of outer slashes) whose keys servers would not keep as
+    written: an empty segment (``//``), a ``.`` or ``..`` segment, or a backslash. ``ValueError``.
+    Every prefix s3capture writes under passes here: a root (``Layout``) and an export's ``s3://``
+    destination."""
+    if "//" in root:
+        raise ValueError(f"prefix {root!r} contains an empty path segment ('//')")
+    if any(segment in (".", "..") for segment in root.split("/")):
+        # S3 keeps such keys verbatim, but servers that resolve paths (SeaweedFS, proxies)
+        # rewrite or refuse them, so the keys written would not be the keys listed.
+        raise ValueError(f"prefix {root!r} contains a '.' or '..' path segment")
+    if "\\" in root:
+        # SeaweedFS stores "a\\b" as another key than the one written (tests/test_transport.py).
+        raise ValueError(f"prefix {root!r} contains a backslash, which S3-compatible servers rewrite")
+
+
 class Layout:
     """Key builder for one root prefix (``""`` or ``"a/b"``, without trailing slash)."""
 
     def __init__(self, root: str) -> None:
         root = root.strip("/")
-        if "//" in root:
-            raise ValueError(f"prefix {root!r} contains an empty path segment ('//')")
-        if any(segment in (".", "..") for segment in root.split("/")):
-            # S3 keeps such keys verbatim, but servers that resolve paths (SeaweedFS, proxies)
-            # rewrite or refuse them, so the keys written would not be the keys listed.
-            raise ValueError(f"prefix {root!r} contains a '.' or '..' path segment")
-        if "\\" in root:
-            # SeaweedFS stores "a\\b" as another key than the one written (tests/test_transport.py).
-            raise ValueError(f"prefix {root!r} contains a backslash, which S3-compatible servers rewrite")
+        check_prefix_segments(root)
         if "rollouts" in root.split("/"):
             raise ValueError(
                 f"prefix {root!r} contains a 'rollouts' segment; it could nest inside another s3capture root's "

@@ -41,12 +41,19 @@ def read_ids(path: str | os.PathLike) -> list[str]:
 
 def check_destination(url: str, dest: str) -> None:
     """Refuse an ``s3://`` destination inside the source root's rollouts, or one that contains
-    them (its scan would list every captured object). ``ValueError``; a local folder passes."""
+    them (its scan would list every captured object), or whose prefix servers would not keep as
+    written (``s3capture.layout.check_prefix_segments``: ``//``, ``.``, ``..``, a backslash).
+    ``ValueError``; a local folder passes."""
+    from s3capture.layout import check_prefix_segments
     from s3capture.rollouts import parse_s3_url
 
     bucket, root = parse_s3_url(url)
     if _is_s3(dest):
         dest_bucket, dest_prefix = parse_s3_url(dest)
+        try:
+            check_prefix_segments(dest_prefix)
+        except ValueError as error:
+            raise ValueError(f"destination {dest}: {error}") from None
         inside = f"{root}/rollouts" if root else "rollouts"
         if dest_bucket == bucket and (
             dest_prefix == inside or dest_prefix.startswith(inside + "/") or "rollouts" in dest_prefix.split("/")
