@@ -502,6 +502,41 @@ async def test_a_shard_that_decided_nothing_leaves_no_manifest(
 
 
 @MOTO
+async def test_files_named_like_shards_in_a_destination_no_export_wrote_are_refused_not_deleted(
+    fresh: Any, tmp_path: Path, bucket_url: str, s3_client: Any
+) -> None:
+    """An export breaker (2026-12-03): a destination holding another tool's ``part-00000.parquet``
+    (or data files copied without their ``_part-*`` manifests), with no sign of any export, had
+    them deleted as "orphans of an interrupted run" and exited 0. They are now refused like any
+    foreign file, and kept; a refused run leaves no lock behind that would let the next run
+    delete them. An interrupted export's orphans are still removed (``test_export.py``'s kill test)."""
+    import io
+
+    import pyarrow as pa
+
+    await frozen_chains(fresh, ["f1"])
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"precious": [1, 2, 3]}), buffer)
+    precious = buffer.getvalue()
+    dest = tmp_path / "out"
+    dest.mkdir()
+    for name in ("part-00000.parquet", "part-00007-0123abcd.parquet"):
+        (dest / name).write_bytes(precious)
+    for _ in range(2):  # the second run finds the folder as the first left it
+        with pytest.raises(ValueError, match="holds data files without shard manifests .*part-00000.parquet"):
+            await export(bucket_url, str(dest), workers=0)
+        assert sorted(p.name for p in dest.iterdir()) == ["part-00000.parquet", "part-00007-0123abcd.parquet"]
+    bucket = bucket_url[len("s3://") :].split("/")[0]
+    s3_client.put_object(Bucket=bucket, Key="elsewhere/part-00000.parquet", Body=precious)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="holds data files without shard manifests"):
+            await export(bucket_url, f"s3://{bucket}/elsewhere", workers=0)
+        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="elsewhere/").get("Contents", [])
+        assert [item["Key"] for item in listed] == ["elsewhere/part-00000.parquet"]
+    assert s3_client.get_object(Bucket=bucket, Key="elsewhere/part-00000.parquet")["Body"].read() == precious
+
+
+@MOTO
 async def test_a_destination_written_before_the_manifest_rename_keeps_its_rows(
     fresh: Any, tmp_path: Path, bucket_url: str
 ) -> None:

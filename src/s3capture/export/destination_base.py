@@ -57,6 +57,10 @@ class _Destination:
     """Where shards go: a local folder or an ``s3://`` prefix. ``publish`` is atomic."""
 
     requests: collections.Counter
+    found_earlier_export: bool = False
+    """Set by ``lock``: the destination bore an export's lock before this one took it (a local
+    folder's lock file, an ``s3://`` prefix's claims of dead exports). With a manifest or a temp
+    file, the evidence that lets unmanifested data files be removed as an interrupted export's."""
 
     async def scan(self) -> _Existing:
         raise NotImplementedError

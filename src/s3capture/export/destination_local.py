@@ -15,6 +15,7 @@ from typing import Any
 from s3capture.errors import StoreError
 from s3capture.export.destination_base import (
     _LOCK,
+    _PART,
     _classify,
     _decode_manifest,
     _Destination,
@@ -104,6 +105,7 @@ class _LocalDestination(_Destination):
             handle.close()
         else:
             raise ValueError(f"destination {self.folder}: its lock file kept being replaced; try again")
+        self.found_earlier_export = not self._made_lock
         self.token = uuid.uuid4().hex
         handle.seek(0)
         handle.truncate()
@@ -154,11 +156,23 @@ class _LocalDestination(_Destination):
                 handle.flush()
             if failed and self._created:
                 self._remove_if_unused()  # still under the flock: no other export is writing here
-            if failed and self._made_lock:
-                # A refused or failed run leaves a folder it did not create as it found it.
+            if failed and self._made_lock and not self._published_files():
+                # A refused or failed run leaves a folder it did not create as it found it. (Not
+                # one that published a data file: the lock file tells the re-run that it is an
+                # export's unfinished shard, to be removed, not a foreign file.)
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.folder, _LOCK))
             handle.close()  # releases the flock
+
+    def _published_files(self) -> bool:
+        """Whether shard files appeared here since this run's ``scan`` (its workers published them)."""
+        found = getattr(self, "_scanned", None)
+        if found is None:
+            return False  # no scan: nothing was published
+        try:
+            return any(_PART.match(name) and name not in found for name in os.listdir(self.folder))
+        except OSError:
+            return True  # unknown: keep the lock file
 
     def _remove_if_unused(self) -> None:
         try:
@@ -186,6 +200,7 @@ class _LocalDestination(_Destination):
                 files.append((name, os.path.getsize(path)))
             except FileNotFoundError:
                 continue
+        self._scanned = {name for name, _ in files}
         found = []
         for name in _classify(files, existing):
             with open(os.path.join(self.folder, name), "rb") as handle:

@@ -192,6 +192,7 @@ class _S3Destination(_Destination):
                     f"destination (a claim not renewed for {CLAIM_LEASE:.0f} s is taken over)"
                 )
             stale = [c.key for c in others]
+            self.found_earlier_export = bool(stale)
             if stale:
                 _log.warning("taking over %s: %d claim(s) of dead exports", self.prefix or "/", len(stale))
                 try:
