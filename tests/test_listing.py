@@ -11,6 +11,7 @@ continuation token) are checked on crafted pages, without a server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import datetime
 import math
 import time
@@ -191,7 +192,9 @@ async def test_prefix_and_state_filters_with_ids_that_need_escapes(fresh: Any) -
         lister.rollouts(prefix="\udc80")
 
 
-async def test_foreign_and_stray_keys(fresh: Any, s3_client: Any, bucket_url: str) -> None:
+async def test_foreign_and_stray_keys(
+    fresh: Any, s3_client: Any, bucket_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     bucket, root = split_bucket_url(bucket_url)
     writer = fresh()
     await writer.put(simple_entry("r1", "c1"))
@@ -201,9 +204,17 @@ async def test_foreign_and_stray_keys(fresh: Any, s3_client: Any, bucket_url: st
     put_bytes(s3_client, bucket, f"{root}rollouts/not!escaped/log/i/c1", b"")  # not an escaped id
     put_bytes(s3_client, bucket, f"{root}rollouts/a.zz/log/i/c1", b"")  # not an escaped id either
     put_bytes(s3_client, bucket, "elsewhere/rollouts/r9/log/i/c1", b"")  # another root
+    put_bytes(s3_client, bucket, f"{root}rollouts/", b"")  # a console's "Create folder": not foreign
     lister = fresh()
+    caplog.set_level(logging.WARNING, logger="s3capture")
     infos = {info.rollout_id: info for info in await collect(lister)}
     assert sorted(infos) == ["r1", "r2"]
+    # Skipped, and said once (ls and status passed over them in silence: a CLI breaker, 2026-12-03).
+    said = [r.getMessage() for r in caplog.records if "did not write" in r.getMessage()]
+    assert said == [
+        f"2 prefixes under {root}rollouts/ hold keys s3capture did not write (e.g. '{root}rollouts/a.zz/log/i/c1'): "
+        "not rollouts, skipped"
+    ]
     for rid, info in infos.items():
         check_counts(info, s3_client, bucket_url)
         scan = await lister._scan(rid)  # what freeze counts: the foreign objects too

@@ -17,7 +17,7 @@ import msgspec
 
 from s3capture.clocks import store_time
 from s3capture.errors import ListingError
-from s3capture.layout import MAX_KEY_BYTES, escape_id, unescape_id
+from s3capture.layout import MAX_KEY_BYTES, escape_id, is_folder_marker, unescape_id
 from s3capture.rollouts.client import _RolloutClient
 from s3capture.rollouts.scan import RolloutScan, scan_listing
 from s3capture.transport import ListedObject, ListPage, cancel_unfinished, warn_start_after_ignored
@@ -178,23 +178,34 @@ class _RootListing(_RolloutClient):
         list_prefix = base + (escape_id(prefix) if prefix else "")
         if len(list_prefix.encode()) > MAX_KEY_BYTES:
             return  # no key can be that long: nothing to list
+        skipped: list[str] = []  # keys in no rollout prefix s3capture writes (folder markers aside)
         async with contextlib.aclosing(self._rollout_groups(base, list_prefix)) as groups:
             async for segment, items, listed_at in groups:
-                try:
-                    rollout_id = unescape_id(segment)
-                except ValueError:
-                    continue  # not an escaped id: nothing s3capture wrote
                 rollout_prefix = base + segment + "/"
                 try:
-                    if self.layout.rollout(rollout_id) != rollout_prefix:
-                        continue
-                except ValueError:
-                    continue  # an id no client could store (empty, or too long): foreign keys
+                    rollout_id = unescape_id(segment)
+                    stored = self.layout.rollout(rollout_id) == rollout_prefix
+                except ValueError:  # not an escaped id, or one no client could store (empty, too long)
+                    stored = False
+                if not stored:
+                    skipped += [i.key for i in items if not is_folder_marker(i.key[len(base) :], i.size)][:1]
+                    continue  # nothing s3capture wrote
                 if not rollout_id.startswith(prefix):
                     continue
                 info = self._rollout_info(rollout_id, scan_listing(rollout_prefix, items), listed_at=listed_at)
                 if info is not None and info.state in states:
                     yield info, items
+        if skipped:
+            # Never counted, masked or deleted; said once a listing, so that ls and status do not
+            # pass over a polluted root in silence.
+            log.warning(
+                "%d prefix%s under %s hold%s keys s3capture did not write (e.g. %r): not rollouts, skipped",
+                len(skipped),
+                "" if len(skipped) == 1 else "es",
+                base or "/",
+                "s" if len(skipped) == 1 else "",
+                skipped[0],
+            )
 
     async def _rollout_groups(
         self, base: str, list_prefix: str
