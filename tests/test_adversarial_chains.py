@@ -120,6 +120,21 @@ async def test_oversize_object_is_not_read_into_memory(fresh, s3_client, bucket_
     assert peak < size // 4, f"freeze peaked at {peak / 2**20:.1f} MiB of Python memory for a 64 KiB entry limit"
 
 
+async def test_an_object_that_decompresses_past_the_limit_is_read_once(fresh, s3_client, bucket_url):
+    """A planted zstd bomb (small object, decompressing past ``max_entry_bytes``) was read and
+    expanded ``read_attempts`` (4) times, as if a body cut short could grow: 1.4-1.8 s each at the
+    default 256 MiB limit (a scale breaker, 2026-12-03). Over the limit is final: one GET."""
+    import zstandard
+
+    bucket, root = split_bucket_url(bucket_url)
+    key = f"{Layout(root.rstrip('/')).rollout('r-bomb')}log/e/~/c1/{'0' * 64}.zst"
+    put_bytes(s3_client, bucket, key, zstandard.ZstdCompressor().compress(b"\0" * (1024 * 1024)))
+    store = fresh(max_entry_bytes=64 * 1024)
+    snapshot = await store.freeze("r-bomb")
+    assert snapshot.incomplete and any("decompresses beyond" in r for r in snapshot.reasons), snapshot.reasons
+    assert store.request_counts["GetObject"] == 1, dict(store.request_counts)
+
+
 # Regression test (found by the adversarial review, fixed in 0d86cd4): resolve silently drops a candidate it
 # cannot read, so a sibling with the same output and context wins by elimination instead of UNRESOLVED
 @pytest.mark.parametrize("damage", ["newer_schema", "bit_rot"])

@@ -19,7 +19,7 @@ import zstandard
 
 from s3capture.layout import is_folder_marker
 from s3capture.ledger_records import CallRecord
-from s3capture.records import RecordError
+from s3capture.records import OversizeRecordError, RecordError
 from s3capture.transport import ListedObject
 
 _ROW_FORMAT = "s3capture.ledger-row/1"
@@ -95,7 +95,7 @@ def _decompress(data: bytes) -> bytes:
         while chunk := reader.read(1 << 16):
             out.write(chunk)
             if out.tell() > _MAX_ROW_BYTES:
-                raise RecordError(f"ledger object decompresses beyond {_MAX_ROW_BYTES} bytes")
+                raise OversizeRecordError(f"ledger object decompresses beyond {_MAX_ROW_BYTES} bytes")
     except zstandard.ZstdError as error:
         raise RecordError(f"ledger object is not valid zstd: {error}") from None
     return out.getvalue()

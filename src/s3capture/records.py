@@ -70,6 +70,12 @@ class RecordError(ValueError):
     """A record is malformed or violates the ``TokenEntry`` contract."""
 
 
+class OversizeRecordError(RecordError):
+    """A stored object holds more than the reader's limit (decompressed, or as it is): reading the
+    same bytes again cannot change that, so it is never read again (a body cut short is only ever
+    smaller than the object)."""
+
+
 class UnsupportedSchemaError(RecordError):
     """A record was written by a newer (or older, unsupported) schema than this reader knows."""
 

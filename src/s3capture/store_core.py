@@ -40,7 +40,13 @@ from s3capture.objects import (
     _decode_tokens,
     _Envelope,
 )
-from s3capture.records import _DIGEST_DOMAIN, RecordError, compute_digest, decode_canonical_entry
+from s3capture.records import (
+    _DIGEST_DOMAIN,
+    OversizeRecordError,
+    RecordError,
+    compute_digest,
+    decode_canonical_entry,
+)
 from s3capture.rollouts import RolloutObjects
 
 log = logging.getLogger("s3capture")
@@ -107,7 +113,7 @@ class _StoreCore(RolloutObjects):
             limit = self._max_entry_bytes + 64 * 1024
         if not data.startswith(_ZSTD_MAGIC):
             if len(data) > limit:
-                raise RecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
+                raise OversizeRecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
             return data
         try:
             size = zstandard.frame_content_size(data)
@@ -127,7 +133,7 @@ class _StoreCore(RolloutObjects):
                 break
             out.write(chunk)
             if out.tell() > limit:
-                raise RecordError(f"object decompresses beyond max_entry_bytes={self._max_entry_bytes}")
+                raise OversizeRecordError(f"object decompresses beyond max_entry_bytes={self._max_entry_bytes}")
         return out.getvalue()
 
     def _decode_object(self, data: bytes, sha: str | None) -> _Stored:
@@ -155,7 +161,7 @@ class _StoreCore(RolloutObjects):
             cum_base = envelope.cum_base if is_checkpoint_rel(envelope.cum_base) else ""
             cum_self = envelope.cum_self if is_checkpoint_rel(envelope.cum_self) else ""
         if len(payload) > self._max_entry_bytes:
-            raise RecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
+            raise OversizeRecordError(f"entry is {len(payload)} bytes, over max_entry_bytes={self._max_entry_bytes}")
         if sha is not None and hashlib.sha256(payload).hexdigest() != sha:
             raise RecordError("stored entry bytes do not match the SHA-256 in their key")
         entry = decode_canonical_entry(payload)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from s3capture.cache import LRU
 from s3capture.layout import Layout
-from s3capture.records import RecordError
+from s3capture.records import OversizeRecordError, RecordError
 from s3capture.rollouts.urls import parse_s3_url
 from s3capture.spill import Spill
 from s3capture.transport import (
@@ -136,6 +136,8 @@ class _RolloutClient:
                 return None
             try:
                 return check(data)
+            except OversizeRecordError:
+                raise  # over the limit: the same bytes again would be too (a zstd bomb cost 4 expansions)
             except RecordError:
                 if attempt + 1 >= attempts:
                     raise
