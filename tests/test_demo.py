@@ -47,7 +47,7 @@ def example_file(name: str, folder: Path = ROLLOUTS) -> Path:
     return path
 
 
-def _run_demo(args: list[str], env_extra: dict[str, str] | None = None) -> str:
+def _run_demo(args: list[str], env_extra: dict[str, str] | None = None, stderr: list[str] | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(env_extra or {})
     proc = subprocess.run(
@@ -58,6 +58,8 @@ def _run_demo(args: list[str], env_extra: dict[str, str] | None = None) -> str:
         env=env,
     )
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return proc.stdout
 
 
@@ -90,8 +92,11 @@ def _numbers(out: str, label: str) -> tuple[int, int]:
     [("anyterminal_hermes.jsonl", 142), ("competitive_coding.jsonl", 0), ("hermes_math.jsonl", 3)],
 )
 def test_demo_replays_gym_rollouts_on_embedded_server(name: str, faithful: int):
-    out = _run_demo([str(example_file(name))])
+    said: list[str] = []
+    out = _run_demo([str(example_file(name))], stderr=said)
     assert "embedded moto" in out
+    # A new user's walkthrough (2026-12-03): nothing said that the data went with the embedded server.
+    assert "the embedded server stops now and its data goes with it" in said[0], said[0]
     assert _numbers(out, "faithful continuations RESOLVED to the right parent") == (faithful, faithful)
     assert re.search(r"snapshots: trainable (\d+), masked 0; dropped after consumption (\d+)/\1", out), out
     assert re.search(r"chains checked \d+, broken 0", out), out
