@@ -534,6 +534,40 @@ async def test_files_named_like_shards_in_a_destination_no_export_wrote_are_refu
         listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="elsewhere/").get("Contents", [])
         assert [item["Key"] for item in listed] == ["elsewhere/part-00000.parquet"]
     assert s3_client.get_object(Bucket=bucket, Key="elsewhere/part-00000.parquet")["Body"].read() == precious
+    # An s3:// export's own unfinished shard carries its run tag, which is what proves it one, not
+    # its claim: a run that failed between a data file and its manifest deletes its claim, and a
+    # run that takes a dead claim over deletes that (a review of the first version of this fix,
+    # which took claims as the evidence, found both re-runs refused).
+    s3_client.put_object(Bucket=bucket, Key="unfinished/part-00000-0123456789abcdef.parquet", Body=b"PAR1")
+    resumed = await export(bucket_url, f"s3://{bucket}/unfinished", workers=0)
+    assert resumed.ok and resumed.exported == 1 and resumed.orphans_removed == 1, format_summary(resumed)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="unfinished/part-").get("Contents", [])
+    assert len(listed) == 1 and "0123456789abcdef" not in listed[0]["Key"]
+
+
+@MOTO
+async def test_a_local_run_that_fails_after_publishing_a_data_file_is_resumed(
+    fresh: Any, tmp_path: Path, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that fails (here, interrupted) between a shard's data file and its manifest keeps the
+    lock file it created (``_LocalDestination._published_files``), so that its re-run removes that
+    data file as its own instead of refusing it as foreign (a review found no test of this)."""
+    import s3capture.export.destination_local as local
+
+    await frozen_chains(fresh, ["i1", "i2"])
+    dest = tmp_path / "out"
+
+    async def interrupted(self: Any, name: str, body: bytes) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(local._LocalDestination, "publish_bytes", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            await export(bucket_url, str(dest), workers=0)
+    assert sorted(p.name for p in dest.iterdir()) == [".s3capture-export.lock", "part-00000.parquet"]
+    again = await export(bucket_url, str(dest), workers=0)
+    assert again.ok and again.exported == 2 and again.orphans_removed == 1, format_summary(again)
+    assert sorted(row["rollout_id"] for row in rows_of(dest)) == ["i1", "i2"]
 
 
 @MOTO

@@ -106,6 +106,20 @@ def test_doctor_json_verdicts_of_each_server(
     assert _keys(s3_client, bucket_url) == []  # nothing left behind, not even the probe prefix
 
 
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # CLI plumbing: one server is enough
+def test_doctor_with_stdout_closed_ends_without_a_traceback(s3_env: Any, bucket_url: str, s3_client: Any) -> None:
+    """``doctor URL >&-`` printed ``AttributeError: 'NoneType' object has no attribute 'flush'``
+    (a review, 2026-12-03; ``ls`` had the same and was fixed first)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", "import sys; from s3capture.cli import main; sys.exit(main())"]
+    line = subprocess.list2cmdline([*command, "doctor", bucket_url, "--samples", SAMPLES])
+    done = subprocess.run(f"{line} >&-", shell=True, capture_output=True, timeout=300)
+    assert (done.returncode, done.stderr.decode()) == (0, "")
+    assert _keys(s3_client, bucket_url) == []
+
+
 @pytest.mark.all_transports
 def test_doctor_missing_bucket(
     s3_env: Any, bucket_url: str, transport_kind: str, capsys: pytest.CaptureFixture[str]

@@ -73,8 +73,8 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         max_concurrency: bound on requests in flight from this client (at most the pool size).
         compression_level: zstd level for stored entries (default 1: see ``docs/design.md``,
             "Encode CPU"; every level is readable by every reader).
-        max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader (an
-            ``int`` >= 1, bytes; ``TypeError`` / ``ValueError`` otherwise).
+        max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader
+            (bytes, a finite number >= 1; ``TypeError`` / ``ValueError`` otherwise).
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
             2.3-3.9x less client CPU per capture call across the runs in ``docs/benchmarks.md``) or a
             ``s3capture.transport.Transport``;
@@ -135,14 +135,13 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         self._compression_level = compression_level
         self._compressors = threading.local()
         self._compressor()  # a bad level fails here, not in the first put
-        if isinstance(max_entry_bytes, bool) or not isinstance(max_entry_bytes, int):
+        if isinstance(max_entry_bytes, bool) or not isinstance(max_entry_bytes, (int, float)):
             raise TypeError(
-                f"max_entry_bytes must be an int number of bytes, got {type(max_entry_bytes).__name__} "
-                f"{max_entry_bytes!r}"
+                f"max_entry_bytes must be a number of bytes, got {type(max_entry_bytes).__name__} {max_entry_bytes!r}"
             )
-        if max_entry_bytes < 1:  # a limit below one byte would refuse every put and mask every reader's rollouts
-            raise ValueError(f"max_entry_bytes must be >= 1 byte, got {max_entry_bytes!r}")
-        self._max_entry_bytes = max_entry_bytes
+        if not 1 <= max_entry_bytes < math.inf:  # below one byte every put is refused, every rollout masked
+            raise ValueError(f"max_entry_bytes must be a finite number of bytes >= 1, got {max_entry_bytes!r}")
+        self._max_entry_bytes = int(max_entry_bytes)  # 64e6 is a fine bound
         if isinstance(fence_grace, bool) or not isinstance(fence_grace, (int, float)):
             raise TypeError(
                 f"fence_grace must be a number of seconds, got {type(fence_grace).__name__} {fence_grace!r}"

@@ -319,5 +319,6 @@ def _command(args: Any) -> int:
         print(msgspec.json.encode(report.to_json()).decode())
     else:
         print(format_report(report))
-    sys.stdout.flush()
+    if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
+        sys.stdout.flush()
     return 0 if report.ok else 1

@@ -57,10 +57,12 @@ class _Destination:
     """Where shards go: a local folder or an ``s3://`` prefix. ``publish`` is atomic."""
 
     requests: collections.Counter
-    found_earlier_export: bool = False
-    """Set by ``lock``: the destination bore an export's lock before this one took it (a local
-    folder's lock file, an ``s3://`` prefix's claims of dead exports). With a manifest or a temp
-    file, the evidence that lets unmanifested data files be removed as an interrupted export's."""
+
+    def written_by_an_export(self, name: str) -> bool:
+        """Whether the data file ``name``, which no manifest names, can only be an export's (its
+        unfinished shard, removed by the re-run) in a destination that holds no manifest and no
+        temp file; otherwise it is refused as foreign and kept. Called after ``lock``."""
+        return False
 
     async def scan(self) -> _Existing:
         raise NotImplementedError

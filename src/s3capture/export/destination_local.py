@@ -105,7 +105,7 @@ class _LocalDestination(_Destination):
             handle.close()
         else:
             raise ValueError(f"destination {self.folder}: its lock file kept being replaced; try again")
-        self.found_earlier_export = not self._made_lock
+        self._lock_was_here = not self._made_lock
         self.token = uuid.uuid4().hex
         handle.seek(0)
         handle.truncate()
@@ -163,6 +163,12 @@ class _LocalDestination(_Destination):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.folder, _LOCK))
             handle.close()  # releases the flock
+
+    def written_by_an_export(self, name: str) -> bool:
+        """A local data file is named ``part-NNNNN.parquet``, as other tools name theirs: it is an
+        export's when the folder held an export's lock file before this run took it (an export
+        killed, or failed after publishing a data file, keeps it; ``close``)."""
+        return bool(getattr(self, "_lock_was_here", False))
 
     def _published_files(self) -> bool:
         """Whether shard files appeared here since this run's ``scan`` (its workers published them)."""

@@ -32,6 +32,8 @@ from s3capture.export.destination_base import (
 )
 
 _log = logging.getLogger("s3capture")
+_RUN_TAGGED = re.compile(r"^part-\d{5,}-[0-9a-f]{16}\.(?:parquet|jsonl)$")
+"""A data file named with an ``s3://`` export's run tag (``lock``: ``uuid4().hex[:16]``)."""
 
 _S3_TEMP_PREFIX = "s3capture-export-"
 _S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(?P<host>.+)-(?P<pid>\d{{1,10}})-part-\d{{5,}}.*\.tmp$")
@@ -192,7 +194,6 @@ class _S3Destination(_Destination):
                     f"destination (a claim not renewed for {CLAIM_LEASE:.0f} s is taken over)"
                 )
             stale = [c.key for c in others]
-            self.found_earlier_export = bool(stale)
             if stale:
                 _log.warning("taking over %s: %d claim(s) of dead exports", self.prefix or "/", len(stale))
                 try:
@@ -280,6 +281,12 @@ class _S3Destination(_Destination):
                 operation="PUT",
                 key=self.prefix + name,
             )
+
+    def written_by_an_export(self, name: str) -> bool:
+        """An ``s3://`` export names every data file with its claim's run tag
+        (``part-NNNNN-<16 hex>.parquet``): such a file is an export's however its run ended, and
+        whatever became of its claim; another tool's ``part-00000.parquet`` is not."""
+        return _RUN_TAGGED.match(name) is not None
 
     async def close(self, *, failed: bool = False) -> None:
         """Stop renewing and delete this export's claim. A claim that cannot be deleted (no

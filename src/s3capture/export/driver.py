@@ -224,18 +224,20 @@ async def export(
                 done[record.rollout_id] = record
         durable_data = {m.data for m in existing.manifests if m.data}
         unmanifested = [name for name in existing.data_files if name not in durable_data]
-        if unmanifested and not (
-            existing.manifests or existing.broken or existing.temp_files or target.found_earlier_export
-        ):
-            # Named like shards, but nothing here says an export ever ran: another tool's files, or
+        unproven = (
+            []
+            if existing.manifests or existing.broken or existing.temp_files
+            else [name for name in unmanifested if not target.written_by_an_export(name)]
+        )
+        if unproven:
+            # Named like shards, but nothing says an export wrote them: another tool's files, or
             # data files copied without their manifests. Never removed on the strength of a name.
-            shown = ", ".join(unmanifested[:3]) + (
-                f" and {len(unmanifested) - 3} more" if len(unmanifested) > 3 else ""
-            )
+            shown = ", ".join(unproven[:3]) + (f" and {len(unproven) - 3} more" if len(unproven) > 3 else "")
             raise ValueError(
-                f"destination {dest} holds data files without shard manifests ({shown}) and no sign of an earlier "
-                "export into it (no manifest, temp file or export lock): they are not removed as an interrupted "
-                "export's; export into a new or empty destination, or move them away"
+                f"destination {dest} holds data files without shard manifests ({shown}) and no sign that an "
+                "export wrote them (no manifest or temp file, no export's lock file, no export's run tag in "
+                "the name): they are not removed as an interrupted export's; export into a new or empty "
+                "destination, or move them away"
             )
         orphans = unmanifested + existing.temp_files
         await target.remove(existing.broken + orphans)

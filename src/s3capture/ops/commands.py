@@ -209,9 +209,10 @@ def _gc_command(args: Any) -> int:
     dry_run = not args.yes
 
     reader_gone = False
+    unwritten = False  # the output failed for another reason than its reader going away (a full disk)
 
     def show(action: GcAction) -> None:
-        nonlocal reader_gone
+        nonlocal reader_gone, unwritten
         line = (
             msgspec.json.encode({"type": "action", **msgspec.to_builtins(action)}).decode()
             if args.json
@@ -227,6 +228,7 @@ def _gc_command(args: Any) -> int:
             from s3capture.cli import stdout_to_devnull
 
             stdout_to_devnull()
+            unwritten = unwritten or not isinstance(error, BrokenPipeError)
             if not reader_gone:
                 reader_gone = True
                 why = (
@@ -256,4 +258,6 @@ def _gc_command(args: Any) -> int:
         print(format_gc(report))
     if reader_gone:
         print(f"s3capture gc: {format_gc(report)}", file=sys.stderr)
-    return 0
+    # Its deletions finished either way; a report that could not be written (not a reader that
+    # went away, which is how `| head` ends) is a failure a script must see.
+    return 1 if unwritten else 0
