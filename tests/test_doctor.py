@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -227,6 +228,35 @@ def proxy(s3_server: Any) -> Iterator[FaultProxy]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # the proxy's answer decides: one server
+def test_doctor_never_deletes_what_a_widened_listing_shows(
+    s3_env: Any, bucket_url: str, s3_client: Any, proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store that ignores a LIST's Prefix, or lists the prefix's whole folder, answered doctor's
+    clean-up LIST with the bucket's other objects, and the clean-up deleted them all (a doctor
+    breaker, 2026-12-03). It deletes only keys under its own probe prefix."""
+    from urllib.parse import quote, urlencode, urlsplit
+
+    bucket, _, root = bucket_url[len("s3://") :].partition("/")
+    mine = [f"{root}/other-data.txt", f"{root}/rollouts/x/y", f"{root}/_s3capture-doctor-foreign/keep"]
+    for key in mine:
+        s3_client.put_object(Bucket=bucket, Key=key, Body=b"keep me")
+
+    async def rule(request: Request) -> Any:
+        prefix = request.params.get("prefix", "")
+        if request.is_list and re.search(r"_s3capture-doctor-[^/]+/$", prefix):
+            # the folder of the probe prefix instead of the probe prefix
+            params = {**request.params, "prefix": prefix.rstrip("/").rpartition("/")[0] + "/"}
+            query = urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
+            request.target = urlsplit(request.target).path + "?" + query
+            proxy._sign(request)
+        return None
+
+    proxy.rule = rule
+    _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
+    assert sorted(_keys(s3_client, bucket_url)) == sorted(mine)
 
 
 def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(

@@ -217,7 +217,10 @@ async def _clean(doctor: _Doctor, probe_root: str) -> list[str]:
     left: list[str] = []
     for attempt in range(4):
         try:
-            keys = await doctor.raw_list(probe_root)
+            # Only keys under the probe prefix: a store that ignores or widens a LIST's Prefix (the
+            # prefix probe notes it) answers with the bucket's other objects, which a doctor
+            # breaker (2026-12-03) saw deleted here, every one.
+            keys = [key for key in await doctor.raw_list(probe_root) if key.startswith(probe_root)]
         except Exception:  # noqa: BLE001 - a bucket that does not exist holds nothing of ours
             return left
         if not keys:
