@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from faultproxy import FaultProxy, ListHideYoung, ListSiblings, Request
+from faultproxy import FaultProxy, ListHideYoung, ListIgnoreStartAfter, ListSiblings, Request, Respond
 from test_transport import IDS, ROOTS
 
 from s3capture.cli import main
@@ -257,6 +257,60 @@ def test_doctor_never_deletes_what_a_widened_listing_shows(
     proxy.rule = rule
     _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
     assert sorted(_keys(s3_client, bucket_url)) == sorted(mine)
+
+
+_EMPTY_DELETE_RESULT = b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"></DeleteResult>'
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # the proxy's answers decide: one server
+@pytest.mark.parametrize(
+    ("misbehaviour", "probe", "verdict"),
+    [
+        # A GET of a missing key caches its 404 for 3 s (AWS S3 before 2020): a put's fence GET then
+        # hides a freeze's fence, and a late put is acknowledged. doctor said OK (a doctor breaker).
+        ("cached_404", "read-after-write", "fail"),
+        # StartAfter ignored: the end of a listing cannot be confirmed. doctor said OK.
+        ("start_after_ignored", "pagination", "fail"),
+        # DeleteObjects answers 200 and deletes nothing: s3capture sends the keys again one by one,
+        # and works; doctor said FAIL.
+        ("delete_objects_noop", "delete-objects", "note"),
+    ],
+)
+def test_doctor_grades_stores_as_s3capture_uses_them(
+    s3_env: Any,
+    bucket_url: str,
+    s3_client: Any,
+    proxy: FaultProxy,
+    capsys: pytest.CaptureFixture[str],
+    misbehaviour: str,
+    probe: str,
+    verdict: str,
+) -> None:
+    import time
+
+    missed: dict[str, float] = {}  # key -> when its 404 was served
+
+    async def rule(request: Request) -> Any:
+        if misbehaviour == "start_after_ignored" and request.is_list and "start-after" in request.params:
+            return ListIgnoreStartAfter()
+        if misbehaviour == "delete_objects_noop" and request.method == "POST" and "delete" in request.params:
+            return Respond(200, _EMPTY_DELETE_RESULT, "OK")
+        if misbehaviour == "cached_404" and request.method == "GET" and not request.is_list:
+            served = missed.get(request.key)
+            if served is not None and time.monotonic() - served < 3.0:
+                return Respond(404, b"<Error><Code>NoSuchKey</Code><Message>cached</Message></Error>", "Not Found")
+            if request.key.endswith("/rw/0000") and served is None:
+                missed[request.key] = time.monotonic()  # the probe's first key is missing: cache it
+        return None
+
+    proxy.rule = rule
+    code, out, err = _run(capsys, bucket_url, "--endpoint", proxy.endpoint, "--samples", "1", "--json")
+    report = json.loads(out)
+    verdicts = {p["name"]: p["verdict"] for p in report["probes"]}
+    assert verdicts[probe] == verdict, (verdicts, err)
+    assert [name for name, v in verdicts.items() if v == "fail"] == ([probe] if verdict == "fail" else [])
+    assert code == (1 if verdict == "fail" else 0)
+    assert report["left_behind"] == [] and _keys(s3_client, bucket_url) == []
 
 
 def test_doctor_fails_on_lagging_listing_and_notes_skew_and_siblings(

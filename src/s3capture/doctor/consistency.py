@@ -113,6 +113,10 @@ class _ConsistencyProbes(_DoctorBase):
         for i in range(self.samples):
             key = self.k(f"{base}{i:04d}")
             body = os.urandom(64) + str(i).encode()
+            # Read once before its first PUT, as every put's GET of a fence that is not there yet: a
+            # store that caches that 404 (AWS S3 before 2020) serves it after the PUT too, and a
+            # late put is acknowledged after a freeze (a doctor breaker, 2026-12-03).
+            await self.t.get(key)
             await self.timed("PUT", self.t.put(key, body))
             got = await self.timed("GET", self.t.get(key))
             if got != body:
@@ -128,7 +132,8 @@ class _ConsistencyProbes(_DoctorBase):
         for _ in range(self.samples):
             await self.timed("LIST", self.t.list_page(self.k(base), 1000))
         detail = (
-            f"{self.samples - stale} of {self.samples} GETs right after their PUT returned the bytes; "
+            f"{self.samples - stale} of {self.samples} GETs right after their PUT returned the bytes (each "
+            "key read once before its PUT, as a put reads a fence); "
             f"an overwritten object read back {'at once' if overwritten else 'STALE'}; "
             f"a key never written reads as {'absent' if absent is None else 'PRESENT'}"
         )
@@ -139,8 +144,8 @@ class _ConsistencyProbes(_DoctorBase):
                 "fail",
                 detail,
                 "s3capture needs strong read-after-write consistency, also after an overwrite (a rollout's "
-                "fence is rewritten in place): use a store or gateway that offers it (AWS S3, GCS, MinIO, "
-                "Ceph RGW, SeaweedFS)",
+                "fence is rewritten in place) and for a key read while it did not exist (no cached 404): use "
+                "a store or gateway that offers it (AWS S3, GCS, MinIO, Ceph RGW, SeaweedFS)",
                 data,
             )
         return Probe("read-after-write", "ok", detail, "", data)
@@ -289,7 +294,34 @@ class _ConsistencyProbes(_DoctorBase):
             problems.append(f"{len(set(single) - set(keys))} keys missing from the pages")
         if not problems and keys != single:
             problems.append("pages in another order than a single listing")
-        data = {"pages": pages, "max_keys": 2, "largest_page": biggest, "keys": len(keys)}
+        # s3capture confirms where every listing ends with one more LIST after its last key
+        # (StartAfter): a store that ignores StartAfter repeats the listing, and a listing it cuts
+        # short can then hide a rollout's last keys, its markers and intents (a doctor breaker,
+        # 2026-12-03, froze a marked rollout as complete on such a store that this probe passed).
+        repeated: list[str] = []
+        if single:
+            after = await self.raw("list_objects_v2", Prefix=base, StartAfter=base + single[-1])
+            repeated = [item["Key"][len(base) :] for item in after.get("Contents", ()) or ()]
+            repeated = [key for key in repeated if key in set(single)]
+        data = {
+            "pages": pages,
+            "max_keys": 2,
+            "largest_page": biggest,
+            "keys": len(keys),
+            "start_after_repeated": len(repeated),
+        }
+        if repeated:
+            return Probe(
+                "pagination",
+                "fail",
+                f"a LIST after the last key (StartAfter={single[-1]!r}) returned {len(repeated)} keys "
+                "listed already: StartAfter is ignored",
+                "s3capture confirms the end of every listing with a LIST after its last key; without "
+                "StartAfter a listing cut short cannot be told from a whole one, and a rollout's last keys "
+                "(markers, intents) could go unseen: use a store that honours StartAfter (AWS S3, GCS, "
+                "MinIO, Ceph RGW, SeaweedFS)",
+                data,
+            )
         if problems:
             return Probe(
                 "pagination",
@@ -311,7 +343,7 @@ class _ConsistencyProbes(_DoctorBase):
             "pagination",
             "ok",
             f"{len(single)} keys in {pages} pages of at most 2 with continuation tokens, "
-            "each once, in the order of a single listing",
+            "each once, in the order of a single listing; a LIST after the last key shows none again",
             "",
             data,
         )

@@ -161,7 +161,10 @@ class _FeatureProbes(_DoctorBase):
         try:
             response = await self.raw(
                 "delete_objects",
-                Delete={"Objects": [{"Key": k} for k in keys] + [{"Key": base + "never"}], "Quiet": True},
+                # Not quiet, as s3capture sends it: a key the answer does not confirm deleted goes
+                # out again as a single DELETE (a doctor breaker found a quiet probe failing a store
+                # whose DeleteObjects answers 200 without deleting, where s3capture works).
+                Delete={"Objects": [{"Key": k} for k in keys] + [{"Key": base + "never"}], "Quiet": False},
             )
         except ClientError as error:
             code = _code(error)
@@ -176,25 +179,60 @@ class _FeatureProbes(_DoctorBase):
             )
             return Probe("delete-objects", "note", f"DeleteObjects is refused ({code})", advice, data)
         errors = list(response.get("Errors", ()) or ())
-        left = await self.raw_list(base)
-        gone = []
-        for k in keys:
-            try:
-                await self.raw("head_object", Key=k)
-            except ClientError as error:
-                if _status(error) == 404 or _code(error) in ("404", "NoSuchKey", "NotFound"):
-                    gone.append(k)
-                else:
+        confirmed = {item.get("Key") for item in response.get("Deleted", ()) or ()}
+
+        async def still_there() -> tuple[list[str], list[str]]:
+            left = [k for k in await self.raw_list(base) if k in keys]
+            readable = []
+            for k in keys:
+                try:
+                    await self.raw("head_object", Key=k)
+                except ClientError as error:
+                    if _status(error) == 404 or _code(error) in ("404", "NoSuchKey", "NotFound"):
+                        continue
                     raise
-        data = {"supported": True, "errors": [dict(e) for e in errors], "listed_after": len(left), "gone": len(gone)}
-        if errors or left or len(gone) != len(keys):
+                readable.append(k)
+            return left, readable
+
+        left, readable = await still_there()
+        lied = sorted(set(keys) & confirmed & (set(left) | set(readable)))  # said deleted, still there
+        data = {
+            "supported": True,
+            "errors": [dict(e) for e in errors],
+            "confirmed": len(confirmed & set(keys)),
+            "listed_after": len(left),
+            "readable_after": len(readable),
+        }
+        if lied:
             return Probe(
                 "delete-objects",
                 "fail",
-                f"DeleteObjects answered {len(errors)} errors; {len(left)} keys still listed and "
-                f"{len(keys) - len(gone)} still readable after it",
-                "s3capture's delete and retire must leave nothing under a rollout: use a store whose "
-                "DeleteObjects deletes (a missing key is not an error)",
+                f"DeleteObjects confirmed {len(lied)} keys deleted that were still there after it",
+                "s3capture trusts a DeleteObjects answer's Deleted list (a retire and a delete must leave "
+                "nothing under a rollout): use a store whose DeleteObjects deletes what it confirms",
+                data,
+            )
+        if left or readable or errors:
+            # What s3capture does with keys the answer did not confirm: one DELETE each.
+            await self.t.delete(keys)
+            left, readable = await still_there()
+            data["after_fallback"] = {"listed": len(left), "readable": len(readable)}
+            if left or readable:
+                return Probe(
+                    "delete-objects",
+                    "fail",
+                    f"neither DeleteObjects nor single DELETEs removed {len(set(left) | set(readable))} keys",
+                    "s3capture's delete and retire must leave nothing under a rollout: use a store whose "
+                    "deletes delete (a missing key is not an error)",
+                    data,
+                )
+            return Probe(
+                "delete-objects",
+                "note",
+                f"DeleteObjects left {len(keys) - data['confirmed']} of {len(keys)} keys unconfirmed "
+                f"({len(errors)} errors in its answer); one DELETE each removed them",
+                "nothing to change: s3capture sends the keys a DeleteObjects answer does not confirm again "
+                "as single DELETEs (retire, delete and drop send more requests)",
                 data,
             )
         return Probe(
