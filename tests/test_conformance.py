@@ -513,6 +513,44 @@ def test_cli_explicit_url_and_endpoint(s3_server, bucket_url, s3_client):
     assert list_keys(s3_client, bucket) == [], "the CLI deletes what it wrote"
 
 
+# aioboto3 only: on the obstore transport an interrupt that lands while the main thread is inside
+# object_store's code can skip the running check's clean-up, Ctrl-C and SIGTERM alike (reliability.md).
+@pytest.mark.parametrize("transport_kind", ["aioboto3"], indirect=True)
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_cli_sigterm_cleans_up_as_ctrl_c_does(s3_server, bucket_url, s3_client):
+    """A SIGTERM (``timeout``, ``kill``, a pod stop) killed ``conformance`` at once and left a live
+    rollout in the user's root (a doctor breaker, 2026-12-03); Ctrl-C cleaned up. SIGTERM now takes
+    the Ctrl-C path: every object the run wrote is deleted, exit 143."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env(), PYTHONPATH=str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", ""))
+    bucket, _ = split_bucket_url(bucket_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s3capture.cli", "conformance", f"{bucket_url}/term"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list_keys(s3_client, bucket):  # its first objects: the checks are running
+            assert proc.poll() is None and time.monotonic() < deadline, "conformance wrote nothing"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 143, out + err
+    assert "s3capture conformance: interrupted by SIGTERM" in err and "Traceback" not in err, err
+    assert list_keys(s3_client, bucket) == [], "a SIGTERM left the run's objects behind"
+
+
 # ---------------------------------------------------------------------------------------- the doc
 def _doc_results() -> dict[str, list[str]]:
     text = DOC.read_text()

@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from s3capture.store import StoreError
 
-    previous_sigterm = _sigterm_as_ctrl_c() if args.command == "export" else None
+    # Long commands that clean up on Ctrl-C: a SIGTERM (timeout, kill, a pod stop) takes that path too.
+    previous_sigterm = _sigterm_as_ctrl_c() if args.command in ("export", "conformance") else None
     try:
         code = args.func(args)
         if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
@@ -385,7 +386,7 @@ _TERMINATED = False
 
 
 def _sigterm_as_ctrl_c() -> Any:
-    """For a long command (``export``): a SIGTERM (``timeout``, ``kill``, a Kubernetes pod's
+    """For a long command (``export``, ``conformance``): a SIGTERM (``timeout``, ``kill``, a Kubernetes pod's
     stop) ends it as a Ctrl-C does (its workers stopped, one line saying what is durable, status
     143) instead of killing it mid-shard with nothing said. Returns the previous handler, or
     ``None`` where none can be set (not the main thread, or SIGTERM ignored by the caller)."""
