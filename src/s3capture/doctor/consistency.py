@@ -301,8 +301,8 @@ class _ConsistencyProbes(_DoctorBase):
         repeated: list[str] = []
         if single:
             after = await self.raw("list_objects_v2", Prefix=base, StartAfter=base + single[-1])
-            repeated = [item["Key"][len(base) :] for item in after.get("Contents", ()) or ()]
-            repeated = [key for key in repeated if key in set(single)]
+            listed = set(single)
+            repeated = [k for item in after.get("Contents", ()) or () if (k := item["Key"][len(base) :]) in listed]
         data = {
             "pages": pages,
             "max_keys": 2,
