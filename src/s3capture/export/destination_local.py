@@ -48,6 +48,8 @@ class _LocalDestination(_Destination):
         self.requests = collections.Counter()
         self._created: list[str] = []  # the folders this export made, innermost first
         self._made_lock = False  # whether ``lock`` created the lock file (a refused run removes it)
+        self._lock_was_here = False  # whether the lock file was there before ``lock`` (an export ran here)
+        self._scanned: set[str] | None = None  # the file names ``scan`` found (None: no scan yet)
 
     def _make(self) -> None:
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
@@ -168,11 +170,11 @@ class _LocalDestination(_Destination):
         """A local data file is named ``part-NNNNN.parquet``, as other tools name theirs: it is an
         export's when the folder held an export's lock file before this run took it (an export
         killed, or failed after publishing a data file, keeps it; ``close``)."""
-        return bool(getattr(self, "_lock_was_here", False))
+        return self._lock_was_here
 
     def _published_files(self) -> bool:
         """Whether shard files appeared here since this run's ``scan`` (its workers published them)."""
-        found = getattr(self, "_scanned", None)
+        found = self._scanned
         if found is None:
             return False  # no scan: nothing was published
         try:
