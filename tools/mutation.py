@@ -619,8 +619,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "ledger-writer-limit-doubled",
         LEDGER,
-        "if len(body) > _MAX_ROW_BYTES:",
-        "if len(body) > 2 * _MAX_ROW_BYTES:",
+        "if len(body) > _MAX_ROW_BYTES:\n            # Readers refuse larger rows",
+        "if len(body) > 2 * _MAX_ROW_BYTES:\n            # Readers refuse larger rows",
         "record refuses, before any request, a row larger than readers accept",
         "tests/test_adversarial_ledger.py",
         "-k",
