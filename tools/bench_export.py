@@ -378,13 +378,17 @@ def profile_shard(url: str, endpoint: str, transport: str, concurrency: int, rol
     import pstats
 
     from s3capture.export import ExportJob, _close_clients, export_shard
+    from s3capture.export.shard import ListedRollout
     from s3capture.store import S3TokenStore
 
     async def listing() -> list[Any]:
+        # What the export's parent hands its workers: each rollout with its listed objects, so the
+        # profiled shard reads without listing again (plain RolloutInfos would profile 2 LISTs
+        # and 2 confirming LISTs per rollout that the measured export never sends).
         async with S3TokenStore(url, endpoint_url=endpoint, transport=transport) as store:
             out = []
-            async for info in store.rollouts():
-                out.append(info)
+            async for info, objects in store.rollouts_listed(None):
+                out.append(ListedRollout(info, tuple(objects)))
                 if len(out) >= rollouts:
                     break
             return out
@@ -412,7 +416,10 @@ def profile_shard(url: str, endpoint: str, transport: str, concurrency: int, rol
         shutil.rmtree(folder, ignore_errors=True)
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(top)
-    head = f"export_shard of {len(infos)} rollouts ({result.rows} rows, {result.tokens:,} tokens) in {seconds:.2f} s, profiled\n"
+    head = (
+        f"export_shard of {len(infos)} rollouts ({result.rows} rows, {result.tokens:,} tokens) in {seconds:.2f} s, "
+        f"profiled; its requests: {dict(sorted(result.requests.items()))}\n"
+    )
     return head + "\n".join(line for line in stream.getvalue().splitlines() if line.strip())
 
 
