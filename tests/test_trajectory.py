@@ -274,6 +274,33 @@ def test_check_chain_reports_a_non_contiguous_child_a_bad_digest_and_a_duplicate
 
 
 # --------------------------------------------------------------------------- to_gym_entries
+def test_check_chain_reports_a_cycle_of_full_prompt_entries_with_empty_generations():
+    """Empty generations let a cycle of parent links look contiguous (each prompt starts with the
+    other's cumulative tokens); a breaker found check_chain silent on it."""
+    turns = build_conversation("r", 1)
+    a = _sibling(turns[0], "a", [1, 2, 3], [], parent_call_id="b")
+    b = _sibling(turns[0], "b", [1, 2, 3], [], parent_call_id="a")
+    assert check_chain([a, b]) == ["a: its parent links form a cycle (a -> b -> a)"]
+    alone = _sibling(turns[0], "s", [1, 2, 3], [], parent_call_id="s")
+    assert check_chain([alone]) == ["s: its parent links form a cycle (s -> s)"]
+    # A chain that merely ends in a hole, or a clean one, has no cycle.
+    assert not any("cycle" in p for p in check_chain(conversation(4)))
+    assert not any("cycle" in p for p in check_chain(conversation(4)[1:]))
+
+
+def test_cumulative_prompt_checks_an_ancestors_digest_only_with_a_memo():
+    """As documented: without ``memo`` only the entry asked for is checked against its digest (its
+    tokens are right); with ``memo`` every delta rebuilt on the way is; check_chain reports it."""
+    entries = conversation(3, delta=True)
+    entries[1].digest = "sha256:" + "0" * 64
+    by_id = {e.model_call_id: e for e in entries}
+    clean = {e.model_call_id: e for e in conversation(3, delta=True)}
+    assert cumulative_prompt(entries[2], by_id) == cumulative_prompt(clean[entries[2].model_call_id], clean)
+    with pytest.raises(ChainError, match="fail its digest"):
+        cumulative_prompt(entries[2], by_id, memo={})
+    assert any(p.startswith(f"{entries[1].model_call_id}:") and "digest" in p for p in check_chain(entries))
+
+
 def test_to_gym_entries_converts_snapshots_entries_and_dicts():
     require_gym()
     from nemo_gym.token_id_capture.records import TokenEntry as GymTokenEntry
@@ -563,6 +590,84 @@ def test_build_rollout_async_gives_build_rollouts_result_and_errors():
         asyncio.run(build_rollout_async(list(snap.entries)))
 
 
+def _token_items(entry: TokenEntry, shape: str) -> list[dict]:
+    """Output items of ``entry`` with its token arrays inline, in one of the shapes users write."""
+    tokens = {
+        "prompt_token_ids": list(entry.prompt_token_ids),
+        "generation_token_ids": list(entry.generation_token_ids),
+        "generation_log_probs": list(entry.generation_log_probs),
+    }
+    reasoning = {"type": "reasoning", "id": "rs", "summary": []}
+    message = {"type": "message", "role": "assistant", "id": "m", "content": []}
+    if shape == "one_inline":  # a served response: one item carries the call's tokens
+        return [reasoning, {**message, **tokens}]
+    if shape in ("two_inline", "indexed_and_stray"):  # both items carry them
+        return [{**reasoning, **tokens}, {**message, **tokens}]
+    if shape == "stray_without_prompt":  # the indexed item is clean, another carries a generation
+        return [reasoning, {**message, "generation_token_ids": list(entry.generation_token_ids)}]
+    raise AssertionError(shape)
+
+
+INLINE_SHAPES = {
+    # shape: (token_item_index, masked)
+    "one_inline": (None, False),
+    "two_inline": (None, True),
+    "indexed_and_stray": (1, True),
+    "stray_without_prompt": (0, True),
+}
+
+
+def _with_token_items(entries: list[TokenEntry], shape: str, calls=None) -> list[TokenEntry]:
+    index, _ = INLINE_SHAPES[shape]
+    out = []
+    for position, entry in enumerate(entries):
+        entry = copy.deepcopy(entry)
+        if calls is None or position in calls:
+            entry.output_items = _token_items(entry, shape)
+            entry.token_item_index = index
+        out.append(entry)
+    return out
+
+
+@pytest.mark.parametrize("builder", ["prefix_merging", "per_request"])
+@pytest.mark.parametrize("shape", sorted(INLINE_SHAPES))
+def test_token_arrays_on_more_than_one_output_item_mask_on_both_engines(shape, builder):
+    """Output items that carry token arrays besides the call's own item: Gym's projection copies the
+    generation onto each and masks the rollout; the built-in engine used to deliver it (a breaker
+    session, 2026-12-03). One inline item, the shape a served response has, stays trainable."""
+    require_gym()
+    _, masked = INLINE_SHAPES[shape]
+    for delta in (False, True):
+        entries = _with_token_items(conversation(3, delta=delta), shape, calls={1})
+        snap = snapshot(entries)
+        gym = build_rollout(snap, engine="gym")
+        builtin = build_rollout(snap, engine="builtin", builder=builder)
+        assert gym.masked is masked, (shape, gym.mask_reasons)
+        assert builtin.masked is masked, (shape, builder, builtin.mask_reasons)
+        cid = entries[1].model_call_id
+        if masked:
+            assert f"token_fields_in_output_items:{cid}" in builtin.mask_reasons
+        else:
+            clean = build_rollout(snapshot(conversation(3, delta=delta)), engine="builtin", builder=builder)
+            assert builtin.mask_reasons == [] and rows(builtin) == rows(clean)
+            if builder == "prefix_merging":
+                assert rows(builtin) == rows(gym)
+
+
+def test_token_arrays_on_an_off_chain_retry_do_not_mask_the_main_chain():
+    """Gym projects only the main chain: a quarantined retry's output items are never projected, so
+    the built-in ``prefix_merging`` engine does not mask for them either (and agrees with Gym)."""
+    turns = build_conversation("r", 3)
+    entries = conversation(3)
+    abandoned = _sibling(turns[1], "r-retry", turns[1].prompt, [4, 4, 4], parent_call_id=turns[0].call_id)
+    abandoned.output_items = _token_items(abandoned, "two_inline")
+    result = builds(snapshot(entries + [abandoned]))
+    for build in result.values():
+        assert not build.masked, build.mask_reasons
+        assert build.metrics["quarantined_calls"] == 1
+    assert rows(result["builtin"]) == rows(result["gym"])
+
+
 # --------------------------------------------------------------------------- on S3
 async def test_capture_freeze_and_build_on_s3(fresh):
     """Capture two example rollouts (delta prompts) through the demo's call path into S3, freeze,
@@ -595,6 +700,29 @@ async def test_capture_freeze_and_build_on_s3(fresh):
         assert direct == gym.gym_result
         gym_snap = await gym_reader.freeze(rollout.rollout_id)
         assert rows(build_rollout(gym_snap, engine="builtin")) == rows(builtin)
+
+
+async def test_token_arrays_on_two_output_items_mask_on_s3(fresh):
+    """The same through the store: entries whose output items carry token arrays inline are stored
+    as given, and after a freeze both engines mask them (one inline item stays trainable)."""
+    require_gym()
+    run = uuid.uuid4().hex[:6]
+    writer, reader = fresh(), fresh()
+    for shape in ("one_inline", "two_inline"):
+        rid = f"inline-{shape}-{run}"
+        entries = _with_token_items(conversation(3, delta=True, rollout_id=rid), shape)
+        for entry in entries:
+            await writer.begin_call(rid, entry.model_call_id)
+            await writer.put(entry)
+        snap = await reader.freeze(rid)
+        assert not snap.incomplete and [e.output_items for e in snap.entries] == [e.output_items for e in entries]
+        gym, builtin = await build_rollout_async(snap, engine="gym"), await build_rollout_async(snap, engine="builtin")
+        masked = INLINE_SHAPES[shape][1]
+        assert (gym.masked, builtin.masked) == (masked, masked), (shape, gym.mask_reasons, builtin.mask_reasons)
+        if masked:
+            assert {f"token_fields_in_output_items:{e.model_call_id}" for e in entries} <= set(builtin.mask_reasons)
+        else:
+            assert rows(gym) == rows(builtin) and len(builtin.trajectories) == 1
 
 
 def test_without_nemo_gym_auto_uses_the_builtin_engine(monkeypatch):

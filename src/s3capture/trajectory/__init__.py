@@ -75,6 +75,11 @@ deliver), never looser:
 - a parent link is checked by comparing tokens (the child's prompt starts with the parent's
   cumulative tokens) where Gym compares the digest of the prompt prefix with the parent's recorded
   digest; with verified digests the two agree;
+- an entry whose ``output_items`` carry token fields inline on more than the call's own item (two
+  or more items with ``generation_token_ids`` and no valid ``token_item_index``, or another item
+  beside the indexed one) masks the rollout (``token_fields_in_output_items:<cid>``): Gym's
+  projection copies the generation onto each of them and its contiguity check then masks a main
+  chain that holds one; the built-in builder masks the same (``per_request``: any call);
 - it also has ``builder="per_request"`` (above), which Gym 0.7.0 does not.
 
 Both engines mask every incomplete snapshot (``FrozenSnapshot.incomplete``, or a snapshot that
@@ -91,8 +96,8 @@ no trajectory), ``gym_output_not_contiguous:<i>``, ``gym_output_unmatched:<i>`` 
 ``no_generated_tokens``; from the built-in engine ``duplicate_call_id_conflict:<cid>``,
 ``delta_chain_unreconstructable:<cid>``, ``parent_unresolved:<cid>``, ``missing_resolution:<cid>``,
 ``resolved_parent_missing_id:<cid>``, ``not_contiguous:<cid>``, ``digest_mismatch:<cid>``,
-``cum_len_mismatch:<cid>``, ``empty_generation:<cid>``, ``logprob_length_mismatch:<cid>`` and
-``no_trainable_chain``. A masked rollout may still carry its main chain's trajectory (Gym's does
+``cum_len_mismatch:<cid>``, ``empty_generation:<cid>``, ``logprob_length_mismatch:<cid>``,
+``token_fields_in_output_items:<cid>`` and ``no_trainable_chain``. A masked rollout may still carry its main chain's trajectory (Gym's does
 whenever its projection succeeded); it must never be trained on.
 
 Memory: one rollout at a time; rebuilding a delta chain keeps every call's cumulative tokens (at

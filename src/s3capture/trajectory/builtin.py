@@ -42,6 +42,23 @@ def _status(entry: Any) -> str | None:
     return None if value is None else str(getattr(value, "value", value))
 
 
+def _stray_token_items(entry: Any) -> bool:
+    """Whether Gym's projection of ``entry`` (``project_chain_to_output_items``) would put token
+    fields on more than the one output item that carries the call's generation, which its
+    contiguity check then refuses (or fails on with a ``KeyError``): with a valid
+    ``token_item_index``, another item that carries ``generation_token_ids`` inline; without one,
+    two or more items that carry them (each gets the whole generation). A breaker session found
+    the built-in engine delivering such rollouts that Gym's masks."""
+    items = entry.output_items or []
+    inline = [
+        i for i, item in enumerate(items) if isinstance(item, dict) and item.get("generation_token_ids") is not None
+    ]
+    index = entry.token_item_index
+    if index is not None and 0 <= index < len(items):
+        return any(i != index for i in inline)
+    return len(inline) > 1
+
+
 def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBuild:
     entries = list(snapshot.entries)
     reasons = _snapshot_reasons(snapshot)
@@ -180,6 +197,7 @@ def _build_builtin(snapshot: Any, builder: str = "prefix_merging") -> RolloutBui
         reasons.append("no_trainable_chain")
         return result([], True, failed_metrics)
     main = min(chains, key=lambda c: (c[0].entry.created_at, c[0].entry.model_call_id))
+    reasons.extend(f"token_fields_in_output_items:{n.entry.model_call_id}" for n in main if _stray_token_items(n.entry))
 
     token_ids: list[int] = []
     loss_mask: list[int] = []
@@ -233,7 +251,9 @@ def _per_request(
     (loss 1); ``chain_id`` and ``call_ids`` name the call. Parent links are not needed to build it,
     but the rollout is masked on the same evidence as ``prefix_merging`` (an incomplete snapshot,
     a delta prompt that cannot be rebuilt, a digest, length or log-probability mismatch, an empty
-    generation), so a rollout with a hole is never trainable whichever builder reads it."""
+    generation, output items that carry token fields besides the call's own), so a rollout with a hole
+    is never trainable whichever builder reads it."""
+    reasons.extend(f"token_fields_in_output_items:{e.model_call_id}" for e, _ in survivors if _stray_token_items(e))
     if any(r.startswith("logprob_length_mismatch:") for r in reasons):
         return result([], True, {"n_calls": len(entries), "parent_link_failures": failures})
     ordered = sorted(

@@ -88,8 +88,10 @@ def cumulative_prompt(
     parent's cumulative tokens: its full prompt is the parent's cumulative tokens (the parent's full
     prompt plus its ``generation_token_ids``, rebuilt the same way up to the nearest full-prompt
     ancestor, looked up by ``parent_call_id`` in ``entries_by_call_id``) followed by that suffix.
-    The rebuilt cumulative tokens (prompt plus generation) of every delta entry are checked against
-    its recorded ``digest`` (when it has one).
+    The rebuilt cumulative tokens (prompt plus generation) are checked against ``entry``'s recorded
+    ``digest`` (when it has one), which covers the whole sequence; with ``memo``, the digest of every
+    delta entry rebuilt on the way is checked too, so a wrong ``digest`` recorded on an ancestor
+    raises only then (``check_chain`` reports it either way).
 
     ``memo``: optional dict, model call id -> cumulative tokens (full prompt + generation), read and
     filled; pass the same dict for every entry of one snapshot to rebuild a whole delta chain in
@@ -123,7 +125,9 @@ def check_chain(entries: Sequence[Any]) -> list[str]:
     - a recorded ``digest`` or ``cum_len`` that does not match the entry's cumulative tokens;
     - a ``parent_call_id`` that is not among the entries (a hole);
     - a child whose full prompt does not start with its parent's cumulative tokens (the parent's
-      full prompt plus its generation).
+      full prompt plus its generation);
+    - a cycle of parent links through a full-prompt entry (possible without a contiguity problem
+      only when the generations on it are empty; a cycle of delta entries is a ``ChainError``).
 
     Parent *decisions* (UNRESOLVED calls, several roots) are not problems here; ``build_rollout``
     judges them. Raises nothing for bad chains; ``AttributeError`` for objects that are not entries.
@@ -167,7 +171,28 @@ def check_chain(entries: Sequence[Any]) -> list[str]:
             problems.append(
                 f"{cid}: prompt does not start with parent {parent_id}'s tokens (its prompt plus generation)"
             )
+    problems.extend(_cycles(by_id))
     return _unique(problems)  # a broken ancestor is reported once, not again for each descendant
+
+
+def _cycles(by_id: Mapping[str, Any]) -> list[str]:
+    """One problem per cycle of parent links that holds a full-prompt entry (iterative, linear)."""
+    problems: list[str] = []
+    done: set[str] = set()
+    for start in by_id:
+        on_path: dict[str, int] = {}
+        path: list[str] = []
+        cid: str | None = start
+        while cid is not None and cid in by_id and cid not in done and cid not in on_path:
+            on_path[cid] = len(path)
+            path.append(cid)
+            cid = by_id[cid].parent_call_id or None
+        if cid is not None and cid in on_path:
+            cycle = path[on_path[cid] :]
+            if any(not by_id[c].prompt_is_delta for c in cycle):
+                problems.append(f"{cycle[0]}: its parent links form a cycle ({' -> '.join([*cycle, cycle[0]])})")
+        done.update(path)
+    return problems
 
 
 def _unique(items: list[str]) -> list[str]:
