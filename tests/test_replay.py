@@ -404,6 +404,68 @@ def test_no_model_items_blank_lines_and_errors(tmp_path: Path) -> None:
         load_rollouts([garbage])
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("prompt_token_ids", ["1", 2], "[0] is '1': token ids are integers from 0 to 2**64 - 1"),
+        ("prompt_token_ids", [1.5, 2], "[0] is 1.5: token ids are integers"),
+        ("generation_token_ids", [5, -1], "[1] is -1: token ids are integers"),
+        ("generation_token_ids", [5, 2**64], "[1] is 18446744073709551616: token ids are integers"),
+        ("generation_token_ids", [5, True], "[1] is True: token ids are integers"),
+        ("generation_log_probs", None, ": one log probability per generated token needed (2), got none"),
+        ("generation_log_probs", [-0.5], ": one log probability per generated token needed (2), got 1 of them"),
+        ("generation_log_probs", [-0.5, None], "[1] is None, not a finite number"),
+        ("generation_log_probs", [-0.5, "NaN"], "[1] is 'NaN', not a finite number"),
+    ],
+)
+def test_token_arrays_a_token_entry_cannot_hold_fail_at_load_naming_file_line_and_field(
+    tmp_path: Path, field: str, value, message: str
+) -> None:
+    """A demo breaker's files with bad token arrays loaded fine and failed only once the servers and
+    workers ran, with no file or line named; now the load refuses them like malformed JSON."""
+    item = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "a"}],
+        "prompt_token_ids": [1, 2],
+        "generation_token_ids": [5, 6],
+        "generation_log_probs": [-0.5, -0.25],
+    }
+    good = {"responses_create_params": {"input": "hi"}, "response": {"output": [dict(item)]}}
+    if value is None:
+        del item[field]
+    else:
+        item[field] = value
+    bad = {"responses_create_params": {"input": "hi"}, "response": {"output": [item]}}
+    with pytest.raises(ValueError) as error:
+        load_rollouts([_write(tmp_path, "tokens.jsonl", [good, bad])])
+    assert str(error.value).startswith(f"tokens.jsonl:2: response.output[0].{field}{message}"), error.value
+    (rollout,) = load_rollouts([_write(tmp_path, "fine.jsonl", [good])])
+    assert rollout.calls[0].generation_log_probs == [-0.5, -0.25] and not rollout.calls[0].synthetic_tokens
+
+
+def test_a_byte_order_mark_is_skipped_and_a_gzip_file_is_named(tmp_path: Path) -> None:
+    """A demo breaker got "invalid JSON ... (byte 0)" for both, with no hint."""
+    import gzip
+
+    line = json.dumps({"responses_create_params": {"input": "hi"}, "response": {"output": []}}) + "\n"
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + line.encode())
+    (rollout,) = load_rollouts([bom])
+    assert rollout.source == "bom.jsonl:1"
+    packed = tmp_path / "packed.jsonl"
+    packed.write_bytes(gzip.compress(line.encode()))
+    with pytest.raises(ValueError, match=r"^packed\.jsonl: gzip-compressed; decompress it first"):
+        load_rollouts([packed])
+
+
+def test_a_rollout_id_too_long_for_any_key_fails_at_load(tmp_path: Path) -> None:
+    line = {"responses_create_params": {"input": "hi"}, "response": {"output": []}, "_ng_task_index": "x" * 400}
+    path = _write(tmp_path, "long.jsonl", [line])
+    with pytest.raises(ValueError, match=r"^long\.jsonl:1: the rollout id built from this line .*too long"):
+        load_rollouts([path])
+
+
 def test_synthetic_ids_depend_on_content(tmp_path: Path) -> None:
     def line(answer: str) -> dict:
         return {"responses_create_params": {"input": "q"}, "response": {"output": [_message("assistant", answer)]}}

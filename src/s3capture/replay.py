@@ -75,6 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from s3capture.layout import Layout
+
 try:  # msgspec is a declared dependency; fall back to json so this module stays stdlib-only.
     import msgspec as _msgspec
 
@@ -182,6 +184,10 @@ def iter_rollouts(path: str | os.PathLike) -> Iterator[ReplayRollout]:
     stem = _ID_UNSAFE.sub("_", path.stem) or "rollouts"
     with path.open("rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
+            if line_number == 1:
+                if raw.startswith(b"\x1f\x8b"):
+                    raise ValueError(f"{path.name}: gzip-compressed; decompress it first (gunzip -c {path.name} > FILE.jsonl)")
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
             if not raw.strip():
                 continue
             source = f"{path.name}:{line_number}"
@@ -225,6 +231,10 @@ def _rollout_from_record(record: Any, *, stem: str, line_number: int, source: st
         if not isinstance(item, dict):
             raise ValueError(f"{source}: response.output[{position}] is not an object")
     rollout_id = _rollout_id(stem, line_number, record)
+    try:
+        Layout("").rollout(rollout_id, writing=True)  # the id alone must fit in a key, whatever the root
+    except ValueError as error:
+        raise ValueError(f"{source}: the rollout id built from this line ({rollout_id[:60]}...) {error}") from None
     prefix: list[dict] = []
     prompt_instructions = params.get("instructions")
     if isinstance(prompt_instructions, str) and prompt_instructions:
@@ -232,7 +242,7 @@ def _rollout_from_record(record: Any, *, stem: str, line_number: int, source: st
     tools = params.get("tools")
     if tools:
         prefix.append({"type": "tools", "tools": tools})
-    calls = _build_calls(rollout_id, input_items, output, synthetic_prefix=prefix)
+    calls = _build_calls(rollout_id, input_items, output, synthetic_prefix=prefix, source=source)
     return ReplayRollout(rollout_id=rollout_id, source=source, calls=calls)
 
 
@@ -265,19 +275,49 @@ def _strip_tokens(item: dict) -> dict:
     return {key: value for key, value in item.items() if key not in TOKEN_KEYS}
 
 
-def _real_arrays(run: list[dict]) -> tuple[list[int], list[int], list[float]] | None:
-    """The arrays of the run's last token-bearing item, or None when absent/empty."""
-    for item in reversed(run):
+def _real_arrays(run: list[dict], source: str, start: int) -> tuple[list[int], list[int], list[float]] | None:
+    """The arrays of the run's last token-bearing item, or None when absent/empty.
+
+    Raises ``ValueError`` naming ``file:LINE: response.output[i]`` (``source``; ``start``: the run's
+    first position in ``response.output``) for arrays a token
+    entry cannot hold (what ``put`` would refuse only after the servers started): token ids that are
+    not integers from 0 to 2**64 - 1, log probabilities that are missing, not finite numbers, or not
+    one per generated token.
+    """
+    for offset, item in enumerate(reversed(run)):
         prompt = item.get("prompt_token_ids")
         generation = item.get("generation_token_ids")
         if isinstance(prompt, list) and isinstance(generation, list) and prompt and generation:
+            at = f"{source}: response.output[{start + len(run) - 1 - offset}]"
+            _check_token_ids(prompt, f"{at}.prompt_token_ids")
+            _check_token_ids(generation, f"{at}.generation_token_ids")
             log_probs = item.get("generation_log_probs")
-            return list(prompt), list(generation), list(log_probs) if isinstance(log_probs, list) else []
+            if not isinstance(log_probs, list) or len(log_probs) != len(generation):
+                got = (
+                    f"{len(log_probs)} of them"
+                    if isinstance(log_probs, list)
+                    else ("none" if log_probs is None else type(log_probs).__name__)
+                )
+                raise ValueError(
+                    f"{at}.generation_log_probs: one log probability per generated token needed "
+                    f"({len(generation)}), got {got}"
+                )
+            for index, value in enumerate(log_probs):
+                if type(value) not in (int, float) or not math.isfinite(value):
+                    raise ValueError(f"{at}.generation_log_probs[{index}] is {value!r}, not a finite number")
+            return list(prompt), list(generation), list(log_probs)
     return None
 
 
+def _check_token_ids(ids: list, where: str) -> None:
+    if all(type(x) is int for x in ids) and min(ids) >= 0 and max(ids) < 2**64:
+        return
+    bad = next((i, x) for i, x in enumerate(ids) if type(x) is not int or not 0 <= x < 2**64)
+    raise ValueError(f"{where}[{bad[0]}] is {bad[1]!r}: token ids are integers from 0 to 2**64 - 1")
+
+
 def _build_calls(
-    rollout_id: str, input_items: list[dict], output: list[dict], *, synthetic_prefix: list[dict]
+    rollout_id: str, input_items: list[dict], output: list[dict], *, synthetic_prefix: list[dict], source: str = "?"
 ) -> list[ReplayCall]:
     # Split response.output into runs of model-authored items and the environment items before each.
     calls: list[ReplayCall] = []
@@ -298,7 +338,7 @@ def _build_calls(
         run = output[position:end]
         output_items = [_strip_tokens(item) for item in run]
         index = len(calls)
-        real = _real_arrays(run)
+        real = _real_arrays(run, source, position)
         if real is not None:
             prompt, generation, log_probs = real
             synthetic = False
