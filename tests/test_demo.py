@@ -12,6 +12,7 @@ under ``CI``.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import multiprocessing
 import os
@@ -393,3 +394,153 @@ def test_demo_and_demo_ledger_do_not_import_each_other():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- a demo breaker's four
+def _demo_process(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "s3capture.cli", "demo", "--no-progress", "--workers", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
+def _few_shot_file(tmp_path: Path) -> Path:
+    """Two rollouts whose input already holds an assistant turn (a few-shot example): their first
+    call has model-authored history but no parent in the rollout, so it resolves UNRESOLVED."""
+    import json
+
+    line = {
+        "responses_create_params": {
+            "input": [
+                {"role": "user", "content": "What is 1+1?", "type": "message"},
+                {"role": "assistant", "content": "2", "type": "message"},
+                {"role": "user", "content": "And 2+2?", "type": "message"},
+            ]
+        },
+        "response": {
+            "output": [
+                {"type": "message", "role": "assistant", "id": "m1", "content": [{"type": "output_text", "text": "4"}]},
+                {"type": "message", "role": "user", "content": "And 3+3?"},
+                {"type": "message", "role": "assistant", "id": "m2", "content": [{"type": "output_text", "text": "6"}]},
+            ]
+        },
+    }
+    path = tmp_path / "fewshot.jsonl"
+    path.write_text("".join(json.dumps({**line, "_ng_rollout_index": i}) + "\n" for i in range(2)))
+    return path
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_demo_calls_trainable_only_what_the_builder_would_train_on(s3_server, bucket_url, tmp_path):
+    """A rollout whose first call resolves UNRESOLVED (few-shot history in its input) is masked by
+    the trajectory builder; the demo's summary used to call it trainable ("result: OK") while the
+    same run with --export exported nothing (a demo breaker, 2026-12-03)."""
+    proc = _demo_process([str(_few_shot_file(tmp_path))], s3_server.env())
+    out = proc.stdout
+    assert "UNRESOLVED 2" in out, out
+    assert "snapshots: trainable 0, masked 2" in out and "result: FAILED" in out, out
+    assert re.search(r"MASKED fewshot-L1-r0@\S+: .*unresolved_parent:fewshot-L1-r0-c0000", out), out
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_demo_counts_only_its_own_objects_under_a_reused_url(s3_server, bucket_url):
+    """Two --keep runs on one --url: the second's "stored" line counts its own 6 entries, not the
+    first run's too (it listed the whole root: 12 entry objects and twice the bytes)."""
+    runs = [
+        _demo_process(["--rollouts", "2", "--calls", "3", "--keep", "--url", bucket_url], s3_server.env())
+        for _ in range(2)
+    ]
+    stored = []
+    for proc in runs:
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        match = re.search(r"\(([\d,]+) bytes in (\d+) entry objects", proc.stdout)
+        assert match, proc.stdout
+        stored.append((int(match.group(1).replace(",", "")), int(match.group(2))))
+    assert [objects for _, objects in stored] == [6, 6], stored
+    assert stored[1][0] < 1.5 * stored[0][0], stored
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_a_demo_killed_by_pid_leaves_no_worker_running(s3_server, bucket_url, s3_client, how):
+    """SIGTERM or SIGKILL to the demo's own pid (a supervisor, `kill`, a timeout): its worker
+    processes used to stay alive forever, writing to the bucket (a demo breaker, 2026-12-03)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s3capture.cli", "demo", "--no-progress", "--workers", "2"]
+        + ["--rollouts", "400", "--calls", "6", "--url", bucket_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    workers: set[int] = set()
+    try:
+        bucket = bucket_url[len("s3://") :].split("/", 1)[0]
+        deadline = time.monotonic() + 120
+        while not s3_client.list_objects_v2(Bucket=bucket, MaxKeys=1).get("KeyCount"):  # calls are being served
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2, workers  # the two workers (and the resource tracker)
+        proc.send_signal(how)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == (143 if how == signal.SIGTERM else -9), err[-3000:]
+        if how == signal.SIGTERM:
+            assert f"interrupted by SIGTERM: the rollouts written so far stay under {bucket_url}" in err, err[-3000:]
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived the demo"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in [pid for pid in workers if _alive(pid)]:  # a regression's orphans must not outlive the test
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
+def test_demo_with_refused_credentials_says_so_instead_of_failing_to_create_its_bucket(s3_server):
+    """No --url on a configured endpoint: the demo checks its bucket and creates it only when it is
+    missing. A 403 used to be taken for "missing", so the error named CreateBucket."""
+    env = {**s3_server.env(), "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    proc = _demo_process(["--rollouts", "1", "--calls", "1"], env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "HeadBucket" in proc.stderr and "CreateBucket" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -54,7 +54,7 @@ from s3capture.demo_workers import (
 )
 from s3capture.records import encode_entry
 from s3capture.replay import ReplayRollout
-from s3capture.trajectory import ChainError, check_chain, cumulative_prompt
+from s3capture.trajectory import ChainError, build_rollout_async, check_chain, cumulative_prompt
 
 
 async def _build(
@@ -74,15 +74,23 @@ async def _build(
 
     async with S3TokenStore(url) as builder:
         limit = asyncio.Semaphore(8)
-        all_objects = await builder._list(builder.layout.root)
-        for item in all_objects:
-            report.stored_bytes += item.size
-            if "/log/e/" in item.key:
-                report.entry_objects += 1
+        # This run's rollouts only: a --url used before (or by another demo at the same time)
+        # holds other rollouts under the same root.
+        ours = {builder.layout.rollout(rollout_id) for rollout_id in rollout_ids}
+        rollouts_root = f"{builder.layout.root}rollouts/"
+        for item in await builder._list(rollouts_root):
+            head, _, _ = item.key[len(rollouts_root) :].partition("/")
+            if f"{rollouts_root}{head}/" in ours:
+                report.stored_bytes += item.size
+                if "/log/e/" in item.key:
+                    report.entry_objects += 1
 
         async def one(rollout_id: str) -> None:
             async with limit:
                 snapshot = await builder.freeze(rollout_id)
+                # The verdict an export gives (s3capture.trajectory: Gym's builder when it is
+                # importable), so "trainable" here means what a trainer would get.
+                build = await build_rollout_async(snapshot)
                 problems = check_chain(snapshot.entries)
                 by_id = {entry.model_call_id: entry for entry in snapshot.entries}
                 cumulative: dict[str, list[int]] = {}
@@ -106,9 +114,10 @@ async def _build(
                     else:
                         report.gym_full_jsonl_bytes += len(encode_entry(entry)) + 1
                         report.full_tokens += len(entry.prompt_token_ids) + len(entry.generation_token_ids)
-                if snapshot.incomplete or problems:
+                if build.masked or problems:
                     report.masked += 1
-                    report.masked_reasons.extend(f"{rollout_id}: {r}" for r in getattr(snapshot, "reasons", ())[:3])
+                    shown = build.mask_reasons[:3] + (["..."] if len(build.mask_reasons) > 3 else [])
+                    report.masked_reasons.append(f"{rollout_id}: {', '.join(shown) or 'masked'}")
                 else:
                     report.trainable += 1
                 if keep:

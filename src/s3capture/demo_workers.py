@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import queue
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -139,6 +140,21 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _exit_with_parent() -> None:
+    """End this worker process as soon as the coordinator is gone (SIGKILL, a crash): its queues
+    then never say stop, so it would otherwise wait on them, and keep writing, forever (a demo
+    breaker found four orphaned workers and the resource tracker still running minutes later)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the parent process has ended (its sentinel pipe closes)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="s3capture-demo-parent-watch", daemon=True).start()
+
+
 def _worker_main(
     worker: int, url: str, env: dict[str, str], inbox: Any, outbox: Any, options: dict[str, Any], concurrency: int
 ) -> None:
@@ -149,6 +165,7 @@ def _worker_main(
     traceback on stderr: the coordinator stops the run and prints that line.
     """
     os.environ.update(env)
+    _exit_with_parent()
     phase = ["start-up"]
 
     async def run() -> None:

@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     from s3capture.store import StoreError
 
     # Long commands that clean up on Ctrl-C: a SIGTERM (timeout, kill, a pod stop) takes that path too.
-    previous_sigterm = _sigterm_as_ctrl_c() if args.command in ("export", "conformance") else None
+    previous_sigterm = _sigterm_as_ctrl_c() if args.command in ("export", "conformance", "demo") else None
     try:
         code = args.func(args)
         if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
@@ -368,11 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     except KeyboardInterrupt:
-        hint = (
-            ": shards published so far are durable; the same command resumes from them"
-            if args.command == "export"
-            else ""
-        )
+        hint = ""
+        if args.command == "export":
+            hint = ": shards published so far are durable; the same command resumes from them"
+        elif args.command == "demo" and getattr(args, "url", None):
+            hint = f": the rollouts written so far stay under {args.url} (`s3capture ls {args.url}` lists them)"
         how = " by SIGTERM" if _TERMINATED else ""
         print(f"s3capture {args.command}: interrupted{how}{hint}", file=sys.stderr)
         return 143 if _TERMINATED else 130

@@ -306,5 +306,7 @@ def _ensure_bucket(url: str, endpoint: str | None, env: dict[str, str]) -> None:
     client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}), **kwargs)
     try:
         client.head_bucket(Bucket=bucket)
-    except client.exceptions.ClientError:
+    except client.exceptions.ClientError as error:
+        if str(error.response.get("Error", {}).get("Code", "")) not in ("404", "NoSuchBucket", "NotFound"):
+            raise  # refused credentials (403) are not a missing bucket: say so, not CreateBucket's error
         client.create_bucket(Bucket=bucket)
