@@ -26,6 +26,8 @@ from helpers import (
     user,
 )
 
+from gymcompat import require_gym
+
 from s3capture import fingerprint as fp
 from s3capture.layout import Layout
 from s3capture.protocols import LineageResolution
@@ -66,6 +68,47 @@ async def test_resolve_from_fresh_client_after_put(fresh):
     resolution = await fresh().resolve("r", [*REQ, *OUT, user("and 3+3?")])
     assert_resolved(resolution, "call-1", [1, 2, 3, 4, 5])
     assert resolution.reason == ""
+
+
+async def test_a_gym_typed_store_resolves_to_gyms_own_types(fresh):
+    """``entry_type="gym"``: resolve answers with Gym's LineageResolution, so Gym's capture path
+    stamps its pydantic entry with Gym's enum; s3capture's enum there made every model_dump of that
+    entry warn (a Gym-integration breaker, 2026-12-03). The default store keeps s3capture's types."""
+    import warnings
+
+    require_gym()
+    from nemo_gym.token_id_capture import protocols as gym
+    from nemo_gym.token_id_capture import records as grec
+
+    entry = make_entry("r", "call-1", REQ, OUT, [1, 2, 3], [4, 5])
+    await put_fresh(fresh, entry)
+    request = [*REQ, *OUT, user("and 3+3?")]
+    ours = await fresh().resolve("r", request)
+    theirs = await fresh(entry_type="gym").resolve("r", request)
+    assert isinstance(ours, LineageResolution) and isinstance(ours.status, ParentResolutionStatus)
+    assert isinstance(theirs, gym.LineageResolution) and isinstance(theirs.match, gym.LineageMatch)
+    assert theirs.status is grec.ParentResolutionStatus.RESOLVED
+    assert_resolved(theirs, "call-1", [1, 2, 3, 4, 5])
+    unresolved = await fresh(entry_type="gym").resolve("r", [*REQ, *assistant_output("5"), user("?")])
+    assert unresolved.status is grec.ParentResolutionStatus.UNRESOLVED and unresolved.reason == ours_reason(
+        await fresh().resolve("r", [*REQ, *assistant_output("5"), user("?")])
+    )
+    stamped = grec.TokenEntry(
+        rollout_id="r",
+        model_call_id="call-2",
+        prompt_token_ids=[1],
+        generation_token_ids=[2],
+        generation_log_probs=[-0.1],
+    )
+    grec.stamp_lineage(stamped, "call-1", parent_resolution=theirs.status, cumulative=[1, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pydantic's "Expected enum" serialization warning fails here
+        stamped.model_dump(mode="json")
+
+
+def ours_reason(resolution: LineageResolution) -> str:
+    assert resolution.status == UNRESOLVED
+    return resolution.reason
 
 
 async def test_resolve_with_tool_results_between_calls(fresh):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Sequence
+from typing import Any
 
 from s3capture import fingerprint as _fp
 from s3capture.cache import Stored as _Stored
@@ -51,12 +52,39 @@ def _cumulative_len(entry: TokenEntry) -> int:
     return len(entry.prompt_token_ids) + len(entry.generation_token_ids)
 
 
+def _to_gym_resolution(answer: LineageResolution) -> Any:
+    """``answer`` as NeMo Gym's ``LineageResolution`` (field for field; requires ``nemo_gym``)."""
+    from nemo_gym.token_id_capture import protocols as gym
+    from nemo_gym.token_id_capture.records import ParentResolutionStatus as GymStatus
+
+    match = answer.match
+    return gym.LineageResolution(
+        GymStatus(ParentResolutionStatus(answer.status).value),
+        None
+        if match is None
+        else gym.LineageMatch(
+            model_call_id=match.model_call_id,
+            cumulative_token_ids=match.cumulative_token_ids,
+            digest=match.digest,
+            staging_chain=match.staging_chain,
+            prev_len=match.prev_len,
+            chain_hash=match.chain_hash,
+        ),
+        answer.reason,
+    )
+
+
 class _StoreLineage(_StoreCore):
     """``resolve`` of ``S3TokenStore`` (private mixin)."""
 
     # ------------------------------------------------------------------ LineageResolver
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         """Return ROOT, RESOLVED (exactly one proven parent) or UNRESOLVED with a reason.
+
+        On a store built with ``entry_type="gym"`` the answer is NeMo Gym's own
+        ``LineageResolution`` (Gym's ``ParentResolutionStatus`` and ``LineageMatch``, same values),
+        the types Gym's capture path stamps onto its pydantic entries: s3capture's enum there made
+        every later ``model_dump`` of such an entry warn (a Gym-integration breaker, 2026-12-03).
 
         Requests: one LIST of the request fingerprint's prefix and GETs of the candidates not yet
         cached (two round trips), plus, for a delta winner whose tokens are not memoized, one
@@ -76,6 +104,10 @@ class _StoreLineage(_StoreCore):
             ValueError: an unstorable ``rollout_id`` (before any request).
             StoreError: the store failed the LIST or a GET.
         """
+        answer = await self._resolve(rollout_id, request_items)
+        return _to_gym_resolution(answer) if self.entry_type == "gym" else answer
+
+    async def _resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         prefix = self.layout.rollout(rollout_id)
         fingerprint = request_fingerprint(request_items)
         if isinstance(fingerprint, LineageResolution):
