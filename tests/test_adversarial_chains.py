@@ -135,6 +135,59 @@ async def test_an_object_that_decompresses_past_the_limit_is_read_once(fresh, s3
     assert store.request_counts["GetObject"] == 1, dict(store.request_counts)
 
 
+async def test_a_kilobyte_entry_that_holds_a_quarter_gigabyte_of_json_is_bounded_by_the_environment(
+    fresh, s3_client, bucket_url, monkeypatch
+):
+    """A memory breaker planted a well-formed entry (its SHA-256 right) of 250 MiB of canonical JSON
+    in 22 KB of zstd: every reader at the default 256 MiB limit decoded it into 37 M Python ints
+    (2.2 GiB each; an export worker reached 7.4 GB with three). ``S3CAPTURE_MAX_ENTRY_BYTES``
+    bounds every store built without ``max_entry_bytes`` (the command line's readers, export
+    workers, Gym's YAML-built stores): the entry is refused after decompressing past the bound,
+    before any int exists. Here 64 KiB against 1 MiB of JSON keeps the test small."""
+    import hashlib
+    import json
+    import tracemalloc
+
+    import zstandard
+
+    from s3capture.records import TokenEntry, encode_entry
+
+    ids = [100000] * (1024 * 1024 // 7)
+    entry = TokenEntry(
+        rollout_id="r-big",
+        model_call_id="c1",
+        prompt_token_ids=ids,
+        generation_token_ids=[1],
+        generation_log_probs=[-0.5],
+        created_at=1.0,
+    )
+    payload = encode_entry(entry)
+    assert len(payload) > 1024 * 1024
+    body = zstandard.ZstdCompressor().compress(b'{"chain":[],"entry":' + payload + b',"format":"s3capture.entry/1"}')
+    assert len(body) < 64 * 1024
+    bucket, root = split_bucket_url(bucket_url)
+    key = f"{Layout(root.rstrip('/')).rollout('r-big')}log/e/~/c1/{hashlib.sha256(payload).hexdigest()}.zst"
+    put_bytes(s3_client, bucket, key, body)
+    assert (await fresh().freeze("r-big")).entries[0].prompt_token_ids == ids  # at the default: read whole
+
+    monkeypatch.setenv("S3CAPTURE_MAX_ENTRY_BYTES", str(64 * 1024))
+    store = fresh()
+    tracemalloc.start()
+    try:
+        snapshot = await store.read_snapshot("r-big", sealed=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert snapshot.incomplete and not snapshot.entries
+    assert any("decompresses beyond max_entry_bytes=65536" in r for r in snapshot.reasons), snapshot.reasons
+    assert peak < 4 * 1024 * 1024, f"{peak / 2**20:.1f} MiB"
+    assert json.loads(json.dumps(snapshot.reasons))  # plain strings
+    for bad in ("16 MiB", "0", "nan"):
+        monkeypatch.setenv("S3CAPTURE_MAX_ENTRY_BYTES", bad)
+        with pytest.raises(ValueError, match="S3CAPTURE_MAX_ENTRY_BYTES="):
+            fresh()
+
+
 # Regression test (found by the adversarial review, fixed in 0d86cd4): resolve silently drops a candidate it
 # cannot read, so a sibling with the same output and context wins by elimination instead of UNRESOLVED
 @pytest.mark.parametrize("damage", ["newer_schema", "bit_rot"])

@@ -127,6 +127,24 @@ async def test_workers_that_never_saw_the_chain_write_checkpoints_too(fresh, s3_
     )  # candidate, deltas since call 2K, checkpoint
 
 
+async def test_no_checkpoint_is_written_past_what_a_reader_accepts(fresh, s3_client, bucket_url, monkeypatch):
+    """Readers take a checkpoint of at most ``_CHECKPOINT_MAX_TOKENS`` token ids; writers used to
+    PUT larger ones anyway, which every fresh resolve then fetched and discarded (a memory breaker,
+    2026-12-03). With the bound between the two checkpointed calls' lengths, only the first is
+    written, and the deepest call still resolves (walking past the missing one)."""
+    import s3capture.store_writes
+
+    depth = 2 * K + 3
+    turns = build_conversation("r-cap", depth)
+    bound = (len(turns[K].cumulative) + len(turns[2 * K].cumulative)) // 2
+    monkeypatch.setattr(s3capture.store_writes, "_CHECKPOINT_MAX_TOKENS", bound)
+    _, entries = await put_chain(fresh(), "r-cap", depth)
+    bucket, prefix = rollout_prefix(bucket_url, "r-cap")
+    checkpoints = [k for k in list_keys(s3_client, bucket, prefix) if k.startswith(prefix + "cum/")]
+    assert checkpoints == [checkpoint_key(prefix, entries[K])]
+    assert_resolved_to(await fresh().resolve("r-cap", next_request(turns[-1])), turns[-1])
+
+
 # --------------------------------------------------------------------------- damaged checkpoints
 
 DEPTH = 2 * K + 5  # checkpoints beside calls K and 2K; the deepest call's base is call 2K

@@ -186,7 +186,9 @@ def iter_rollouts(path: str | os.PathLike) -> Iterator[ReplayRollout]:
         for line_number, raw in enumerate(handle, start=1):
             if line_number == 1:
                 if raw.startswith(b"\x1f\x8b"):
-                    raise ValueError(f"{path.name}: gzip-compressed; decompress it first (gunzip -c {path.name} > FILE.jsonl)")
+                    raise ValueError(
+                        f"{path.name}: gzip-compressed; decompress it first (gunzip -c {path.name} > FILE.jsonl)"
+                    )
                 raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
             if not raw.strip():
                 continue

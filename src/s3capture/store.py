@@ -57,6 +57,25 @@ __all__ = [
 ]
 
 
+MAX_ENTRY_BYTES_ENV = "S3CAPTURE_MAX_ENTRY_BYTES"
+DEFAULT_MAX_ENTRY_BYTES = 256 * 1024 * 1024
+
+
+def _max_entry_bytes_from_environment() -> int | float:
+    """``S3CAPTURE_MAX_ENTRY_BYTES`` (a number of bytes, ``16777216`` or ``16e6``), else 256 MiB;
+    ``ValueError`` naming the variable for anything else."""
+    value = os.environ.get(MAX_ENTRY_BYTES_ENV, "").strip()
+    if not value:
+        return DEFAULT_MAX_ENTRY_BYTES
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{MAX_ENTRY_BYTES_ENV}={value!r} is not a number of bytes") from None
+    if not 1 <= number < math.inf:
+        raise ValueError(f"{MAX_ENTRY_BYTES_ENV}={value!r} must be a finite number of bytes >= 1")
+    return number
+
+
 class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage):
     """NeMo Gym's ``TokenSink`` (plus ``begin_call``), ``TokenSource`` and ``LineageResolver`` on S3.
 
@@ -74,7 +93,13 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         compression_level: zstd level for stored entries (default 1: see ``docs/design.md``,
             "Encode CPU"; every level is readable by every reader).
         max_entry_bytes: largest canonical entry accepted by ``put`` or decoded by a reader
-            (bytes, a finite number >= 1; ``TypeError`` / ``ValueError`` otherwise).
+            (bytes, a finite number >= 1; ``TypeError`` / ``ValueError`` otherwise). ``None``
+            (default): the environment variable ``S3CAPTURE_MAX_ENTRY_BYTES`` when set (how the
+            command line's readers, export workers and Gym's YAML-built stores get one), else
+            256 MiB. Decoding an entry takes up to about 9x its JSON bytes of memory (token ids
+            become Python ints), and a zstd object of a few kilobytes can hold that much JSON:
+            readers of a bucket others write to should set it to the largest entry their jobs
+            write (``docs/design.md``, "Bounded memory").
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
             2.3-3.9x less client CPU per capture call across the runs in ``docs/benchmarks.md``) or a
             ``s3capture.transport.Transport``;
@@ -103,7 +128,7 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         cache_bytes: int = 256 * 1024 * 1024,
         max_concurrency: int = 32,
         compression_level: int = 1,
-        max_entry_bytes: int = 256 * 1024 * 1024,
+        max_entry_bytes: int | float | None = None,
         spill_dir: str | os.PathLike | None = None,
         transport: str | Any = None,
         fence_grace: float = 1.0,
@@ -135,6 +160,8 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         self._compression_level = compression_level
         self._compressors = threading.local()
         self._compressor()  # a bad level fails here, not in the first put
+        if max_entry_bytes is None:
+            max_entry_bytes = _max_entry_bytes_from_environment()
         if isinstance(max_entry_bytes, bool) or not isinstance(max_entry_bytes, (int, float)):
             raise TypeError(
                 f"max_entry_bytes must be a number of bytes, got {type(max_entry_bytes).__name__} {max_entry_bytes!r}"

@@ -109,11 +109,12 @@ class _StoreCore(RolloutObjects):
 
     def _decompress(self, data: bytes, limit: int | None = None) -> bytes:
         # The envelope adds its format tag and up to CHAIN_KEYS ancestor keys to the entry bytes.
+        what = f"the {limit}-byte limit" if limit is not None else f"max_entry_bytes={self._max_entry_bytes}"
         if limit is None:
             limit = self._max_entry_bytes + 64 * 1024
         if not data.startswith(_ZSTD_MAGIC):
             if len(data) > limit:
-                raise OversizeRecordError(f"object is larger than max_entry_bytes={self._max_entry_bytes}")
+                raise OversizeRecordError(f"object is larger than {what}")
             return data
         try:
             size = zstandard.frame_content_size(data)
@@ -133,7 +134,7 @@ class _StoreCore(RolloutObjects):
                 break
             out.write(chunk)
             if out.tell() > limit:
-                raise OversizeRecordError(f"object decompresses beyond max_entry_bytes={self._max_entry_bytes}")
+                raise OversizeRecordError(f"object decompresses beyond {what}")
         return out.getvalue()
 
     def _decode_object(self, data: bytes, sha: str | None) -> _Stored:

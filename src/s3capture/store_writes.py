@@ -19,7 +19,7 @@ from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.clocks import awake_clock
 from s3capture.errors import StoreError
 from s3capture.layout import checkpoint_rel, parse_log_key
-from s3capture.objects import CHAIN_KEYS, CHECKPOINT_EVERY, _checked_chain, _Link
+from s3capture.objects import _CHECKPOINT_MAX_TOKENS, CHAIN_KEYS, CHECKPOINT_EVERY, _checked_chain, _Link
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
 from s3capture.records import RecordError, TokenEntry, compute_digest, encode_token_ids, prepare_entry
 from s3capture.store_core import _packed_tokens, _StoreCore
@@ -164,6 +164,14 @@ class _StoreWrites(_StoreCore):
             return None
         tokens.extend(record.prompt_token_ids)
         tokens.extend(record.generation_token_ids)
+        if len(tokens) > _CHECKPOINT_MAX_TOKENS:  # no reader takes it (a forged one must stay small)
+            log.info(
+                "no checkpoint for %r: %d tokens, over the %d a reader accepts",
+                record.model_call_id,
+                len(tokens),
+                _CHECKPOINT_MAX_TOKENS,
+            )
+            return None
         if (record.cum_len is not None and record.cum_len != len(tokens)) or compute_digest(tokens) != digest:
             log.warning("no checkpoint for %r: its delta prompt does not rebuild its digest", record.model_call_id)
             return None
