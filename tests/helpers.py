@@ -598,3 +598,12 @@ def example_entries(path: Any) -> list[TokenEntry]:
         for rollout in load_rollouts([path])
         for call in rollout.calls
     ]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux ``/proc``; a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -16,7 +16,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from helpers import put_chain, simple_entry  # noqa: E402
+from helpers import process_alive, put_chain, simple_entry  # noqa: E402
 from s3capture.export import export, format_summary, read_manifests  # noqa: E402
 
 MOTO = pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
@@ -647,14 +647,6 @@ def _spawn_children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @MOTO
 async def test_export_workers_die_with_an_export_killed_while_they_start(
     fresh: Any, bucket_url: str, tmp_path: Path
@@ -698,13 +690,13 @@ async def test_export_workers_die_with_an_export_killed_while_they_start(
         before = set(os.listdir(dest))
         await asyncio.sleep(5)
         late = sorted(set(os.listdir(dest)) - before)
-        left = [pid for pid in workers if _alive(pid)]
+        left = [pid for pid in workers if process_alive(pid)]
         assert not left and not [n for n in late if n.endswith(".manifest.json")], (
             f"5 s after the export process was killed: workers alive {left}, shards published since: {late}"
         )
     finally:
         for pid in workers:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

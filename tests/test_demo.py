@@ -32,7 +32,7 @@ from s3capture.demo_common import PlainProgress, open_progress
 from s3capture.replay import synthetic_rollouts
 
 # The example data lives beside the checkout, in ../shared (never copied into the repository).
-from helpers import EXAMPLE_DATA
+from helpers import EXAMPLE_DATA, process_alive
 
 ROLLOUTS = EXAMPLE_DATA
 
@@ -484,14 +484,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
@@ -523,14 +515,14 @@ def test_a_demo_killed_by_pid_leaves_no_worker_running(s3_server, bucket_url, s3
         if how == signal.SIGTERM:
             assert f"interrupted by SIGTERM: the rollouts written so far stay under {bucket_url}" in err, err[-3000:]
         deadline = time.monotonic() + 20
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [pid for pid in workers if _alive(pid)], "workers outlived the demo"
+        assert not [pid for pid in workers if process_alive(pid)], "workers outlived the demo"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for pid in [pid for pid in workers if _alive(pid)]:  # a regression's orphans must not outlive the test
+        for pid in [pid for pid in workers if process_alive(pid)]:  # a regression's orphans must not outlive the test
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
