@@ -442,6 +442,9 @@ def test_unresolved_and_non_contiguous_calls_are_masked():
     )
     result = builds(snapshot(entries[:2] + [bad]))
     assert f"not_contiguous:{bad.model_call_id}" in result["builtin"].mask_reasons
+    # The Gym engine names the cause too (it used to be only in the metrics: a README walk found
+    # a new user looking at "unresolved_parent" for a child whose prompt broke contiguity).
+    assert "parent_link_failures:parent_digest_mismatch=1" in result["gym"].mask_reasons
     assert all(b.masked for b in result.values())
     assert (
         result["builtin"].metrics["parent_link_failures"]

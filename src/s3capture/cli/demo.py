@@ -217,12 +217,13 @@ def _demo(args: argparse.Namespace) -> int:
             wall_started=started,
         )
         print(format_report(report, where=where))
-        if server is not None:
-            # The embedded server and its bucket go with this process: say so, and how to keep data.
+        if server is not None and args.export is None:
+            # The embedded server and its bucket go with this process: say so, and how to keep data
+            # (not after --export, whose trajectories are kept in its destination).
             print(
                 "the embedded server stops now and its data goes with it. To keep a capture: run `s3capture "
                 "serve` in another terminal, paste the lines it prints here, then `s3capture demo --keep --url` "
-                "with the URL it names (README.md, offline trajectory building)",
+                'with the URL it names (README.md, "Offline: list a bucket\'s rollouts and export them")',
                 file=sys.stderr,
             )
         return 0 if report.ok else 1

@@ -164,6 +164,11 @@ def _gym_build(snapshot: Any, result: dict) -> RolloutBuild:
         for name in ("roots", "chains"):
             if name in metrics and metrics[name] != 1:
                 reasons.append(f"{name}:{metrics[name]}")
+        # Why Gym's builder refused parent links (e.g. parent_digest_mismatch: a child's prompt
+        # does not start with its parent's tokens), which otherwise only its metrics say.
+        failures = metrics.get("parent_link_failures") or {}
+        if isinstance(failures, dict):
+            reasons.extend(f"parent_link_failures:{kind}={count}" for kind, count in sorted(failures.items()))
     return _rollout_build(snapshot, trajectories, masked, reasons, metrics, gym_result=result)
 
 
