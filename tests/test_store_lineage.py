@@ -104,6 +104,15 @@ async def test_a_gym_typed_store_resolves_to_gyms_own_types(fresh):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # pydantic's "Expected enum" serialization warning fails here
         stamped.model_dump(mode="json")
+    # s3capture's own helpers take Gym's status too (a review found delta continuations refused:
+    # they tested it with `is` against s3capture's enum).
+    from s3capture.records import stamp_lineage, store_prompt_as_delta
+
+    child = make_entry("r", "call-2", [*REQ, *OUT, user("and 3+3?")], OUT, [1, 2, 3, 4, 5, 6], [7])
+    stamp_lineage(child, "call-1", parent_resolution=theirs.status)
+    assert child.parent_resolution is RESOLVED
+    store_prompt_as_delta(child, theirs.match.cumulative_token_ids)
+    await fresh(entry_type="gym").put(child)
 
 
 def ours_reason(resolution: LineageResolution) -> str:

@@ -178,14 +178,14 @@ class TokenEntry(msgspec.Struct, kw_only=True, dict=True):
                 f"token_item_index {self.token_item_index} is outside output_items of length {len(self.output_items)}"
             )
         status = self.parent_resolution
-        if status is ParentResolutionStatus.RESOLVED and not self.parent_call_id:
+        if status == ParentResolutionStatus.RESOLVED and not self.parent_call_id:
             raise RecordError("resolved parent metadata requires parent_call_id")
         if (
             status in (ParentResolutionStatus.ROOT, ParentResolutionStatus.UNRESOLVED)
             and self.parent_call_id is not None
         ):
             raise RecordError(f"{status.value} parent metadata cannot carry parent_call_id")
-        if self.prompt_is_delta and (self.parent_call_id is None or status is not ParentResolutionStatus.RESOLVED):
+        if self.prompt_is_delta and (self.parent_call_id is None or status != ParentResolutionStatus.RESOLVED):
             raise RecordError("a delta prompt requires a RESOLVED parent_call_id to reconstruct from")
         return self
 
@@ -465,6 +465,8 @@ def stamp_lineage(
     cumulative = cumulative_tokens(entry)
     entry.cum_len = len(cumulative)
     entry.digest = compute_digest(cumulative)
+    if parent_resolution is not None:  # Gym's enum (a resolve on an entry_type="gym" store) -> ours
+        parent_resolution = ParentResolutionStatus(getattr(parent_resolution, "value", parent_resolution))
     entry.parent_call_id = parent_call_id
     entry.parent_resolution = parent_resolution
     entry.parent_resolution_reason = reason
@@ -485,7 +487,7 @@ def store_prompt_as_delta(entry: TokenEntry, parent_cumulative: list[int] | tupl
     entry is not RESOLVED or its prompt does not start with ``parent_cumulative``.
     """
     parent = list(parent_cumulative)
-    if entry.parent_resolution is not ParentResolutionStatus.RESOLVED or not entry.parent_call_id:
+    if entry.parent_resolution != ParentResolutionStatus.RESOLVED or not entry.parent_call_id:
         raise RecordError("a delta prompt requires a RESOLVED parent_call_id to reconstruct from")
     if entry.prompt_is_delta or entry.prompt_token_ids[: len(parent)] != parent:
         raise RecordError("the full prompt does not start with the parent's cumulative tokens")

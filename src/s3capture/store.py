@@ -99,7 +99,7 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
             256 MiB. Decoding an entry takes up to about 9x its JSON bytes of memory (token ids
             become Python ints), and a zstd object of a few kilobytes can hold that much JSON:
             readers of a bucket others write to should set it to the largest entry their jobs
-            write (``docs/design.md``, "Bounded memory").
+            write (``docs/design.md``, "Memory").
         transport: ``"aioboto3"`` (default), ``"obstore"`` (``pip install 's3capture[obstore]'``,
             2.3-3.9x less client CPU per capture call across the runs in ``docs/benchmarks.md``) or a
             ``s3capture.transport.Transport``;
