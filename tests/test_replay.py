@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from gymcompat import require_gym, running_under_ci
 
+from s3capture.layout import Layout
 from s3capture.replay import (
     TOKEN_KEYS,
+    MAX_REPLAY_ID_CHARS,
     ReplayRollout,
     is_model_authored,
     iter_rollouts,
@@ -459,11 +461,30 @@ def test_a_byte_order_mark_is_skipped_and_a_gzip_file_is_named(tmp_path: Path) -
         load_rollouts([packed])
 
 
-def test_a_rollout_id_too_long_for_any_key_fails_at_load(tmp_path: Path) -> None:
-    line = {"responses_create_params": {"input": "hi"}, "response": {"output": []}, "_ng_task_index": "x" * 400}
-    path = _write(tmp_path, "long.jsonl", [line])
-    with pytest.raises(ValueError, match=r"^long\.jsonl:1: the rollout id built from this line .*too long"):
-        load_rollouts([path])
+def test_a_long_rollout_id_is_shortened_so_the_demo_suffix_and_call_ids_still_fit(tmp_path: Path) -> None:
+    # Found by a breaker (2026-12-03): ids of 231-255 bytes passed a load check and failed in the
+    # demo's workers, after the servers had started, once "@<run>" and "-c0000" were appended.
+    def line(task: str) -> dict:
+        return {
+            "responses_create_params": {"input": "hi"},
+            "response": {"output": [{"type": "message", "role": "assistant", "content": "ok"}]},
+            "_ng_task_index": task,
+        }
+
+    tasks = ["x" * 400, "x" * 399 + "y", "x" * 230, "x" * 10]
+    loaded = load_rollouts([_write(tmp_path, "long.jsonl", [line(task) for task in tasks])])
+    ids = [rollout.rollout_id for rollout in loaded]
+    assert len(set(ids)) == 4, ids  # distinct although their first 182 characters agree
+    assert ids[3] == "long-L4-tx" + "x" * 9  # short ids are unchanged
+    assert all(len(rollout_id) <= MAX_REPLAY_ID_CHARS for rollout_id in ids)
+    assert ids == [rollout.rollout_id for rollout in load_rollouts([tmp_path / "long.jsonl"])]  # deterministic
+    layout = Layout("")
+    for rollout in loaded:
+        demo_id = f"{rollout.rollout_id}@20261203T120000-abcdef"  # the demo's attempt suffix
+        prefix = layout.rollout(demo_id, writing=True)
+        for call in rollout.calls:
+            layout.entry_rel(prefix, "", call.model_call_id, "0" * 64)
+        layout.entry_rel(prefix, "", f"{rollout.rollout_id}-c99999", "0" * 64)  # a 100,000-call rollout
 
 
 def test_synthetic_ids_depend_on_content(tmp_path: Path) -> None:

@@ -75,7 +75,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from s3capture.layout import Layout
 
 try:  # msgspec is a declared dependency; fall back to json so this module stays stdlib-only.
     import msgspec as _msgspec
@@ -113,6 +112,11 @@ _ROLE_BASE = SYNTHETIC_VOCAB + 16
 _ROLE_SLOTS = 64
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+#: A replayed rollout id is at most this many characters (all of them key-safe), so that the
+#: suffixes added to it still fit S3's 255-byte key segment: the demo's ``@<run>`` (23 bytes
+#: escaped) and a call id's ``-cNNNNN``. A longer id keeps its first characters and ends in
+#: ``-h`` and 16 hex digits of its SHA-256, so ids stay distinct and deterministic.
+MAX_REPLAY_ID_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ class ReplayRollout:
     """One rollout (one JSONL line) as an ordered list of model calls."""
 
     rollout_id: str
-    """Deterministic from file stem + line number (+ ``_ng_task_index``/``_ng_rollout_index``)."""
+    """Deterministic from file stem + line number (+ ``_ng_task_index``/``_ng_rollout_index``);
+    at most ``MAX_REPLAY_ID_CHARS`` characters (a longer one ends in a hash of the whole)."""
     source: str
     """``"file.jsonl:LINE"`` (1-based line number)."""
     calls: list[ReplayCall]
@@ -215,7 +220,11 @@ def _rollout_id(stem: str, line_number: int, record: dict) -> str:
         value = record.get(key)
         if value is not None and not isinstance(value, (dict, list)):
             parts.append(f"{tag}{value}")
-    return _ID_UNSAFE.sub("_", "-".join(parts))
+    rollout_id = _ID_UNSAFE.sub("_", "-".join(parts))
+    if len(rollout_id) > MAX_REPLAY_ID_CHARS:
+        digest = hashlib.sha256(rollout_id.encode()).hexdigest()[:16]
+        rollout_id = f"{rollout_id[: MAX_REPLAY_ID_CHARS - 18]}-h{digest}"
+    return rollout_id
 
 
 def _rollout_from_record(record: Any, *, stem: str, line_number: int, source: str) -> ReplayRollout:
@@ -233,10 +242,6 @@ def _rollout_from_record(record: Any, *, stem: str, line_number: int, source: st
         if not isinstance(item, dict):
             raise ValueError(f"{source}: response.output[{position}] is not an object")
     rollout_id = _rollout_id(stem, line_number, record)
-    try:
-        Layout("").rollout(rollout_id, writing=True)  # the id alone must fit in a key, whatever the root
-    except ValueError as error:
-        raise ValueError(f"{source}: the rollout id built from this line ({rollout_id[:60]}...) {error}") from None
     prefix: list[dict] = []
     prompt_instructions = params.get("instructions")
     if isinstance(prompt_instructions, str) and prompt_instructions:
