@@ -125,6 +125,81 @@ def test_memoized_cumulative_tokens_are_counted_within_1_5x_of_the_measured_heap
     assert nbytes <= 8 * len(ids) + 1024
 
 
+def _shaped_entry(shape: str) -> TokenEntry:
+    """Entries whose structure, not their text or token arrays, holds most of their heap."""
+    import random
+
+    from s3capture.records import coerce_entry
+
+    rng = random.Random(shape)
+    fields: dict[str, Any] = dict(
+        rollout_id="r",
+        model_call_id=f"c-{shape}",
+        prompt_token_ids=[rng.randrange(1000, 150_000) for _ in range(500)],
+        generation_token_ids=[rng.randrange(1000, 150_000) for _ in range(100)],
+        generation_log_probs=[-rng.random() for _ in range(100)],
+    )
+    if shape == "moe_top8":  # vLLM's routed experts: tokens x layers x top-k expert ids
+        fields["routed_experts"] = [[[rng.randrange(128) for _ in range(8)] for _ in range(48)] for _ in range(300)]
+    elif shape == "moe_top2":
+        fields["routed_experts"] = [[[rng.randrange(64) for _ in range(2)] for _ in range(4)] for _ in range(1200)]
+    elif shape == "many_small_items":
+        fields["output_items"] = [{"type": "x", "i": i} for i in range(5000)]
+    elif shape == "extra_short_strings":
+        fields["token_texts"] = [rng.choice(["a", "bc", "def", " the", "\n"]) + str(i) for i in range(5000)]
+    elif shape == "extra_floats":
+        fields["scores"] = [rng.random() for _ in range(20_000)]
+    elif shape == "small_token_ids":  # a byte-level vocabulary: Python shares ints up to 256
+        fields["prompt_token_ids"] = [rng.randrange(256) for _ in range(5000)]
+    elif shape == "cjk_text":
+        text = "\u65e5\u672c\u8a9e" * 16_000
+        fields["output_items"] = [{"type": "message", "content": [{"type": "output_text", "text": text}]}]
+    elif shape == "ascii_text":
+        fields["output_items"] = [
+            {"type": "message", "content": [{"type": "output_text", "text": "ab, [c]\n" * 25_000}]}
+        ]
+    else:
+        raise AssertionError(shape)
+    return coerce_entry(fields)
+
+
+STRUCTURE_SHAPES = [
+    "moe_top8",
+    "moe_top2",
+    "many_small_items",
+    "extra_short_strings",
+    "extra_floats",
+    "small_token_ids",
+    "cjk_text",
+    "ascii_text",
+]
+
+
+@pytest.mark.parametrize("shape", STRUCTURE_SHAPES)
+def test_cache_estimate_counts_structure_within_1_5x(shape: str) -> None:
+    """An audit (2026-12-03) found the estimate 3-7x low for MoE ``routed_experts`` (a list of 8
+    small ints is about 120 bytes of heap for 26 of JSON) and for many small dicts, and 3.4x high
+    for token ids Python shares: a cache of MoE entries held 3.15x its ``cache_bytes``."""
+    store = S3TokenStore("s3://bucket/root")
+    key, data, sha = _stored_object(store, _shaped_entry(shape))
+    cache = LRU(1 << 40)
+    _, heap = _measured(lambda: cache.put(str(key), store._decode_object(data, sha)))
+    ratio = cache.nbytes / heap
+    assert 1 / 1.5 <= ratio <= 1.5, f"{shape}: estimate {cache.nbytes} vs measured {heap} (x{ratio:.2f})"
+
+
+def test_nested_heap_samples_large_containers_and_stops_at_depth() -> None:
+    from s3capture.cache import nested_heap
+
+    flat = list(range(1000, 101_000))
+    assert 0.9 < nested_heap(flat) / (56 + 8 * len(flat) + 28 * len(flat)) < 1.1
+    deep: Any = []
+    for _ in range(5000):  # nesting far past the recursion a walk may use
+        deep = [deep]
+    assert nested_heap(deep) < 64 * 64
+    assert nested_heap({"k": None, "t": True}) == sys.getsizeof({"k": None, "t": True}) + 2 * sys.getsizeof("k")
+
+
 def test_memoized_tokens_that_do_not_fit_64_bits_are_kept_and_counted() -> None:
     from s3capture.store import _packed_tokens
 
@@ -141,7 +216,7 @@ def test_estimate_never_falls_below_the_json_or_the_token_arrays() -> None:
     assert entry_heap_estimate(entry, payload) >= len(payload)
     assert entry_heap_estimate(entry, payload) >= 36 * 502 + 32 * 2
     # Short log probabilities leave "the rest" at zero, never negative.
-    tiny = simple_entry("r", "c", generation=[1] * 400, log_probs=[0.0] * 400)
+    tiny = simple_entry("r", "c", generation=list(range(1000, 1400)), log_probs=[0.0] * 400)
     assert entry_heap_estimate(tiny, encode_entry(tiny)) >= 36 * 402 + 32 * 400
 
 
@@ -212,6 +287,36 @@ async def test_a_cold_resolve_memoizes_packed_tokens_and_counts_them(fresh):
         assert isinstance(stored.cumulative, array.array) and stored.cumulative.itemsize == 8
         assert stored.nbytes >= sys.getsizeof(stored.cumulative)
     assert resolver._cache.nbytes == sum(s.nbytes for s in resolver._cache._data.values())
+
+
+async def test_a_cache_of_moe_entries_holds_what_it_counts(fresh):
+    """End to end on the server: a reader with a small ``cache_bytes`` freezes a rollout of MoE
+    entries; the heap that clearing its cache frees is within 1.5x of what the cache counted
+    (3.15x before the estimate counted structure) and the count stays within ``cache_bytes``."""
+    writer = fresh()
+    for position, shape in enumerate(("moe_top8", "moe_top8", "moe_top2", "many_small_items", "small_token_ids")):
+        entry = _shaped_entry(shape)
+        entry.rollout_id = "r-moe"
+        entry.model_call_id = f"{entry.model_call_id}-{position}"
+        await writer.put(entry)
+    cache_bytes = 4 * 2**20
+    reader = fresh(cache_bytes=cache_bytes)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        snapshot = await reader.freeze("r-moe")
+        assert len(snapshot.entries) == 5
+        del snapshot
+        gc.collect()
+        counted, held = reader._cache.nbytes, tracemalloc.get_traced_memory()[0]
+        assert 0 < counted <= cache_bytes
+        reader._cache._data.clear()
+        reader._cache.nbytes = 0
+        gc.collect()
+        freed = held - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 1 / 1.5 <= counted / freed <= 1.5, (counted, freed)
 
 
 async def test_freeze_forgets_the_rollouts_call_keys_and_drop_forgets_its_fence_time(fresh):

@@ -26,20 +26,87 @@ PROB_TEXT = 20
 
 
 def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
-    """Python heap of a decoded, cached entry, within 1.5x of what tracemalloc measures (both ways,
-    ``tests/test_memory.py``): 36 bytes per token id (an int object and its list slot), 32 per log
-    probability (a float and its slot), 1.5 per byte of the rest of its canonical JSON (text, dicts,
-    small fields), plus ``ENTRY_OVERHEAD``; never less than the JSON itself. O(1): no scan.
+    """Python heap of a decoded, cached entry in bytes, within 1.5x of what tracemalloc measures
+    (both ways, ``tests/test_memory.py``): 36 per token id (an int object and its list slot; 8
+    for the small ids Python shares, judged from a sample of about 16 ids), 32 per log
+    probability (a float and its slot), ``ENTRY_OVERHEAD``, and what the nested fields hold
+    (``output_items``, ``routed_experts``, extra fields: ``nested_heap``), but never less than
+    the rest of the JSON's bytes, nor less than the JSON itself.
 
     ``payload`` is the entry's canonical bytes (or their length). "The rest" leaves out the
-    arrays' typical text (``ID_TEXT``, ``PROB_TEXT`` per element): the earlier estimate (3 bytes per
-    JSON byte on top of the per-token counts) counted that text twice and over-counted 2-3x.
+    arrays' typical text (``ID_TEXT``, ``PROB_TEXT`` per element). Counting the rest at a fixed
+    rate per byte, as before 2026-12-04, was up to 5x low for nested lists of small ints and for
+    many small dicts: an audit measured a cache of MoE ``routed_experts`` entries holding 3.15x
+    its count.
     """
     size = payload if isinstance(payload, int) else len(payload)
-    ids = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+    prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
+    ids = len(prompt) + len(generation)
     probs = len(entry.generation_log_probs)
     rest = max(0, size - ID_TEXT * ids - PROB_TEXT * probs)
-    return max(size, ENTRY_OVERHEAD + 36 * ids + 32 * probs + (3 * rest) // 2)
+    arrays = _ids_heap(prompt) + _ids_heap(generation) + 32 * probs
+    nested = (7 * rest) // 5
+    # Structure costs far more than its JSON text: a list of 8 small ints takes about 120 bytes
+    # against 26 of JSON. Walk (sampled) what may hold much of it: MoE routing, extra fields,
+    # and output items when there are more than a few; a few output items are mostly text.
+    walked = 0
+    if entry.routed_experts is not None:
+        walked += nested_heap(entry.routed_experts)
+    extra = getattr(entry, "__dict__", {}).get("_extra")
+    if extra:
+        walked += nested_heap(extra)
+    if len(entry.output_items) > _SAMPLE:
+        walked += nested_heap(entry.output_items)
+    if walked:
+        nested = max(nested, walked + rest // 2)
+    return max(size, ENTRY_OVERHEAD + arrays + nested)
+
+
+def _ids_heap(ids: Sequence[int]) -> int:
+    """Heap of a decoded list of token ids: 8 bytes per slot plus 28 per int object, except for
+    the ints from -5 to 256 that Python shares (estimated from about 16 evenly spaced ids)."""
+    n = len(ids)
+    if n == 0:
+        return 0
+    sample = ids[:: max(1, n // 16)]
+    small = sum(map((256).__ge__, sample))  # ids are never negative
+    return 8 * n + (28 * n * (len(sample) - small)) // len(sample)
+
+
+_SAMPLE = 16
+_MAX_DEPTH = 32
+
+
+def nested_heap(value: Any, depth: int = 0) -> int:
+    """Estimated heap in bytes of a decoded JSON value (lists, dicts, str, int, float, bool, None).
+
+    A list or dict of more than 16 members is judged from 16 evenly spaced ones, so the cost is
+    bounded by the nesting, not the size (a ``routed_experts`` of 1,200 x 48 x 8 ids visits about
+    2,000 values). A str costs ``sys.getsizeof`` plus 2 bytes per character when it is not ASCII
+    (it then keeps its UTF-8 form too, once encoded). Values below 32 levels count as nothing.
+    """
+    kind = type(value)
+    if kind is str:
+        return sys.getsizeof(value) + (0 if value.isascii() else 2 * len(value))
+    if kind is int:
+        return 0 if -5 <= value <= 256 else 28
+    if kind is float:
+        return 24
+    if depth >= _MAX_DEPTH:
+        return 0
+    if kind is list:
+        n = len(value)
+        members: Any = value if n <= _SAMPLE else value[:: n // _SAMPLE][:_SAMPLE]
+        total = sum(nested_heap(member, depth + 1) for member in members)
+        return 56 + 8 * n + (total * n // len(members) if members else 0)
+    if kind is dict:
+        n = len(value)
+        items: Any = value.items()
+        if n > _SAMPLE:
+            items = list(items)[:: n // _SAMPLE][:_SAMPLE]
+        total = sum(nested_heap(key, depth + 1) + nested_heap(member, depth + 1) for key, member in items)
+        return sys.getsizeof(value) + (total * n // len(items) if n else 0)
+    return 0  # None, True, False: shared objects
 
 
 @dataclass
