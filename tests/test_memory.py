@@ -197,6 +197,25 @@ def test_nested_heap_samples_large_containers_and_stops_at_depth() -> None:
     for _ in range(5000):  # nesting far past the recursion a walk may use
         deep = [deep]
     assert nested_heap(deep) < 64 * 64
+    # A tree of 16-wide lists 6 deep (16.8 million leaves, all below the sample size): the walk
+    # opens at most 4,096 containers, not 1.1 million.
+    leaf = list(range(1000, 1016))
+    tree: Any = leaf
+    for _ in range(5):
+        tree = [tree] * 16
+    import s3capture.cache as cache_module
+
+    walk, calls = cache_module._walk, [0]
+
+    def counted(*args: Any) -> int:
+        calls[0] += 1
+        return walk(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cache_module, "_walk", counted)
+        estimate = nested_heap(tree)
+    assert calls[0] <= 4096 * 17 + 1  # a container and its members; unbounded: 17.9 million
+    assert estimate >= 56 + 8 * 16
     assert nested_heap({"k": None, "t": True}) == sys.getsizeof({"k": None, "t": True}) + 2 * sys.getsizeof("k")
 
 

@@ -75,16 +75,23 @@ def _ids_heap(ids: Sequence[int]) -> int:
 
 _SAMPLE = 16
 _MAX_DEPTH = 32
+_WALK_BUDGET = 4096
 
 
-def nested_heap(value: Any, depth: int = 0) -> int:
+def nested_heap(value: Any) -> int:
     """Estimated heap in bytes of a decoded JSON value (lists, dicts, str, int, float, bool, None).
 
     A list or dict of more than 16 members is judged from 16 evenly spaced ones, so the cost is
     bounded by the nesting, not the size (a ``routed_experts`` of 1,200 x 48 x 8 ids visits about
     2,000 values). A str costs ``sys.getsizeof`` plus 2 bytes per character when it is not ASCII
-    (it then keeps its UTF-8 form too, once encoded). Values below 32 levels count as nothing.
+    (it then keeps its UTF-8 form too, once encoded). At most 4,096 containers are opened (past
+    that, and below 32 levels, a container counts its own size only), so a walk costs at most a
+    few milliseconds whatever the value.
     """
+    return _walk(value, 0, [_WALK_BUDGET])
+
+
+def _walk(value: Any, depth: int, budget: list[int]) -> int:
     kind = type(value)
     if kind is str:
         return sys.getsizeof(value) + (0 if value.isascii() else 2 * len(value))
@@ -92,20 +99,24 @@ def nested_heap(value: Any, depth: int = 0) -> int:
         return 0 if -5 <= value <= 256 else 28
     if kind is float:
         return 24
-    if depth >= _MAX_DEPTH:
-        return 0
     if kind is list:
         n = len(value)
+        if not n or depth >= _MAX_DEPTH or budget[0] <= 0:
+            return 56 + 8 * n
+        budget[0] -= 1
         members: Any = value if n <= _SAMPLE else value[:: n // _SAMPLE][:_SAMPLE]
-        total = sum(nested_heap(member, depth + 1) for member in members)
-        return 56 + 8 * n + (total * n // len(members) if members else 0)
+        total = sum(_walk(member, depth + 1, budget) for member in members)
+        return 56 + 8 * n + total * n // len(members)
     if kind is dict:
         n = len(value)
+        if not n or depth >= _MAX_DEPTH or budget[0] <= 0:
+            return sys.getsizeof(value)
+        budget[0] -= 1
         items: Any = value.items()
         if n > _SAMPLE:
             items = list(items)[:: n // _SAMPLE][:_SAMPLE]
-        total = sum(nested_heap(key, depth + 1) + nested_heap(member, depth + 1) for key, member in items)
-        return sys.getsizeof(value) + (total * n // len(items) if n else 0)
+        total = sum(_walk(key, depth + 1, budget) + _walk(member, depth + 1, budget) for key, member in items)
+        return sys.getsizeof(value) + total * n // len(items)
     return 0  # None, True, False: shared objects
 
 
