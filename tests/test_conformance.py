@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -198,6 +199,49 @@ def _assert_failures(report: Any, expected: dict[str, Expected], ran: list[str])
     for name, pin in expected.items():
         assert pin.detail in failed[name], f"{name}: {failed[name]!r} lacks {pin.detail!r}"
     assert report.passed == [n for n in ran if n not in expected]
+
+
+@pytest.mark.all_transports
+@pytest.mark.parametrize("where", ["check", "cleanup"])
+async def test_an_interrupted_run_still_removes_what_its_checks_wrote(clients, s3_client, where):
+    """A Ctrl-C (the run's task cancelled) while a check runs, or while its cleanup deletes, left
+    the check's rollouts in the bucket (2026-12-03, both transports; on obstore a cancelled PUT
+    also landed after the delete). The cleanup now runs to its end before the cancellation ends
+    the run, after the check's clients have closed (which waits for their writes)."""
+    run: asyncio.Future[Any] | None = None
+    calls = {"put": 0, "delete": 0}
+
+    def interrupting(cls: type) -> Callable[[], Any]:
+        def make() -> Any:
+            client = clients.make(cls)
+            for method in ("put", "delete"):
+                original = getattr(client, method)
+
+                async def wrapped(*args: Any, _original: Any = original, _method: str = method, **kwargs: Any) -> Any:
+                    calls[_method] += 1
+                    if (_method, calls[_method]) in {("put", 7), ("delete", 3)} and _method == {
+                        "check": "put",
+                        "cleanup": "delete",
+                    }[where]:
+                        assert run is not None
+                        run.cancel()  # lands at this call's next await
+                    return await _original(*args, **kwargs)
+
+                setattr(client, method, wrapped)
+            return client
+
+        return make
+
+    store, ledger = interrupting(S3TokenStore), interrupting(S3CaptureLedger)
+    run = asyncio.ensure_future(
+        run_conformance(sink_factory=store, source_factory=store, resolver_factory=store, ledger_factory=ledger)
+    )
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    bucket, _ = split_bucket_url(clients.url)
+    assert clients.touched, "the run wrote nothing before it was interrupted"
+    left = list_keys(s3_client, bucket)
+    assert left == [], f"an interrupted run left {len(left)} objects behind: {left[:5]}"
 
 
 async def test_gym_file_stores(tmp_path):

@@ -7,6 +7,7 @@ factories; one ``CheckResult`` per check, cleanup after each) and ``run_s3_confo
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -137,9 +138,30 @@ async def _run_one(suite: _Suite, name: str, check: Callable[[_Ctx], Awaitable[N
     except Exception as error:  # noqa: BLE001 - a raising backend is a failed check, not a crash
         status, detail = "failed", f"unexpected {type(error).__name__}: {error}"
     finally:
-        await _cleanup(ctx)
-        await ctx.close()
+        # Shielded: a Ctrl-C that lands while a check cleans up (or as it starts to) left the
+        # check's rollouts in the bucket (2026-12-03); it now waits for the cleanup, then ends
+        # the run. A second Ctrl-C still stops at once.
+        finishing = asyncio.ensure_future(_finish(ctx))
+        try:
+            await asyncio.shield(finishing)
+        except asyncio.CancelledError:
+            await asyncio.wait([finishing], timeout=_CLEANUP_SECONDS)
+            raise
     return CheckResult(name, status, detail, time.monotonic() - started)
+
+
+_CLEANUP_SECONDS = 60.0
+"""How long an interrupted check waits for its cleanup."""
+
+
+async def _finish(ctx: _Ctx) -> None:
+    """Close the check's clients, then delete its rollouts with a fresh one. The check's clients
+    first: their ``close`` waits for writes still in flight (a check interrupted by Ctrl-C), which
+    would otherwise land after the cleanup's delete."""
+    await ctx.close()
+    ctx.opened.clear()
+    await _cleanup(ctx)
+    await ctx.close()
 
 
 async def _cleanup(ctx: _Ctx) -> None:
