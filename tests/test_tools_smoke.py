@@ -152,6 +152,15 @@ def test_bench_memory_small_run_prints_its_series_and_verdict() -> None:
     assert "the cache never filled" not in out, out
 
 
+def test_bench_cache_estimate_quick_prints_its_table_within_the_target() -> None:
+    out = run_tool("bench_cache_estimate.py", "--quick")
+    assert "| MoE routing 1,200 tok x 4 layers x top-2 " in out and "| 5,000 token ids under 256 " in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "estimate B" not in line]
+    assert len(rows) >= 15, out
+    assert all("| yes " in row for row in rows), out  # every shape within 1.5x of tracemalloc
+    assert "worst ratio (either way): " in out, out
+
+
 def test_bench_resolve_quick_prints_its_table() -> None:
     require_moto()
     out = run_tool("bench_resolve.py", "--quick", "--servers", "moto")
