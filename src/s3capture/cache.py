@@ -8,6 +8,8 @@ bounded by an *estimate of Python heap*, not by stored bytes, so ``cache_bytes``
 from __future__ import annotations
 
 import collections
+import itertools
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,14 +30,17 @@ PROB_TEXT = 20
 def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
     """Python heap of a decoded, cached entry in bytes, within 1.5x of what tracemalloc measures
     (both ways, ``tests/test_memory.py``): 36 per token id (an int object and its list slot; 8
-    for the small ids Python shares, judged from a sample of about 16 ids), 32 per log
-    probability (a float and its slot), ``ENTRY_OVERHEAD``, and what the nested fields hold
-    (``output_items``, ``routed_experts``, extra fields: ``nested_heap``), but never less than
-    the rest of the JSON's bytes, nor less than the JSON itself.
+    for the small ids Python shares, judged from a sample of about 16 ids of an array of 256 or
+    more), 32 per log
+    probability (a float and its slot), ``ENTRY_OVERHEAD``, and the rest of its JSON at 1.4 bytes
+    per byte when that rest is under a tenth of the arrays' heap; otherwise what the nested
+    fields hold (``output_items``, ``routed_experts``, extra fields: ``nested_heap``), but never
+    less than a quarter of the rest; never less than the JSON itself. Structure past the walk's
+    bounds (32 levels, 4,096 containers) counts its containers only.
 
     ``payload`` is the entry's canonical bytes (or their length). "The rest" leaves out the
     arrays' typical text (``ID_TEXT``, ``PROB_TEXT`` per element). Counting the rest at a fixed
-    rate per byte, as before 2026-12-04, was up to 5x low for nested lists of small ints and for
+    rate per byte, as before 2026-12-03, was up to 5x low for nested lists of small ints and for
     many small dicts: an audit measured a cache of MoE ``routed_experts`` entries holding 3.15x
     its count.
     """
@@ -44,31 +49,36 @@ def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
     ids = len(prompt) + len(generation)
     probs = len(entry.generation_log_probs)
     rest = max(0, size - ID_TEXT * ids - PROB_TEXT * probs)
-    arrays = _ids_heap(prompt) + _ids_heap(generation) + 32 * probs
-    nested = (7 * rest) // 5
-    # Structure costs far more than its JSON text: a list of 8 small ints takes about 120 bytes
-    # against 26 of JSON. Walk (sampled) what may hold much of it: MoE routing, extra fields,
-    # and output items when there are more than a few; a few output items are mostly text.
-    walked = 0
+    base = ENTRY_OVERHEAD + _ids_heap(prompt) + _ids_heap(generation) + 32 * probs
+    if rest * _WALK_RATIO <= base:
+        # The token arrays hold nearly all the heap: even structure at 5x its JSON (a Responses
+        # API logprob dict) could not move the total out of 1.5x. No walk (it would cost about
+        # half of the entry's decode for a small entry).
+        return max(size, base + (7 * rest) // 5)
+    # Walk (sampled, bounded) what holds structure: output items, MoE routing, extra fields.
+    # Structure costs far more than its JSON text (a list of 8 small ints is about 120 bytes of
+    # heap for 26 of JSON), text about its size; a quarter of the rest of the JSON is the floor,
+    # for what a sample missed (JSON escapes make text longer than its heap).
+    walked = _walk(entry.output_items, 0, [_WALK_BUDGET])
     if entry.routed_experts is not None:
-        walked += nested_heap(entry.routed_experts)
+        walked += _walk(entry.routed_experts, 0, [_WALK_BUDGET])
     extra = getattr(entry, "__dict__", {}).get("_extra")
     if extra:
-        walked += nested_heap(extra)
-    if len(entry.output_items) > _SAMPLE:
-        walked += nested_heap(entry.output_items)
-    if walked:
-        nested = max(nested, walked + rest // 2)
-    return max(size, ENTRY_OVERHEAD + arrays + nested)
+        walked += _walk(extra, 0, [_WALK_BUDGET])
+    return max(size, base + max(walked, rest // 4))
+
+
+_WALK_RATIO = 10
+"""An entry's nested fields are walked when its non-array JSON is over a tenth of its array heap."""
 
 
 def _ids_heap(ids: Sequence[int]) -> int:
     """Heap of a decoded list of token ids: 8 bytes per slot plus 28 per int object, except for
     the ints from -5 to 256 that Python shares (estimated from about 16 evenly spaced ids)."""
     n = len(ids)
-    if n == 0:
-        return 0
-    sample = ids[:: max(1, n // 16)]
+    if n < 256:  # at most 7 KiB over-counted: not worth the sample
+        return 36 * n
+    sample = ids[:: n // 16]
     small = sum(map((256).__ge__, sample))  # ids are never negative
     return 8 * n + (28 * n * (len(sample) - small)) // len(sample)
 
@@ -79,45 +89,79 @@ _WALK_BUDGET = 4096
 
 
 def nested_heap(value: Any) -> int:
-    """Estimated heap in bytes of a decoded JSON value (lists, dicts, str, int, float, bool, None).
+    """Estimated heap in bytes of a decoded JSON value (lists, tuples, dicts, str, int, float,
+    bool, None).
 
-    A list or dict of more than 16 members is judged from 16 evenly spaced ones, so the cost is
-    bounded by the nesting, not the size (a ``routed_experts`` of 1,200 x 48 x 8 ids visits about
-    2,000 values). A str costs ``sys.getsizeof`` plus 2 bytes per character when it is not ASCII
-    (it then keeps its UTF-8 form too, once encoded). At most 4,096 containers are opened (past
-    that, and below 32 levels, a container counts its own size only), so a walk costs at most a
-    few milliseconds whatever the value.
+    A list or dict of more than 16 members is judged from 16 of them spread over it (an odd
+    stride prime to its length, so a pattern that repeats every few members is not sampled in
+    one phase), so the cost is bounded by the nesting, not the size (a ``routed_experts`` of
+    1,200 x 48 x 8 ids visits about 2,000 values; a dict's sample still iterates its items once,
+    in C). A str costs ``sys.getsizeof`` plus 2 bytes per character when it is not ASCII (it then
+    keeps its UTF-8 form too, once encoded); in a dict of up to 16 keys, a key of up to 32 ASCII
+    characters costs nothing (msgspec's decoder shares such keys between dicts). At most 4,096 containers are opened (past that,
+    and below 32 levels, a container counts its own size only).
     """
     return _walk(value, 0, [_WALK_BUDGET])
+
+
+def _stride(n: int) -> int:
+    """An odd step prime to ``n`` that spreads 16 samples over ``n`` members (``n > 16``)."""
+    step = (-(-n // _SAMPLE)) | 1
+    while math.gcd(step, n) != 1:
+        step += 2
+    return step
 
 
 def _walk(value: Any, depth: int, budget: list[int]) -> int:
     kind = type(value)
     if kind is str:
-        return sys.getsizeof(value) + (0 if value.isascii() else 2 * len(value))
+        return _getsizeof(value) if value.isascii() else _getsizeof(value) + 2 * len(value)
     if kind is int:
         return 0 if -5 <= value <= 256 else 28
     if kind is float:
         return 24
-    if kind is list:
-        n = len(value)
-        if not n or depth >= _MAX_DEPTH or budget[0] <= 0:
-            return 56 + 8 * n
-        budget[0] -= 1
-        members: Any = value if n <= _SAMPLE else value[:: n // _SAMPLE][:_SAMPLE]
-        total = sum(_walk(member, depth + 1, budget) for member in members)
-        return 56 + 8 * n + total * n // len(members)
     if kind is dict:
         n = len(value)
+        own = _getsizeof(value)
         if not n or depth >= _MAX_DEPTH or budget[0] <= 0:
-            return sys.getsizeof(value)
+            return own
         budget[0] -= 1
         items: Any = value.items()
         if n > _SAMPLE:
-            items = list(items)[:: n // _SAMPLE][:_SAMPLE]
-        total = sum(_walk(key, depth + 1, budget) + _walk(member, depth + 1, budget) for key, member in items)
-        return sys.getsizeof(value) + total * n // len(items)
+            items = list(itertools.islice(items, 0, None, -(-n // _SAMPLE)))
+        total = 0
+        depth += 1
+        shared = n <= _SAMPLE  # msgspec's decoder shares short keys, as a record's repeat: not a wide dict's
+        for key, member in items:
+            if not shared or type(key) is not str or len(key) > 32 or not key.isascii():
+                total += _walk(key, depth, budget)
+            member_kind = type(member)
+            if member_kind is str:  # the common case, inline
+                total += _getsizeof(member) if member.isascii() else _getsizeof(member) + 2 * len(member)
+            elif member is not None and member_kind is not bool:
+                total += _walk(member, depth, budget)
+        return own + (total if n <= _SAMPLE else total * n // len(items))
+    if kind is list or kind is tuple:
+        n = len(value)
+        own = (56 if kind is list else 40) + 8 * n
+        if not n or depth >= _MAX_DEPTH or budget[0] <= 0:
+            return own
+        budget[0] -= 1
+        depth += 1
+        if n <= _SAMPLE:
+            total = 0
+            for member in value:
+                total += _walk(member, depth, budget)
+            return own + total
+        step = _stride(n)
+        total = 0
+        for i in range(_SAMPLE):
+            total += _walk(value[(i * step) % n], depth, budget)
+        return own + total * n // _SAMPLE
     return 0  # None, True, False: shared objects
+
+
+_getsizeof = sys.getsizeof
 
 
 @dataclass
