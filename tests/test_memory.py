@@ -141,6 +141,9 @@ def _shaped_entry(shape: str) -> TokenEntry:
     )
     if shape == "moe_top8":  # vLLM's routed experts: tokens x layers x top-k expert ids
         fields["routed_experts"] = [[[rng.randrange(128) for _ in range(8)] for _ in range(48)] for _ in range(300)]
+    elif shape == "moe_top1_generation_only":  # long prompt, routing of the generated tokens only
+        fields["prompt_token_ids"] = [rng.randrange(1000, 150_000) for _ in range(30_000)]
+        fields["routed_experts"] = [[[rng.randrange(128)] for _ in range(40)] for _ in range(600)]
     elif shape == "moe_top2":
         fields["routed_experts"] = [[[rng.randrange(64) for _ in range(2)] for _ in range(4)] for _ in range(1200)]
     elif shape == "many_small_items":
@@ -193,6 +196,7 @@ def _shaped_entry(shape: str) -> TokenEntry:
 STRUCTURE_SHAPES = [
     "moe_top8",
     "moe_top2",
+    "moe_top1_generation_only",
     "many_small_items",
     "extra_short_strings",
     "extra_floats",

@@ -33,7 +33,8 @@ def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
     for the small ids Python shares, judged from a sample of about 16 ids of an array of 256 or
     more), 32 per log
     probability (a float and its slot), ``ENTRY_OVERHEAD``, and the rest of its JSON at 1.4 bytes
-    per byte when that rest is under a tenth of the arrays' heap; otherwise what the nested
+    per byte when that rest is under a tenth of the arrays' heap and there is no MoE routing;
+    otherwise what the nested
     fields hold (``output_items``, ``routed_experts``, extra fields: ``nested_heap``), but never
     less than a quarter of the rest; never less than the JSON itself. Structure past the walk's
     bounds (32 levels, 4,096 containers) counts its containers only.
@@ -50,10 +51,11 @@ def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
     probs = len(entry.generation_log_probs)
     rest = max(0, size - ID_TEXT * ids - PROB_TEXT * probs)
     base = ENTRY_OVERHEAD + _ids_heap(prompt) + _ids_heap(generation) + 32 * probs
-    if rest * _WALK_RATIO <= base:
+    if rest * _WALK_RATIO <= base and entry.routed_experts is None:
         # The token arrays hold nearly all the heap: even structure at 5x its JSON (a Responses
         # API logprob dict) could not move the total out of 1.5x. No walk (it would cost about
-        # half of the entry's decode for a small entry).
+        # half of the entry's decode for a small entry). MoE routing is always walked: a top-1
+        # expert list is 72 bytes of heap for 4 of JSON (a review: 0.35x without the walk).
         return max(size, base + (7 * rest) // 5)
     # Walk (sampled, bounded) what holds structure: output items, MoE routing, extra fields.
     # Structure costs far more than its JSON text (a list of 8 small ints is about 120 bytes of
@@ -69,7 +71,8 @@ def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
 
 
 _WALK_RATIO = 10
-"""An entry's nested fields are walked when its non-array JSON is over a tenth of its array heap."""
+"""An entry's nested fields are walked when it has ``routed_experts`` or its non-array JSON is over
+a tenth of its array heap."""
 
 
 def _ids_heap(ids: Sequence[int]) -> int:
@@ -92,9 +95,9 @@ def nested_heap(value: Any) -> int:
     """Estimated heap in bytes of a decoded JSON value (lists, tuples, dicts, str, int, float,
     bool, None).
 
-    A list or dict of more than 16 members is judged from 16 of them spread over it (an odd
-    stride prime to its length, so a pattern that repeats every few members is not sampled in
-    one phase), so the cost is bounded by the nesting, not the size (a ``routed_experts`` of
+    A list or dict of more than 16 members is judged from 16 of them spread over it (a list's
+    with an odd stride prime to its length, so a pattern that repeats every few members is not
+    sampled in one phase; a dict's evenly), so the cost is bounded by the nesting, not the size (a ``routed_experts`` of
     1,200 x 48 x 8 ids visits about 2,000 values; a dict's sample still iterates its items once,
     in C). A str costs ``sys.getsizeof`` plus 2 bytes per character when it is not ASCII (it then
     keeps its UTF-8 form too, once encoded); in a dict of up to 16 keys, a key of up to 32 ASCII

@@ -50,7 +50,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from s3capture import transport_clients
 from s3capture.errors import StoreError, install_hint
 from s3capture.transport_errors import _cannot_connect
 
@@ -199,7 +198,6 @@ class ObstoreTransport(Transport):
             list_attempts=list_attempts,
         )
         self._attempts, self._connect_timeout, self._read_timeout = _settings(botocore_config)
-        self._unfinished: set[asyncio.Future[Any]] = set()  # PUTs of cancelled callers (_finished_by_close)
         import botocore.session
 
         self._profile: str | None = None
@@ -305,24 +303,6 @@ class ObstoreTransport(Transport):
             if not _rust_threads_in_asyncio():
                 break
             await asyncio.sleep(0.001)
-
-    async def _close_state(self, state: Any, timeout: float) -> None:
-        """``Transport._close_state``, then wait for the PUTs of this event loop whose callers were
-        cancelled (``_unfinished``), those ``close`` cancelled included: they go on in obstore's
-        runtime, and a PUT of a closed client must not land later. The wait is bounded as the one
-        for cancelled requests is (``timeout``, at most ``_CANCELLED_REQUESTS_WAIT``), then warns."""
-        await super()._close_state(state, timeout)
-        loop = asyncio.get_running_loop()
-        pending = [future for future in self._unfinished if future.get_loop() is loop]
-        if pending:
-            limit = min(timeout, transport_clients._CANCELLED_REQUESTS_WAIT)
-            _, late = await asyncio.wait(pending, timeout=limit)
-            if late:
-                log.warning(
-                    "close(): %d PUT(s) of cancelled callers still unanswered after %.0f s; they may land later",
-                    len(late),
-                    limit,
-                )
 
     # ------------------------------------------------------------------ client per loop
     def _forked(self, states: Any) -> None:
@@ -456,24 +436,7 @@ class ObstoreTransport(Transport):
     async def _put_once(self, client: Any, key: str, body: bytes) -> None:
         import obstore
 
-        await self._riding_out(
-            "PutObject", lambda: self._finished_by_close(obstore.put_async(client[0], key, body, use_multipart=False))
-        )
-
-    async def _finished_by_close(self, request: Awaitable[T]) -> T:
-        """Await one of object_store's requests. A cancelled caller stops awaiting it, but the
-        request goes on in obstore's own runtime: it is kept in ``_unfinished`` until it ends, and
-        ``close`` waits for it, so no PUT of a closed client lands later (an interrupted
-        conformance run left objects behind its cleanup's delete, 2026-12-03)."""
-        future = asyncio.ensure_future(request)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            if not future.done():
-                self._unfinished.add(future)
-                future.add_done_callback(self._unfinished.discard)
-                future.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
-            raise
+        await self._riding_out("PutObject", lambda: obstore.put_async(client[0], key, body, use_multipart=False))
 
     async def _get_once(self, client: Any, key: str, limit: int | None) -> _Got | None:
         import obstore

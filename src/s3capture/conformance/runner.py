@@ -155,9 +155,8 @@ _CLEANUP_SECONDS = 60.0
 
 
 async def _finish(ctx: _Ctx) -> None:
-    """Close the check's clients, then delete its rollouts with a fresh one. The check's clients
-    first: their ``close`` waits for writes still in flight (a check interrupted by Ctrl-C), which
-    would otherwise land after the cleanup's delete."""
+    """Close the check's clients, then delete its rollouts with a fresh one: the check's clients
+    first, so that none of their requests is still in flight when the cleanup lists and deletes."""
     await ctx.close()
     ctx.opened.clear()
     await _cleanup(ctx)
