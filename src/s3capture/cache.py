@@ -31,13 +31,12 @@ def entry_heap_estimate(entry: Any, payload: bytes | int) -> int:
     """Python heap of a decoded, cached entry in bytes, within 1.5x of what tracemalloc measures
     (both ways, ``tests/test_memory.py``): 36 per token id (an int object and its list slot; 8
     for the small ids Python shares, judged from a sample of about 16 ids of an array of 256 or
-    more), 32 per log
-    probability (a float and its slot), ``ENTRY_OVERHEAD``, and the rest of its JSON at 1.4 bytes
-    per byte when that rest is under a tenth of the arrays' heap and there is no MoE routing;
-    otherwise what the nested
-    fields hold (``output_items``, ``routed_experts``, extra fields: ``nested_heap``), but never
-    less than a quarter of the rest; never less than the JSON itself. Structure past the walk's
-    bounds (32 levels, 4,096 containers) counts its containers only.
+    more), 32 per log probability (a float and its slot), ``ENTRY_OVERHEAD``, and the rest of its
+    JSON at 1.4 bytes per byte when that rest is under a tenth of the arrays' heap and there is
+    no MoE routing; otherwise what the nested fields hold (``output_items``, ``routed_experts``,
+    extra fields: ``nested_heap``), but never less than a quarter of the rest; never less than
+    the JSON itself. Structure past the walk's bounds (32 levels, 4,096 containers) counts its
+    containers only.
 
     ``payload`` is the entry's canonical bytes (or their length). "The rest" leaves out the
     arrays' typical text (``ID_TEXT``, ``PROB_TEXT`` per element). Counting the rest at a fixed
@@ -97,12 +96,13 @@ def nested_heap(value: Any) -> int:
 
     A list or dict of more than 16 members is judged from 16 of them spread over it (a list's
     with an odd stride prime to its length, so a pattern that repeats every few members is not
-    sampled in one phase; a dict's evenly), so the cost is bounded by the nesting, not the size (a ``routed_experts`` of
-    1,200 x 48 x 8 ids visits about 2,000 values; a dict's sample still iterates its items once,
-    in C). A str costs ``sys.getsizeof`` plus 2 bytes per character when it is not ASCII (it then
-    keeps its UTF-8 form too, once encoded); in a dict of up to 16 keys, a key of up to 32 ASCII
-    characters costs nothing (msgspec's decoder shares such keys between dicts). At most 4,096 containers are opened (past that,
-    and below 32 levels, a container counts its own size only).
+    sampled in one phase; a dict's evenly), so the cost is bounded by the nesting, not the size
+    (a ``routed_experts`` of 1,200 x 48 x 8 ids visits about 2,000 values; a dict's sample still
+    iterates its items once, in C). A str costs ``sys.getsizeof`` plus 2 bytes per character
+    when it is not ASCII (it then keeps its UTF-8 form too, once encoded); in a dict of up to 16
+    keys, a key of up to 32 ASCII characters costs nothing (msgspec's decoder shares such keys
+    between dicts). At most 4,096 containers are opened (past that, and below 32 levels, a
+    container counts its own size only).
     """
     return _walk(value, 0, [_WALK_BUDGET])
 

@@ -80,7 +80,8 @@ deliver), never looser:
   beside the indexed one) masks the rollout (``token_fields_in_output_items:<cid>``): Gym's
   projection keeps token arrays on each of them (it copies the generation onto them without a
   valid index, and leaves a stray item's own arrays beside the indexed one), and its contiguity
-  check then masks a main chain that holds one; the built-in builder masks the same (``per_request``: any call);
+  check then masks a main chain that holds one; the built-in builder masks the same
+  (``per_request``: any call);
 - it also has ``builder="per_request"`` (above), which Gym 0.7.0 does not.
 
 Both engines mask every incomplete snapshot (``FrozenSnapshot.incomplete``, or a snapshot that
