@@ -14,6 +14,7 @@ import copy
 import enum
 import pickle
 import threading
+from typing import Any
 
 import msgspec
 import pytest
@@ -398,9 +399,26 @@ async def test_a_connect_timeout_says_to_check_the_endpoint(monkeypatch):
     from s3capture.errors import StoreError
     from s3capture.transport import default_botocore_config, make_transport
 
-    monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    # Linux sometimes completes the handshake despite the full accept queue (it answers a SYN
+    # while fewer than two requests are young), and then the request times out on a connection
+    # that was made: not this test's case. object_store's debug dump tells the two apart (a
+    # connection never made names "kind: Connect" or hyper's "ConnectError("); such attempts are
+    # run again, and at least one of three must be a connect timeout (a CI run, 2026-12-04).
+    for _ in range(3):
+        monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
+        endpoint, error = await _get_from_a_full_backlog(make_transport, default_botocore_config, StoreError, socket)
+        cause = str(error.__cause__ or "")
+        made = "error sending request" in cause and "kind: Connect," not in cause and "ConnectError(" not in cause
+        if str(error).startswith(f"cannot connect to {endpoint} (") or not made:
+            break
+    assert str(error).startswith(f"cannot connect to {endpoint} ("), error
+    assert "check the endpoint" in str(error)
+
+
+async def _get_from_a_full_backlog(make_transport: Any, default_botocore_config: Any, error_type: Any, socket: Any):
+    """(endpoint, the ``StoreError`` of a GET) against a listener whose accept queue is full."""
     server = socket.socket()  # a listener whose accept queue is full: new connections time out
     server.bind(("127.0.0.1", 0))
     server.listen(0)
@@ -428,10 +446,9 @@ async def test_a_connect_timeout_says_to_check_the_endpoint(monkeypatch):
     )
     transport = make_transport(None, "bkt", endpoint_url=endpoint, botocore_config=config)
     try:
-        with pytest.raises(StoreError) as failed:
+        with pytest.raises(error_type) as failed:
             await transport.get("k/1")
-        assert str(failed.value).startswith(f"cannot connect to {endpoint} ("), failed.value
-        assert "check the endpoint" in str(failed.value)
+        return endpoint, failed.value
     finally:
         await transport.close()
         for filler in fillers:
