@@ -67,6 +67,23 @@ async def test_a_freeze_sees_the_marker_a_listing_cut_short_hides(fresh, proxy, 
     assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
 
 
+async def test_a_writers_freeze_removes_the_manifest_it_sealed_of_a_listing_cut_short(
+    fresh, proxy, bucket_url, s3_client
+):
+    # A writer's own entries are cached, so it seals the manifest beside the confirming LIST: the
+    # cut listing's manifest is written first, then the whole listing's; the first is removed.
+    writer = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
+    await _rollout_with_marker(writer)
+    bucket, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_first_listing_of(f"{root}rollouts/r/", 4)
+    snapshot = await writer.freeze("r")
+    assert rule.state["cut"] == 1
+    assert snapshot.incomplete and any("incomplete" in r for r in snapshot.reasons), snapshot.reasons
+    assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
+    manifests = list_keys(s3_client, bucket, f"{root}rollouts/r/snap/")
+    assert len(manifests) == 1 and manifests[0].endswith(snapshot.snapshot_id), manifests
+
+
 async def test_keys_after_a_listings_end_are_a_warning_once_per_client(fresh, proxy, bucket_url, caplog):
     """Keys found after a listing's end (a cut, or writes racing it: a concurrency breaker saw the
     warning dozens of times from an export of live rollouts) warn once per client, then go to INFO."""
