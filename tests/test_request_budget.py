@@ -21,11 +21,9 @@ from helpers import (
     RequestRecorder,
     assistant_output,
     build_conversation,
-    list_keys,
     make_entry,
     next_request,
     round_trips,
-    split_bucket_url,
     system,
     turn_entry,
     user,
@@ -313,21 +311,3 @@ async def test_freeze_budget_small_rollout(fresh):
     rec = await RequestRecorder.attach(writer)
     await writer.freeze("r")
     assert rec.counts() == {PUT: 1, LIST: 2}
-
-
-async def test_a_first_freeze_of_cached_entries_seals_beside_its_confirming_list(fresh, bucket_url, s3_client):
-    # The writer's own entries are cached and nothing froze the rollout yet: the fence PUT, the
-    # LIST, then the sealed manifest's PUT beside the LIST that confirms the listing's end (one
-    # round trip for both; two before 2026-12-04).
-    writer = fresh()
-    entries = [make_entry("r", f"c{i}", REQ, assistant_output(f"c {i}"), [1, 2], [i]) for i in range(5)]
-    await put_all(writer, entries)
-    rec = await RequestRecorder.attach(writer)
-    snapshot = await writer.freeze("r")
-    assert len(snapshot.entries) == 5 and not snapshot.incomplete
-    assert rec.counts() == {PUT: 2, LIST: 2}
-    assert round_trips(rec) == 3, rec.sequence
-    # The manifest it sealed is the one a read-only reader checks against its own listing.
-    assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
-    bucket, root = split_bucket_url(bucket_url)
-    assert len(list_keys(s3_client, bucket, f"{root}rollouts/r/snap/")) == 1

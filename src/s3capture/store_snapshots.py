@@ -127,10 +127,9 @@ class _StoreSnapshots(_StoreCore):
     async def freeze(self, rollout_id: str) -> FrozenSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
-        Requests: PUT the fence, then one LIST page per 1,000 keys, then in parallel one LIST
-        after the listing's last key that confirms its end and the GETs of the entries not yet
-        cached followed by one PUT of the sealed manifest unless it already exists (with every
-        entry cached: three round trips).
+        Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
+        cached and one LIST after the listing's last key that confirms its end (in parallel), and
+        one PUT of the sealed manifest unless it already exists.
         ``version`` is the number of log and foreign objects and ``snapshot_id`` a digest of their
         sorted keys (and of the foreign objects' ETags: s3capture's own keys name their content),
         so two clients freezing the same state agree. The snapshot is ``incomplete`` when
@@ -160,81 +159,49 @@ class _StoreSnapshots(_StoreCore):
         # snapshot on it (retried, then ListingError).
         listing = await self._list(prefix, require=[prefix + "fence"])
 
-        # Its end is confirmed by one more LIST, sent beside the entries' GETs and the sealed
-        # manifest's PUT rather than before them (Transport.confirm_listing_end): a listing cut
-        # short would hide the rollout's last keys, its intents, markers and retire tombstone.
+        # Its end is confirmed by one more LIST, sent beside the entries' GETs rather than before
+        # them (Transport.confirm_listing_end): a listing cut short would hide the rollout's last
+        # keys, its intents, markers and retire tombstone.
         # A drop's own tombstone (``drop/<token>``) without the retire tombstone means that drop had
         # not decided to succeed (it writes ``retired`` before deleting anything): nothing is gone.
         # It is still deciding, or it crashed and left the rollout fenced; this freeze's fence
         # re-opens nothing but lets the rollout be consumed again. If that drop then succeeds, the
         # entries this freeze loads vanish (masked) and its drop fails (retired).
-        written: list[str] = []  # sealed manifests this freeze PUT, in order
-        sealing: set[str] = set()  # ... and those it is PUTting: not keys its listing lacked
-
         async def snapshot_of(listed: list[ListedObject]) -> tuple[RolloutScan, FrozenSnapshot | None]:
             scan = scan_listing(prefix, listed, seen_at=awake_clock())
-            if scan.retired:
-                return scan, None
-            snapshot = await self._snapshot_of(rollout_id, scan)
-            # The manifest PUT is awaited here, beside the confirming LIST: a freeze of cached
-            # entries then pays one round trip for both instead of two. It is not written in the
-            # background: a background PUT could land after another client's retire or delete of
-            # the rollout and leave a stray object there (docs/design.md).
-            key = await self._seal(rollout_id, scan, snapshot, sealing)
-            if key is not None:
-                written.append(key)
-            return scan, snapshot
+            return scan, None if scan.retired else await self._snapshot_of(rollout_id, scan)
 
-        _, snapshot = await beside_confirmation(
-            self.transport.confirm_listing_end(prefix, listing, own=sealing), listing, snapshot_of
+        scan, snapshot = await beside_confirmation(
+            self.transport.confirm_listing_end(prefix, listing), listing, snapshot_of
         )
         if snapshot is None:
             await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
-        stale = [key for key in written if key != _manifest_key(prefix, snapshot.version, snapshot.snapshot_id)]
-        if stale:
-            # The confirming LIST showed keys the listing had cut: the manifest sealed beside it
-            # names a state the rollout never had alone. A reader never trusts it (its keys are
-            # checked against a confirmed listing), and it is removed here; one that survives a
-            # failed DELETE is only clutter (``status`` reads the manifest of the listed state).
-            log.warning("rollout %r: removing %d manifest(s) of a listing cut short: %s", rollout_id, len(stale), stale)
-            try:
-                await self._delete_keys(stale)
-            except StoreError as error:
-                log.warning("could not remove %s: %s", stale, error)
-        self._saw_fence(rollout_id, fenced_at, snapshot.version, snapshot.snapshot_id)
+        version, snapshot_id, reasons = snapshot.version, snapshot.snapshot_id, snapshot.reasons
+        self._saw_fence(rollout_id, fenced_at, version, snapshot_id)
         # A frozen rollout takes no more writes: its call-key map is not needed again.
         self._call_keys.forget(rollout_id)
+        manifest_key = _manifest_key(prefix, version, snapshot_id)
+        if all(item.key != manifest_key for item in scan.snaps):
+            # Awaited, not written in the background: a background PUT could land after another
+            # client's retire or delete of the rollout and leave a stray object there (docs/design.md).
+            plen = len(prefix)
+            manifest = {
+                "format": _MANIFEST_FORMAT,
+                "rollout_id": rollout_id,
+                "version": version,
+                "snapshot_id": snapshot_id,
+                "incomplete": snapshot.incomplete,
+                "reasons": list(reasons),
+                "objects": [
+                    {"key": i.key[plen:], "etag": i.etag, "size": i.size}
+                    for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
+                ],
+            }
+            await self._put(manifest_key, msgspec.json.encode(manifest))
         if snapshot.incomplete:
-            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(snapshot.reasons[:5]))
+            log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         return snapshot
-
-    async def _seal(
-        self, rollout_id: str, scan: RolloutScan, snapshot: FrozenSnapshot, sealing: set[str]
-    ) -> str | None:
-        """PUT the sealed manifest of ``snapshot`` (the listed state ``scan``) unless the listing
-        shows it already; its key, or None when nothing was written. The key joins ``sealing``
-        before the PUT is sent (the confirming LIST beside it leaves it out). Raises ``StoreError``."""
-        prefix = scan.prefix
-        manifest_key = _manifest_key(prefix, snapshot.version, snapshot.snapshot_id)
-        if any(item.key == manifest_key for item in scan.snaps):
-            return None
-        plen = len(prefix)
-        manifest = {
-            "format": _MANIFEST_FORMAT,
-            "rollout_id": rollout_id,
-            "version": snapshot.version,
-            "snapshot_id": snapshot.snapshot_id,
-            "incomplete": snapshot.incomplete,
-            "reasons": list(snapshot.reasons),
-            "objects": [
-                {"key": i.key[plen:], "etag": i.etag, "size": i.size}
-                for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
-            ],
-        }
-        sealing.add(manifest_key)
-        await self._put(manifest_key, msgspec.json.encode(manifest))
-        return manifest_key
 
     async def read_snapshot(
         self, rollout_id: str, *, sealed: bool = True, listing: Sequence[ListedObject] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-from collections.abc import Awaitable, Callable, Container, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -221,9 +221,7 @@ class ListingMixin:
         self._note_date(answer)
         return page
 
-    async def _rest_of_listing(
-        self, prefix: str, out: builtins.list[ListedObject], seen: set[str], own: Container[str] = ()
-    ) -> None:
+    async def _rest_of_listing(self, prefix: str, out: builtins.list[ListedObject], seen: set[str]) -> None:
         """Confirm that the listing ``out`` of ``prefix`` reached its end: LIST again after its
         last key (``StartAfter``), and append what that shows, until it shows nothing.
 
@@ -234,9 +232,7 @@ class ListingMixin:
         trace. One more request, usually an empty page, closes that (a breaker, 2026-12-02: an
         export wrote a marked rollout as trainable from a freeze whose LIST said it was complete
         before its marker). Keys written while the listing ran show up here too and are kept.
-        After ``list_attempts`` rounds that each found more, raises ``_Unverified``. Keys in
-        ``own`` (what the caller itself wrote after the listing, read when each page answers) are
-        left out: they are not keys the listing lacked."""
+        After ``list_attempts`` rounds that each found more, raises ``_Unverified``."""
         for _ in range(self._list_attempts):
             start = out[-1].key if out else None
             more: builtins.list[ListedObject] = []
@@ -253,7 +249,7 @@ class ListingMixin:
                     out.extend(more)
                     seen.update(item.key for item in more)
                     return
-                more.extend(item for item in fresh if item.key not in own)
+                more.extend(fresh)
                 token = page.next_token
                 if token is None:
                     break
@@ -337,22 +333,21 @@ class ListingMixin:
         raise ListingError(f"{last} ({self._list_attempts} attempts)", operation="LIST", key=prefix)
 
     async def confirm_listing_end(
-        self, prefix: str, listing: builtins.list[ListedObject], own: Container[str] = ()
+        self, prefix: str, listing: builtins.list[ListedObject]
     ) -> builtins.list[ListedObject]:
         """The keys of ``prefix`` after the last one of ``listing`` (a whole, verified listing of
         it): empty when ``listing`` reached the end. One LIST with ``StartAfter`` (usually one
         empty page); where it shows more, the listing goes on from there until a LIST shows
         nothing. Retried like ``list``; raises ``ListingError``. For a caller that overlaps the
-        confirmation with other requests (``freeze`` with its GETs and its sealed manifest's PUT:
-        ``own`` names keys the caller writes meanwhile, which the confirmation leaves out);
-        ``list(confirm_end=True)`` does the same in line."""
+        confirmation with other requests (``freeze`` with its GETs); ``list(confirm_end=True)``
+        does the same in line."""
         last: ListingError | None = None
         for attempt in range(self._list_attempts):
             if attempt:
                 await asyncio.sleep(_backoff(attempt))
             out = builtins.list(listing)
             try:
-                await self._rest_of_listing(prefix, out, {item.key for item in listing}, own)
+                await self._rest_of_listing(prefix, out, {item.key for item in listing})
                 return out[len(listing) :]
             except _Unverified as error:
                 last = error
