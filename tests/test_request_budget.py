@@ -311,3 +311,24 @@ async def test_freeze_budget_small_rollout(fresh):
     rec = await RequestRecorder.attach(writer)
     await writer.freeze("r")
     assert rec.counts() == {PUT: 1, LIST: 2}
+
+
+async def test_a_freeze_refetches_entries_a_caller_changed_in_one_wave(fresh):
+    # A caller that edits a nested part of the entries a freeze handed out (output_items) makes
+    # the next hand-out GET those entries again (the cached copies are shared with it). Those GETs
+    # go out together, beside the confirming LIST: one round trip, not one per entry (an audit,
+    # 2026-12-04: a repeat freeze of 40 such entries took 42 round trips).
+    writer = fresh()
+    entries = [make_entry("r", f"c{i}", REQ, assistant_output(f"c {i}"), [1, 2], [i]) for i in range(12)]
+    await put_all(writer, entries)
+    freezer = fresh()
+    first = await freezer.freeze("r")
+    for entry in first.entries:
+        entry.output_items[0]["annotated_by_caller"] = True
+    rec = await RequestRecorder.attach(freezer)
+    again = await freezer.freeze("r")
+    assert rec.counts() == {PUT: 1, LIST: 2, GET: 12}
+    # the fence PUT, the LIST, then the 12 GETs beside the confirming LIST
+    assert round_trips(rec) == 3, rec.sequence
+    assert all("annotated_by_caller" not in e.output_items[0] for e in again.entries)
+    assert again.snapshot_id == first.snapshot_id

@@ -211,7 +211,8 @@ class S3CaptureLedger(_LedgerManifest):
             )
 
     async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Record a call whose token capture did not complete (one PUT).
+        """Record a call whose token capture did not complete (one PUT; the first write after a
+        failure also replays this client's spill, as the constructor says).
 
         Failure rows never take part in resolution; ``manifest`` lists them under ``failures`` so
         finalization rejects the rollout. The same ``(model_call_id, reason)`` twice is one row; a
@@ -417,9 +418,9 @@ class S3CaptureLedger(_LedgerManifest):
         delete starts a new ledger; run one removal of an id at a time. A live ledger is retired
         first, so a delete that fails midway leaves it retired, never a smaller ledger that reads
         as whole. Returns ``{"removed": [...], "absent": [...]}``. Requests per rollout: one LIST
-        page per 1,000 keys, for a live ledger up to three PUTs (fence, tombstone, fence), one
-        DeleteObjects per 1,000 records, then a DELETE of the tombstone and one of the fence, in
-        that order.
+        page per 1,000 keys and one LIST after the last key (confirming the end), for a live ledger
+        up to three PUTs (fence, tombstone, fence), one DeleteObjects per 1,000 records (none when
+        there are none), then a DELETE of the tombstone and one of the fence, in that order.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

@@ -95,7 +95,8 @@ class _LedgerManifest(RolloutObjects):
         key as the call id), and a ``begin_call`` intent without any row Gym's
         ``request_finished_without_staged_coordinates``, and a row whose ``parent_call_id`` has no
         committed row ``missing_parent_row``, so such a rollout never looks trainable. Requests: one LIST page per 1,000 ledger keys with a GET of the retire tombstone, then one
-        GET per uncached row with a second GET of the tombstone (in parallel). Every failure code
+        GET per uncached row beside one LIST after the last key (confirming the end) and a second
+        GET of the tombstone, then a third GET of the tombstone: three round trips (``docs/ledger.md``). Every failure code
         and its meaning: ``docs/reasons.md``.
 
         Raises:

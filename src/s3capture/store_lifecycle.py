@@ -39,10 +39,12 @@ class _StoreLifecycle(_StoreCore):
         that order, as no fence read can be trusted once a late-delivered fence PUT may overwrite it).
         So every acknowledged put or marker is in the snapshot or fails the drop.
 
-        Requests: one LIST page per 1,000 keys of the rollout; when it matches, a wait of up to
-        ``fence_grace`` seconds, a PUT of the drop tombstone, a PUT of the fence, the decisive LIST;
-        then either a PUT of the fence and a DELETE of the tombstone (False), or PUTs of the retire
-        tombstone and the fence and one DeleteObjects per 1,000 records (True).
+        Requests: one LIST page per 1,000 keys of the rollout and one LIST after its last key
+        (confirming its end); when it matches, a wait of up to ``fence_grace`` seconds, a PUT of
+        the drop tombstone, a PUT of the fence, the decisive LIST (confirmed the same way); then
+        either a PUT of the fence and a DELETE of the tombstone (False), or PUTs of the retire
+        tombstone and the fence and one DeleteObjects per 1,000 records (True). A rollout that
+        does not match at the first listing returns False after those two LISTs, writing nothing.
 
         Returns True when the snapshot was retired (its records are deleted), False when the
         rollout is not frozen at exactly ``version`` and ``snapshot_id`` (changed, open, or retired
@@ -113,9 +115,10 @@ class _StoreLifecycle(_StoreCore):
         writes to a retired rollout raise ``TokenCaptureRetiredError``. Contract:
         ``TokenSource.retire`` in the protocol reference.
 
-        Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys, PUTs of
-        the retired fence (for an open rollout, first), the retire tombstone and the retired fence,
-        one DeleteObjects per 1,000 records.
+        Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys and one
+        LIST after the last key (confirming the end), PUTs of the retired fence (for an open
+        rollout, first), the retire tombstone and the retired fence, one DeleteObjects per 1,000
+        records (none when there are none).
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

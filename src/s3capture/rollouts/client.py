@@ -224,7 +224,9 @@ class _RolloutClient:
 
         The spill file belongs to this client's ``(endpoint, bucket, prefix)`` and is shared by
         every client of it on this host, token stores and ledgers alike. What cannot be stored is
-        spilled again. Requests: one PUT per spilled object, in parallel.
+        spilled again. Requests: one PUT per spilled object, in parallel, then one GET of the fence
+        per rollout they belong to, in parallel (a write replayed into a retired rollout is
+        logged as an error).
 
         Raises:
             StoreError: the store still fails (the objects stay spilled for the next replay).

@@ -103,9 +103,10 @@ class RolloutObjects(_RootListing):
         Later writes to a retired rollout raise ``TokenCaptureRetiredError``. Contract:
         ``TokenSource.retire`` / ``CaptureLedger.retire`` in the protocol reference.
 
-        Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys, PUTs of
-        the retired fence (for an open rollout, first), the retire tombstone and the retired fence,
-        one DeleteObjects per 1,000 records.
+        Requests per rollout (up to 8 rollouts at a time): one LIST page per 1,000 keys and one
+        LIST after the last key (confirming the end), PUTs of the retired fence (for an open
+        rollout, first), the retire tombstone and the retired fence, one DeleteObjects per 1,000
+        records (none when there are none).
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.
@@ -140,9 +141,9 @@ class RolloutObjects(_RootListing):
         tombstone after this delete returned: delete only ids that nothing writes, reads or
         removes any more, and prefer new ids to reuse, ``docs/design.md`` race 8; after a
         *cancelled* delete nothing tells when its requests have settled, so use a new id.) Requests per rollout (up
-        to 8 at a time): one LIST page per 1,000 keys, for a rollout not yet retired up to three
-        PUTs, one DeleteObjects per 1,000 records, then a DELETE of the tombstone and one of the
-        fence.
+        to 8 at a time): one LIST page per 1,000 keys and one LIST after the last key (confirming
+        the end), for a rollout not yet retired up to three PUTs, one DeleteObjects per 1,000
+        records (none when there are none), then a DELETE of the tombstone and one of the fence.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.
