@@ -233,6 +233,33 @@ async def test_export_writes_each_trainable_chain_once_and_never_a_masked_one(
     assert await asyncio.to_thread(read_rows, dest, s3_client) == rows
 
 
+async def test_an_s3_destination_scan_reads_its_shard_manifests_in_one_wave(fresh: Any, bucket_url: str) -> None:
+    """A resumed export to ``s3://`` reads every shard manifest before its first rollout; one GET
+    after another, a destination of 1,000 shards cost 1,000 round trips (an audit, 2026-12-04)."""
+    from helpers import RequestRecorder, round_trips
+
+    from s3capture.export.destinations import _S3Destination
+
+    writer = fresh()
+    for rid in ("a", "b", "c", "d", "e"):
+        await put_chain(writer, rid, 2)
+        await writer.freeze(rid)
+    bucket, _ = split_bucket_url(bucket_url)
+    dest = f"s3://{bucket}/exports/scan"
+    summary = await export(bucket_url, dest, workers=0, min_age=0, shard_rollouts=1)
+    assert summary.ok and summary.shards_written == 5, format_summary(summary)
+    destination = _S3Destination(dest, endpoint_url=None, transport=None)
+    try:
+        rec = await RequestRecorder.attach(destination)
+        existing = await destination.scan()
+        assert sorted(r.rollout_id for m in existing.manifests for r in m.rollouts) == ["a", "b", "c", "d", "e"]
+        assert rec.counts() == {"ListObjectsV2": 2, "GetObject": 5}
+        # the LIST, the LIST that confirms its end, then the five manifest GETs together
+        assert round_trips(rec) == 3, rec.sequence
+    finally:
+        await destination.close()
+
+
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
 async def test_masked_include_builtin_builder_and_gym_jsonl(fresh: Any, bucket_url: str, tmp_path: Path) -> None:
     ids, snapshots = await capture_all(fresh)
