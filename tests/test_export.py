@@ -233,7 +233,9 @@ async def test_export_writes_each_trainable_chain_once_and_never_a_masked_one(
     assert await asyncio.to_thread(read_rows, dest, s3_client) == rows
 
 
-async def test_an_s3_destination_scan_reads_its_shard_manifests_in_one_wave(fresh: Any, bucket_url: str) -> None:
+async def test_an_s3_destination_scan_reads_its_shard_manifests_in_one_wave(
+    fresh: Any, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A resumed export to ``s3://`` reads every shard manifest before its first rollout; one GET
     after another, a destination of 1,000 shards cost 1,000 round trips (an audit, 2026-12-04)."""
     from helpers import RequestRecorder, round_trips
@@ -256,6 +258,15 @@ async def test_an_s3_destination_scan_reads_its_shard_manifests_in_one_wave(fres
         assert rec.counts() == {"ListObjectsV2": 2, "GetObject": 5}
         # the LIST, the LIST that confirms its end, then the five manifest GETs together
         assert round_trips(rec) == 3, rec.sequence
+        # In batches of 2: three waves, and still every manifest.
+        import s3capture.export.destination_s3 as destination_s3
+
+        monkeypatch.setattr(destination_s3, "_SCAN_BATCH", 2)
+        rec = await RequestRecorder.attach(destination)
+        existing = await destination.scan()
+        assert sorted(r.rollout_id for m in existing.manifests for r in m.rollouts) == ["a", "b", "c", "d", "e"]
+        assert rec.counts() == {"ListObjectsV2": 2, "GetObject": 5}
+        assert round_trips(rec) == 5, rec.sequence
     finally:
         await destination.close()
 

@@ -173,3 +173,23 @@ async def test_3_a_put_acknowledged_before_a_second_freeze_is_not_in_it(fresh, p
         f"an acknowledged put is not in a freeze that started after it returned: version {again.version} "
         f"(first {first.version}, same id: {again.snapshot_id == first.snapshot_id})"
     )
+
+
+async def test_a_changed_entry_whose_object_was_damaged_since_raises_a_store_error(fresh, bucket_url, s3_client):
+    """A hand-out GETs again the entries a caller changed in place; bytes that no longer match the
+    key's SHA-256 are read again (as every entry read is), then raise ``StoreError`` naming the key
+    (not ``RecordError``, a ``ValueError``: the snapshot's id and reasons are decided by then, so
+    this is the store failing). A review, 2026-12-04."""
+    writer = fresh()
+    for cid in ("c1", "c2"):
+        await writer.put(simple_entry("r", cid))
+    freezer = fresh()
+    first = await freezer.freeze("r")
+    for entry in first.entries:
+        entry.output_items[0]["annotated_by_caller"] = True  # the items are shared with the cache
+    bucket, root = split_bucket_url(bucket_url)
+    damaged = next(k for k in list_keys(s3_client, bucket, f"{root}rollouts/r/log/e/"))
+    s3_client.put_object(Bucket=bucket, Key=damaged, Body=b"not an entry")
+    with pytest.raises(StoreError, match="no longer reads as the entry") as raised:
+        await freezer.freeze("r")
+    assert raised.value.key == damaged

@@ -32,7 +32,7 @@ from s3capture.protocols import TokenCaptureRetiredError, TokenCaptureSnapshot
 from s3capture.records import RecordError, TokenEntry, to_gym
 from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutScan, scan_listing
 from s3capture.store_core import _StoreCore
-from s3capture.transport import ListedObject, beside_confirmation
+from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
 
 log = logging.getLogger("s3capture")
 
@@ -398,7 +398,8 @@ class _StoreSnapshots(_StoreCore):
             return stored, ""
 
         if misses:
-            fetched = await asyncio.gather(*(load(wanted[i][0], wanted[i][3]) for i in misses))
+            # A store error of one GET cancels the others and is raised at once (gather_fail_fast).
+            fetched = await gather_fail_fast(load(wanted[i][0], wanted[i][3]) for i in misses)
             for index, result in zip(misses, fetched):
                 loaded[index] = result
         payloads: dict[str, dict[str, tuple[str, _Stored]]] = {}
@@ -473,14 +474,23 @@ class _StoreSnapshots(_StoreCore):
         if refetch:
             # In parallel (the transport bounds the requests in flight): one GET after another
             # cost a round trip per entry a caller had changed (an audit, 2026-12-04: 42 round
-            # trips for a repeat freeze of 40 such entries). Every GET finishes before an error
-            # is raised, so none is left running unobserved.
+            # trips for a repeat freeze of 40 such entries).
             limit = self._read_limit()
-            fetched = await asyncio.gather(*(self._get(key, limit) for _, key, _ in refetch), return_exceptions=True)
-            for (position, key, sha), data in zip(refetch, fetched):
-                if isinstance(data, BaseException):
-                    raise data
-                if data is None:
+
+            async def again(key: str, sha: str) -> TokenEntry:
+                try:
+                    # Read as _load reads: bytes that fail their digest are read again first.
+                    stored = await self._get_checked(key, limit, lambda data: self._decode_object(data, sha))
+                except RecordError as error:
+                    # The snapshot's id and reasons are decided already: this is the store failing.
+                    raise StoreError(
+                        f"{key} no longer reads as the entry its snapshot holds: {error}", operation="GET", key=key
+                    ) from None
+                if stored is None:
                     raise StoreError(f"{key} vanished while its snapshot was handed out", operation="GET", key=key)
-                out[position] = self._decode_object(data, sha).entry
+                return stored.entry
+
+            entries = await gather_fail_fast(again(key, sha) for _, key, sha in refetch)
+            for (position, _, _), entry in zip(refetch, entries):
+                out[position] = entry
         return out

@@ -60,6 +60,7 @@ from s3capture.transport_listing import (
     _verify_page as _verify_page,
     beside_confirmation as beside_confirmation,
     cancel_unfinished as cancel_unfinished,
+    gather_fail_fast as gather_fail_fast,
     warn_start_after_ignored as warn_start_after_ignored,
 )
 from s3capture.records import RecordError

@@ -70,6 +70,30 @@ async def cancel_unfinished(task: asyncio.Future[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def gather_fail_fast(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of ``aws`` run concurrently, in their order; on the first error, the others
+    are cancelled and waited for (none is left running unobserved), and the error of the first
+    awaitable in order that failed is raised. ``asyncio.gather`` either leaves the others running
+    (the default) or waits for all of them, each with its own retries (``return_exceptions``): a
+    failing store was reported only after every request of the wave had failed (a review,
+    2026-12-04). A cancelled caller cancels them all before ``CancelledError`` propagates."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        unfinished = [task for task in tasks if not task.done()]
+        for task in unfinished:
+            task.cancel()
+        if unfinished:
+            await asyncio.gather(*unfinished, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]  # not None: checked on the line above
+    return [task.result() for task in tasks]
+
+
 async def beside_confirmation(
     confirm: Awaitable[list[ListedObject]],
     listing: list[ListedObject],

@@ -30,6 +30,8 @@ from s3capture.export.destination_base import (
     _manifest_names_of,
     _settle,
 )
+from s3capture.export.records import ShardManifest
+from s3capture.transport import gather_fail_fast
 
 _log = logging.getLogger("s3capture")
 _RUN_TAGGED = re.compile(r"^part-\d{5,}-[0-9a-f]{16}\.(?:parquet|jsonl)$")
@@ -40,8 +42,10 @@ _S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(?P<host>.+)-(?P<pid>\d{{1,10}})-part
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
 one PUT: ``s3capture-export-<host>.ns<PID namespace>-<pid>-part-NNNNN...tmp``
 (``s3capture.leftovers.host_tag``)."""
-_SCAN_BATCH = 256
-"""Shard manifests a destination scan GETs at a time (a few KiB each: bounded memory)."""
+_SCAN_BATCH = 32
+"""Shard manifests a destination scan reads at a time: four times the destination transport's 8
+requests in flight, and a bound on the bodies held at once (a manifest of 256 rollouts is tens of
+KiB; one of a larger ``shard_rollouts`` grows with it)."""
 _S3_TEMP_STALE = 3600.0
 """Seconds since its last write before a temp file of a dead process is removed: a margin on top
 of the host and PID namespace in its name."""
@@ -120,21 +124,20 @@ class _S3Destination(_Destination):
         )
         existing.foreign = [name for name in tops if _foreign(name.rstrip("/"))]
         manifest_names = _classify(sorted(files), existing)
-        found = []
+        found: list[tuple[str, ShardManifest]] = []
+
+        async def read(name: str) -> tuple[str, ShardManifest] | None:
+            raw = await self.transport.get(self.prefix + name)
+            if raw is None:  # removed since the listing: not durable any more
+                return None
+            return name, _decode_manifest(name, raw)
+
         # The shard manifests are read in parallel, a bounded batch at a time (the transport also
-        # bounds the requests in flight): one after another, a resumed export of 1,000 shards
-        # waited 1,000 round trips before its first rollout.
+        # bounds the requests in flight; the first error cancels the rest of the batch): one after
+        # another, a resumed export of 1,000 shards waited 1,000 round trips before its first rollout.
         for start in range(0, len(manifest_names), _SCAN_BATCH):
             batch = manifest_names[start : start + _SCAN_BATCH]
-            answers = await asyncio.gather(
-                *(self.transport.get(self.prefix + name) for name in batch), return_exceptions=True
-            )
-            for name, raw in zip(batch, answers):
-                if isinstance(raw, BaseException):
-                    raise raw  # every GET of the batch has finished: none is left running
-                if raw is None:  # removed since the listing: not durable any more
-                    continue
-                found.append((name, _decode_manifest(name, raw)))
+            found.extend(pair for pair in await gather_fail_fast(read(name) for name in batch) if pair is not None)
         listed_names = set(manifest_names)
         for data_file in existing.data_files:
             candidates = _manifest_names_of(data_file)
