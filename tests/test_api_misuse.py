@@ -394,11 +394,6 @@ async def test_a_connect_timeout_says_to_check_the_endpoint(monkeypatch):
     """An endpoint that drops connection attempts (a wrong address, a firewall): object_store
     labels its connect timeout "kind: Timeout", and a review found the first version of the reset
     fix reporting it as a plain failure, without the endpoint hint aioboto3 gives."""
-    import socket
-
-    from s3capture.errors import StoreError
-    from s3capture.transport import default_botocore_config, make_transport
-
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     # Linux sometimes completes the handshake despite the full accept queue (it answers a SYN
@@ -408,7 +403,7 @@ async def test_a_connect_timeout_says_to_check_the_endpoint(monkeypatch):
     # run again, and at least one of three must be a connect timeout (a CI run, 2026-12-04).
     for _ in range(3):
         monkeypatch.setattr("s3capture.transport_errors._CONNECT_WARNED", {})
-        endpoint, error = await _get_from_a_full_backlog(make_transport, default_botocore_config, StoreError, socket)
+        endpoint, error = await _get_from_a_full_backlog()
         cause = str(error.__cause__ or "")
         made = "error sending request" in cause and "kind: Connect," not in cause and "ConnectError(" not in cause
         if str(error).startswith(f"cannot connect to {endpoint} (") or not made:
@@ -417,8 +412,13 @@ async def test_a_connect_timeout_says_to_check_the_endpoint(monkeypatch):
     assert "check the endpoint" in str(error)
 
 
-async def _get_from_a_full_backlog(make_transport: Any, default_botocore_config: Any, error_type: Any, socket: Any):
+async def _get_from_a_full_backlog() -> tuple[str, Any]:
     """(endpoint, the ``StoreError`` of a GET) against a listener whose accept queue is full."""
+    import socket
+
+    from s3capture.errors import StoreError
+    from s3capture.transport import default_botocore_config, make_transport
+
     server = socket.socket()  # a listener whose accept queue is full: new connections time out
     server.bind(("127.0.0.1", 0))
     server.listen(0)
@@ -446,7 +446,7 @@ async def _get_from_a_full_backlog(make_transport: Any, default_botocore_config:
     )
     transport = make_transport(None, "bkt", endpoint_url=endpoint, botocore_config=config)
     try:
-        with pytest.raises(error_type) as failed:
+        with pytest.raises(StoreError) as failed:
             await transport.get("k/1")
         return endpoint, failed.value
     finally:

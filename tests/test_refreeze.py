@@ -188,7 +188,7 @@ async def test_a_changed_entry_whose_object_was_damaged_since_raises_a_store_err
     for entry in first.entries:
         entry.output_items[0]["annotated_by_caller"] = True  # the items are shared with the cache
     bucket, root = split_bucket_url(bucket_url)
-    damaged = next(k for k in list_keys(s3_client, bucket, f"{root}rollouts/r/log/e/"))
+    damaged = list_keys(s3_client, bucket, f"{root}rollouts/r/log/e/")[0]
     s3_client.put_object(Bucket=bucket, Key=damaged, Body=b"not an entry")
     with pytest.raises(StoreError, match="no longer reads as the entry") as raised:
         await freezer.freeze("r")
