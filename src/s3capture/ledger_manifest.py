@@ -40,7 +40,7 @@ from s3capture.ledger_rows import (
 from s3capture.protocols import RolloutRetiredError
 from s3capture.records import RecordError
 from s3capture.rollouts import RolloutObjects
-from s3capture.transport import ListedObject, beside_confirmation
+from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
 
 log = logging.getLogger("s3capture")
 
@@ -189,7 +189,9 @@ class _LedgerManifest(RolloutObjects):
             if await self._retired(prefix):
                 raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while its manifest was read")
 
-        await asyncio.gather(still_live(), *jobs)
+        # Reads only: the first failure cancels the rest, so they do not hold the transport's
+        # request slots while the confirming LIST waits behind them (a review, 2026-12-04).
+        await gather_fail_fast([still_live(), *jobs])
         accounted = set(rows) | {cid for cid, _ in failures}
         failures.update((cid, UNCOMMITTED_CALL_REASON) for cid in intents - accounted)
         committed = {record.model_call_id for record in records}

@@ -23,6 +23,7 @@ from s3capture.objects import _CHECKPOINT_MAX_TOKENS, CHAIN_KEYS, CHECKPOINT_EVE
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
 from s3capture.records import RecordError, TokenEntry, compute_digest, encode_token_ids, prepare_entry
 from s3capture.store_core import _packed_tokens, _StoreCore
+from s3capture.transport import gather_settled
 
 log = logging.getLogger("s3capture")
 
@@ -85,7 +86,10 @@ class _StoreWrites(_StoreCore):
                 self._put_checkpoint(prefix + cum_self, self._compressor().compress(encode_token_ids(checkpoint)))
             )
         started = awake_clock()
-        state = (await asyncio.gather(*requests))[1]
+        # Every request is awaited before an error is raised: a put that raised has nothing of
+        # its own still in flight (its entry PUT may have landed, as the contract allows, but it
+        # cannot land after the caller saw the error and, say, marked the call incomplete).
+        state = (await gather_settled(requests))[1]
         if state == "open" and awake_clock() - started > self._fence_grace:
             # A slow put (retries, stalls) may have landed after a freeze's LIST although its fence
             # read came before the fence: read the fence again now that the entry has landed.

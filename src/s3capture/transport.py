@@ -61,6 +61,7 @@ from s3capture.transport_listing import (
     beside_confirmation as beside_confirmation,
     cancel_unfinished as cancel_unfinished,
     gather_fail_fast as gather_fail_fast,
+    gather_settled as gather_settled,
     warn_start_after_ignored as warn_start_after_ignored,
 )
 from s3capture.records import RecordError

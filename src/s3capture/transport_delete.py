@@ -7,7 +7,6 @@ Part of the transport seam: ``s3capture.transport``'s ``Transport`` inherits the
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from s3capture.clocks import awake_clock
 from s3capture.errors import StoreError
 from s3capture.transport_errors import _NOT_FOUND, RETRY_CODES
+from s3capture.transport_listing import gather_settled
 
 log = logging.getLogger("s3capture")
 
@@ -67,7 +67,7 @@ class DeleteMixin:
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
             if not self._bulk_delete or awake_clock() < self._bulk_denied_until:
-                await asyncio.gather(*(self.delete_one(k) for k in batch))
+                await gather_settled(self.delete_one(k) for k in batch)
                 continue
 
             async def run(client: Any, batch: list[str] = batch) -> builtins.list[str] | str:
@@ -104,7 +104,7 @@ class DeleteMixin:
                     # One key first: refused too, its StoreError, and no other key is sent (a role
                     # without any delete right would otherwise send a DELETE per key to fail).
                     await self.delete_one(batch[0])
-                    await asyncio.gather(*(self.delete_one(k) for k in batch[1:]))
+                    await gather_settled(self.delete_one(k) for k in batch[1:])
                     if not self._bulk_denied_said:
                         self._bulk_denied_said = True
                         log.warning(
@@ -126,7 +126,7 @@ class DeleteMixin:
                     len(batch),
                     len(outcome),
                 )
-            await asyncio.gather(*(self.delete_one(k) for k in outcome))
+            await gather_settled(self.delete_one(k) for k in outcome)
 
     async def delete_one(self, key: str) -> None:
         """DELETE one key (missing is not an error). Raises ``StoreError``."""

@@ -94,6 +94,24 @@ async def gather_fail_fast(aws: Iterable[Awaitable[T]]) -> list[T]:
     return [task.result() for task in tasks]
 
 
+async def gather_settled(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of ``aws`` run concurrently, in their order, once every one has finished; if
+    any failed, the error of the first in order is raised then (with a note counting the others).
+    For waves of writes and deletes: when the call raises, none of its requests is still in flight,
+    so nothing it sent can land after its caller saw the error and acted on it. A write is never
+    cancelled midway (its outcome would be unknown), as ``gather_fail_fast`` would. Plain
+    ``asyncio.gather`` raises at the first error and leaves the rest running: a failed ``delete``
+    of several rollouts went on removing the others, and deleted a reused id's acknowledged entry
+    (a review, 2026-12-04). A cancelled caller cancels them all and waits for them (``gather``)."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    errors = [result for result in results if isinstance(result, BaseException)]
+    if errors:
+        if len(errors) > 1:
+            errors[0].add_note(f"{len(errors) - 1} more of these {len(results)} requests failed too")
+        raise errors[0]
+    return results  # type: ignore[return-value]  # no BaseException among them: checked above
+
+
 async def beside_confirmation(
     confirm: Awaitable[list[ListedObject]],
     listing: list[ListedObject],

@@ -111,7 +111,9 @@ class RolloutObjects(_RootListing):
         Raises:
             TypeError: ``rollout_ids`` is a single str.
             ValueError: an id that cannot be stored (before any request).
-            StoreError: the store failed a request.
+            StoreError: the store failed a request. No rollout is started after the first failure,
+                and the ones under way finish before it is raised (its note counts them); run it
+                again to finish.
         """
         ids = self._check_ids(rollout_ids)
         removed: list[str] = []
@@ -148,7 +150,9 @@ class RolloutObjects(_RootListing):
         Raises:
             TypeError: ``rollout_ids`` is a single str.
             ValueError: an id that cannot be stored (before any request).
-            StoreError: the store failed a request.
+            StoreError: the store failed a request. No rollout is started after the first failure,
+                and the ones under way finish before it is raised (its note counts them): when
+                it raises, nothing of this delete is still running; a second ``delete`` finishes.
         """
         ids = self._check_ids(rollout_ids)
         removed: set[str] = set()
@@ -189,10 +193,37 @@ class RolloutObjects(_RootListing):
         return ids
 
     async def _each(self, ids: Iterable[str], fn: Any) -> None:
+        """``fn(rollout_id)`` for each id, eight at a time. After the first failure no rollout is
+        started, and the ones under way finish (a removal is never cancelled midway) before the
+        first error in order is raised, with a note of how many finished and how many were not
+        started: when ``delete`` or ``retire`` raises, none of its removals is still running.
+        Plain ``gather`` left them running, and a removal that outlived its failed ``delete``
+        deleted the acknowledged entry of an attempt that reused the id after a second ``delete``
+        had finished (a review, 2026-12-04)."""
+        ids = list(ids)
         limit = asyncio.Semaphore(8)
+        finished: set[str] = set()
+        failed: list[str] = []
 
         async def run(rollout_id: str) -> None:
             async with limit:
-                await fn(rollout_id)
+                if failed:
+                    return
+                try:
+                    await fn(rollout_id)
+                except BaseException:
+                    failed.append(rollout_id)
+                    raise
+                finished.add(rollout_id)
 
-        await asyncio.gather(*(run(r) for r in ids))
+        outcomes = await asyncio.gather(*(run(r) for r in ids), return_exceptions=True)
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            error = errors[0]
+            skipped = len(ids) - len(finished) - len(failed)
+            error.add_note(
+                f"{len(failed)} of {len(ids)} rollouts failed (first: {failed[0]!r}), {len(finished)} finished, "
+                f"{skipped} not started after the failure; none is still running. Run it again to finish "
+                "(the rollouts it finished then read as absent)."
+            )
+            raise error
