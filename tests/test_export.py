@@ -338,6 +338,11 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     resealed = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
     assert resealed.masked_excluded == 1 and resealed.masked_reasons.get("marked_incomplete") == 1
     assert "1 masked rollout was left out: --masked include writes them too" in format_summary(resealed)
+    # Run again: the masked rollout left out is "already exported" with no rows, and says so (a
+    # walkthrough read "already exported 41" over a destination of 39 rows).
+    again = await export(bucket_url, str(tmp_path / "late"), workers=0, states=["frozen"], freeze=True)
+    assert (again.already_exported, again.already_left_out, again.masked_excluded) == (1, 1, 0)
+    assert "already exported 1 (1 of them masked and left out: no rows)" in format_summary(again)
     # by reason class, with a colon: "roots 1" read as "one root" for roots:2 (a walkthrough)
     line = next(x for x in format_summary(resealed).splitlines() if x.startswith("masked rollouts by reason"))
     assert line.startswith("masked rollouts by reason class (a rollout may have several): ") and (
@@ -597,11 +602,17 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     from s3capture.store import S3TokenStore
 
     (snapshot,) = (await capture_chains(bucket_url)).values()
+    assert (await export(bucket_url, str(tmp_path / "before"), workers=0)).exported == 1
     dropper = S3TokenStore(bucket_url)
     try:
         assert await dropper.drop("r-0", snapshot.snapshot_id, snapshot.version)
     finally:
         await dropper.close()
+    # Into the folder of the export before the drop: it holds data, and the summary still says
+    # what was not selected (a walkthrough: only a new folder's summary named the retired ones).
+    text = format_summary(await export(bucket_url, str(tmp_path / "before"), workers=0))
+    assert "1 retired rollouts were not selected (dropped or retired: their entries are gone)" in text, text
+    assert "nothing to read" not in text
     parent = bucket_url.rsplit("/", 1)[0]
     summary = await export(parent, str(tmp_path / "a"), workers=0)
     assert summary.ok and summary.listed == 0 and summary.roots_below == [bucket_url]

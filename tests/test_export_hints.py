@@ -106,3 +106,23 @@ def test_a_selection_matching_nothing_says_so_instead_of_naming_other_roots(
     assert f"no rollouts here; roots beside this URL (among its parent's first 1,000 keys): {parent}/run-42" in (
         capsys.readouterr().err
     )
+
+
+@MOTO
+def test_an_export_of_a_root_without_rollouts_exits_3_not_ok(
+    s3_env: Any, bucket_url: str, tmp_path: Path, capsys: Any
+) -> None:
+    """A new user's walkthrough (2026-12-04): ``export`` of a mistyped root printed the roots beside
+    it, then ``result: OK``, and exited 0, so a script took it for a finished export. It now exits
+    3 with ``result: NO ROLLOUTS ...``; a root whose rollouts are all retired or left out is not
+    empty, and an export that failed still exits 1."""
+    parent = bucket_url.rstrip("/")
+    asyncio.run(capture_chains(parent + "/run-42", ("r-0",)))
+    capsys.readouterr()
+    assert main(["export", parent + "/run-4", "--out", str(tmp_path / "typo"), "--workers", "0"]) == 3
+    out = capsys.readouterr().out
+    assert "result: NO ROLLOUTS under the source root" in out and "roots beside this URL" in out, out
+    assert main(["export", parent + "/run-42", "--out", str(tmp_path / "ok"), "--workers", "0"]) == 0
+    assert "result: OK" in capsys.readouterr().out
+    # Exported already: a re-run reads nothing new, and is no empty root.
+    assert main(["export", parent + "/run-42", "--out", str(tmp_path / "ok"), "--workers", "0"]) == 0

@@ -573,3 +573,16 @@ async def test_the_roots_beside_a_mistyped_url_come_closest_first(fresh, bucket_
         await fresh(url=f"{bucket_url}/{name}").put(simple_entry("r", "c1"))
     found = await roots_beside(fresh(url=f"{bucket_url}/run-4"))
     assert len(found) == 5 and found[0] == f"{bucket_url}/run-44", found
+
+
+async def test_status_counts_a_frozen_rollout_nothing_was_written_to_as_empty(fresh: Any, bucket_url: str) -> None:
+    """A new user's walkthrough (2026-12-04): Gym's consumer given a mistyped id freezes it, and
+    ``status`` counted that empty snapshot "complete", which export then masks (no token records)."""
+    writer = fresh()
+    await writer.put(simple_entry("real", "c1"))
+    await writer.freeze("real")
+    empty = await writer.freeze("mistyped")
+    assert not empty.entries and empty.version == 0 and not empty.incomplete
+    result = await status(fresh())
+    assert (result.complete, result.empty, result.masked) == (2, 1, 0)
+    assert "newest manifests: 2 complete (1 of them empty: frozen with nothing written" in format_status(result)

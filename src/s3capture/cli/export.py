@@ -15,6 +15,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+EXIT_NO_ROLLOUTS = 3
+"""Exit status of an export that failed nothing but found no rollout at all under its source root
+(a mistyped URL, or a run that has not written yet); the summary names the roots near it."""
+
 EXPORT_RANGES = {
     "workers": (0, 256),
     "concurrency": (1, 1024),
@@ -72,7 +76,11 @@ def _export(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(data).decode())
     else:
         print(format_summary(summary))
-    return 0 if summary.ok else 1
+    if not summary.ok:
+        return 1
+    # Nothing under the source root's rollouts/ prefix: a mistyped URL reads like this, and a
+    # script that checks the exit status must not take it for a finished export.
+    return EXIT_NO_ROLLOUTS if summary.root_empty else 0
 
 
 @contextlib.contextmanager

@@ -325,6 +325,7 @@ async def export(
             skip(rid, "changed_since_listing: written to after this run listed it; frozen now, a re-run exports it")
             return
         summary.already_exported += 1
+        summary.already_left_out += not previous.written
         record = msgspec.structs.replace(previous, sealed=True)
         if droppable(record):
             await drop_one(record)  # not through in_background: this already is a background task
@@ -363,6 +364,7 @@ async def export(
                     await in_background(reseal(previous))
                     continue
                 summary.already_exported += 1
+                summary.already_left_out += not previous.written
                 # Frozen: its shard is durable (a drop a killed run never made). Open, without
                 # --freeze: reported "not dropped" under --drop, with what to do.
                 await schedule_drop(

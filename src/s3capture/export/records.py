@@ -176,6 +176,9 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     masked_written: int = 0
     masked_excluded: int = 0
     already_exported: int = 0
+    already_left_out: int = 0
+    """Of ``already_exported``, those an earlier run left out as masked (``masked="skip"``): in
+    a shard manifest, with no row."""
     changed_since_export: int = 0
     changed_examples: list[str] = []
     skipped: int = 0

@@ -140,6 +140,14 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
 
 
+def _not_selected(s: ExportSummary) -> list[str]:
+    lines = []
+    for state, count in sorted(s.not_selected.items()):
+        why = " (dropped or retired: their entries are gone)" if state == "retired" else ""
+        lines.append(f"{count:,} {state} rollouts were not selected{why}")
+    return lines
+
+
 def format_summary(summary: ExportSummary) -> str:
     """The human-readable summary ``s3capture export`` prints at the end."""
     s = summary
@@ -149,7 +157,9 @@ def format_summary(summary: ExportSummary) -> str:
         f"export {s.source} -> {s.dest} ({s.format})",
         f"rollouts: exported {s.exported:,}, masked {s.masked_written + s.masked_excluded:,} "
         f"({s.masked_written:,} written with masked=true, {s.masked_excluded:,} left out), "
-        f"already exported {s.already_exported:,}, changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
+        f"already exported {s.already_exported:,}"
+        + (f" ({s.already_left_out:,} of them masked and left out: no rows)" if s.already_left_out else "")
+        + f", changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
         f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shard{'' if s.shards_written == 1 else 's'} "
         f"({_size(s.bytes_written)}{'; manifests only, no data file' if s.shards_written and not s.trajectories else ''}); "
         f"read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
@@ -197,9 +207,7 @@ def format_summary(summary: ExportSummary) -> str:
         if s.masked_excluded:
             were = "rollout was" if s.masked_excluded == 1 else "rollouts were"
             hints.append(f"{s.masked_excluded:,} masked {were} left out: --masked include writes them too")
-        for state, count in sorted(s.not_selected.items()):
-            why = " (dropped or retired: their entries are gone)" if state == "retired" else ""
-            hints.append(f"{count:,} {state} rollouts were not selected{why}")
+        hints.extend(_not_selected(s))
         if s.root_empty:
             where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
             hint = roots_hint(s.roots_below, s.roots_beside)
@@ -208,6 +216,11 @@ def format_summary(summary: ExportSummary) -> str:
             hints.append(where)
         lines.append("nothing to read: the destination holds no data file (no row was written)")
         lines.extend(f"  {hint}" for hint in hints)
+    else:
+        # Said whatever the destination holds (an export into an earlier one's folder, after a
+        # --drop, said nothing of the 40 retired rollouts a new folder's summary named).
+        lines.extend(_not_selected(s))
     lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
-    lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {'OK' if s.ok else 'FAILED'}")
+    result = "FAILED" if not s.ok else "NO ROLLOUTS under the source root" if s.root_empty else "OK"
+    lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {result}")
     return "\n".join(lines)

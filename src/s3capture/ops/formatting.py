@@ -93,7 +93,9 @@ def format_status(s: StoreStatus) -> str:
             lines.append("newest manifests: not read (--no-manifests)")
         else:
             lines.append(
-                f"newest manifests: {s.complete} complete, {s.masked} masked, {s.manifest_errors} unreadable "
+                f"newest manifests: {s.complete} complete"
+                + (f" ({s.empty} of them empty: frozen with nothing written, which a builder masks)" if s.empty else "")
+                + f", {s.masked} masked, {s.manifest_errors} unreadable "
                 "(complete: the snapshot masks nothing; the builder may still mask)"
             )
         for code, count in s.masked_by_reason.items():

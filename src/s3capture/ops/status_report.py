@@ -60,6 +60,10 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     """Frozen rollouts whose newest manifest is complete (not masked by the snapshot). A builder
     can still mask one (a chain with a missing parent decision, no generated token): what
     ``export`` writes as trainable is at most this many. (Named ``trainable`` before 2026-12-03.)"""
+    empty: int = 0
+    """Of ``complete``, those whose newest manifest holds no object (version 0): a freeze of an id
+    nothing was written to, e.g. a mistyped or removed id given to Gym's consumer, which freezes
+    it. A builder masks them (no token records), so they are counted here too."""
     masked: int = 0
     """Frozen rollouts whose newest manifest is ``incomplete`` (masked, not trainable)."""
     masked_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
@@ -92,6 +96,7 @@ def _reason_code(reason: str) -> str:
 class _ManifestHead(msgspec.Struct):
     incomplete: bool
     reasons: list[str] = []
+    version: int = -1  # absent (a foreign manifest): not counted empty
 
 
 # --------------------------------------------------------------------------- status
@@ -141,6 +146,7 @@ async def status(
                 result.masked_by_reason[code] = result.masked_by_reason.get(code, 0) + 1
         else:
             result.complete += 1
+            result.empty += head.version == 0
 
     bar = _progress(progress, "status")
     try:
