@@ -122,6 +122,7 @@ def test_an_export_of_a_root_without_rollouts_exits_3_not_ok(
     assert main(["export", parent + "/run-4", "--out", str(tmp_path / "typo"), "--workers", "0"]) == 3
     out = capsys.readouterr().out
     assert "result: NO ROLLOUTS under the source root" in out and "roots beside this URL" in out, out
+    assert not (tmp_path / "typo").exists()  # no folder (or lock file) left behind for the typo
     assert main(["export", parent + "/run-42", "--out", str(tmp_path / "ok"), "--workers", "0"]) == 0
     assert "result: OK" in capsys.readouterr().out
     # Exported already: a re-run reads nothing new, and is no empty root.

@@ -458,7 +458,10 @@ async def export(
             await store.close()
         finally:
             requests.update({f"source:{k}": v for k, v in store.request_counts.items()})
-            await target.close(failed=failed)  # releases the destination (a local folder's lock)
+            # Releases the destination (a local folder's lock). An export of a root without
+            # rollouts (exit 3: a mistyped URL, usually) leaves no folder or lock file behind, as a
+            # failed one does.
+            await target.close(failed=failed or summary.root_empty)
             # the parent's own destination requests: claim, scan, renewals, the claim's delete
             requests.update({f"dest:{k}": v for k, v in target.requests.items()})
     summary.requests = dict(sorted(requests.items()))
