@@ -820,11 +820,14 @@ class TokenStoreMachine(_Machine):
         client=st.integers(0, CLIENTS - 1),
         rollout=st.sampled_from(ROLLOUTS),
         delete=st.sampled_from((True, True, False)),
+        both=st.sampled_from((False, False, True)),
     )
-    def remove(self, client: int, rollout: str, delete: bool) -> None:
-        """``delete`` (a new generation of the id) or ``retire`` one rollout."""
+    def remove(self, client: int, rollout: str, delete: bool, both: bool) -> None:
+        """``delete`` (a new generation of the id) or ``retire`` one rollout; with ``both``, a
+        ``delete`` of every rollout in one call (a failed delete of several left the others'
+        removals running, which then deleted a reused id's acknowledged entry: finding 30)."""
         if delete:
-            self.delete(client, rollout)
+            self.delete(client, rollout, also=tuple(r for r in ROLLOUTS if r != rollout) if both else ())
         else:
             self.retire(client, rollout)
 
@@ -945,23 +948,27 @@ class TokenStoreMachine(_Machine):
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))
 
-    def delete(self, client: int, rollout: str, cancel_after: float | None = None) -> None:
-        m = self.model[rollout]
+    def delete(self, client: int, rollout: str, cancel_after: float | None = None, also: tuple[str, ...] = ()) -> None:
+        ids = [rollout, *also]
+        before = {r: self.model[r] for r in ids}
         store = self.clients[client]
-        prefix = store.layout.rollout(rollout)
 
         async def go() -> Any:
-            m.writes.append(time.monotonic())
-            return await store.delete([rollout])
+            for r in ids:
+                before[r].writes.append(time.monotonic())
+            return await store.delete(ids)
 
-        out = self.run(f"delete({rollout})", client, go, cancel_after=cancel_after)
+        out = self.run(f"delete({', '.join(ids)})", client, go, cancel_after=cancel_after)
         self.expect_error_types(out, ())
         if out.ok:
-            left = self.raw_keys(prefix)
-            self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
+            for r in ids:
+                left = self.raw_keys(store.layout.rollout(r))
+                self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
         if isinstance(out.error, CallerCancelled):
             self.settle()  # the id is reused only once the cancelled delete's requests are over
-        self.model[rollout] = _StoreRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
+        # A delete that raised has nothing still running (finding 30): the ids are reused at once.
+        for r in ids:
+            self.model[r] = _StoreRollout(gen=before[r].gen + 1, dirty=before[r].dirty or not out.ok)
 
     def chain_was_stored(self, rollout: str, var: _Variant, ack: _Ack) -> bool:
         """Whether the calls a delta payload continues were stored, one payload each, before it was
@@ -1349,7 +1356,8 @@ class LedgerMachine(_Machine):
 
     @rule(client=st.integers(0, CLIENTS - 1), rollout=st.sampled_from(ROLLOUTS), delete=st.booleans())
     def remove(self, client: int, rollout: str, delete: bool) -> None:
-        """``retire`` or ``delete`` one rollout."""
+        """``retire`` or ``delete`` one rollout (the token-store machine also deletes both in one
+        call; the removal code is the same)."""
         if delete:
             self.delete(client, rollout)
         else:
@@ -1446,18 +1454,21 @@ class LedgerMachine(_Machine):
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))
 
-    def delete(self, client: int, rollout: str, cancel_after: float | None = None) -> None:
+    def delete(self, client: int, rollout: str, cancel_after: float | None = None, also: tuple[str, ...] = ()) -> None:
         ledger = self.clients[client]
-        m = self.model[rollout]
-        prefix = ledger.layout.rollout(rollout)
-        out = self.run(f"delete({rollout})", client, lambda: ledger.delete([rollout]), cancel_after=cancel_after)
+        ids = [rollout, *also]
+        before = {r: self.model[r] for r in ids}
+        out = self.run(f"delete({', '.join(ids)})", client, lambda: ledger.delete(ids), cancel_after=cancel_after)
         self.expect_error_types(out, ())
         if out.ok:
-            left = self.raw_keys(prefix)
-            self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
+            for r in ids:
+                left = self.raw_keys(ledger.layout.rollout(r))
+                self.stats.check(not left, "delete_leaves_nothing", lambda: f"{out.describe()} left {left[:5]}")
         if isinstance(out.error, CallerCancelled):
             self.settle()  # the id is reused only once the cancelled delete's requests are over
-        self.model[rollout] = _LedgerRollout(gen=m.gen + 1, dirty=m.dirty or not out.ok)
+        # A delete that raised has nothing still running (finding 30): the ids are reused at once.
+        for r in ids:
+            self.model[r] = _LedgerRollout(gen=before[r].gen + 1, dirty=before[r].dirty or not out.ok)
 
     @rule(
         client=st.integers(0, CLIENTS - 1),
