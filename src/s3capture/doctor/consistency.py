@@ -10,6 +10,7 @@ from typing import Any
 
 from s3capture.doctor.framework import Probe, _DoctorBase
 from s3capture.rollouts import _segment_after
+from s3capture.transport import gather_settled
 
 LIST_LAG_LIMIT = 5.0
 """Seconds a written key is waited for in a listing before the store is said never to show it."""
@@ -207,14 +208,14 @@ class _ConsistencyProbes(_DoctorBase):
 
     async def listing_order(self) -> tuple[Probe, list[str]]:
         base = self.k("order/")
-        await asyncio.gather(*(self.t.put(base + rel, b"o") for rel in ORDER_KEYS))
+        await gather_settled(self.t.put(base + rel, b"o") for rel in ORDER_KEYS)
         listed = [k[len(base) :] for k in await self.raw_list(base)]
         return grade_order(listed), listed
 
     async def prefix(self) -> Probe:
         base = self.k("pfx")
         rels = ("/r1/a", "/r10/a", "/r1-x/a", "/r2/a", "0/a")
-        await asyncio.gather(*(self.t.put(base + rel, b"p") for rel in rels))
+        await gather_settled(self.t.put(base + rel, b"p") for rel in rels)
         cases = {
             "/r1/": {"/r1/a"},
             "/r1": {"/r1/a", "/r10/a", "/r1-x/a"},

@@ -4,13 +4,13 @@ taken along the way (clock skew from ``Date`` headers, latency percentiles)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import zlib
 from typing import Any
 
 from s3capture.doctor.framework import Probe, _code, _DoctorBase, _percentile, _status
+from s3capture.transport import gather_settled
 
 SKEW_NOTE = 2.0
 """Seconds of clock skew (server ``Date`` against this machine) above which the skew is noted."""
@@ -156,7 +156,7 @@ class _FeatureProbes(_DoctorBase):
 
         base = self.k("del/")
         keys = [f"{base}{i}" for i in range(3)]
-        await asyncio.gather(*(self.t.put(k, b"d") for k in keys))
+        await gather_settled(self.t.put(k, b"d") for k in keys)
         data: dict[str, Any] = {}
         try:
             response = await self.raw(

@@ -3,13 +3,13 @@ keys shaped like the layout's through the probed transport (``transport-keys``, 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 
 from s3capture.doctor.framework import Probe, _code, _DoctorBase
 from s3capture.errors import StoreError
 from s3capture.layout import Layout
+from s3capture.transport import gather_settled
 
 KEY_ROOTS = ("", "plain", "a b/c+d", "x%y/\u00fc/z*!()@$", "t~/a=b&c/semi;colon", "quote\"s'/<a>/{b}|^`[c]")
 KEY_IDS = ("r/with/slashes", "caf\u00e9 \u2603 ..", "~a%2Fb")
@@ -84,7 +84,7 @@ class _KeyProbes(_DoctorBase):
             except Exception as error:  # noqa: BLE001 - a refused key is an outcome
                 refused[rel] = str(error).split("\n", 1)[0][:200]
 
-        await asyncio.gather(*(put(rel) for rel in keys))
+        await gather_settled(put(rel) for rel in keys)
         unread = []
         for rel in keys:
             if rel not in refused:
