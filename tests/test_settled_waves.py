@@ -150,3 +150,83 @@ async def test_a_ledger_manifest_fails_at_its_first_failed_row(proxy, ledgers, b
         assert not release.is_set()
     finally:
         release.set()
+
+
+def _is_delete_objects(request: Any) -> bool:
+    return request.method == "POST" and "delete" in request.query.split("&")
+
+
+@pytest.mark.all_transports
+async def test_a_failing_delete_wave_starts_no_more_keys_after_the_first_failure(
+    proxy, fresh, s3_client, bucket_url
+) -> None:
+    """A breaker (2026-12-04) on the first version of the fix: a wave of single DELETEs (a store
+    without DeleteObjects) settled, but every queued DELETE still went out, with its retries,
+    after the first had failed: 124 requests and 78 s for 24 keys. Now no key is started after
+    the first failure."""
+    writer = fresh()
+    for i in range(24):
+        await writer.put(simple_entry("r-del", f"c{i:02d}"))
+    deletes: list[str] = []
+
+    async def rule(request: Any) -> Any:
+        if _is_delete_objects(request):
+            return s3_error(501, "NotImplemented", "injected: no DeleteObjects", "Not Implemented")
+        if request.method == "DELETE":
+            deletes.append(request.key)
+            return s3_error(403, "AccessDenied", "injected: no DELETE", "Forbidden")
+        return None
+
+    proxy.rule = rule
+    remover = fresh(endpoint_url=proxy.endpoint, max_concurrency=4)
+    with pytest.raises(StoreError) as failed:
+        await remover.retire(["r-del"])
+    assert 1 <= len(deletes) <= 4, deletes  # the first wave at most, never the 24
+    notes = " ".join(getattr(failed.value, "__notes__", []))
+    assert "keys failed" in notes and "not started after the failure" in notes, notes
+    proxy.rule = None
+    assert (await remover.retire(["r-del"]))["removed"] == ["r-del"]
+    assert [k for k in _keys(s3_client, bucket_url, "r-del") if "/log/" in k] == []
+
+
+@pytest.mark.parametrize("how", ["cacheless", "after_a_failed_retire"])
+async def test_a_delta_put_after_another_client_reused_the_id_lists_instead_of_failing(
+    proxy, fresh, bucket_url, how
+) -> None:
+    """A breaker (2026-12-04): a client whose map of call keys named an entry another client had
+    deleted since (the id reused) failed every delta put of the new attempt ("parent disappeared")
+    until restarted: a client without a cache, or one whose ``retire`` of several ids failed for
+    another id (the finished ones kept their map). A failed retire now forgets its ids too, and
+    the map is a shortcut: when the object it names is gone, the parent is looked up by a listing."""
+    from helpers import build_conversation, turn_entry
+
+    if how == "cacheless":
+        old_writer = fresh(cache_bytes=0)
+    else:
+        old_writer = fresh(endpoint_url=proxy.endpoint)
+    other = fresh()
+    old = build_conversation("x", 2)
+    await old_writer.put(turn_entry("x", old[0]))
+    await old_writer.put(turn_entry("x", old[1], delta=True, parent_cumulative=old[0].cumulative))
+    if how == "after_a_failed_retire":
+        await old_writer.put(simple_entry("y", "c1"))
+        refused = _prefix(bucket_url, "y")
+
+        async def rule(request: Any) -> Any:
+            if request.is_list and request.params.get("prefix") == refused:
+                return s3_error(403, "AccessDenied", "injected", "Forbidden")
+            return None
+
+        proxy.rule = rule
+        with pytest.raises(StoreError):
+            await old_writer.retire(["x", "y"])
+        proxy.rule = None
+    assert (await other.delete(["x"]))["removed"] == ["x"]
+    new = build_conversation("x", 2, token_base=5000)
+    await other.put(turn_entry("x", new[0]))
+    await old_writer.put(turn_entry("x", new[1], delta=True, parent_cumulative=new[0].cumulative))
+    snapshot = await other.freeze("x")
+    assert not snapshot.incomplete and [e.model_call_id for e in snapshot.entries] == ["call-000", "call-001"]
+    resolution = await fresh().resolve("x", list(new[1].request_items) + list(new[1].output_items) + [user("more")])
+    assert resolution.status.name == "RESOLVED" and resolution.match.model_call_id == "call-001"
+    assert list(resolution.match.cumulative_token_ids) == list(new[1].prompt) + list(new[1].generation)

@@ -408,6 +408,8 @@ class S3CaptureLedger(_LedgerManifest):
             TypeError: ``rollout_ids`` is a single str.
             ValueError: an id that cannot be stored (before any request).
             StoreError: the store failed a request.
+                No rollout is started after the first failure, and the ones under way
+                finish before it is raised (its note counts them); run it again to finish.
         """
         return await super().retire(rollout_ids)
 
@@ -426,5 +428,7 @@ class S3CaptureLedger(_LedgerManifest):
             TypeError: ``rollout_ids`` is a single str.
             ValueError: an id that cannot be stored (before any request).
             StoreError: the store failed a request.
+                No rollout is started after the first failure, and the ones under way
+                finish before it is raised (its note counts them); run it again to finish.
         """
         return await super().delete(rollout_ids)

@@ -123,9 +123,15 @@ class _StoreLifecycle(_StoreCore):
         Raises:
             TypeError: ``rollout_ids`` is a single str.
             ValueError: an id that cannot be stored (before any request).
-            StoreError: the store failed a request.
+            StoreError: the store failed a request. No rollout is started after the first failure,
+                and the ones under way finish before it is raised (its note counts them); run it
+                again to finish.
         """
-        removal = await super().retire(rollout_ids)
-        for rollout_id in rollout_ids:
-            self._forget_rollout(rollout_id)  # no more writes: its call keys and fence time go
-        return removal
+        try:
+            return await super().retire(rollout_ids)
+        finally:
+            # No more writes: its call keys and fence time go, also when the retire failed for
+            # another id (a finished rollout kept a stale map: a reused id's delta puts failed).
+            for rollout_id in [] if isinstance(rollout_ids, str) else rollout_ids:
+                if isinstance(rollout_id, str):  # anything else was refused before any request
+                    self._forget_rollout(rollout_id)

@@ -126,7 +126,8 @@ class _StoreWrites(_StoreCore):
             # another client since: docs/design.md, race 8): a conflict is decided by a listing.
             self._call_keys.forget(record.rollout_id)
             keys = None
-        if not keys:
+        listed = not keys
+        if listed:
             for item in await self._list(prefix + "log/e/"):
                 parsed = parse_log_key(item.key[len(prefix) :])
                 if parsed is not None:
@@ -139,6 +140,11 @@ class _StoreWrites(_StoreCore):
             )
         (parent_rel,) = keys
         parent = await self._load(prefix + parent_rel, parent_rel.rsplit("/", 1)[-1][:-4])
+        if parent is None and not listed:
+            # The map named an object deleted since (an earlier attempt of a reused id, removed by
+            # another client: race 8): forget it and decide by a listing, once.
+            self._call_keys.forget(record.rollout_id)
+            return await self._delta_chain(record, prefix)
         if parent is None:
             raise RecordError(f"delta entry {record.model_call_id!r}: parent {parent_id!r} disappeared")
         parent_key = prefix + parent_rel

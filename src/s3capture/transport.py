@@ -62,6 +62,7 @@ from s3capture.transport_listing import (
     cancel_unfinished as cancel_unfinished,
     gather_fail_fast as gather_fail_fast,
     gather_settled as gather_settled,
+    settle_each as settle_each,
     warn_start_after_ignored as warn_start_after_ignored,
 )
 from s3capture.records import RecordError

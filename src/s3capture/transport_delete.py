@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from s3capture.clocks import awake_clock
 from s3capture.errors import StoreError
 from s3capture.transport_errors import _NOT_FOUND, RETRY_CODES
-from s3capture.transport_listing import gather_settled
+from s3capture.transport_listing import settle_each
 
 log = logging.getLogger("s3capture")
 
@@ -36,6 +36,7 @@ class DeleteMixin:
 
     if TYPE_CHECKING:  # provided by Transport
         bucket: str
+        _max_concurrency: int
         _bulk_delete: bool
         _bulk_denied_until: float
         _bulk_denied_said: bool
@@ -67,7 +68,7 @@ class DeleteMixin:
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
             if not self._bulk_delete or awake_clock() < self._bulk_denied_until:
-                await gather_settled(self.delete_one(k) for k in batch)
+                await settle_each(batch, self.delete_one, limit=self._max_concurrency, what="keys")
                 continue
 
             async def run(client: Any, batch: list[str] = batch) -> builtins.list[str] | str:
@@ -104,7 +105,7 @@ class DeleteMixin:
                     # One key first: refused too, its StoreError, and no other key is sent (a role
                     # without any delete right would otherwise send a DELETE per key to fail).
                     await self.delete_one(batch[0])
-                    await gather_settled(self.delete_one(k) for k in batch[1:])
+                    await settle_each(batch[1:], self.delete_one, limit=self._max_concurrency, what="keys")
                     if not self._bulk_denied_said:
                         self._bulk_denied_said = True
                         log.warning(
@@ -126,7 +127,7 @@ class DeleteMixin:
                     len(batch),
                     len(outcome),
                 )
-            await gather_settled(self.delete_one(k) for k in outcome)
+            await settle_each(outcome, self.delete_one, limit=self._max_concurrency, what="keys")
 
     async def delete_one(self, key: str) -> None:
         """DELETE one key (missing is not an error). Raises ``StoreError``."""

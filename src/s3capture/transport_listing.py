@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -110,6 +110,45 @@ async def gather_settled(aws: Iterable[Awaitable[T]]) -> list[T]:
             errors[0].add_note(f"{len(errors) - 1} more of these {len(results)} requests failed too")
         raise errors[0]
     return results  # type: ignore[return-value]  # no BaseException among them: checked above
+
+
+async def settle_each(
+    items: Sequence[T], fn: Callable[[T], Awaitable[Any]], *, limit: int, what: str, then: str = ""
+) -> None:
+    """``fn(item)`` for each item, at most ``limit`` at a time. After the first failure no item is
+    started; the ones under way finish (a write or delete is never cancelled midway), then the
+    error of the first failed item in order is raised, with a note: how many of ``what`` (e.g.
+    ``"rollouts"``) failed, naming that item, how many finished and how many were not started, and
+    ``then``. When it raises, nothing it started is still running; a store that is down costs one
+    wave of failures, not one per item (a review, 2026-12-04: 24 queued DELETEs each went out with
+    their retries after the first had failed, 78 s instead of 14 s). A cancelled caller cancels the
+    items under way (``gather``) and starts no more."""
+    semaphore = asyncio.Semaphore(limit)
+    errors: dict[int, Exception] = {}
+    finished = 0
+
+    async def one(index: int, item: T) -> None:
+        nonlocal finished
+        async with semaphore:
+            if errors:
+                return
+            try:
+                await fn(item)
+            except Exception as error:  # noqa: BLE001 - raised below, once the wave has settled
+                errors[index] = error
+                return
+            finished += 1
+
+    await asyncio.gather(*(one(index, item) for index, item in enumerate(items)))
+    if errors:
+        first = min(errors)
+        error = errors[first]
+        skipped = len(items) - finished - len(errors)
+        error.add_note(
+            f"{len(errors)} of {len(items)} {what} failed (the first in order: {items[first]!r}), {finished} finished, "
+            f"{skipped} not started after the failure; none is still running.{' ' + then if then else ''}"
+        )
+        raise error
 
 
 async def beside_confirmation(

@@ -5,7 +5,6 @@ rollouts (``s3capture.rollouts.listing``) it inherits, in that order (the order 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from s3capture.protocols import RolloutRemovalPayload
 from s3capture.records import RecordError
 from s3capture.rollouts.listing import _RootListing
 from s3capture.rollouts.scan import RolloutScan, scan_listing
+from s3capture.transport import settle_each
 
 __all__ = ["RolloutObjects", "FENCE_FROZEN", "FENCE_RETIRED"]
 
@@ -192,38 +192,17 @@ class RolloutObjects(_RootListing):
             self.layout.rollout(rollout_id)
         return ids
 
-    async def _each(self, ids: Iterable[str], fn: Any) -> None:
-        """``fn(rollout_id)`` for each id, eight at a time. After the first failure no rollout is
-        started, and the ones under way finish (a removal is never cancelled midway) before the
-        first error in order is raised, with a note of how many finished and how many were not
-        started: when ``delete`` or ``retire`` raises, none of its removals is still running.
-        Plain ``gather`` left them running, and a removal that outlived its failed ``delete``
-        deleted the acknowledged entry of an attempt that reused the id after a second ``delete``
-        had finished (a review, 2026-12-04)."""
-        ids = list(ids)
-        limit = asyncio.Semaphore(8)
-        finished: set[str] = set()
-        failed: list[str] = []
-
-        async def run(rollout_id: str) -> None:
-            async with limit:
-                if failed:
-                    return
-                try:
-                    await fn(rollout_id)
-                except BaseException:
-                    failed.append(rollout_id)
-                    raise
-                finished.add(rollout_id)
-
-        outcomes = await asyncio.gather(*(run(r) for r in ids), return_exceptions=True)
-        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if errors:
-            error = errors[0]
-            skipped = len(ids) - len(finished) - len(failed)
-            error.add_note(
-                f"{len(failed)} of {len(ids)} rollouts failed (first: {failed[0]!r}), {len(finished)} finished, "
-                f"{skipped} not started after the failure; none is still running. Run it again to finish "
-                "(the rollouts it finished then read as absent)."
-            )
-            raise error
+    async def _each(self, ids: Sequence[str], fn: Any) -> None:
+        """``fn(rollout_id)`` for each id, eight at a time (``settle_each``): after the first
+        failure no rollout is started, the ones under way finish (a removal is never cancelled
+        midway), then the first error in order is raised with a note of what finished. Plain
+        ``gather`` left them running, and a removal that outlived its failed ``delete`` deleted the
+        acknowledged entry of an attempt that reused the id after a second ``delete`` had finished
+        (a review, 2026-12-04)."""
+        await settle_each(
+            ids,
+            fn,
+            limit=8,
+            what="rollouts",
+            then="Run it again to finish (the rollouts it finished then read as absent).",
+        )
