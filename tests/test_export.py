@@ -617,7 +617,7 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     summary = await export(parent, str(tmp_path / "a"), workers=0)
     assert summary.ok and summary.listed == 0 and summary.roots_below == [bucket_url]
     assert (
-        f"no rollouts under {parent} (nothing under its rollouts/ prefix); roots inside this URL (among its first 1,000 keys): {bucket_url}"
+        f"no rollouts under {parent} (no rollout under its rollouts/ prefix); roots inside this URL (among its first 1,000 keys): {bucket_url}"
         in (format_summary(summary))
     )
     summary = await export(bucket_url, str(tmp_path / "b"), workers=0)

@@ -127,3 +127,34 @@ def test_an_export_of_a_root_without_rollouts_exits_3_not_ok(
     assert "result: OK" in capsys.readouterr().out
     # Exported already: a re-run reads nothing new, and is no empty root.
     assert main(["export", parent + "/run-42", "--out", str(tmp_path / "ok"), "--workers", "0"]) == 0
+    # A selection on a mistyped root is a typo too (a breaker, 2026-12-04); on the real root, a
+    # selection that matches nothing is not.
+    ids = tmp_path / "ids.txt"
+    ids.write_text("r-0\n")
+    for selection in (["--prefix", "r-"], ["--ids", str(ids)]):
+        assert main(["export", parent + "/run-4", "--out", str(tmp_path / "sel"), "--workers", "0", *selection]) == 3
+        assert "result: NO ROLLOUTS under the source root" in capsys.readouterr().out
+    assert main(["export", parent + "/run-42", "--out", str(tmp_path / "z"), "--workers", "0", "--prefix", "zzz"]) == 0
+    # Consumed by this destination (--drop, then gc): the root is empty, but it is no typo.
+    assert main(["export", parent + "/run-42", "--out", str(tmp_path / "ok"), "--workers", "0", "--drop"]) == 0
+    assert main(["gc", parent + "/run-42", "--retired-older-than", "0s", "--yes"]) == 0
+    assert main(["export", parent + "/run-42", "--out", str(tmp_path / "new"), "--workers", "0"]) == 3  # empty now
+    capsys.readouterr()
+    assert main(["export", parent + "/run-42", "--out", str(tmp_path / "ok"), "--workers", "0"]) == 0
+    assert "result: OK" in capsys.readouterr().out
+
+
+@MOTO
+async def test_an_id_listed_in_a_state_not_selected_is_counted_once(
+    fresh: Any, bucket_url: str, tmp_path: Path
+) -> None:
+    """A breaker (2026-12-04): ``--ids`` naming a retired rollout counted it "not selected" and
+    also skipped it as "not_listed: no such rollout", three outcomes for two ids."""
+    snapshots = await capture_chains(bucket_url, ("r-0", "r-1"))
+    dropper = fresh()
+    assert await dropper.drop("r-1", snapshots["r-1"].snapshot_id, snapshots["r-1"].version)
+    summary = await export(bucket_url, str(tmp_path / "out"), workers=0, ids=["r-0", "r-1", "r-9"])
+    assert (summary.exported, summary.not_selected) == (1, {"retired": 1})
+    assert summary.skipped == 1 and summary.skipped_examples["not_listed"] == [
+        "r-9: not_listed: no such rollout in the selected states and prefix"
+    ]

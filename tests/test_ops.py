@@ -586,3 +586,9 @@ async def test_status_counts_a_frozen_rollout_nothing_was_written_to_as_empty(fr
     result = await status(fresh())
     assert (result.complete, result.empty, result.masked) == (2, 1, 0)
     assert "newest manifests: 2 complete (1 of them empty: frozen with nothing written" in format_status(result)
+    # A late put lands after that freeze: its manifest of nothing is no longer the listed state
+    # (a breaker: status still called it empty).
+    with pytest.raises(TokenCaptureFrozenError):
+        await writer.put(simple_entry("mistyped", "c1"))
+    result = await status(fresh())
+    assert (result.complete, result.empty, result.frozen_changed) == (2, 0, 1)

@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "also write), trajectories built with NeMo Gym's builder when it is importable, shards part-NNNNN written "
         "atomically, each followed by its manifest. A re-run skips what DEST already holds at the same snapshot, so "
         "an interrupted export resumes. Masked or incomplete rollouts are never written as trainable. Exit status 0 "
-        "when nothing failed, 1 when a rollout, shard or drop failed, 2 for a usage or setup error. See docs/export.md.",
+        "when nothing failed, 1 when a rollout, shard or drop failed, 2 for a usage or setup error, 3 when the source root "
+        "holds no rollout (a mistyped URL, usually). See docs/export.md.",
     )
     e = EXPORT_RANGES
     export.add_argument("url", type=_argument(check_s3_url), help="s3://bucket/prefix the rollouts were captured under")

@@ -37,6 +37,7 @@ from s3capture.export.records import (
 )
 from s3capture.export.report import _account, _Progress, format_summary as format_summary
 from s3capture.export.shard import NOT_SEALED, ListedRollout
+from s3capture.errors import StoreError
 from s3capture.ops import roots_below, roots_beside, store_time
 
 _DROPS_AHEAD = 1024
@@ -347,6 +348,8 @@ async def export(
             rid = info.rollout_id
             if wanted is not None and rid not in wanted:
                 continue
+            if wanted is not None:
+                seen_ids.add(rid)  # listed: counted under not_selected below, never "not listed" too
             if info.state not in states:  # listed for the summary's count only
                 summary.not_selected[info.state] = summary.not_selected.get(info.state, 0) + 1
                 continue
@@ -445,7 +448,14 @@ async def export(
         if wanted is not None:
             for rid in sorted(wanted - seen_ids):
                 skip(rid, "not_listed: no such rollout in the selected states and prefix")
-        elif not prefix and not summary.listed and not summary.not_selected:
+        if (
+            not summary.listed
+            and not summary.not_selected
+            and not summary.shards_existing  # a root this destination consumed (drop, gc): not a typo
+            and (not (prefix or wanted is not None) or await _holds_no_rollout(store))
+        ):
+            # Nothing under the root's rollouts/ prefix (with a --prefix or --ids selection, one
+            # more LIST of a single key tells): a mistyped URL, usually (exit 3).
             summary.root_empty = True
             summary.roots_below = await roots_below(store)
             summary.roots_beside = [] if summary.roots_below else await roots_beside(store)
@@ -467,3 +477,14 @@ async def export(
     summary.requests = dict(sorted(requests.items()))
     summary.wall_seconds = round(time.monotonic() - started, 3)
     return summary
+
+
+async def _holds_no_rollout(store: Any) -> bool:
+    """Whether nothing at all is under the root's ``rollouts/`` prefix, from one LIST of one key
+    (for a ``--prefix`` or ``--ids`` selection that matched nothing). A LIST that fails (a role
+    allowed to list only some prefixes) answers False: a hint, never an error."""
+    try:
+        page = await store.transport.list_page(f"{store.layout.root}rollouts/", 1)
+    except StoreError:
+        return False
+    return not page.objects

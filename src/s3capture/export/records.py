@@ -165,7 +165,9 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     not_selected: dict[str, int] = {}
     """Listed rollouts in a state the run did not select, by state (``retired``, ...)."""
     root_empty: bool = False
-    """No rollout in any state under the source root (no ``--prefix`` or ids given)."""
+    """No rollout in any state under the source root (with ``--prefix`` or ids, one more LIST of
+    one key tells), and no shard of it in the destination (a root this destination consumed, by
+    ``--drop`` and ``gc``, is not mistyped): ``s3capture export`` exits 3."""
     roots_below: list[str] = []
     """When the source root holds no rollout: ``s3://`` URLs of roots found inside it (a URL one
     level too high), from one LIST page."""

@@ -209,7 +209,7 @@ def format_summary(summary: ExportSummary) -> str:
             hints.append(f"{s.masked_excluded:,} masked {were} left out: --masked include writes them too")
         hints.extend(_not_selected(s))
         if s.root_empty:
-            where = f"no rollouts under {s.source} (nothing under its rollouts/ prefix)"
+            where = f"no rollouts under {s.source} (no rollout under its rollouts/ prefix)"
             hint = roots_hint(s.roots_below, s.roots_beside)
             if hint:
                 where += "; " + hint

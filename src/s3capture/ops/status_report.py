@@ -61,7 +61,7 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     can still mask one (a chain with a missing parent decision, no generated token): what
     ``export`` writes as trainable is at most this many. (Named ``trainable`` before 2026-12-03.)"""
     empty: int = 0
-    """Of ``complete``, those whose newest manifest holds no object (version 0): a freeze of an id
+    """Of ``complete``, sealed rollouts whose manifest holds no object (version 0): a freeze of an id
     nothing was written to, e.g. a mistyped or removed id given to Gym's consumer, which freezes
     it. A builder masks them (no token records), so they are counted here too."""
     masked: int = 0
@@ -130,7 +130,7 @@ async def status(
     pending: set[asyncio.Task[None]] = set()
     limit = asyncio.Semaphore(_MANIFEST_CONCURRENCY)
 
-    async def read_manifest(key: str) -> None:
+    async def read_manifest(key: str, sealed: bool) -> None:
         try:
             async with limit:
                 body = await store._get(key, _MANIFEST_LIMIT)
@@ -146,7 +146,9 @@ async def status(
                 result.masked_by_reason[code] = result.masked_by_reason.get(code, 0) + 1
         else:
             result.complete += 1
-            result.empty += head.version == 0
+            # Only a manifest of the listed state: an older one of nothing says nothing of the
+            # late writes that changed the rollout since (a breaker, 2026-12-04).
+            result.empty += sealed and head.version == 0
 
     bar = _progress(progress, "status")
     try:
@@ -187,7 +189,7 @@ async def status(
                     if manifests:
                         while len(pending) >= 4 * _MANIFEST_CONCURRENCY:
                             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                        pending.add(asyncio.ensure_future(read_manifest(key)))
+                        pending.add(asyncio.ensure_future(read_manifest(key, info.sealed)))
         if pending:
             await asyncio.gather(*pending)
             pending = set()
