@@ -96,7 +96,6 @@ def _reason_code(reason: str) -> str:
 class _ManifestHead(msgspec.Struct):
     incomplete: bool
     reasons: list[str] = []
-    version: int = -1  # absent (a foreign manifest): not counted empty
 
 
 # --------------------------------------------------------------------------- status
@@ -130,7 +129,7 @@ async def status(
     pending: set[asyncio.Task[None]] = set()
     limit = asyncio.Semaphore(_MANIFEST_CONCURRENCY)
 
-    async def read_manifest(key: str, sealed: bool) -> None:
+    async def read_manifest(key: str, empty: bool) -> None:
         try:
             async with limit:
                 body = await store._get(key, _MANIFEST_LIMIT)
@@ -146,9 +145,7 @@ async def status(
                 result.masked_by_reason[code] = result.masked_by_reason.get(code, 0) + 1
         else:
             result.complete += 1
-            # Only a manifest of the listed state: an older one of nothing says nothing of the
-            # late writes that changed the rollout since (a breaker, 2026-12-04).
-            result.empty += sealed and head.version == 0
+            result.empty += empty
 
     bar = _progress(progress, "status")
     try:
@@ -189,7 +186,9 @@ async def status(
                     if manifests:
                         while len(pending) >= 4 * _MANIFEST_CONCURRENCY:
                             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                        pending.add(asyncio.ensure_future(read_manifest(key, info.sealed)))
+                        # Empty: sealed at version 0 (nothing written). Not from an older manifest of
+                        # nothing, which a late write has made stale (a breaker, 2026-12-04).
+                        pending.add(asyncio.ensure_future(read_manifest(key, info.sealed and info.version == 0)))
         if pending:
             await asyncio.gather(*pending)
             pending = set()
