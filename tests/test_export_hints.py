@@ -158,3 +158,16 @@ async def test_an_id_listed_in_a_state_not_selected_is_counted_once(
     assert summary.skipped == 1 and summary.skipped_examples["not_listed"] == [
         "r-9: not_listed: no such rollout in the selected states and prefix"
     ]
+
+
+@MOTO
+def test_a_mistyped_root_holding_only_a_folder_marker_exits_3_with_a_selection_too(
+    s3_env: Any, bucket_url: str, s3_client: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """A breaker (2026-12-04): the one-key LIST behind ``--prefix`` took the folder marker
+    ``ROOT/rollouts/`` (a console's "Create folder") for a rollout, and exited 0."""
+    bucket, root = bucket_url[len("s3://") :].split("/", 1)
+    s3_client.put_object(Bucket=bucket, Key=f"{root}/typo/rollouts/", Body=b"")
+    for selection in ([], ["--prefix", "r-"]):
+        assert main(["export", bucket_url + "/typo", "--out", str(tmp_path / "o"), "--workers", "0", *selection]) == 3
+        assert "result: NO ROLLOUTS under the source root" in capsys.readouterr().out

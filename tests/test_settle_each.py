@@ -48,3 +48,43 @@ async def test_gather_settled_awaits_every_request_before_it_raises() -> None:
         await gather_settled([write("entry", 0.05), fail()])
     assert landed == ["entry"]  # not still on its way after the error
     assert await gather_settled([write("a", 0.01), write("b", 0.0)]) == ["a", "b"]
+
+
+async def test_settle_each_treats_an_item_that_raises_cancelled_error_as_a_failure() -> None:
+    """A breaker (2026-12-04): only ``Exception`` was caught, so a ``CancelledError`` (or any
+    ``BaseException``) raised by one item went straight up through ``gather`` and left the others
+    running, and starting, after the call had raised."""
+    started: list[int] = []
+
+    async def fn(i: int) -> None:
+        started.append(i)
+        if i == 0:
+            await asyncio.sleep(0.005)  # item 1 is under way by then
+            raise asyncio.CancelledError()
+        await asyncio.sleep(0.02)
+
+    with pytest.raises(asyncio.CancelledError):
+        await settle_each(list(range(6)), fn, limit=2, what="items")
+    await asyncio.sleep(0.05)
+    assert sorted(started) == [0, 1]  # the one under way finished; none started after
+
+
+async def test_a_cancelled_caller_cancels_the_items_under_way_and_starts_no_more() -> None:
+    started: list[int] = []
+    cancelled: list[int] = []
+
+    async def fn(i: int) -> None:
+        started.append(i)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+
+    caller = asyncio.ensure_future(settle_each(list(range(6)), fn, limit=2, what="items"))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await asyncio.sleep(0.05)
+    assert sorted(started) == sorted(cancelled) == [0, 1]

@@ -124,7 +124,7 @@ async def settle_each(
     their retries after the first had failed, 78 s instead of 14 s). A cancelled caller cancels the
     items under way (``gather``) and starts no more."""
     semaphore = asyncio.Semaphore(limit)
-    errors: dict[int, Exception] = {}
+    errors: dict[int, BaseException] = {}
     finished = 0
 
     async def one(index: int, item: T) -> None:
@@ -134,7 +134,9 @@ async def settle_each(
                 return
             try:
                 await fn(item)
-            except Exception as error:  # noqa: BLE001 - raised below, once the wave has settled
+            except BaseException as error:  # noqa: BLE001 - raised below, once the wave has settled
+                # Any error, a CancelledError an item raises included (a cancelled caller gets
+                # CancelledError from gather whatever the items return).
                 errors[index] = error
                 return
             finished += 1

@@ -38,6 +38,7 @@ from s3capture.export.records import (
 from s3capture.export.report import _account, _Progress, format_summary as format_summary
 from s3capture.export.shard import NOT_SEALED, ListedRollout
 from s3capture.errors import StoreError
+from s3capture.layout import is_folder_marker
 from s3capture.ops import roots_below, roots_beside, store_time
 
 _DROPS_AHEAD = 1024
@@ -480,11 +481,13 @@ async def export(
 
 
 async def _holds_no_rollout(store: Any) -> bool:
-    """Whether nothing at all is under the root's ``rollouts/`` prefix, from one LIST of one key
-    (for a ``--prefix`` or ``--ids`` selection that matched nothing). A LIST that fails (a role
-    allowed to list only some prefixes) answers False: a hint, never an error."""
+    """Whether no rollout is under the root's ``rollouts/`` prefix, from one LIST page (for a
+    ``--prefix`` or ``--ids`` selection that matched nothing); folder markers (``rollouts/``
+    itself, a console's "Create folder") are no rollout. A LIST that fails (a role allowed to list
+    only some prefixes) answers False: a hint, never an error."""
+    prefix = f"{store.layout.root}rollouts/"
     try:
-        page = await store.transport.list_page(f"{store.layout.root}rollouts/", 1)
+        page = await store.transport.list_page(prefix)
     except StoreError:
         return False
-    return not page.objects
+    return all(is_folder_marker(item.key[len(prefix) :], item.size) for item in page.objects)

@@ -158,6 +158,15 @@ class RolloutObjects(_RootListing):
         removed: set[str] = set()
 
         async def one(rollout_id: str) -> None:
+            try:
+                await remove(rollout_id)
+            finally:
+                # Also when the removal failed midway: what this client cached of the rollout, or
+                # mapped of its call keys, may name objects that are gone.
+                self._cache.discard_prefix(self.layout.rollout(rollout_id))
+                self._forget_rollout(rollout_id)
+
+        async def remove(rollout_id: str) -> None:
             scan = await self._scan(rollout_id)
             keys = scan.all_keys
             if scan.folders and not (scan.contents or scan.fence or scan.retired):
@@ -175,8 +184,6 @@ class RolloutObjects(_RootListing):
                     # once the fence is gone (DELETE of an absent key is a no-op).
                     await self._delete_one(key)
                 removed.add(rollout_id)
-            self._cache.discard_prefix(scan.prefix)
-            self._forget_rollout(rollout_id)
 
         await self._each(ids, one)
         return {"removed": [r for r in ids if r in removed], "absent": [r for r in ids if r not in removed]}
