@@ -127,12 +127,6 @@ class _StoreLifecycle(_StoreCore):
                 and the ones under way finish before it is raised (its note counts them); run it
                 again to finish.
         """
-        ids = rollout_ids if isinstance(rollout_ids, str) else list(rollout_ids)  # an iterator is read once
-        try:
-            return await super().retire(ids)
-        finally:
-            # No more writes: its call keys and fence time go, also when the retire failed for
-            # another id (a finished rollout kept a stale map: a reused id's delta puts failed).
-            for rollout_id in [] if isinstance(ids, str) else ids:
-                if isinstance(rollout_id, str):  # anything else was refused before any request
-                    self._forget_rollout(rollout_id)
+        # Its call keys and fence time go with each rollout it removes, however that ends
+        # (RolloutObjects._each).
+        return await super().retire(rollout_ids)

@@ -158,15 +158,6 @@ class RolloutObjects(_RootListing):
         removed: set[str] = set()
 
         async def one(rollout_id: str) -> None:
-            try:
-                await remove(rollout_id)
-            finally:
-                # Also when the removal failed midway: what this client cached of the rollout, or
-                # mapped of its call keys, may name objects that are gone.
-                self._cache.discard_prefix(self.layout.rollout(rollout_id))
-                self._forget_rollout(rollout_id)
-
-        async def remove(rollout_id: str) -> None:
             scan = await self._scan(rollout_id)
             keys = scan.all_keys
             if scan.folders and not (scan.contents or scan.fence or scan.retired):
@@ -205,10 +196,20 @@ class RolloutObjects(_RootListing):
         midway), then the first error in order is raised with a note of what finished. Plain
         ``gather`` left them running, and a removal that outlived its failed ``delete`` deleted the
         acknowledged entry of an attempt that reused the id after a second ``delete`` had finished
-        (a review, 2026-12-04)."""
+        (a review, 2026-12-04). However a started removal ends, this client forgets what it cached
+        and mapped of the rollout: objects it names may be gone (a retire or delete that failed
+        midway kept them, and a reused id's delta puts from this client then failed)."""
+
+        async def removal(rollout_id: str) -> None:
+            try:
+                await fn(rollout_id)
+            finally:
+                self._cache.discard_prefix(self.layout.rollout(rollout_id))
+                self._forget_rollout(rollout_id)
+
         await settle_each(
             ids,
-            fn,
+            removal,
             limit=8,
             what="rollouts",
             then="Run it again to finish (the rollouts it finished then read as absent).",
