@@ -37,6 +37,8 @@ One request per client connection (every answer says ``Connection: close``). A r
 * ``ListNoToken(max_keys=None)`` - a truncated page whose continuation token was removed;
 * ``ListIgnoreStartAfter()`` - forward a LIST without its ``start-after`` parameter (a store that
   ignores ``StartAfter``);
+* ``ListInclusiveStartAfter()`` - answer a LIST with ``start-after`` with that key itself first,
+  then what follows it (an off-by-one ``StartAfter``);
 * ``ListCutShort(max_keys)`` - ask the server for pages of ``max_keys`` and answer the first as the
   last (``IsTruncated`` false, no continuation token): a listing cut short that says it is whole;
 * ``ListPaged(max_keys, repeat=False)`` - ask the server for pages of ``max_keys``; with ``repeat``,
@@ -78,6 +80,7 @@ __all__ = [
     "ListNoToken",
     "ListCutShort",
     "ListIgnoreStartAfter",
+    "ListInclusiveStartAfter",
     "ListPaged",
     "ListHideYoung",
     "s3_error",
@@ -203,6 +206,17 @@ class ListNoToken:
 @dataclass
 class ListIgnoreStartAfter:
     pass
+
+
+@dataclass
+class ListInclusiveStartAfter:
+    pass
+
+
+_EMPTY_OBJECT = (
+    b"<Contents><Key></Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+    b'<ETag>"d41d8cd98f00b204e9800998ecf8427e"</ETag><Size>0</Size><StorageClass>STANDARD</StorageClass></Contents>'
+)
 
 
 @dataclass
@@ -466,6 +480,16 @@ class FaultProxy:
                 return when is not None and now - when < action.ms / 1000
 
             keep = [i for i in items if not young(i)]
+        elif isinstance(action, ListInclusiveStartAfter) and "start-after" in request.params:
+            named = request.params["start-after"]
+            if request.params.get("encoding-type") == "url":
+                named = quote(named, safe="/")
+            template = items[0] if items else _EMPTY_OBJECT
+            first = re.sub(rb"<Key>.*?</Key>", b"<Key>" + named.encode() + b"</Key>", template, flags=re.S)
+            if not items:  # the key it names, alone
+                body = body.replace(b"</ListBucketResult>", first + b"</ListBucketResult>")
+                return re.sub(rb"<KeyCount>\d+</KeyCount>", b"<KeyCount>1</KeyCount>", body)
+            keep = [first, *items]
         elif isinstance(action, ListNoToken):
             return re.sub(rb"<NextContinuationToken>.*?</NextContinuationToken>", b"", body, flags=re.S)
         elif isinstance(action, ListCutShort):
@@ -564,7 +588,9 @@ class FaultProxy:
                 part = body if action.length is None else body[: action.length]
                 headers = _set_header(headers, "Content-Range", f"bytes 0-{len(part) - 1}/{len(body)}")
                 writer.write(_build(status if action.length is None else "HTTP/1.1 206 Partial Content", headers, part))
-            elif isinstance(action, (ListSkip, ListHideYoung, ListNoToken, ListPaged, ListCutShort)):
+            elif isinstance(
+                action, (ListSkip, ListHideYoung, ListNoToken, ListPaged, ListCutShort, ListInclusiveStartAfter)
+            ):
                 writer.write(_build(status, headers, self._rewrite_list_body(request, action, body)))
             else:
                 writer.write(_build(status, headers, body))

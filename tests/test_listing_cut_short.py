@@ -359,6 +359,79 @@ async def test_a_store_that_ignores_start_after_still_lists_freezes_and_reads(fr
     assert "ignores StartAfter" in caplog.text
 
 
+def cut_then_confirm_with(prefix: str, keys: int, mode: str) -> Any:
+    """A proxy rule: the first LIST of ``prefix`` is cut to ``keys`` keys, and the first LIST after
+    a key is answered by a store whose ``StartAfter`` is ``inclusive`` (the key it names comes
+    first) or ``ignored`` (the listing starts over)."""
+    from faultproxy import ListIgnoreStartAfter, ListInclusiveStartAfter
+
+    cut = cut_first_listing_of(prefix, keys)
+    state = cut.state
+    state["confirm"] = 0
+
+    async def rule(request: Any) -> Any:
+        params = request.params
+        if request.is_list and params.get("prefix") == prefix and "start-after" in params and not state["confirm"]:
+            state["confirm"] += 1
+            return ListInclusiveStartAfter() if mode == "inclusive" else ListIgnoreStartAfter()
+        return await cut(request)
+
+    rule.state = state  # type: ignore[attr-defined]
+    return rule
+
+
+@pytest.mark.parametrize("mode", ["inclusive", "ignored"])
+async def test_keys_a_confirming_list_shows_beside_keys_listed_already_are_kept(fresh, proxy, bucket_url, mode):
+    """A breaker, 2026-12-04: after a listing cut short, a confirming LIST whose ``StartAfter`` is
+    inclusive or ignored showed the hidden marker beside keys listed already, and the whole answer
+    was dropped ("this store ignores StartAfter"): freeze, an unsealed read and the root listing
+    read the marked rollout as trainable, and freeze sealed it so."""
+    writer = fresh()
+    await _rollout_with_marker(writer)
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/r/", 3, mode)
+    snapshot = await fresh(endpoint_url=proxy.endpoint).read_snapshot("r", sealed=False)
+    assert rule.state == {"cut": 1, "confirm": 1}
+    assert snapshot.incomplete and snapshot.version == 4, snapshot
+
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/", 3, mode)
+    reader = fresh(endpoint_url=proxy.endpoint)
+    listed = [(info, items) async for info, items in reader.rollouts_listed()]
+    assert rule.state == {"cut": 1, "confirm": 1}
+    assert [(info.rollout_id, info.objects) for info, _ in listed] == [("r", 4)]
+    snapshot = await reader.read_snapshot("r", sealed=False, listing=listed[0][1])
+    assert snapshot.incomplete and snapshot.version == 4, snapshot
+
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/r/", 4, mode)  # the fence and 3 entries
+    snapshot = await fresh(endpoint_url=proxy.endpoint, fence_grace=0.2).freeze("r")
+    assert rule.state == {"cut": 1, "confirm": 1}
+    assert snapshot.incomplete and "marked_incomplete:c3" in snapshot.reasons, snapshot
+    assert (await fresh().read_snapshot("r")).snapshot_id == snapshot.snapshot_id
+
+
+async def test_an_inclusive_start_after_confirms_a_whole_listing(fresh, proxy, bucket_url, caplog):
+    """The LIST after the last key answers with that key alone: the listing was whole. Nothing is
+    counted twice and nothing is said about StartAfter being ignored."""
+    from faultproxy import ListInclusiveStartAfter
+
+    for cid in ("c1", "c2"):
+        await fresh().put(simple_entry("r", cid))
+
+    async def rule(request: Any) -> Any:
+        return ListInclusiveStartAfter() if request.is_list and "start-after" in request.params else None
+
+    import s3capture.transport_listing as listing_module
+
+    proxy.rule = rule
+    listing_module._IGNORES_START_AFTER = False  # said once per process
+    store = fresh(endpoint_url=proxy.endpoint, fence_grace=0.2)
+    with caplog.at_level("INFO", logger="s3capture"):
+        assert [(info.rollout_id, info.objects) async for info in store.rollouts()] == [("r", 2)]
+        snapshot = await store.freeze("r")
+    assert not snapshot.incomplete and snapshot.version == 2, snapshot
+    assert "StartAfter" not in caplog.text and "more key" not in caplog.text, caplog.text
+
+
 async def test_a_worker_that_outlives_an_export_checks_the_claim_of_the_next(fresh, bucket_url):
     """A long-lived worker (a Ray worker process serves every task of a driver) kept the
     destination client of the first export it served, with that export's claim: the next export

@@ -189,7 +189,7 @@ async def beside_confirmation(
 
 _IGNORES_START_AFTER = False
 """Whether a store answered a LIST with ``StartAfter`` with keys it had listed already (warned
-about once): it ignores ``StartAfter``, and cannot confirm where a listing ends."""
+about once): it ignores ``StartAfter``, so confirming where a listing ends lists it again."""
 
 
 def warn_start_after_ignored(prefix: str, key: str) -> None:
@@ -199,7 +199,7 @@ def warn_start_after_ignored(prefix: str, key: str) -> None:
         _IGNORES_START_AFTER = True
         log.warning(
             "LIST %r after its last key returned %r, which it had listed already: this store ignores "
-            "StartAfter, so the end of a listing cannot be confirmed",
+            "StartAfter, so each confirmation of a listing's end lists its prefix again",
             prefix,
             key,
         )
@@ -315,7 +315,14 @@ class ListingMixin:
         trace. One more request, usually an empty page, closes that (a breaker, 2026-12-02: an
         export wrote a marked rollout as trainable from a freeze whose LIST said it was complete
         before its marker). Keys written while the listing ran show up here too and are kept.
-        After ``list_attempts`` rounds that each found more, raises ``_Unverified``."""
+        After ``list_attempts`` rounds that each found more, raises ``_Unverified``.
+
+        A store whose ``StartAfter`` also returns the key it names, or is ignored (the LIST starts
+        from the prefix's first key), still confirms: the keys it lists again are passed over, the
+        LIST is paged to its end, and every key it shows that the listing lacked is kept (a breaker,
+        2026-12-04: such an answer showed the marker a cut listing had hidden, and the marker was
+        dropped with the rest of the page). On a store that ignores ``StartAfter`` a confirmation
+        thus lists the whole prefix again."""
         for _ in range(self._list_attempts):
             start = out[-1].key if out else None
             more: builtins.list[ListedObject] = []
@@ -325,13 +332,14 @@ class ListingMixin:
             while True:
                 page = await self._list_page_once(prefix, 1000, token, again, None if token else start)
                 fresh = [item for item in page.objects if item.key not in seen]
-                if len(fresh) < len(page.objects):
-                    # Keys it had listed already: the store ignores StartAfter (compared by the
-                    # store's own listing order, which SeaweedFS's is, not by bytes here).
+                if len(fresh) < len(page.objects) and not (
+                    token is None and len(fresh) == len(page.objects) - 1 and page.objects[0].key == start
+                ):
+                    # Keys it had listed already (beyond the StartAfter key itself, which an
+                    # inclusive StartAfter returns first): the store ignores StartAfter, so this
+                    # LIST is the whole prefix again (compared by the store's own listing order,
+                    # which SeaweedFS's is, not by bytes).
                     warn_start_after_ignored(prefix, page.objects[0].key)
-                    out.extend(more)
-                    seen.update(item.key for item in more)
-                    return
                 more.extend(fresh)
                 token = page.next_token
                 if token is None:
