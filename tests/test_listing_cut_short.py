@@ -432,6 +432,136 @@ async def test_an_inclusive_start_after_confirms_a_whole_listing(fresh, proxy, b
     assert "StartAfter" not in caplog.text and "more key" not in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("mode", ["inclusive", "ignored"])
+async def test_root_cut_before_a_later_rollout(fresh, proxy, bucket_url, s3_client, mode):
+    """A second breaker on finding 31's fix: the root's first LIST is cut after rollout a's keys,
+    hiding rollout b (with a marker); the confirming LIST (StartAfter inclusive or ignored) shows b."""
+    writer = fresh()
+    await writer.put(simple_entry("a", "c1"))
+    await writer.put(simple_entry("a", "c2"))
+    await _rollout_with_marker(writer, "b")
+    bucket, root = split_bucket_url(bucket_url)
+    a_keys = len(list_keys(s3_client, bucket, f"{root}rollouts/a/"))
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/", a_keys, mode)
+    reader = fresh(endpoint_url=proxy.endpoint)
+    listed = [(info.rollout_id, info.state, info.objects) async for info in reader.rollouts()]
+    assert rule.state == {"cut": 1, "confirm": 1}
+    assert [rid for rid, _, _ in listed] == ["a", "b"], listed
+
+
+@pytest.mark.parametrize("mode", ["inclusive", "ignored"])
+async def test_root_cut_inside_first_of_two_rollouts(fresh, proxy, bucket_url, s3_client, mode):
+    writer = fresh()
+    await _rollout_with_marker(writer, "a")
+    await writer.put(simple_entry("b", "c1"))
+    bucket, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/", 2, mode)
+    reader = fresh(endpoint_url=proxy.endpoint)
+    listed = [(info.rollout_id, info.state, info.objects) async for info in reader.rollouts()]
+    assert rule.state == {"cut": 1, "confirm": 1}
+    assert [rid for rid, _, _ in listed] == ["a", "b"], listed
+
+
+async def test_export_and_status_through_root_cut_then_ignored(fresh, proxy, bucket_url, s3_client, tmp_path):
+    """Three frozen rollouts; the root's first LIST is cut inside a and the confirming LIST starts
+    over (StartAfter ignored): status and export saw only a (the page showing b and c was dropped)."""
+    from s3capture.export import export, read_manifests
+    from s3capture.ops.status_report import status
+
+    writer, builder = fresh(), fresh(fence_grace=0.2)
+    for rid in ("a", "b", "c"):
+        for cid in ("c1", "c2"):
+            await writer.put(simple_entry(rid, cid))
+        await builder.freeze(rid)
+    _, root = split_bucket_url(bucket_url)
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/", 2, "ignored")
+    st = await status(fresh(endpoint_url=proxy.endpoint), manifests=False)
+    assert rule.state == {"cut": 1, "confirm": 1}
+    counts = {k: v.rollouts for k, v in st.states.items()}
+    rule = proxy.rule = cut_then_confirm_with(f"{root}rollouts/", 2, "ignored")
+    dest = tmp_path / "out"
+    summary = await export(
+        bucket_url, str(dest), workers=0, min_age=0, endpoint_url=proxy.endpoint, build_with="builtin", drop=True
+    )
+    assert rule.state == {"cut": 1, "confirm": 1}
+    exported = sorted(r.rollout_id for m in await read_manifests(str(dest)) for r in m.rollouts)
+    assert counts.get("frozen") == 3 and exported == ["a", "b", "c"], (counts, exported, summary)
+
+
+async def test_ignored_root_confirm_after_first_rollout_deleted(fresh, proxy, bucket_url, s3_client):
+    """StartAfter ignored; rollout a is deleted between the root LIST and its confirming LIST.
+    Expected: the listing ends (a as listed, b), no error."""
+    from faultproxy import ListIgnoreStartAfter
+
+    writer = fresh()
+    for rid in ("a", "b"):
+        for cid in ("c1", "c2"):
+            await writer.put(simple_entry(rid, cid))
+    bucket, root = split_bucket_url(bucket_url)
+    a_keys = list_keys(s3_client, bucket, f"{root}rollouts/a/")
+
+    async def rule(request: Any) -> Any:
+        if request.is_list and "start-after" in request.params:
+            for k in a_keys:
+                s3_client.delete_object(Bucket=bucket, Key=k)
+            return ListIgnoreStartAfter()
+        return None
+
+    proxy.rule = rule
+    listed = [info.rollout_id async for info in fresh(endpoint_url=proxy.endpoint).rollouts()]
+    assert listed == ["a", "b"]
+
+
+async def test_ignored_confirm_of_a_live_rollout(fresh, proxy, bucket_url):
+    """StartAfter ignored; one new entry lands (sorting before the listing's end) before each
+    confirming LIST. Expected: an unsealed read of a live rollout answers (a moment's view)."""
+    from faultproxy import ListIgnoreStartAfter
+
+    writer = fresh()
+    for cid in ("c1", "c2"):
+        await writer.put(simple_entry("r", cid))
+    await writer.begin_call("r", "z9")  # an intent: sorts after every entry
+    _, root = split_bucket_url(bucket_url)
+    n = [0]
+
+    async def rule(request: Any) -> Any:
+        if request.is_list and "start-after" in request.params:
+            n[0] += 1
+            await writer.put(simple_entry("r", f"b{n[0]:03d}"))
+            return ListIgnoreStartAfter()
+        return None
+
+    proxy.rule = rule
+    snap = await fresh(endpoint_url=proxy.endpoint).read_snapshot("r", sealed=False)
+    assert snap.version >= 2, (snap, n)
+
+
+@pytest.mark.parametrize("ignore", [True, False])
+async def test_ls_while_the_last_rollout_is_written(fresh, proxy, bucket_url, ignore):
+    """A root listing whose last rollout r takes a write before each LIST after a key (an entry,
+    sorting before r's intent). Expected: the listing answers (a moment's view), as the root
+    listing's _CONFIRM_ROUNDS guard intends."""
+    from faultproxy import ListIgnoreStartAfter
+
+    writer = fresh()
+    await writer.put(simple_entry("a", "c1"))
+    for cid in ("c1", "c2"):
+        await writer.put(simple_entry("r", cid))
+    await writer.begin_call("r", "z9")
+    n = [0]
+
+    async def rule(request: Any) -> Any:
+        if request.is_list and "start-after" in request.params:
+            n[0] += 1
+            await writer.put(simple_entry("r", f"b{n[0]:03d}"))
+            return ListIgnoreStartAfter() if ignore else None
+        return None
+
+    proxy.rule = rule
+    listed = [info.rollout_id async for info in fresh(endpoint_url=proxy.endpoint).rollouts()]
+    assert listed == ["a", "r"], (listed, n)
+
+
 async def test_a_worker_that_outlives_an_export_checks_the_claim_of_the_next(fresh, bucket_url):
     """A long-lived worker (a Ray worker process serves every task of a driver) kept the
     destination client of the first export it served, with that export's claim: the next export

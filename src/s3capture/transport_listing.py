@@ -321,30 +321,40 @@ class ListingMixin:
         from the prefix's first key), still confirms: the keys it lists again are passed over, the
         LIST is paged to its end, and every key it shows that the listing lacked is kept (a breaker,
         2026-12-04: such an answer showed the marker a cut listing had hidden, and the marker was
-        dropped with the rest of the page). On a store that ignores ``StartAfter`` a confirmation
-        thus lists the whole prefix again."""
+        dropped with the rest of the page). On a store that ignores ``StartAfter`` the confirmation
+        is that one whole listing of the prefix again, with no further round: keys written
+        anywhere in a live rollout would otherwise count as "more after the end" round after
+        round (a second breaker on the fix)."""
         for _ in range(self._list_attempts):
             start = out[-1].key if out else None
             more: builtins.list[ListedObject] = []
             token: str | None = None
             tokens: set[str] = set()
             again: set[str] = set()  # this LIST's own keys: a key twice within it is refused
+            ignored = False
             while True:
                 page = await self._list_page_once(prefix, 1000, token, again, None if token else start)
                 fresh = [item for item in page.objects if item.key not in seen]
-                if len(fresh) < len(page.objects) and not (
-                    token is None and len(fresh) == len(page.objects) - 1 and page.objects[0].key == start
+                if (
+                    not ignored
+                    and len(fresh) < len(page.objects)
+                    and not (token is None and len(fresh) == len(page.objects) - 1 and page.objects[0].key == start)
                 ):
                     # Keys it had listed already (beyond the StartAfter key itself, which an
                     # inclusive StartAfter returns first): the store ignores StartAfter, so this
                     # LIST is the whole prefix again (compared by the store's own listing order,
                     # which SeaweedFS's is, not by bytes).
                     warn_start_after_ignored(prefix, page.objects[0].key)
+                    ignored = True
                 more.extend(fresh)
                 token = page.next_token
                 if token is None:
                     break
                 _new_token(prefix, token, tokens)
+            if ignored:
+                out.extend(more)
+                seen.update(item.key for item in more)
+                return
             if not more:
                 return
             # Writes racing a freeze or an export of a live rollout do this every day; a store that

@@ -227,7 +227,8 @@ class _RootListing(_RolloutClient):
         last_key: str | None = None
         confirmed: str | None = None  # the last key a LIST after it showed to be the end
         confirming = False
-        unconfirmed = False  # the store ignores StartAfter: the last rollout is listed on its own
+        ignored = False  # the store ignores StartAfter: the confirming LIST started over
+        skipping = False  # ... and has not yet passed the last key listed before it
         rounds = 0  # LISTs after the last key sent so far
         pending: asyncio.Future[tuple[ListPage, float]] | None = asyncio.ensure_future(
             self._timed_page(list_prefix, page_keys, None)
@@ -239,19 +240,28 @@ class _RootListing(_RolloutClient):
                 objects = page.objects
                 if confirming and objects and objects[0].key == last_key:
                     objects = objects[1:]  # an inclusive StartAfter: the key it names, then what follows
-                if confirming and objects:
+                elif confirming and objects:
                     key = objects[0].key
                     again = key[blen:].partition("/")[0]
-                    if key in (first_key, last_key) or (
-                        segment is not None and again != segment and not _segment_after(segment, again)
+                    if (
+                        key == first_key
+                        or key in seen
+                        or (segment is not None and again != segment and not _segment_after(segment, again))
                     ):
-                        # Keys it listed already (or before them): this store ignores StartAfter.
-                        # Every rollout but the last ended where the next began; the last one's
-                        # end is confirmed by a listing of its own prefix (a breaker, 2026-12-04:
-                        # the keys this page showed after a cut listing's end were dropped).
+                        # Keys it listed already (or before them): this store ignores StartAfter,
+                        # and this LIST is the root's whole listing again. What follows the last
+                        # key listed before is read on as the listing's continuation, and that
+                        # whole listing is the confirmation (breakers, 2026-12-04: the keys such a
+                        # page showed after a cut listing's end were dropped, and the rollouts
+                        # after it with them).
                         warn_start_after_ignored(list_prefix, key)
-                        unconfirmed = True
-                        break
+                        ignored = skipping = True
+                if skipping:
+                    at = next((i for i, item in enumerate(objects) if item.key == last_key), None)
+                    # Until the last key listed before shows up again, every key was listed already
+                    # (or was written before it since: a moment's view leaves it out, as below).
+                    objects = [] if at is None else objects[at + 1 :]
+                    skipping = at is None
                 confirming = False
                 if objects:
                     first_key = first_key or objects[0].key
@@ -265,6 +275,8 @@ class _RootListing(_RolloutClient):
                         )
                     previous_token = page.next_token
                     pending = asyncio.ensure_future(self._timed_page(list_prefix, page_keys, page.next_token))
+                elif ignored:
+                    pass  # the whole listing again was the confirmation: no LIST after its end
                 elif last_key is not None and last_key != confirmed and rounds >= _CONFIRM_ROUNDS:
                     # Writers keep adding keys after the end faster than a LIST answers: a listing
                     # is a moment's view, so it ends here (the last rollout is being written to).
@@ -281,6 +293,7 @@ class _RootListing(_RolloutClient):
                     # Only the last rollout of a listing cut short looks whole; it may be read
                     # unsealed (an export's quiet open rollouts), so its end must be sure.
                     confirmed, confirming, rounds = last_key, True, rounds + 1
+                    previous_token = None  # a new LIST: its tokens may repeat the first one's
                     pending = asyncio.ensure_future(
                         self._timed_page(list_prefix, page_keys, None, start_after=last_key)
                     )
@@ -305,9 +318,6 @@ class _RootListing(_RolloutClient):
                         )
                     seen.add(item.key)
                     items.append(item)
-            if segment is not None and unconfirmed:
-                listed_at = store_time(self)
-                items = await self.transport.list(f"{base}{segment}/", confirm_end=True)
             if segment is not None:
                 yield segment, items, listed_at
         finally:
