@@ -193,3 +193,30 @@ async def test_a_changed_entry_whose_object_was_damaged_since_raises_a_store_err
     with pytest.raises(StoreError, match="no longer reads as the entry") as raised:
         await freezer.freeze("r")
     assert raised.value.key == damaged
+
+
+async def test_a_freeze_whose_listing_lags_a_retire_still_refuses_the_retired_rollout(
+    fresh, proxy, bucket_url, s3_client
+):
+    """The model with listings that lag (2026-12-04): a drop consumed the rollout, and a freeze
+    whose listing did not show the drop's retire tombstone yet (a new key; the fence existed
+    already, so its showing proved nothing) handed out an empty snapshot and left the retired
+    rollout's fence "frozen". The freeze now also GETs the tombstone beside its LIST."""
+    from faultproxy import ListSkip
+
+    writer = fresh(fence_grace=GRACE)
+    await writer.put(simple_entry("r", "c1"))
+    snapshot = await writer.freeze("r")
+    await asyncio.sleep(GRACE + 0.1)
+    assert await writer.drop("r", snapshot.snapshot_id, snapshot.version)
+
+    async def rule(request: Any) -> Any:
+        return ListSkip(match="/rollouts/r/retired") if lags(request) else None
+
+    proxy.rule = rule
+    with pytest.raises(TokenCaptureRetiredError):
+        await fresh(endpoint_url=proxy.endpoint, fence_grace=GRACE).freeze("r")
+    bucket, root = split_bucket_url(bucket_url)
+    assert get_bytes(s3_client, bucket, f"{root}rollouts/r/fence") != FENCE_FROZEN  # retired, as the drop left it
+    with pytest.raises(TokenCaptureRetiredError):
+        await writer.put(simple_entry("r", "c2"))

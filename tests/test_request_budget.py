@@ -5,8 +5,8 @@ Every count comes from our own handlers on the store's aiobotocore client events
 local servers (moto and SeaweedFS). Budgets are exact where the design fixes them: a put is one
 PutObject and one fence GetObject sent together (one sequential round trip); a resolve is one
 LIST of the request fingerprint's prefix plus GETs of uncached candidates and ancestors, whatever
-the rollout holds; a freeze is one LIST page per 1,000 keys, one GET per uncached entry and at
-most two PUTs (fence, manifest).
+the rollout holds; a freeze is one LIST page per 1,000 keys (and the LIST confirming its end),
+one GET per uncached entry, one GET of the retire tombstone and at most two PUTs (fence, manifest).
 """
 
 from __future__ import annotations
@@ -263,8 +263,9 @@ async def test_freeze_budget_large_rollout(fresh, bucket_url):
     pages = math.ceil((BIG + 1) / 1000)  # entries + the fence
     assert pages == 2
     assert counts[LIST] == pages + 1  # + the LIST after the last key that confirms the end
-    assert counts[GET] == BIG
-    assert sorted(rec.keys(GET)) == sorted(entry_key(freezer, e) for e in entries)
+    assert counts[GET] == BIG + 1  # + the retire tombstone's, beside the LIST
+    tombstone = freezer.layout.rollout("r") + "retired"
+    assert sorted(rec.keys(GET)) == sorted([tombstone, *(entry_key(freezer, e) for e in entries)])
     assert 1 <= counts[PUT] <= 2  # the fence and the sealed manifest
     assert set(counts) == {LIST, GET, PUT}
 
@@ -274,9 +275,9 @@ async def test_freeze_budget_large_rollout(fresh, bucket_url):
     assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
     counts = rec.counts()
     assert counts[LIST] == math.ceil((BIG + 2) / 1000) + 1  # + the manifest; + the confirming LIST
-    assert counts[GET] == 0
+    assert counts[GET] == 1 and rec.keys(GET) == [tombstone]
     assert counts[PUT] <= 1
-    assert set(counts) <= {LIST, PUT}
+    assert set(counts) <= {LIST, PUT, GET}
 
 
 async def test_freeze_budget_small_rollout(fresh):
@@ -288,15 +289,16 @@ async def test_freeze_budget_small_rollout(fresh):
     rec = await RequestRecorder.attach(freezer)
     snapshot = await freezer.freeze("r")
     assert len(snapshot.entries) == 5
-    assert rec.counts() == {PUT: 2, LIST: 2, GET: 5}
-    # In sequence: the fence PUT, the LIST, the GETs with the LIST after its last key that
-    # confirms its end (together), the manifest PUT.
+    assert rec.counts() == {PUT: 2, LIST: 2, GET: 6}
+    # In sequence: the fence PUT, the LIST with the GET of the retire tombstone, the GETs with the
+    # LIST after its last key that confirms its end (together), the manifest PUT.
     assert round_trips(rec) == 4, rec.sequence
 
     rec.reset()
     await freezer.freeze("r")
-    assert rec.counts() == {PUT: 1, LIST: 2}
-    # the fence PUT, the LIST, the confirming LIST (cached entries; the manifest exists)
+    assert rec.counts() == {PUT: 1, LIST: 2, GET: 1}
+    # the fence PUT, the LIST (and the tombstone's GET), the confirming LIST (cached entries; the
+    # manifest exists)
     assert round_trips(rec) == 3, rec.sequence
 
     # A read-only reader: the LIST, then the entry GETs beside the sealed manifest's GET and the
@@ -307,10 +309,10 @@ async def test_freeze_budget_small_rollout(fresh):
     assert rec.counts() == {LIST: 2, GET: 6}
     assert round_trips(rec) == 2, rec.sequence
 
-    # The writer cached its own entries: its first freeze GETs nothing (the manifest exists).
+    # The writer cached its own entries: its first freeze GETs no entry (the manifest exists).
     rec = await RequestRecorder.attach(writer)
     await writer.freeze("r")
-    assert rec.counts() == {PUT: 1, LIST: 2}
+    assert rec.counts() == {PUT: 1, LIST: 2, GET: 1}
 
 
 async def test_a_freeze_refetches_entries_a_caller_changed_in_one_wave(fresh):
@@ -327,8 +329,8 @@ async def test_a_freeze_refetches_entries_a_caller_changed_in_one_wave(fresh):
         entry.output_items[0]["annotated_by_caller"] = True
     rec = await RequestRecorder.attach(freezer)
     again = await freezer.freeze("r")
-    assert rec.counts() == {PUT: 1, LIST: 2, GET: 12}
-    # the fence PUT, the LIST, then the 12 GETs beside the confirming LIST
+    assert rec.counts() == {PUT: 1, LIST: 2, GET: 13}
+    # the fence PUT, the LIST (and the tombstone's GET), then the 12 GETs beside the confirming LIST
     assert round_trips(rec) == 3, rec.sequence
     assert all("annotated_by_caller" not in e.output_items[0] for e in again.entries)
     assert again.snapshot_id == first.snapshot_id

@@ -32,7 +32,7 @@ from s3capture.protocols import TokenCaptureRetiredError, TokenCaptureSnapshot
 from s3capture.records import RecordError, TokenEntry, to_gym
 from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutScan, scan_listing
 from s3capture.store_core import _StoreCore
-from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
+from s3capture.transport import ListedObject, beside_confirmation, cancel_unfinished, gather_fail_fast
 
 log = logging.getLogger("s3capture")
 
@@ -127,9 +127,9 @@ class _StoreSnapshots(_StoreCore):
     async def freeze(self, rollout_id: str) -> FrozenSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
-        Requests: PUT the fence, then one LIST page per 1,000 keys, one GET per entry not yet
-        cached and one LIST after the listing's last key that confirms its end (in parallel), and
-        one PUT of the sealed manifest unless it already exists.
+        Requests: PUT the fence, then one LIST page per 1,000 keys beside one GET of the retire
+        tombstone, one GET per entry not yet cached and one LIST after the listing's last key that
+        confirms its end (in parallel), and one PUT of the sealed manifest unless it already exists.
         ``version`` is the number of log and foreign objects and ``snapshot_id`` a digest of their
         sorted keys (and of the foreign objects' ETags: s3capture's own keys name their content),
         so two clients freezing the same state agree. The snapshot is ``incomplete`` when
@@ -156,8 +156,17 @@ class _StoreSnapshots(_StoreCore):
         await self._put(prefix + "fence", FENCE_FROZEN)
         fenced_at = awake_clock()
         # A listing that does not show the fence just written is stale or incomplete: never build a
-        # snapshot on it (retried, then ListingError).
-        listing = await self._list(prefix, require=[prefix + "fence"])
+        # snapshot on it (retried, then ListingError). The retire tombstone is also read by a GET
+        # beside it: where the fence existed already (a retired rollout has one), its showing proves
+        # nothing about how far a listing lags, and a listing that lagged a drop's tombstone made
+        # this freeze hand out an empty snapshot and leave a retired rollout's fence "frozen" (the
+        # model, with listings that lag, 2026-12-04).
+        tombstone = asyncio.ensure_future(self._present(prefix + "retired"))
+        try:
+            listing = await self._list(prefix, require=[prefix + "fence"])
+            retired_before = await tombstone
+        finally:
+            await cancel_unfinished(tombstone)
 
         # Its end is confirmed by one more LIST, sent beside the entries' GETs rather than before
         # them (Transport.confirm_listing_end): a listing cut short would hide the rollout's last
@@ -169,7 +178,7 @@ class _StoreSnapshots(_StoreCore):
         # entries this freeze loads vanish (masked) and its drop fails (retired).
         async def snapshot_of(listed: list[ListedObject]) -> tuple[RolloutScan, FrozenSnapshot | None]:
             scan = scan_listing(prefix, listed, seen_at=awake_clock())
-            return scan, None if scan.retired else await self._snapshot_of(rollout_id, scan)
+            return scan, None if scan.retired or retired_before else await self._snapshot_of(rollout_id, scan)
 
         scan, snapshot = await beside_confirmation(
             self.transport.confirm_listing_end(prefix, listing), listing, snapshot_of
