@@ -325,7 +325,7 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     assert young.skipped == 2 and young.skipped_reasons == {"not_quiescent": 2} and young.exported == 0
     # Nothing to read in the destination (pyarrow fails on it): the summary says so, and what to do.
     text = format_summary(young)
-    assert "nothing to read: the destination holds no data file" in text, text
+    assert "nothing to read: no row was written, and the destination holds no data file" in text, text
     assert "2 open rollouts have not been quiet for --min-age: --min-age 0 takes them now" in text, text
 
     # A frozen rollout written to after its freeze (a late marker) is not sealed: skipped, unread,

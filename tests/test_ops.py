@@ -94,6 +94,7 @@ async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_t
     assert result.oldest_open.age_seconds >= FAR - 5
     assert (result.frozen_sealed, result.frozen_changed, result.frozen_without_manifest) == (3, 1, 1)
     assert (result.complete, result.masked, result.manifest_errors) == (2, 2, 0)  # frozen-late's manifest: trainable
+    assert result.complete_changed == 1  # ... and stale: frozen-late changed since that freeze
     assert result.masked_by_reason == {"dangling_intent": 1, "marked_incomplete": 1}
     # Two dropped rollouts keep fence + tombstone each; the straggled one also its straggler intent.
     assert result.retired_leftover_objects == 2 + 2 + 3
@@ -103,7 +104,10 @@ async def test_status_then_gc_dry_run_deletes_nothing_then_yes_removes_exactly_t
     assert listed_only.states["retired"].rollouts == 3
     # A new user's walkthrough: "0 complete, 0 masked" read as "nothing masked" when no manifest was read.
     assert "newest manifests: not read (--no-manifests)" in format_status(listed_only)
-    assert "newest manifests: 2 complete, 2 masked" in format_status(result)
+    assert (
+        "newest manifests: 2 complete (1 of them changed since that freeze: a later write, a marker say, "
+        "may mask them; a freeze or an export reads them again), 2 masked" in format_status(result)
+    )
     bucket, root = split_bucket_url(bucket_url)
     _, old_newest = newest_modified(s3_client, bucket_url, OLD)
     await asyncio.sleep(1.2)  # LastModified has one-second resolution on some servers
@@ -591,4 +595,6 @@ async def test_status_counts_a_frozen_rollout_nothing_was_written_to_as_empty(fr
     with pytest.raises(TokenCaptureFrozenError):
         await writer.put(simple_entry("mistyped", "c1"))
     result = await status(fresh())
-    assert (result.complete, result.empty, result.frozen_changed) == (2, 0, 1)
+    assert (result.complete, result.empty, result.frozen_changed, result.complete_changed) == (2, 0, 1, 1)
+    # A walkthrough (2026-12-04) read "2 complete" for a rollout a late write had made stale.
+    assert "newest manifests: 2 complete (1 of them changed since that freeze" in format_status(result)

@@ -160,7 +160,11 @@ def format_summary(summary: ExportSummary) -> str:
         f"already exported {s.already_exported:,}"
         + (f" ({s.already_left_out:,} of them masked and left out: no rows)" if s.already_left_out else "")
         + f", changed since their export {s.changed_since_export:,}, skipped {s.skipped:,}, failed {s.failed:,}",
-        f"written: {s.trajectories:,} trajectories, {s.tokens:,} tokens, {s.shards_written:,} shard{'' if s.shards_written == 1 else 's'} "
+        f"written: {s.trajectories:,} {'trajectory' if s.trajectories == 1 else 'trajectories'}"
+        # --masked include: a masked rollout's rows (a placeholder row when it has no calls) are
+        # counted too, and are not training data (a walkthrough read "6 trajectories, 0 tokens").
+        + (f" (with the masked=true rows of {s.masked_written:,} rollouts)" if s.masked_written else "")
+        + f", {s.tokens:,} tokens, {s.shards_written:,} shard{'' if s.shards_written == 1 else 's'} "
         f"({_size(s.bytes_written)}{'; manifests only, no data file' if s.shards_written and not s.trajectories else ''}); "
         f"read {_size(s.bytes_read)} ({rate:.2f} MB/s)",
     ]
@@ -214,7 +218,9 @@ def format_summary(summary: ExportSummary) -> str:
             if hint:
                 where += "; " + hint
             hints.append(where)
-        lines.append("nothing to read: the destination holds no data file (no row was written)")
+        lines.append(
+            "nothing to read: no row was written" + ("" if s.root_empty else ", and the destination holds no data file")
+        )
         lines.extend(f"  {hint}" for hint in hints)
     else:
         # Said whatever the destination holds (an export into an earlier one's folder, after a

@@ -95,6 +95,12 @@ def format_status(s: StoreStatus) -> str:
             lines.append(
                 f"newest manifests: {s.complete} complete"
                 + (f" ({s.empty} of them empty: frozen with nothing written, which a builder masks)" if s.empty else "")
+                + (
+                    f" ({s.complete_changed} of them changed since that freeze: a later write, a marker "
+                    "say, may mask them; a freeze or an export reads them again)"
+                    if s.complete_changed
+                    else ""
+                )
                 + f", {s.masked} masked, {s.manifest_errors} unreadable "
                 "(complete: the snapshot masks nothing; the builder may still mask)"
             )

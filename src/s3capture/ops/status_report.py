@@ -64,6 +64,10 @@ class StoreStatus(msgspec.Struct, kw_only=True):
     """Of ``complete``, sealed rollouts whose manifest holds no object (version 0): a freeze of an id
     nothing was written to, e.g. a mistyped or removed id given to Gym's consumer, which freezes
     it. A builder masks them (no token records), so they are counted here too."""
+    complete_changed: int = 0
+    """Of ``complete``, rollouts changed since that manifest's freeze (``frozen_changed``): a write
+    landed after it, a marker say, so its verdict is stale; a freeze or an export reads the
+    rollout again (a walkthrough read "2 complete" for a rollout a late marker had masked)."""
     masked: int = 0
     """Frozen rollouts whose newest manifest is ``incomplete`` (masked, not trainable)."""
     masked_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
@@ -129,7 +133,7 @@ async def status(
     pending: set[asyncio.Task[None]] = set()
     limit = asyncio.Semaphore(_MANIFEST_CONCURRENCY)
 
-    async def read_manifest(key: str, empty: bool) -> None:
+    async def read_manifest(key: str, empty: bool, changed: bool) -> None:
         try:
             async with limit:
                 body = await store._get(key, _MANIFEST_LIMIT)
@@ -146,6 +150,7 @@ async def status(
         else:
             result.complete += 1
             result.empty += empty
+            result.complete_changed += changed
 
     bar = _progress(progress, "status")
     try:
@@ -188,7 +193,11 @@ async def status(
                             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         # Empty: sealed at version 0 (nothing written). Not from an older manifest of
                         # nothing, which a late write has made stale (a breaker, 2026-12-04).
-                        pending.add(asyncio.ensure_future(read_manifest(key, info.sealed and info.version == 0)))
+                        pending.add(
+                            asyncio.ensure_future(
+                                read_manifest(key, info.sealed and info.version == 0, not info.sealed)
+                            )
+                        )
         if pending:
             await asyncio.gather(*pending)
             pending = set()
