@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,6 +128,47 @@ async def test_readme_ledger_block_builds_a_working_capture_ledger_through_gym(s
     finally:
         await ledger.close()
         await reader.close()
+
+
+async def test_gyms_external_staging_admits_calls_on_the_ledgers_own_answers(s3_env, bucket_url):
+    """``S3CaptureLedger.resolve`` answers with s3capture's types (docs/gym.md): Gym's
+    ``resolve_parent`` with external staging turns them into its ``CaptureAdmission`` (``token_in``
+    after the proven parent, ``text`` for a root) without a warning, and an unresolvable
+    continuation of a rollout that has rows into a failure row, not an admission."""
+    import warnings
+
+    require_gym()
+    from nemo_gym.token_id_capture.config import token_id_capture_config
+    from nemo_gym.token_id_capture.sink import CaptureContext, reset_token_sink, resolve_parent, set_token_sink
+
+    ledger = token_id_capture_config(readme_block("gym-yaml-ledger", bucket_url)).build_lineage_store()
+    rid = _rid()
+    first = make_commit(rid, "call-1", [system("terse"), user("2+2?")], assistant_output("4"))
+
+    async def admit(call_id: str, request: list[dict]) -> Any:
+        context = CaptureContext(rollout_id=rid, model_call_id=call_id, token_sink=None, external_staging=True)
+        context.lineage_store = ledger
+        token = set_token_sink(context)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                await resolve_parent(request)
+        finally:
+            reset_token_sink(token)
+        return context.capture_admission
+
+    try:
+        root = await admit("call-1", [system("terse"), user("2+2?")])
+        assert (root.mode, root.parent_call_id) == ("text", None)
+        await ledger.record(first)
+        child = await admit("call-2", continuation(first))
+        assert (child.mode, child.parent_call_id) == ("token_in", "call-1")
+        assert child.prev_len == first["record"]["cum_len"] and child.staging_chain == first["staging_chain"]
+        assert await admit("call-3", [system("terse"), user("2+2?"), *assistant_output("5"), user("?")]) is None
+        manifest = await ledger.manifest(rid)
+        assert [f["model_call_id"] for f in manifest["failures"]] == ["call-3"]
+    finally:
+        await ledger.close()
 
 
 # --------------------------------------------------------------------------------- no server
