@@ -735,10 +735,16 @@ class TokenStoreMachine(_Machine):
             )
             shas[entry.model_call_id] = sha
         record = _Snap(snap, out.start, out.end, shas)
+        # A freeze proves its listing fresh by the fence it writes; through a listing that lags the
+        # creation of keys, only a fence that did not exist before does (a re-freeze answers for the
+        # state up to the lag earlier; the drop's new tombstone then refuses what it missed:
+        # docs/reliability.md, "Listings that lag").
+        refreeze = m.dirty or any(start < out.start for start, _ in m.freezes[:-1])  # dirty: a fence may be left
+        before = self.visible_before(out) if refreeze else out.start
         # Every marker acknowledged before the freeze masks it, and is named: a snapshot masked for
         # another reason (a conflict) must not hide a lost marker. Counted when it holds too, so a
         # CI budget that never checks it shows (test_model.py).
-        marked = sorted({ack.cid for ack in m.markers if ack.end < out.start})
+        marked = sorted({ack.cid for ack in m.markers if ack.end < before})
         if marked and not m.maybe_removed:  # a removal in doubt may have deleted one (see check_complete_snapshot)
             self.stats.check(
                 snap.incomplete and all(f"marked_incomplete:{cid}" in snap.reasons for cid in marked),
@@ -746,7 +752,7 @@ class TokenStoreMachine(_Machine):
                 lambda: f"{out.describe()} although {marked} were marked incomplete",
             )
         if not snap.incomplete:
-            self.check_complete_snapshot(rollout, record, out.start, "freeze")
+            self.check_complete_snapshot(rollout, record, before, "freeze")
             for entry in snap.entries:
                 self.stats.check(
                     entry.parent_call_id is None or entry.parent_call_id in shas,
