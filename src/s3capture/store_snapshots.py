@@ -164,7 +164,16 @@ class _StoreSnapshots(_StoreCore):
         tombstone = asyncio.ensure_future(self._present(prefix + "retired"))
         try:
             listing = await self._list(prefix, require=[prefix + "fence"])
-            retired_before = await tombstone
+            try:
+                retired_before = await tombstone
+            except StoreError as error:
+                # The listing decides alone, as before the GET was added: a retired rollout whose
+                # tombstone GET failed was left fenced "frozen" after a drop had consumed it (a
+                # breaker on the change, 2026-12-04).
+                log.warning(
+                    "freeze of %r: GET of the retire tombstone failed (%s); the listing decides", rollout_id, error
+                )
+                retired_before = False
         finally:
             await cancel_unfinished(tombstone)
 

@@ -113,6 +113,16 @@ def _segment_after(previous: str, segment: str) -> bool:
     return segment > previous or segment + "/" > previous + "/"
 
 
+def _resumes(key: str, last_key: str, blen: int) -> bool:
+    """Whether ``key`` of a listing that started over (a store that ignores ``StartAfter``) is
+    where the listing that ended at ``last_key`` goes on: that key itself, or the first key of a
+    rollout after its rollout (``last_key`` may have been deleted since)."""
+    if key == last_key:
+        return True
+    last_segment, segment = last_key[blen:].partition("/")[0], key[blen:].partition("/")[0]
+    return segment != last_segment and _segment_after(last_segment, segment)
+
+
 def _last_write(objects: Iterable[ListedObject]) -> datetime.datetime | None:
     newest = max((item.modified for item in objects), default=0.0)
     return datetime.datetime.fromtimestamp(newest, tz=datetime.timezone.utc) if newest > 0 else None
@@ -229,6 +239,7 @@ class _RootListing(_RolloutClient):
         confirming = False
         ignored = False  # the store ignores StartAfter: the confirming LIST started over
         skipping = False  # ... and has not yet passed the last key listed before it
+        relist: set[str] = set()  # segments listed on their own prefix before they are yielded
         rounds = 0  # LISTs after the last key sent so far
         pending: asyncio.Future[tuple[ListPage, float]] | None = asyncio.ensure_future(
             self._timed_page(list_prefix, page_keys, None)
@@ -245,23 +256,28 @@ class _RootListing(_RolloutClient):
                     again = key[blen:].partition("/")[0]
                     if (
                         key == first_key
-                        or key in seen
+                        or any(item.key in seen for item in objects)
                         or (segment is not None and again != segment and not _segment_after(segment, again))
                     ):
                         # Keys it listed already (or before them): this store ignores StartAfter,
                         # and this LIST is the root's whole listing again. What follows the last
-                        # key listed before is read on as the listing's continuation, and that
-                        # whole listing is the confirmation (breakers, 2026-12-04: the keys such a
-                        # page showed after a cut listing's end were dropped, and the rollouts
-                        # after it with them).
+                        # key listed before is read on as the listing's continuation; the rollout
+                        # that key belongs to, and the last one, are listed on their own prefix
+                        # (breakers, 2026-12-04: the keys such a page showed after a cut listing's
+                        # end were dropped, and the rollouts after it with them).
                         warn_start_after_ignored(list_prefix, key)
                         ignored = skipping = True
-                if skipping:
-                    at = next((i for i, item in enumerate(objects) if item.key == last_key), None)
-                    # Until the last key listed before shows up again, every key was listed already
-                    # (or was written before it since: a moment's view leaves it out, as below).
-                    objects = [] if at is None else objects[at + 1 :]
-                    skipping = at is None
+                        if segment is not None:
+                            relist.add(segment)
+                if skipping and last_key is not None:
+                    # Until the last key listed before shows up again, or a rollout after its own
+                    # (that key may have been deleted since), every key was listed already.
+                    at = next((i for i, item in enumerate(objects) if _resumes(item.key, last_key, blen)), None)
+                    if at is None:
+                        objects = []
+                    else:
+                        objects = objects[at + 1 :] if objects[at].key == last_key else objects[at:]
+                        skipping = False
                 confirming = False
                 if objects:
                     first_key = first_key or objects[0].key
@@ -310,7 +326,7 @@ class _RootListing(_RolloutClient):
                                     operation="LIST",
                                     key=list_prefix,
                                 )
-                            yield segment, items, listed_at
+                            yield segment, *(await self._relisted(base, segment, items, listed_at, relist))
                         segment, items, seen, listed_at = current, [], set(), page_time
                     if item.key in seen:
                         raise ListingError(
@@ -319,10 +335,23 @@ class _RootListing(_RolloutClient):
                     seen.add(item.key)
                     items.append(item)
             if segment is not None:
-                yield segment, items, listed_at
+                if ignored:
+                    relist.add(segment)
+                yield segment, *(await self._relisted(base, segment, items, listed_at, relist))
         finally:
             if pending is not None:
                 await cancel_unfinished(pending)  # the page nobody will read
+
+    async def _relisted(
+        self, base: str, segment: str, items: list[ListedObject], listed_at: float, relist: set[str]
+    ) -> tuple[list[ListedObject], float]:
+        """``(items, listed_at)`` of a rollout, or, where ``relist`` names it (a store that ignores
+        ``StartAfter`` left its end unconfirmed in the root's listing), one listing of its own
+        prefix with its end confirmed."""
+        if segment not in relist:
+            return items, listed_at
+        at = store_time(self)
+        return await self.transport.list(f"{base}{segment}/", confirm_end=True), at
 
     async def _timed_page(
         self, prefix: str, max_keys: int, token: str | None, start_after: str | None = None
