@@ -92,7 +92,6 @@ class RolloutObjects(_RootListing):
     async def _retire_scanned(self, scan: RolloutScan) -> None:
         await self._mark_retired(scan)
         await self._delete_keys([i.key for i in scan.records])
-        self._cache.discard_prefix(scan.prefix)
 
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemovalPayload:
         """Remove rollouts' records and keep a fence, whatever their state (idempotent).
