@@ -86,6 +86,8 @@ _UNCONFIRMED_LISTINGS = ("/log/e/", "/ledger-index/", "/ledger/row/")
 CANCEL_AFTER = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.15)
 """Seconds after which the ``cancelled`` rules cancel an operation's task (0: before it starts)."""
 SETTLE = SLOW + LATE + 0.4
+QUIESCE = 30.0
+"""Seconds a ``delete`` waits for requests still in flight under the ids it removes (``quiesce``)."""
 """Seconds within which a request of a cancelled operation may still be applied (the connection is
 closed, but the server or a proxy holding the request can still apply it): a cancelled operation
 counts as a write until then, and after a cancelled removal the machine waits this long before the
@@ -439,6 +441,19 @@ class _Machine(RuleBasedStateMachine):
     def settle(self) -> None:
         """Wait until every request of a cancelled operation has been applied or dropped."""
         self.loop.run_until_complete(asyncio.sleep(SETTLE))
+
+    def quiesce(self, prefixes: list[str]) -> None:
+        """Wait (up to ``QUIESCE`` seconds) until no proxy holds a request naming one of
+        ``prefixes``: the precondition of ``delete`` (nothing of the attempt can still write).
+        A cancelled operation's request can reach the server and be applied long after its caller
+        gave up, beyond ``SETTLE``: SeaweedFS held the first PUT with a body into a new bucket for
+        2 s while it grew volumes, and that row landed inside a later delete (chaos seed 103)."""
+        deadline = time.monotonic() + QUIESCE
+        while any(proxy.in_flight(p) for proxy in self.proxies for p in prefixes):
+            if time.monotonic() > deadline:
+                self.stats.say(f"  requests under {prefixes} still in flight after {QUIESCE} s; deleting anyway")
+                return
+            self.loop.run_until_complete(asyncio.sleep(0.01))
 
     def do(self, op: tuple) -> Outcome:
         """Run one operation tuple ``(name, client, fn, delay, after)`` and judge it with ``after``."""
@@ -1016,6 +1031,7 @@ class TokenStoreMachine(_Machine):
         ids = [rollout, *also]
         before = {r: self.model[r] for r in ids}
         store = self.clients[client]
+        self.quiesce([store.layout.rollout(r) for r in ids])
 
         async def go() -> Any:
             for r in ids:
@@ -1536,6 +1552,7 @@ class LedgerMachine(_Machine):
         ledger = self.clients[client]
         ids = [rollout, *also]
         before = {r: self.model[r] for r in ids}
+        self.quiesce([ledger.layout.rollout(r) for r in ids])
         out = self.run(f"delete({', '.join(ids)})", client, lambda: ledger.delete(ids), cancel_after=cancel_after)
         self.expect_error_types(out, ())
         # Through a listing that lags, a delete can miss what was written within the lag (its
