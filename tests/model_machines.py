@@ -87,6 +87,8 @@ CANCEL_AFTER = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.15)
 """Seconds after which the ``cancelled`` rules cancel an operation's task (0: before it starts)."""
 SETTLE = SLOW + LATE + 0.4
 QUIESCE = 30.0
+PROBED_CLIENT = 2
+"""The ledger machine's client built with ``probe_listing=True`` (the others without)."""
 """Seconds a ``delete`` waits for requests still in flight under the ids it removes (``quiesce``)."""
 """Seconds within which a request of a cancelled operation may still be applied (the connection is
 closed, but the server or a proxy holding the request can still apply it): a cancelled operation
@@ -1282,7 +1284,10 @@ class LedgerMachine(_Machine):
     def make_client(self, endpoint: str, session: Any, config: Any) -> Any:
         from s3capture.ledger import S3CaptureLedger
 
-        return S3CaptureLedger(self.url, endpoint_url=endpoint, session=session, botocore_config=config)
+        probe = len(self.clients) == PROBED_CLIENT  # the clients are made in order: this is client i
+        return S3CaptureLedger(
+            self.url, endpoint_url=endpoint, session=session, botocore_config=config, probe_listing=probe
+        )
 
     def __init__(self) -> None:
         super().__init__()
@@ -1349,7 +1354,9 @@ class LedgerMachine(_Machine):
         desc = lambda: out.describe()  # noqa: E731
         # Through a listing that lags (the ``lag`` fault) the manifest answers for the ledger as
         # it stood LAG_MS earlier, as ``resolve`` does: docs/reliability.md, "Listings that lag".
-        before = self.visible_before(out)
+        # Client PROBED_CLIENT's manifests prove their listing fresh (``probe_listing``): judged
+        # against the state at the call, lagging listing or not.
+        before = out.start if out.client == PROBED_CLIENT else self.visible_before(out)
         self.stats.check(len(records) == len(man["records"]), "one_row_per_call", desc)
         for cid, rec in records.items():
             known = [c for (r, _, _), c in self.commits.items() if r == rollout and c.cid == cid]

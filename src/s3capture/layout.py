@@ -15,6 +15,8 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/ledger-index/<fp>/<cid>/<sha256> ledger fingerprint index of that row (empty)
     rollouts/<rid>/ledger/fail/<cid>/<sha256>.json ledger failure row (CaptureLedger.record_failure)
     rollouts/<rid>/ledger/intent/<cid>            ledger begin_call intent (empty)
+    rollouts/<rid>/ledger/probe/<uuid>            a manifest's listing probe (empty; ``probe_listing``),
+                                                  deleted by the manifest that wrote it
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``
@@ -38,6 +40,7 @@ MAX_SEGMENT_BYTES = 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
 _HASHED = re.compile(r"^~h[0-9a-f]{64}$")
+_PROBE = re.compile(r"^[0-9a-f]{32}$")
 _CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
 
 # Longest suffix s3capture appends to a rollout prefix with a call id it checks (an entry: the
@@ -320,8 +323,9 @@ def _is_sha(value: str) -> bool:
 def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
     """Classify a capture-ledger key relative to a rollout prefix.
 
-    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fail"`` or
-    ``"intent"`` (under ``ledger/``) or ``"fp"`` (under ``ledger-index/``), or ``None`` for a key
+    Returns ``(kind, model_call_id, fingerprint, sha)`` with kind ``"row"``, ``"fail"``,
+    ``"intent"`` or ``"probe"`` (under ``ledger/``; a probe names no call, and its uuid is the
+    fourth field) or ``"fp"`` (under ``ledger-index/``), or ``None`` for a key
     s3capture does not write there. The index lives beside ``ledger/``, not in it, so the LIST a
     manifest needs carries no index keys. A failure row of a call id too long to store names the
     call ``~h<sha256>`` (its body carries the real id); for it the third field is ``"~h"``. A key
@@ -343,6 +347,8 @@ def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
             return "fail", _call_id(parts[2]), "", sha
         if len(parts) == 3 and parts[:2] == ["ledger", "intent"]:
             return "intent", _call_id(parts[2]), "", ""
+        if len(parts) == 3 and parts[:2] == ["ledger", "probe"] and _PROBE.match(parts[2]):
+            return "probe", "", "", parts[2]
     except (ValueError, UnicodeEncodeError):
         return None
     return None

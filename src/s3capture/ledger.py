@@ -88,6 +88,15 @@ class S3CaptureLedger(_LedgerManifest):
         spill_dir: a local directory where ``record_failure`` durably spills a failure row it could
             not store; spilled rows are replayed by the next ``record_failure``, ``replay_spill``
             or ``close`` (the same spill file ``S3TokenStore`` uses for its markers).
+        probe_listing: for a store whose listings lag writes (``s3capture doctor``'s
+            list-after-write check): ``manifest`` first PUTs an empty probe key under the
+            rollout's ``ledger/`` and lists until the listing shows it, so every row acknowledged
+            before the call is in the manifest, then deletes the probe beside its GETs. Costs one
+            more round trip and two requests per manifest, and PutObject and DeleteObject
+            permission for the reader; waits out the lag, or raises ``ListingError`` after the
+            transport's ``list_attempts`` (docs/reliability.md, "Listings that lag"). Off by
+            default: every store s3capture is tested on, and AWS S3, GCS and MinIO, list
+            read-after-write.
 
     Every method raises ``ValueError``/``TypeError`` for an id or record that cannot be stored,
     before any request, and ``StoreError`` when the store refuses an operation.
@@ -104,6 +113,7 @@ class S3CaptureLedger(_LedgerManifest):
         max_concurrency: int = 32,
         spill_dir: str | os.PathLike | None = None,
         transport: str | Any = None,
+        probe_listing: bool = False,
     ) -> None:
         super().__init__(
             url,
@@ -116,6 +126,7 @@ class S3CaptureLedger(_LedgerManifest):
             transport=transport,
         )
         self._compressors = threading.local()  # a ZstdCompressor must not be shared by two threads
+        self._probe_listing = bool(probe_listing)
 
     def _fail_prefix(self, prefix: str, model_call_id: str) -> str:
         """The prefix of a call's failure rows: ``<rollout prefix>ledger/fail/<call segment>/``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import uuid
 from typing import Any
 
 import msgspec
@@ -38,6 +39,7 @@ from s3capture.ledger_rows import (
     _sha,
 )
 from s3capture.protocols import RolloutRetiredError
+from s3capture.errors import StoreError
 from s3capture.records import RecordError
 from s3capture.rollouts import RolloutObjects
 from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
@@ -47,6 +49,8 @@ log = logging.getLogger("s3capture")
 
 class _LedgerManifest(RolloutObjects):
     """``manifest``, ``has_rows`` and the row reader of ``S3CaptureLedger`` (private mixin)."""
+
+    _probe_listing: bool = False
 
     # ------------------------------------------------------------------ reads
     async def _retired(self, prefix: str) -> bool:
@@ -106,7 +110,38 @@ class _LedgerManifest(RolloutObjects):
                 be trusted after retries).
         """
         prefix = self.layout.rollout(rollout_id)
-        listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/"), self._retired(prefix))
+        if not self._probe_listing:
+            return await self._manifest_listed(rollout_id, prefix, ())
+        # A listing that shows a key created after the call began shows every row acknowledged
+        # before it, where a listing lags creations (docs/reliability.md, "Listings that lag").
+        probe = f"{self.layout.rollout(rollout_id, writing=True)}ledger/probe/{uuid.uuid4().hex}"
+        listed = asyncio.Event()
+
+        async def remove_probe() -> None:
+            try:
+                await listed.wait()
+            finally:  # also when the manifest failed or its caller cancelled it
+                try:
+                    await self.transport.delete_one(probe)
+                except StoreError as error:  # a leftover probe is ignored by every reader
+                    log.warning("could not delete the listing probe %s: %s", probe, error)
+
+        remover = asyncio.ensure_future(remove_probe())
+        try:
+            await self._put(probe, b"")
+            return await self._manifest_listed(rollout_id, prefix, (probe,), listed)
+        finally:
+            listed.set()
+            await asyncio.shield(remover)
+
+    async def _manifest_listed(
+        self, rollout_id: str, prefix: str, require: tuple[str, ...], listed: asyncio.Event | None = None
+    ) -> dict:
+        """``manifest`` from a listing of ``ledger/`` that shows ``require`` (the probe), setting
+        ``listed`` once it does."""
+        listing, retired = await asyncio.gather(self._list(f"{prefix}ledger/", require=require), self._retired(prefix))
+        if listed is not None:
+            listed.set()  # the probe has done its work: it is deleted beside the GETs
         if retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
 
@@ -146,6 +181,7 @@ class _LedgerManifest(RolloutObjects):
                 fails.append((item.key, parsed[1], parsed[2] == "~h", parsed[3]))
             elif parsed[0] == "intent":
                 intents.add(parsed[1])
+            # parsed[0] == "probe": a manifest's listing probe (``probe_listing``), no row
         records: list[CallRecord] = []
 
         async def load_row(cid: str, key: str, sha: str) -> None:

@@ -201,7 +201,9 @@ class _ConsistencyProbes(_DoctorBase):
                 detail,
                 "s3capture needs strong list-after-write (and list-after-delete) consistency: a freeze "
                 "would miss another client's young entry and a deleted rollout would still list; use a "
-                "store that offers it, or disable the listing cache of the gateway in front of it",
+                "store that offers it, or disable the listing cache of the gateway in front of it (a "
+                "capture ledger's manifests can prove their listing fresh: S3CaptureLedger(..., "
+                "probe_listing=True))",
                 data,
             )
         return Probe("list-after-write", "ok", detail, "", data)

@@ -1,0 +1,118 @@
+"""``S3CaptureLedger(probe_listing=True)``: a manifest read through a listing that lags writes
+still holds every row acknowledged before it (docs/reliability.md, "Listings that lag").
+
+The fault proxy's ``ListHideYoung`` leaves a key out of listings for ``LAG_MS`` after its PUT, as a
+store whose listing index lags its writes would. Without the probe such a manifest misses a row
+that ``record`` acknowledged just before it, and Gym's external staging, which writes no intents,
+would finalize that rollout without the call. With the probe the manifest PUTs an empty key under
+the rollout's ``ledger/``, lists until the listing shows it, and deletes it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from faultproxy import ListHideYoung
+from helpers import assistant_output, list_keys, make_commit, split_bucket_url, user
+from s3capture.errors import ListingError
+from s3capture.layout import parse_ledger_key
+
+pytestmark = pytest.mark.all_transports
+
+LAG_MS = 250.0
+REQ = [user("hello")]
+
+
+def lagging(proxy: Any) -> None:
+    async def rule(request: Any) -> Any:
+        return ListHideYoung(LAG_MS) if request.is_list else None
+
+    proxy.rule = rule
+
+
+def records(manifest: dict) -> list[str]:
+    return [r["model_call_id"] for r in manifest["records"]]
+
+
+async def test_a_probed_manifest_holds_the_row_acknowledged_just_before_it(ledgers, proxy, s3_client, bucket_url):
+    lagging(proxy)
+    writer = ledgers(endpoint_url=proxy.endpoint)
+    plain = ledgers(endpoint_url=proxy.endpoint)
+    probed = ledgers(endpoint_url=proxy.endpoint, probe_listing=True)
+
+    await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    # The limitation the option exists for: the row is acknowledged, and the plain manifest
+    # through the lagging listing does not hold it (nothing in it says the rollout lacks a call).
+    stale = await plain.manifest("r")
+    assert records(stale) == [] and stale["failures"] == []
+
+    await writer.record(make_commit("r", "call-1", REQ, assistant_output("b")))
+    fresh = await probed.manifest("r")
+    assert sorted(records(fresh)) == ["call-0", "call-1"] and fresh["failures"] == []
+
+    probes = [r for r in proxy.requests if "/ledger/probe/" in r.path]
+    assert [r.method for r in probes] == ["PUT", "DELETE"] and probes[0].path == probes[1].path
+    bucket, root = split_bucket_url(bucket_url)
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/probe/" in k]  # deleted again
+
+
+async def test_a_probed_manifest_of_a_live_ledger_reads_like_a_plain_one_where_listings_keep_up(ledgers, proxy):
+    writer = ledgers()
+    first = make_commit("r", "call-0", REQ, assistant_output("a"))
+    await writer.record(first)
+    await writer.record(make_commit("r", "call-1", REQ, assistant_output("b"), parent=first))
+    await writer.record_failure("r", "call-2", "timeout")
+    await writer.begin_call("r", "call-3")
+    plain = await ledgers().manifest("r")
+    probed = await ledgers(probe_listing=True).manifest("r")
+    assert probed == plain
+    assert [f["model_call_id"] for f in plain["failures"]] == ["call-2", "call-3"]
+
+
+async def test_a_probe_another_manifest_left_behind_is_no_row_and_no_foreign_object(ledgers, s3_client, bucket_url):
+    """A manifest whose caller was killed between its probe's PUT and DELETE leaves the probe."""
+    writer = ledgers()
+    await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    bucket, root = split_bucket_url(bucket_url)
+    left = f"{root}rollouts/r/ledger/probe/{'0' * 32}"
+    s3_client.put_object(Bucket=bucket, Key=left, Body=b"")
+    assert parse_ledger_key(left[len(f"{root}rollouts/r/") :]) == ("probe", "", "", "0" * 32)
+    for reader in (ledgers(), ledgers(probe_listing=True)):
+        manifest = await reader.manifest("r")
+        assert records(manifest) == ["call-0"] and manifest["failures"] == []
+    # Not a probe: a foreign object, reported so that the rollout is not trainable.
+    s3_client.put_object(Bucket=bucket, Key=f"{root}rollouts/r/ledger/probe/not-a-uuid", Body=b"")
+    manifest = await ledgers().manifest("r")
+    assert [f["reason"] for f in manifest["failures"]] == ["foreign_ledger_object"]
+    await writer.delete(["r"])
+    assert list_keys(s3_client, bucket, f"{root}rollouts/r/") == []
+
+
+async def test_a_listing_that_never_shows_the_probe_raises_and_the_probe_is_deleted(
+    ledgers, proxy, s3_client, bucket_url
+):
+    async def rule(request: Any) -> Any:
+        return ListHideYoung(60_000) if request.is_list else None
+
+    await ledgers().record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    proxy.rule = rule
+    with pytest.raises(ListingError, match="ledger/probe/"):
+        await ledgers(endpoint_url=proxy.endpoint, probe_listing=True).manifest("r")
+    bucket, root = split_bucket_url(bucket_url)
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/probe/" in k]
+
+
+async def test_a_cancelled_probed_manifest_deletes_its_probe(ledgers, proxy, s3_client, bucket_url):
+    lagging(proxy)
+    await ledgers().record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    reader = ledgers(endpoint_url=proxy.endpoint, probe_listing=True)
+    assert await reader.has_rows("r")  # the client is open: the deadline falls in the probe's listing
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(LAG_MS / 1000 / 3):  # while it lists again for its probe
+            await reader.manifest("r")
+    bucket, root = split_bucket_url(bucket_url)
+    assert [r.method for r in proxy.requests if "/ledger/probe/" in r.path] == ["PUT", "DELETE"]
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/probe/" in k]
