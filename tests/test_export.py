@@ -18,6 +18,7 @@ import collections
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -418,6 +419,11 @@ async def test_a_rerun_with_freeze_seals_and_drops_what_an_earlier_run_exported_
     # The next run reads unsealed-c's sealed snapshot: masked by the marker, superseding its rows.
     after = await export(bucket_url, folder, workers=0, min_age=0, freeze=True, drop=True)
     assert after.changed_since_export == 1 and after.masked_written == 1 and after.dropped == 0, format_summary(after)
+    # Counted under "not dropped", with why (a breaker: the drop line read "not dropped: 0").
+    assert after.not_dropped == 1 and after.not_dropped_examples[0].startswith("unsealed-c: masked ("), format_summary(
+        after
+    )
+    assert after.not_dropped_examples[0].endswith("kept as evidence")
 
 
 async def test_current_snapshots_name_the_latest_export_of_an_id_deleted_and_captured_again(
@@ -579,6 +585,15 @@ async def test_a_destination_holding_files_no_export_wrote_is_refused(
     with pytest.raises(ValueError, match=r"holds files no export wrote \(more/\)"):
         await export(bucket_url, str(out), workers=0)
     (out / "more").rmdir()
+    # A folder named like a data file (a breaker, 2026-12-04): pyarrow read its Parquet with the
+    # export's, so every row came twice; one named like the shard about to be published failed
+    # every rollout, and every re-run, with IsADirectoryError.
+    for name in ("part-00009.parquet", "part-00000.parquet"):
+        (out / name).mkdir()
+        pq.write_table(pa.table({"x": [1]}), out / name / "inner.parquet")
+        with pytest.raises(ValueError, match=rf"holds files no export wrote \({name.replace('.', '[.]')}/\)"):
+            await export(bucket_url, str(out), workers=0)
+        shutil.rmtree(out / name)
     (out / ".DS_Store").write_bytes(b"")
     (out / "_SUCCESS").write_bytes(b"")
     done = await export(bucket_url, str(out), workers=0)
@@ -592,6 +607,12 @@ async def test_a_destination_holding_files_no_export_wrote_is_refused(
         await export(bucket_url, f"s3://{bucket}/exports", workers=0)
     listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="exports/").get("Contents", [])
     assert [item["Key"] for item in listed if "part-" in item["Key"]] == []
+    s3_client.delete_object(Bucket=bucket, Key="exports/notes/readme.txt")
+    s3_client.put_object(Bucket=bucket, Key="exports/part-00009.parquet/inner.parquet", Body=b"x")
+    with pytest.raises(ValueError, match=r"holds files no export wrote \(part-00009[.]parquet/\)"):
+        await export(bucket_url, f"s3://{bucket}/exports", workers=0)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="exports/").get("Contents", [])
+    assert [item["Key"] for item in listed] == ["exports/part-00009.parquet/inner.parquet"]  # kept, nothing added
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)
@@ -631,6 +652,12 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     summary = await export(typo, str(tmp_path / "c"), workers=0)
     assert summary.ok and summary.listed == 0 and summary.roots_below == [] and summary.roots_beside == [bucket_url]
     assert f"roots beside this URL (among its parent's first 1,000 keys): {bucket_url}" in format_summary(summary)
+    # A --prefix no id starts with (a breaker: "nothing to read" with no reason, result OK).
+    summary = await export(bucket_url, str(tmp_path / "d"), workers=0, prefix="zzz")
+    assert summary.ok and summary.listed == 0 and not summary.root_empty
+    assert f"no rollout id under {bucket_url} starts with --prefix 'zzz', though the root holds rollouts" in (
+        format_summary(summary)
+    )
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

@@ -47,10 +47,12 @@ class _Existing(msgspec.Struct, kw_only=True):
     destination would read too (names starting with ``.`` or ``_`` are skipped by those readers)."""
 
 
-def _foreign(name: str) -> bool:
+def _foreign(name: str, folder: bool = False) -> bool:
     """A top-level name in a destination that no export writes and that dataset readers (pyarrow,
-    pandas, Spark, Ray Data: they skip names starting with ``.`` or ``_``) would read."""
-    return not name.startswith((".", "_")) and not _PART.match(name)
+    pandas, Spark, Ray Data: they skip names starting with ``.`` or ``_``) would read. An export
+    writes no folder readers see, so a ``folder`` is foreign whatever its name: one named like a
+    data file (``part-00009.parquet/``) was read with the export (a breaker, 2026-12-04)."""
+    return not name.startswith((".", "_")) and (folder or not _PART.match(name))
 
 
 class _Destination:

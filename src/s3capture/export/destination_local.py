@@ -199,7 +199,7 @@ class _LocalDestination(_Destination):
         for name in sorted(os.listdir(self.folder)):
             path = os.path.join(self.folder, name)
             if os.path.isdir(path):
-                if _foreign(name):
+                if _foreign(name, folder=True):
                     existing.foreign.append(name + "/")
                 continue
             if _foreign(name):

@@ -122,7 +122,7 @@ class _S3Destination(_Destination):
             for rel in (item.key[len(self.prefix) :] for item in listed)
             if rel  # the prefix's own folder marker ("exports/", from a console's "Create folder")
         )
-        existing.foreign = [name for name in tops if _foreign(name.rstrip("/"))]
+        existing.foreign = [name for name in tops if _foreign(name.rstrip("/"), folder=name.endswith("/"))]
         manifest_names = _classify(sorted(files), existing)
         found: list[tuple[str, ShardManifest]] = []
 

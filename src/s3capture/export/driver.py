@@ -150,7 +150,7 @@ async def export(
         endpoint_url=endpoint_url,
         transport=transport,
     )
-    summary = ExportSummary(source=url, dest=dest, format=format)
+    summary = ExportSummary(source=url, dest=dest, format=format, id_prefix=prefix)
     requests: collections.Counter[str] = collections.Counter()
     wanted = set(ids) if ids is not None else None
     seen_ids: set[str] = set()
@@ -284,6 +284,14 @@ async def export(
     async def schedule_drop(record: RolloutRecord) -> None:
         """Start the drop of ``record``'s rollout; first wait while ``_DROPS_AHEAD`` are pending,
         so the listing and the shard results pause behind slow drops (bounded memory)."""
+        if drop and record.masked:
+            # Kept as the evidence of what went wrong; counted, so that the drop line does not
+            # read as every exported rollout consumed (a breaker, 2026-12-04).
+            summary.not_dropped += 1
+            if len(summary.not_dropped_examples) < _EXAMPLES:
+                reasons = ", ".join(record.mask_reasons[:3]) or "masked"
+                summary.not_dropped_examples.append(f"{record.rollout_id}: masked ({reasons}), kept as evidence")
+            return
         if not droppable(record):
             return
         if not record.sealed:

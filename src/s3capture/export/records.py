@@ -168,6 +168,8 @@ class ExportSummary(msgspec.Struct, kw_only=True):
     """No rollout in any state under the source root (with ``--prefix`` or ids, one more LIST of
     one key tells), and no shard of it in the destination (a root this destination consumed, by
     ``--drop`` and ``gc``, is not mistyped): ``s3capture export`` exits 3."""
+    id_prefix: str = ""
+    """The ``--prefix`` selection the run listed (``""``: every rollout id)."""
     roots_below: list[str] = []
     """When the source root holds no rollout: ``s3://`` URLs of roots found inside it (a URL one
     level too high), from one LIST page."""

@@ -212,6 +212,12 @@ def format_summary(summary: ExportSummary) -> str:
             were = "rollout was" if s.masked_excluded == 1 else "rollouts were"
             hints.append(f"{s.masked_excluded:,} masked {were} left out: --masked include writes them too")
         hints.extend(_not_selected(s))
+        if s.id_prefix and not s.listed and not s.not_selected and not s.root_empty:
+            # A mistyped --prefix read like a finished, empty export (a breaker, 2026-12-04).
+            hints.append(
+                f"no rollout id under {s.source} starts with --prefix {escape_controls(repr(s.id_prefix))}, "
+                "though the root holds rollouts (s3capture ls lists their ids)"
+            )
         if s.root_empty:
             where = f"no rollouts under {s.source} (no rollout under its rollouts/ prefix)"
             hint = roots_hint(s.roots_below, s.roots_beside)
