@@ -209,3 +209,38 @@ async def test_a_bulk_delete_answered_with_a_part_is_sent_again(
         assert list_keys(s3_client, bucket, f"{root}part-delete/") == []
     finally:
         await proxy.stop()
+
+
+async def test_a_put_answered_200_without_an_etag_is_not_acknowledged(
+    s3_server: Any, fresh: Any, ledgers: Any, s3_client: Any, bucket_url: str
+) -> None:
+    # A ledger breaker (2026-12-04): something in between answered a PUT 200 with an empty body
+    # and never forwarded it. On aioboto3 `record` returned and the row was never stored, and
+    # `retire` deleted the rows under a tombstone that did not exist (the ledger then read as
+    # live and empty); object_store refused the answer. Both transports now fail the PUT.
+    from helpers import assistant_output, make_commit, user
+
+    proxy = await FaultProxy(s3_server.port).start()
+
+    async def rule(request: Any) -> Any:
+        faked = ("/ledger/row/", "/log/e/", "/rollouts/r2/retired")
+        return Respond(200, b"") if request.method == "PUT" and any(f in request.path for f in faked) else None
+
+    proxy.rule = rule
+    bucket, root = split_bucket_url(bucket_url)
+    try:
+        commit = make_commit("r", "c1", [user("hi")], assistant_output("a"))
+        with pytest.raises(StoreError):
+            await ledgers(endpoint_url=proxy.endpoint).record(commit)
+        with pytest.raises(StoreError):
+            await fresh(endpoint_url=proxy.endpoint).put(simple_entry("r1", "c1"))
+        # retire: its tombstone PUT is faked; it must not go on to delete the rows.
+        writer = ledgers()
+        await writer.record(make_commit("r2", "c1", [user("hi")], assistant_output("a")))
+        with pytest.raises(StoreError):
+            await ledgers(endpoint_url=proxy.endpoint).retire(["r2"])
+        assert (await ledgers().manifest("r2"))["records"][0]["model_call_id"] == "c1"
+    finally:
+        await proxy.stop()
+    keys = list_keys(s3_client, bucket, root)
+    assert not [k for k in keys if "/rollouts/r/ledger/row/" in k or "/rollouts/r1/log/e/" in k]  # never stored

@@ -22,6 +22,7 @@ from botocore import handlers as botocore_handlers
 from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
 
+from s3capture.errors import StoreError
 from s3capture.transport_errors import _cannot_connect
 from s3capture.transport import (
     _NOT_FOUND,
@@ -251,7 +252,18 @@ class S3Transport(Transport):
         return True
 
     async def _put_once(self, client: Any, key: str, body: bytes) -> None:
-        await client.put_object(Bucket=self.bucket, Key=key, Body=body)
+        response = await client.put_object(Bucket=self.bucket, Key=key, Body=body)
+        if not response.get("ETag"):
+            # Every S3 store answers a stored PUT with the object's ETag; a 200 without one came
+            # from something in between that did not store it (a ledger breaker, 2026-12-04: such
+            # an answer made record and retire return, and the row or tombstone was never there).
+            # object_store refuses it too, so both transports fail the PUT alike: not acknowledged.
+            raise StoreError(
+                f"PutObject {key!r} was answered {response.get('ResponseMetadata', {}).get('HTTPStatusCode', '?')} "
+                "without an ETag: not known to be stored",
+                operation="PutObject",
+                key=key,
+            )
 
     async def _get_once(self, client: Any, key: str, limit: int | None) -> _Got | None:
         try:
