@@ -103,10 +103,10 @@ async def test_manifest_racing_retire_never_returns_a_partial_ledger(ledgers):
         finally:
             tomb_checked.set()
 
-    async def gated_list(prefix: str) -> list:
+    async def gated_list(prefix: str, **options: Any) -> list:
         await may_list.wait()
         try:
-            return await orig_list(prefix)
+            return await orig_list(prefix, **options)
         finally:
             listed.set()
 

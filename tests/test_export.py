@@ -653,11 +653,13 @@ async def test_an_export_that_reads_nothing_says_why(fresh: Any, bucket_url: str
     assert summary.ok and summary.listed == 0 and summary.roots_below == [] and summary.roots_beside == [bucket_url]
     assert f"roots beside this URL (among its parent's first 1,000 keys): {bucket_url}" in format_summary(summary)
     # A --prefix no id starts with (a breaker: "nothing to read" with no reason, result OK).
+    hint = f"no rollout id under {bucket_url} starts with --prefix 'zzz', though the root holds rollouts"
     summary = await export(bucket_url, str(tmp_path / "d"), workers=0, prefix="zzz")
     assert summary.ok and summary.listed == 0 and not summary.root_empty
-    assert f"no rollout id under {bucket_url} starts with --prefix 'zzz', though the root holds rollouts" in (
-        format_summary(summary)
-    )
+    assert hint in format_summary(summary)
+    # Into an earlier export's folder, the usual resumable re-run, too (a second breaker).
+    summary = await export(bucket_url, str(tmp_path / "before"), workers=0, prefix="zzz")
+    assert summary.shards_existing and hint in format_summary(summary), format_summary(summary)
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)  # exporter logic: one server is enough (CI budget)

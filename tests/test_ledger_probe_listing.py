@@ -53,10 +53,10 @@ async def test_a_probed_manifest_holds_the_row_acknowledged_just_before_it(ledge
     fresh = await probed.manifest("r")
     assert sorted(records(fresh)) == ["call-0", "call-1"] and fresh["failures"] == []
 
-    probes = [r for r in proxy.requests if "/ledger/probe/" in r.path]
+    probes = [r for r in proxy.requests if "/ledger/.probe/" in r.path]
     assert [r.method for r in probes] == ["PUT", "DELETE"] and probes[0].path == probes[1].path
     bucket, root = split_bucket_url(bucket_url)
-    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/probe/" in k]  # deleted again
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/.probe/" in k]  # deleted again
 
 
 async def test_a_probed_manifest_of_a_live_ledger_reads_like_a_plain_one_where_listings_keep_up(ledgers, proxy):
@@ -77,14 +77,14 @@ async def test_a_probe_another_manifest_left_behind_is_no_row_and_no_foreign_obj
     writer = ledgers()
     await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
     bucket, root = split_bucket_url(bucket_url)
-    left = f"{root}rollouts/r/ledger/probe/{'0' * 32}"
+    left = f"{root}rollouts/r/ledger/.probe/{'0' * 32}"
     s3_client.put_object(Bucket=bucket, Key=left, Body=b"")
     assert parse_ledger_key(left[len(f"{root}rollouts/r/") :]) == ("probe", "", "", "0" * 32)
     for reader in (ledgers(), ledgers(probe_listing=True)):
         manifest = await reader.manifest("r")
         assert records(manifest) == ["call-0"] and manifest["failures"] == []
     # Not a probe: a foreign object, reported so that the rollout is not trainable.
-    s3_client.put_object(Bucket=bucket, Key=f"{root}rollouts/r/ledger/probe/not-a-uuid", Body=b"")
+    s3_client.put_object(Bucket=bucket, Key=f"{root}rollouts/r/ledger/.probe/not-a-uuid", Body=b"")
     manifest = await ledgers().manifest("r")
     assert [f["reason"] for f in manifest["failures"]] == ["foreign_ledger_object"]
     await writer.delete(["r"])
@@ -99,10 +99,10 @@ async def test_a_listing_that_never_shows_the_probe_raises_and_the_probe_is_dele
 
     await ledgers().record(make_commit("r", "call-0", REQ, assistant_output("a")))
     proxy.rule = rule
-    with pytest.raises(ListingError, match="ledger/probe/"):
+    with pytest.raises(ListingError, match="ledger/.probe/"):
         await ledgers(endpoint_url=proxy.endpoint, probe_listing=True).manifest("r")
     bucket, root = split_bucket_url(bucket_url)
-    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/probe/" in k]
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/.probe/" in k]
 
 
 async def test_a_cancelled_probed_manifest_deletes_its_probe(ledgers, proxy, s3_client, bucket_url):
@@ -114,5 +114,52 @@ async def test_a_cancelled_probed_manifest_deletes_its_probe(ledgers, proxy, s3_
         async with asyncio.timeout(LAG_MS / 1000 / 3):  # while it lists again for its probe
             await reader.manifest("r")
     bucket, root = split_bucket_url(bucket_url)
-    assert [r.method for r in proxy.requests if "/ledger/probe/" in r.path] == ["PUT", "DELETE"]
-    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/probe/" in k]
+    assert [r.method for r in proxy.requests if "/ledger/.probe/" in r.path] == ["PUT", "DELETE"]
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/.probe/" in k]
+
+
+@pytest.mark.parametrize("removal", ["retire", "delete"])
+async def test_a_probed_manifest_racing_a_removal_answers_as_a_plain_one(ledgers, proxy, removal: str):
+    """A breaker (2026-12-04): the removal deletes the probe with the rest, and the probed
+    manifest listed five times for it and raised ``ListingError``. Retired: ``RolloutRetiredError``,
+    as the contract says; deleted: the id reads as unused (an empty manifest)."""
+    from s3capture.protocols import RolloutRetiredError
+
+    direct = ledgers()
+    await direct.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    released, probe_put = asyncio.Event(), asyncio.Event()
+
+    async def rule(request: Any) -> Any:
+        if request.method == "PUT" and "/ledger/.probe/" in request.path:
+            probe_put.set()
+        elif probe_put.is_set() and not released.is_set() and (request.is_list or request.path.endswith("/retired")):
+            await released.wait()  # the manifest's first LIST and tombstone GET wait for the removal
+        return None
+
+    proxy.rule = rule
+    task = asyncio.ensure_future(ledgers(endpoint_url=proxy.endpoint, probe_listing=True).manifest("r"))
+    await asyncio.wait_for(probe_put.wait(), 10)
+    await asyncio.sleep(0.1)
+    assert await getattr(direct, removal)(["r"]) == {"removed": ["r"], "absent": []}
+    released.set()
+    if removal == "retire":
+        with pytest.raises(RolloutRetiredError):
+            await task
+    else:
+        assert await task == {"schema_version": 2, "rollout_id": "r", "records": [], "failures": []}
+
+
+async def test_a_leftover_probe_is_no_rollout(ledgers, fresh, s3_client, bucket_url):
+    """A breaker (2026-12-04): a probe left behind (its DELETE refused, or applied before a slow
+    PUT) made an unused or deleted id list as an open rollout, and ``retire`` answer "removed"."""
+    bucket, root = split_bucket_url(bucket_url)
+    writer = ledgers()
+    await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    for rid in ("r", "unused", "unused-2"):
+        s3_client.put_object(Bucket=bucket, Key=f"{root}rollouts/{rid}/ledger/.probe/{'1' * 32}", Body=b"")
+    for client in (writer, fresh()):
+        listed = {info.rollout_id: (info.state, info.objects) async for info in client.rollouts()}
+        assert listed == {"r": ("open", 2)}, listed  # its row and index key; no probe, no unused id
+    assert await writer.delete(["unused", "r"]) == {"removed": ["r"], "absent": ["unused"]}
+    assert await writer.retire(["unused-2"]) == {"removed": [], "absent": ["unused-2"]}
+    assert [k for k in list_keys(s3_client, bucket, root) if "/.probe/" in k] == []  # removed with the rest

@@ -15,8 +15,10 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/ledger-index/<fp>/<cid>/<sha256> ledger fingerprint index of that row (empty)
     rollouts/<rid>/ledger/fail/<cid>/<sha256>.json ledger failure row (CaptureLedger.record_failure)
     rollouts/<rid>/ledger/intent/<cid>            ledger begin_call intent (empty)
-    rollouts/<rid>/ledger/probe/<uuid>            a manifest's listing probe (empty; ``probe_listing``),
-                                                  deleted by the manifest that wrote it
+    rollouts/<rid>/ledger/.probe/<uuid>           a manifest's listing probe (empty; ``probe_listing``),
+                                                  deleted by the manifest that wrote it; a leftover
+                                                  one holds nothing of the rollout's (``.probe``
+                                                  sorts before the ledger's other keys)
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``
@@ -347,11 +349,18 @@ def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
             return "fail", _call_id(parts[2]), "", sha
         if len(parts) == 3 and parts[:2] == ["ledger", "intent"]:
             return "intent", _call_id(parts[2]), "", ""
-        if len(parts) == 3 and parts[:2] == ["ledger", "probe"] and _PROBE.match(parts[2]):
+        if is_ledger_probe_rel(rel):
             return "probe", "", "", parts[2]
     except (ValueError, UnicodeEncodeError):
         return None
     return None
+
+
+def is_ledger_probe_rel(rel: str) -> bool:
+    """Whether ``rel`` (relative to a rollout prefix) is a ledger manifest's listing probe,
+    ``ledger/.probe/<32 hex>`` (``S3CaptureLedger(probe_listing=True)``)."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0] == "ledger" and parts[1] == ".probe" and bool(_PROBE.match(parts[2]))
 
 
 def _call_id(segment: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from s3capture.layout import is_folder_marker, parse_ledger_key
+from s3capture.layout import MAX_KEY_BYTES, is_folder_marker, parse_ledger_key
 from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
     LEDGER_FOREIGN_OBJECT_REASON,
@@ -39,12 +39,25 @@ from s3capture.ledger_rows import (
     _sha,
 )
 from s3capture.protocols import RolloutRetiredError
-from s3capture.errors import StoreError
+from s3capture.errors import ListingError, StoreError
 from s3capture.records import RecordError
 from s3capture.rollouts import RolloutObjects
 from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
 
 log = logging.getLogger("s3capture")
+
+
+_PROBE_READ_LIMIT = 1024
+"""Bytes read of a probe's GET (it is empty; a larger object exists all the same)."""
+
+
+class _ProbeRemoved(Exception):
+    """A probed manifest's listing never showed its probe, and the probe is gone: a retire or
+    delete racing the read removed it (``error``: the listing's ``ListingError``)."""
+
+    def __init__(self, error: ListingError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _LedgerManifest(RolloutObjects):
@@ -112,9 +125,32 @@ class _LedgerManifest(RolloutObjects):
         prefix = self.layout.rollout(rollout_id)
         if not self._probe_listing:
             return await self._manifest_listed(rollout_id, prefix, ())
+        if len(f"{prefix}ledger/.probe/{'0' * 32}".encode()) > MAX_KEY_BYTES:
+            # An id stored by a release before 2026-12-02 may leave no room for the probe's key.
+            log.warning("rollout %r: no room for a listing probe under its prefix; reading without one", rollout_id)
+            return await self._manifest_listed(rollout_id, prefix, ())
+        for attempt in range(2):
+            try:
+                return await self._probed_manifest(rollout_id, prefix)
+            except _ProbeRemoved as removed:
+                # A retire or delete racing this read removed the probe with the rest: retired,
+                # it is RolloutRetiredError, as without the probe (a breaker, 2026-12-04: it was
+                # ListingError); deleted, the id is unused now, and one more probe reads it so.
+                if await self._retired(prefix):
+                    raise RolloutRetiredError(
+                        f"rollout {rollout_id!r} was retired while its manifest was read"
+                    ) from None
+                if attempt:
+                    raise removed.error from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _probed_manifest(self, rollout_id: str, prefix: str) -> dict:
+        """``manifest`` behind a listing probe (``probe_listing``): PUT ``ledger/.probe/<uuid>``,
+        list until the listing shows it, delete it beside the GETs. Raises ``_ProbeRemoved`` when
+        the listing never showed the probe and the probe is gone (another client removed it)."""
         # A listing that shows a key created after the call began shows every row acknowledged
         # before it, where a listing lags creations (docs/reliability.md, "Listings that lag").
-        probe = f"{self.layout.rollout(rollout_id, writing=True)}ledger/probe/{uuid.uuid4().hex}"
+        probe = f"{prefix}ledger/.probe/{uuid.uuid4().hex}"
         listed = asyncio.Event()
 
         async def remove_probe() -> None:
@@ -123,13 +159,18 @@ class _LedgerManifest(RolloutObjects):
             finally:  # also when the manifest failed or its caller cancelled it
                 try:
                     await self.transport.delete_one(probe)
-                except StoreError as error:  # a leftover probe is ignored by every reader
+                except StoreError as error:  # a leftover probe holds nothing (RolloutScan.folders)
                     log.warning("could not delete the listing probe %s: %s", probe, error)
 
         remover = asyncio.ensure_future(remove_probe())
         try:
             await self._put(probe, b"")
-            return await self._manifest_listed(rollout_id, prefix, (probe,), listed)
+            try:
+                return await self._manifest_listed(rollout_id, prefix, (probe,), listed)
+            except ListingError as error:
+                if await self._get(probe, _PROBE_READ_LIMIT) is None:
+                    raise _ProbeRemoved(error) from None
+                raise
         finally:
             listed.set()
             await asyncio.shield(remover)

@@ -148,6 +148,17 @@ def _not_selected(s: ExportSummary) -> list[str]:
     return lines
 
 
+def _prefix_matched_nothing(s: ExportSummary) -> list[str]:
+    """The line for a ``--prefix`` no rollout id starts with, in a root that holds rollouts: a
+    mistyped prefix read like a finished, empty export (a breaker, 2026-12-04)."""
+    if s.id_prefix and not s.listed and not s.not_selected and not s.root_empty:
+        return [
+            f"no rollout id under {s.source} starts with --prefix {escape_controls(repr(s.id_prefix))}, "
+            "though the root holds rollouts (s3capture ls lists their ids)"
+        ]
+    return []
+
+
 def format_summary(summary: ExportSummary) -> str:
     """The human-readable summary ``s3capture export`` prints at the end."""
     s = summary
@@ -212,12 +223,7 @@ def format_summary(summary: ExportSummary) -> str:
             were = "rollout was" if s.masked_excluded == 1 else "rollouts were"
             hints.append(f"{s.masked_excluded:,} masked {were} left out: --masked include writes them too")
         hints.extend(_not_selected(s))
-        if s.id_prefix and not s.listed and not s.not_selected and not s.root_empty:
-            # A mistyped --prefix read like a finished, empty export (a breaker, 2026-12-04).
-            hints.append(
-                f"no rollout id under {s.source} starts with --prefix {escape_controls(repr(s.id_prefix))}, "
-                "though the root holds rollouts (s3capture ls lists their ids)"
-            )
+        hints.extend(_prefix_matched_nothing(s))
         if s.root_empty:
             where = f"no rollouts under {s.source} (no rollout under its rollouts/ prefix)"
             hint = roots_hint(s.roots_below, s.roots_beside)
@@ -232,6 +238,7 @@ def format_summary(summary: ExportSummary) -> str:
         # Said whatever the destination holds (an export into an earlier one's folder, after a
         # --drop, said nothing of the 40 retired rollouts a new folder's summary named).
         lines.extend(_not_selected(s))
+        lines.extend(_prefix_matched_nothing(s))  # a re-run into an earlier export's folder too
     lines.append("requests: " + (", ".join(f"{k} {v:,}" for k, v in s.requests.items()) or "none"))
     result = "FAILED" if not s.ok else "NO ROLLOUTS under the source root" if s.root_empty else "OK"
     lines.append(f"wall time: {s.wall_seconds:.1f}s; result: {result}")

@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from s3capture.layout import is_checkpoint_rel, is_folder_marker, parse_log_key
+from s3capture.layout import is_checkpoint_rel, is_folder_marker, is_ledger_probe_rel, parse_log_key
 from s3capture.transport import ListedObject
 
 __all__ = ["RolloutScan", "scan_listing"]
@@ -39,7 +39,9 @@ class RolloutScan:
     """Folder markers (``layout.is_folder_marker``): the rollout prefix itself (what a console's
     "Create folder" writes), or an empty object whose key ends in ``/`` inside it (s3fs, ``rclone
     mkdir``). They hold nothing of the rollout's, so they are outside the version and the snapshot
-    id, like a checkpoint, and removed with the rest."""
+    id, like a checkpoint, and removed with the rest. A ledger manifest's listing probe that was
+    left behind (``ledger/.probe/<uuid>``: its DELETE failed, or landed before its PUT) is kept
+    here too: it holds nothing either, and alone it is no rollout."""
     seen_at: float = 0.0
     """``s3capture.clocks.awake_clock()`` when the listing returned (this client's clock)."""
 
@@ -92,7 +94,7 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
             scan.fence = True
         elif rel == "retired":
             scan.retired = True
-        elif is_folder_marker(rel, item.size):
+        elif is_folder_marker(rel, item.size) or is_ledger_probe_rel(rel):
             scan.folders.append(item)
         elif rel.startswith("drop/") and rel.count("/") == 1 and len(rel) > 5:
             scan.drops.append(item)
