@@ -47,10 +47,6 @@ from s3capture.transport import ListedObject, beside_confirmation, gather_fail_f
 log = logging.getLogger("s3capture")
 
 
-_PROBE_READ_LIMIT = 1024
-"""Bytes read of a probe's GET (it is empty; a larger object exists all the same)."""
-
-
 class _ProbeRemoved(Exception):
     """A probed manifest's listing never showed its probe, and the probe is gone: a retire or
     delete racing the read removed it (``error``: the listing's ``ListingError``)."""
@@ -168,7 +164,7 @@ class _LedgerManifest(RolloutObjects):
             try:
                 return await self._manifest_listed(rollout_id, prefix, (probe,), listed)
             except ListingError as error:
-                if await self._get(probe, _PROBE_READ_LIMIT) is None:
+                if not await self._present(probe):
                     raise _ProbeRemoved(error) from None
                 raise
         finally:
