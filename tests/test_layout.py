@@ -537,3 +537,24 @@ def test_parse_log_key_returns_none_for_foreign_shapes(rel: str) -> None:
 @pytest.mark.parametrize("rel", ["log/i/.41", f"log/e/~/.61bc/{SHA}.zst", "log/x/.5F/u"])
 def test_parse_log_key_refuses_non_canonical_escapes(rel: str) -> None:
     assert parse_log_key(rel) is None
+
+
+@pytest.mark.parametrize("writing", [False, True])
+def test_every_prefix_a_reader_accepts_leaves_room_for_a_ledger_listing_probe(writing: bool) -> None:
+    """``S3CaptureLedger(probe_listing=True)`` PUTs ``ledger/.probe/<32 hex>`` under any rollout it
+    reads, ids stored by releases before 2026-12-02 included: the longest prefix ``rollout``
+    accepts still leaves room for that key, so no read needs a fallback without the probe."""
+    probe = f"ledger/.probe/{'0' * 32}"
+    longest = None
+    for extra in range(0, 260):
+        root = "/".join(["a" * 200, "b" * 200, "c" * 200, "d" * min(200, 1 + extra)])
+        if extra >= 200:
+            root += "/" + "e" * (extra - 199)
+        try:
+            prefix = Layout(root).rollout("r" * 60, writing=writing)
+        except ValueError:
+            break
+        longest = prefix
+    assert longest is not None, "no root was accepted"
+    assert len(longest.encode()) > 850, "the search did not reach the limit"
+    assert len((longest + probe).encode()) <= MAX_KEY_BYTES

@@ -163,3 +163,50 @@ async def test_a_leftover_probe_is_no_rollout(ledgers, fresh, s3_client, bucket_
     assert await writer.delete(["unused", "r"]) == {"removed": ["r"], "absent": ["unused"]}
     assert await writer.retire(["unused-2"]) == {"removed": [], "absent": ["unused-2"]}
     assert [k for k in list_keys(s3_client, bucket, root) if "/.probe/" in k] == []  # removed with the rest
+
+
+async def test_a_probed_has_rows_sees_the_first_row_acknowledged_just_before_it(ledgers, proxy, s3_client, bucket_url):
+    """Finding 36: Gym's sink admits an unresolved continuation of a rollout without rows as a
+    fresh root, so ``has_rows`` False for a ledger whose first row is acknowledged is a wrong
+    admission. Through a lagging listing the plain ``has_rows`` answers so; the probed one does not."""
+    lagging(proxy)
+    writer = ledgers(endpoint_url=proxy.endpoint)
+    plain = ledgers(endpoint_url=proxy.endpoint)
+    probed = ledgers(endpoint_url=proxy.endpoint, probe_listing=True)
+
+    await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    assert await plain.has_rows("r") is False  # the limitation the probe exists for
+    assert await probed.has_rows("r") is True
+    await writer.record_failure("r2", "call-0", "timeout")
+    assert await probed.has_rows("r2") is True  # a failure row counts as a row
+
+    probes = [r for r in proxy.requests if "/ledger/.probe/" in r.path]
+    assert [r.method for r in probes] == ["PUT", "DELETE", "PUT", "DELETE"]
+    bucket, root = split_bucket_url(bucket_url)
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/.probe/" in k]
+
+
+async def test_a_probed_has_rows_probes_only_when_its_first_listings_show_no_row(ledgers, proxy, s3_client, bucket_url):
+    writer = ledgers()
+    await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    await writer.begin_call("intents-only", "call-0")
+    probed = ledgers(endpoint_url=proxy.endpoint, probe_listing=True)
+    assert await probed.has_rows("r") is True
+    assert not [r for r in proxy.requests if "/ledger/.probe/" in r.path]  # a row seen needs no probe
+    assert await probed.has_rows("unused") is False
+    assert await probed.has_rows("intents-only") is False  # an intent is no row
+    probes = [r for r in proxy.requests if "/ledger/.probe/" in r.path]
+    assert [r.method for r in probes] == ["PUT", "DELETE"] * 2
+    bucket, root = split_bucket_url(bucket_url)
+    assert not [k for k in list_keys(s3_client, bucket, root) if "/ledger/.probe/" in k]
+    assert await writer.retire(["unused"]) == {"removed": [], "absent": ["unused"]}  # the probe left nothing
+
+
+async def test_a_probed_has_rows_of_a_retired_ledger_raises(ledgers, proxy):
+    from s3capture.protocols import RolloutRetiredError
+
+    writer = ledgers()
+    await writer.begin_call("r", "call-0")
+    await writer.retire(["r"])
+    with pytest.raises(RolloutRetiredError):
+        await ledgers(endpoint_url=proxy.endpoint, probe_listing=True).has_rows("r")

@@ -91,8 +91,9 @@ class S3CaptureLedger(_LedgerManifest):
         probe_listing: for a store whose listings lag writes (``s3capture doctor``'s
             list-after-write check): ``manifest`` first PUTs an empty probe key under the
             rollout's ``ledger/`` and lists until the listing shows it, so every row acknowledged
-            before the call is in the manifest, then deletes the probe beside its GETs. Costs one
-            more round trip and two requests per manifest, and PutObject and DeleteObject
+            before the call is in the manifest, then deletes the probe beside its GETs; a
+            ``has_rows`` whose one-key LISTs show no row does the same before it answers False.
+            Costs one more round trip and two requests per manifest, and PutObject and DeleteObject
             permission for the reader; waits out the lag, or raises ``ListingError`` after the
             transport's ``list_attempts`` (docs/reliability.md, "Listings that lag"). Off by
             default: every store s3capture is tested on, and AWS S3, GCS and MinIO, list

@@ -10,11 +10,12 @@ import asyncio
 import collections
 import logging
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 
-from s3capture.layout import MAX_KEY_BYTES, is_folder_marker, parse_ledger_key
+from s3capture.layout import is_folder_marker, parse_ledger_key
 from s3capture.ledger_records import (
     LEDGER_CONFLICTING_ROWS_REASON,
     LEDGER_FOREIGN_OBJECT_REASON,
@@ -46,14 +47,7 @@ from s3capture.transport import ListedObject, beside_confirmation, gather_fail_f
 
 log = logging.getLogger("s3capture")
 
-
-class _ProbeRemoved(Exception):
-    """A probed manifest's listing never showed its probe, and the probe is gone: a retire or
-    delete racing the read removed it (``error``: the listing's ``ListingError``)."""
-
-    def __init__(self, error: ListingError) -> None:
-        super().__init__(str(error))
-        self.error = error
+_T = TypeVar("_T")
 
 
 class _LedgerManifest(RolloutObjects):
@@ -121,55 +115,57 @@ class _LedgerManifest(RolloutObjects):
         prefix = self.layout.rollout(rollout_id)
         if not self._probe_listing:
             return await self._manifest_listed(rollout_id, prefix, ())
-        if len(f"{prefix}ledger/.probe/{'0' * 32}".encode()) > MAX_KEY_BYTES:
-            # An id stored by a release before 2026-12-02 may leave no room for the probe's key.
-            log.warning("rollout %r: no room for a listing probe under its prefix; reading without one", rollout_id)
-            return await self._manifest_listed(rollout_id, prefix, ())
-        for attempt in range(2):
-            try:
-                return await self._probed_manifest(rollout_id, prefix)
-            except _ProbeRemoved as removed:
-                # A retire or delete racing this read removed the probe with the rest: retired,
-                # it is RolloutRetiredError, as without the probe (a breaker, 2026-12-04: it was
-                # ListingError); deleted, the id is unused now, and one more probe reads it so.
-                if await self._retired(prefix):
-                    raise RolloutRetiredError(
-                        f"rollout {rollout_id!r} was retired while its manifest was read"
-                    ) from None
-                if attempt:
-                    raise removed.error from None
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await self._probed(
+            rollout_id, prefix, lambda require, listed: self._manifest_listed(rollout_id, prefix, require, listed)
+        )
 
-    async def _probed_manifest(self, rollout_id: str, prefix: str) -> dict:
-        """``manifest`` behind a listing probe (``probe_listing``): PUT ``ledger/.probe/<uuid>``,
-        list until the listing shows it, delete it beside the GETs. Raises ``_ProbeRemoved`` when
-        the listing never showed the probe and the probe is gone (another client removed it)."""
+    async def _probed(
+        self,
+        rollout_id: str,
+        prefix: str,
+        read: Callable[[tuple[str, ...], asyncio.Event], Awaitable[_T]],
+    ) -> _T:
+        """``read(require, listed)`` behind a listing probe (``probe_listing``): PUT an empty
+        ``ledger/.probe/<uuid>``, let ``read`` list ``ledger/`` requiring it and set ``listed``
+        once its listing showed it, and delete the probe then (beside ``read``'s GETs), or when
+        ``read`` fails or its caller cancels it.
+
+        A retire or delete racing the read removes the probe with the rest, and the listing never
+        shows it: retired, that is ``RolloutRetiredError``, as without the probe (a breaker,
+        2026-12-04: it was ``ListingError``); deleted, the id is unused now, and one more probe
+        reads it so."""
         # A listing that shows a key created after the call began shows every row acknowledged
         # before it, where a listing lags creations (docs/reliability.md, "Listings that lag").
-        probe = f"{prefix}ledger/.probe/{uuid.uuid4().hex}"
-        listed = asyncio.Event()
+        for attempt in range(2):
+            probe = f"{prefix}ledger/.probe/{uuid.uuid4().hex}"
+            listed = asyncio.Event()
 
-        async def remove_probe() -> None:
-            try:
-                await listed.wait()
-            finally:  # also when the manifest failed or its caller cancelled it
+            async def remove_probe(probe: str = probe, listed: asyncio.Event = listed) -> None:
                 try:
-                    await self.transport.delete_one(probe)
-                except StoreError as error:  # a leftover probe holds nothing (RolloutScan.folders)
-                    log.warning("could not delete the listing probe %s: %s", probe, error)
+                    await listed.wait()
+                finally:  # also when the read failed or its caller cancelled it
+                    try:
+                        await self.transport.delete_one(probe)
+                    except StoreError as error:  # a leftover probe holds nothing (RolloutScan.folders)
+                        log.warning("could not delete the listing probe %s: %s", probe, error)
 
-        remover = asyncio.ensure_future(remove_probe())
-        try:
-            await self._put(probe, b"")
+            remover = asyncio.ensure_future(remove_probe())
             try:
-                return await self._manifest_listed(rollout_id, prefix, (probe,), listed)
-            except ListingError as error:
-                if not await self._present(probe):
-                    raise _ProbeRemoved(error) from None
-                raise
-        finally:
-            listed.set()
-            await asyncio.shield(remover)
+                await self._put(probe, b"")
+                try:
+                    return await read((probe,), listed)
+                except ListingError as error:
+                    if await self._present(probe):
+                        raise
+                    removed = error
+            finally:
+                listed.set()
+                await asyncio.shield(remover)
+            if await self._retired(prefix):
+                raise RolloutRetiredError(f"rollout {rollout_id!r} was retired while it was read") from None
+            if attempt:
+                raise removed
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _manifest_listed(
         self, rollout_id: str, prefix: str, require: tuple[str, ...], listed: asyncio.Event | None = None
@@ -288,7 +284,10 @@ class _LedgerManifest(RolloutObjects):
         the LISTs, it also catches a retire that deleted rows while they were listed. When neither
         LIST shows a key, both are asked again beside that GET: Gym's sink admits an unresolved
         continuation of a rollout without rows as a fresh root, so one LIST answer that left out
-        the only key (a store's bug, a page lost on the way) must not decide it alone.
+        the only key (a store's bug, a page lost on the way) must not decide it alone. With
+        ``probe_listing``, a False answer comes instead from a whole listing of ``ledger/`` that
+        shows a probe PUT after those LISTs (and a LIST confirming its end), then the tombstone
+        GET: four round trips, none lost to a listing that lags the first row's creation.
 
         Raises:
             RolloutRetiredError: the rollout is retired, so admission can refuse its late calls.
@@ -302,11 +301,28 @@ class _LedgerManifest(RolloutObjects):
         found = any(page.objects or page.next_token for page in pages)
         if found:
             retired = await self._retired(prefix)
+        elif self._probe_listing:
+            # Behind a probe, a listing shows every row acknowledged before the call, where
+            # listings lag creations (docs/reliability.md, "Listings that lag").
+            return await self._probed(
+                rollout_id, prefix, lambda require, listed: self._rows_listed(rollout_id, prefix, require, listed)
+            )
         else:
             row_page, fail_page, retired = await asyncio.gather(
                 self._list_page(prefixes[0], 1), self._list_page(prefixes[1], 1), self._retired(prefix)
             )
             found = any(page.objects or page.next_token for page in (row_page, fail_page))
         if retired:
+            raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
+        return found
+
+    async def _rows_listed(self, rollout_id: str, prefix: str, require: tuple[str, ...], listed: asyncio.Event) -> bool:
+        """``has_rows`` from a whole listing of ``ledger/`` that shows ``require`` (the probe)
+        and whose end is confirmed, then a GET of the retire tombstone."""
+        listing = await self._list(f"{prefix}ledger/", require=require, confirm_end=True)
+        listed.set()
+        kinds = (parse_ledger_key(item.key[len(prefix) :]) for item in listing)
+        found = any(parsed is not None and parsed[0] in ("row", "fail") for parsed in kinds)
+        if await self._retired(prefix):
             raise RolloutRetiredError(f"rollout {rollout_id!r} is retired; delete it to reuse the id")
         return found
