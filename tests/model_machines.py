@@ -1576,12 +1576,12 @@ class LedgerMachine(_Machine):
                 "has_rows_no_phantom",
                 lambda: f"{out.describe()}: no row or failure row was ever attempted",
             )
-        elif m.retired_at is None and not m.maybe_removed:
-            # Judged like manifest: a probed client against the state at the call, another one
-            # through a lagging listing against the state LAG_MS earlier.
-            before = out.start if out.client == PROBED_CLIENT else self.visible_before(out)
-            acked = [cid for cid, _, end in m.rows if end < before] + [c for c, _, e in m.failures if e < before]
-            self.stats.check(not acked, "has_rows_sees_acknowledged_rows", lambda: f"{out.describe()}: {acked}")
+        # Judged like manifest: a probed client against the state at the call, another one
+        # through a lagging listing against the state LAG_MS earlier.
+        before = out.start if out.client == PROBED_CLIENT else self.visible_before(out)
+        acked = [cid for cid, _, end in m.rows if end < before] + [c for c, _, e in m.failures if e < before]
+        if acked and m.retired_at is None and not m.maybe_removed:
+            self.stats.check(out.value, "has_rows_sees_acknowledged_rows", lambda: f"{out.describe()}: {acked}")
 
     def retire(self, client: int, rollout: str) -> None:
         self.do(self.op_retire(client, rollout))

@@ -172,4 +172,6 @@ def test_ledger_demo_command_on_anyterminal_hermes():
     assert re.search(r"calls rebuilt from staged deltas .*: 147/147; broken 0", out), out
     assert re.search(r"ledger bytes: [\d,]+ .* staged bytes: [\d,]+", out), out
     assert "result: OK" in out
+    # A new user (2026-12-04) followed the closing hint to `demo --keep`, which the ledger refuses.
+    assert "--keep" not in proc.stderr, proc.stderr[-2000:]
     _times(out)  # start-up, capture (committed calls) and the builder, each within the total wall time

@@ -328,6 +328,8 @@ async def test_open_rollouts_wait_for_min_age_and_freeze_makes_them_droppable(
     text = format_summary(young)
     assert "nothing to read: no row was written, and the destination holds no data file" in text, text
     assert "2 open rollouts have not been quiet for --min-age: --min-age 0 takes them now" in text, text
+    young.skipped_reasons = {"not_quiescent": 1}  # a new user (2026-12-04): "1 open rollouts have"
+    assert "1 open rollout has not been quiet for --min-age: --min-age 0 takes it now" in format_summary(young)
 
     # A frozen rollout written to after its freeze (a late marker) is not sealed: skipped, unread,
     # until --freeze seals it again (then masked, by the marker).

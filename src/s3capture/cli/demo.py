@@ -217,9 +217,10 @@ def _demo(args: argparse.Namespace) -> int:
             wall_started=started,
         )
         print(format_report(report, where=where))
-        if server is not None and args.export is None:
+        if server is not None and args.export is None and args.capture == "store":
             # The embedded server and its bucket go with this process: say so, and how to keep data
-            # (not after --export, whose trajectories are kept in its destination).
+            # (not after --export, whose trajectories are kept in its destination, nor for the
+            # ledger, which --keep does not apply to: a new user, 2026-12-04).
             print(
                 "the embedded server stops now and its data goes with it. To keep a capture: run `s3capture "
                 "serve` in another terminal, paste the lines it prints here, then `s3capture demo --keep --url` "

@@ -216,8 +216,10 @@ def format_summary(summary: ExportSummary) -> str:
         waiting = s.skipped_reasons.get("not_quiescent", 0)
         if waiting:
             hints.append(
-                f"{waiting:,} open rollouts have not been quiet for --min-age: --min-age 0 takes them now "
-                "(with --freeze they are frozen first, and a write still coming to one of them fails)"
+                f"{waiting:,} open {'rollout has' if waiting == 1 else 'rollouts have'} not been quiet for "
+                f"--min-age: --min-age 0 takes {'it' if waiting == 1 else 'them'} now (with --freeze "
+                f"{'it is' if waiting == 1 else 'they are'} frozen first, and a write still coming to "
+                f"{'it' if waiting == 1 else 'one of them'} fails)"
             )
         if s.masked_excluded:
             were = "rollout was" if s.masked_excluded == 1 else "rollouts were"
