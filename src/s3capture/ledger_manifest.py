@@ -286,8 +286,9 @@ class _LedgerManifest(RolloutObjects):
         continuation of a rollout without rows as a fresh root, so one LIST answer that left out
         the only key (a store's bug, a page lost on the way) must not decide it alone. With
         ``probe_listing``, a False answer comes instead from a whole listing of ``ledger/`` that
-        shows a probe PUT after those LISTs (and a LIST confirming its end), then the tombstone
-        GET: four round trips, none lost to a listing that lags the first row's creation.
+        shows a probe PUT after those LISTs (one page per 1,000 intents, and a LIST confirming
+        its end), then the tombstone GET beside the probe's DELETE: five round trips in all, and
+        a row acknowledged before the call is never missed through a listing that lags it.
 
         Raises:
             RolloutRetiredError: the rollout is retired, so admission can refuse its late calls.
