@@ -210,3 +210,41 @@ async def test_a_probed_has_rows_of_a_retired_ledger_raises(ledgers, proxy):
     await writer.retire(["r"])
     with pytest.raises(RolloutRetiredError):
         await ledgers(endpoint_url=proxy.endpoint, probe_listing=True).has_rows("r")
+
+
+@pytest.mark.parametrize("removal", ["retire", "delete"])
+async def test_a_probed_removal_through_a_lagging_listing_leaves_no_row(
+    ledgers, proxy, s3_client, bucket_url, removal: str
+):
+    """Without the probe, a retire or delete listing through a lag misses a row recorded within
+    it: the row outlives the removal (after a delete, a reused id's manifest would hold the earlier
+    attempt's row). Behind a probe its listing shows every row written before the call."""
+    lagging(proxy)
+    writer = ledgers(endpoint_url=proxy.endpoint)
+    bucket, root = split_bucket_url(bucket_url)
+
+    def left(rid: str) -> list[str]:
+        return [k.rsplit(f"/{rid}/", 1)[1] for k in list_keys(s3_client, bucket, f"{root}rollouts/{rid}/")]
+
+    await writer.record(make_commit("plain", "call-0", REQ, assistant_output("a")))
+    await getattr(ledgers(endpoint_url=proxy.endpoint), removal)(["plain"])
+    assert any(k.startswith("ledger/row/call-0/") for k in left("plain"))  # the limitation
+
+    await writer.record(make_commit("r", "call-0", REQ, assistant_output("a")))
+    await writer.begin_call("r", "call-1")
+    result = await getattr(ledgers(endpoint_url=proxy.endpoint, probe_listing=True), removal)(["r"])
+    assert result == {"removed": ["r"], "absent": []}
+    assert sorted(left("r")) == ([] if removal == "delete" else ["fence", "retired"])
+    probes = [r for r in proxy.requests if "/ledger/.probe/" in r.path]
+    assert [r.method for r in probes] == ["PUT"]  # deleted with the rest, in the DeleteObjects
+    assert await ledgers(probe_listing=True).has_rows("unused") is False
+
+
+@pytest.mark.parametrize("removal", ["retire", "delete"])
+async def test_a_probed_removal_of_an_unused_id_leaves_no_probe(ledgers, s3_client, bucket_url, removal: str):
+    probed = ledgers(probe_listing=True)
+    assert await getattr(probed, removal)(["unused"]) == {"removed": [], "absent": ["unused"]}
+    bucket, root = split_bucket_url(bucket_url)
+    keys = [k.rsplit("/unused/", 1)[1] for k in list_keys(s3_client, bucket, f"{root}rollouts/unused/")]
+    # retire of an unused id still fences it (as without the probe); nothing else is left
+    assert sorted(keys) == ([] if removal == "delete" else ["fence", "retired"])

@@ -92,7 +92,8 @@ class S3CaptureLedger(_LedgerManifest):
             list-after-write check): ``manifest`` first PUTs an empty probe key under the
             rollout's ``ledger/`` and lists until the listing shows it, so every row acknowledged
             before the call is in the manifest, then deletes the probe beside its GETs; a
-            ``has_rows`` whose one-key LISTs show no row does the same before it answers False.
+            ``has_rows`` whose one-key LISTs show no row does the same before it answers False,
+            and ``retire`` and ``delete`` list behind a probe too (removing it with the rest).
             Costs one more round trip and two requests per manifest, and PutObject and DeleteObject
             permission for the reader; waits out the lag, or raises ``ListingError`` after the
             transport's ``list_attempts`` (docs/reliability.md, "Listings that lag"). Off by
@@ -414,7 +415,9 @@ class S3CaptureLedger(_LedgerManifest):
         and ``manifest``/``has_rows`` raise ``RolloutRetiredError`` until the id is deleted.
         Requests per rollout: one LIST page per 1,000 keys and one LIST that confirms its end, three
         PUTs for a live ledger (the retired fence, the tombstone, the fence again; two when a fence
-        exists), one DeleteObjects per 1,000 keys.
+        exists), one DeleteObjects per 1,000 keys. With ``probe_listing``, a PUT of a listing probe
+        before the LIST (one more round trip), so a listing that lags still shows every row; the
+        probe goes with the rest.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.
@@ -434,7 +437,9 @@ class S3CaptureLedger(_LedgerManifest):
         as whole. Returns ``{"removed": [...], "absent": [...]}``. Requests per rollout: one LIST
         page per 1,000 keys and one LIST after the last key (confirming the end), for a live ledger
         up to three PUTs (fence, tombstone, fence), one DeleteObjects per 1,000 records (none when
-        there are none), then a DELETE of the tombstone and one of the fence, in that order.
+        there are none), then a DELETE of the tombstone and one of the fence, in that order. With
+        ``probe_listing``, a PUT of a listing probe before the LIST (one more round trip), so a
+        listing that lags still shows every key to delete; the probe goes with the rest.
 
         Raises:
             TypeError: ``rollout_ids`` is a single str.

@@ -47,6 +47,11 @@ class RolloutObjects(_RootListing):
         )
         return scan_listing(prefix, listing, seen_at=awake_clock())
 
+    async def _removal_scan(self, rollout_id: str) -> RolloutScan:
+        """The listing ``retire`` and ``delete`` act on (``_scan``); a ledger built with
+        ``probe_listing`` proves it fresh first (``S3CaptureLedger._removal_scan``)."""
+        return await self._scan(rollout_id)
+
     async def _present(self, key: str) -> bool:
         """Whether the fence or tombstone ``key`` exists (one GET, at most ``_MARKER_READ_LIMIT``
         bytes read: a larger object exists all the same)."""
@@ -119,7 +124,7 @@ class RolloutObjects(_RootListing):
         absent: list[str] = []
 
         async def one(rollout_id: str) -> None:
-            scan = await self._scan(rollout_id)
+            scan = await self._removal_scan(rollout_id)
             had = bool(scan.contents) or (scan.fence and not scan.retired)  # a folder marker alone is no rollout
             await self._retire_scanned(scan)
             (removed if had else absent).append(rollout_id)
@@ -157,7 +162,7 @@ class RolloutObjects(_RootListing):
         removed: set[str] = set()
 
         async def one(rollout_id: str) -> None:
-            scan = await self._scan(rollout_id)
+            scan = await self._removal_scan(rollout_id)
             keys = scan.all_keys
             if scan.folders and not (scan.contents or scan.fence or scan.retired):
                 await self._delete_keys([item.key for item in scan.folders])  # a folder marker alone: no rollout
