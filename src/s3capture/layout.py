@@ -15,10 +15,11 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
     rollouts/<rid>/ledger-index/<fp>/<cid>/<sha256> ledger fingerprint index of that row (empty)
     rollouts/<rid>/ledger/fail/<cid>/<sha256>.json ledger failure row (CaptureLedger.record_failure)
     rollouts/<rid>/ledger/intent/<cid>            ledger begin_call intent (empty)
-    rollouts/<rid>/ledger/.probe/<uuid>           a manifest's listing probe (empty; ``probe_listing``),
-                                                  deleted by the manifest that wrote it; a leftover
-                                                  one holds nothing of the rollout's (``.probe``
-                                                  sorts before the ledger's other keys)
+    rollouts/<rid>/ledger/.probe/<uuid>           a listing probe (empty; ``probe_listing``: a ledger's
+                                                  manifest, has_rows, retire, delete; a token store's
+                                                  retire, delete), deleted by the call that wrote it;
+                                                  a leftover one holds nothing of the rollout's
+                                                  (``.probe`` sorts before the ledger's other keys)
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``

@@ -43,7 +43,6 @@ from s3capture.protocols import RolloutRetiredError
 from s3capture.errors import ListingError, StoreError
 from s3capture.records import RecordError
 from s3capture.rollouts import RolloutObjects
-from s3capture.rollouts.scan import RolloutScan
 from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
 
 log = logging.getLogger("s3capture")
@@ -53,8 +52,6 @@ _T = TypeVar("_T")
 
 class _LedgerManifest(RolloutObjects):
     """``manifest``, ``has_rows`` and the row reader of ``S3CaptureLedger`` (private mixin)."""
-
-    _probe_listing: bool = False
 
     # ------------------------------------------------------------------ reads
     async def _retired(self, prefix: str) -> bool:
@@ -167,18 +164,6 @@ class _LedgerManifest(RolloutObjects):
             if attempt:
                 raise removed
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _removal_scan(self, rollout_id: str) -> RolloutScan:
-        """``retire``'s and ``delete``'s listing; with ``probe_listing``, behind a probe PUT first
-        (it is listed as a folder marker, so the removal deletes it with the rest): a listing that
-        lags creations then still shows every row, intent and fence written before the call, and
-        the removal leaves none of them behind (docs/reliability.md, "Listings that lag")."""
-        if not self._probe_listing:
-            return await self._scan(rollout_id)
-        prefix = self.layout.rollout(rollout_id)
-        probe = f"ledger/.probe/{uuid.uuid4().hex}"
-        await self._put(prefix + probe, b"")
-        return await self._scan(rollout_id, require=[probe])
 
     async def _manifest_listed(
         self, rollout_id: str, prefix: str, require: tuple[str, ...], listed: asyncio.Event | None = None

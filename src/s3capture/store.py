@@ -112,6 +112,12 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
             clock (``CLOCK_BOOTTIME``) since it knew the fence existed, before its final LIST (no
             two machines' clocks are compared); together they close the stale-drop window (``docs/design.md``). Every client of
             a bucket must use the same value.
+        probe_listing: for a store whose listings lag writes (``s3capture doctor``'s
+            list-after-write check): ``retire`` and ``delete`` first PUT an empty probe key under
+            the rollout and list until the listing shows it, so they leave nothing written before
+            the call (the probe goes with the rest). One more round trip per removal. A first
+            ``freeze`` needs no probe (its listing must show the fence it creates); ``resolve``
+            and a re-freeze have none (docs/reliability.md, "Listings that lag"). Off by default.
 
     Every method raises ``ValueError`` (or ``TypeError``) for an id that cannot be stored, before
     any request, and ``StoreError`` when the store refuses an operation.
@@ -132,6 +138,7 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         spill_dir: str | os.PathLike | None = None,
         transport: str | Any = None,
         fence_grace: float = 1.0,
+        probe_listing: bool = False,
     ) -> None:
         super().__init__(
             url,
@@ -176,6 +183,7 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
         if not 0 <= fence_grace < math.inf:  # NaN would turn off drop's wait and the slow-put re-read
             raise ValueError(f"fence_grace must be a finite number of seconds >= 0, got {fence_grace!r}")
         self._fence_grace = fence_grace
+        self._probe_listing = bool(probe_listing)
         self._fence_seen: collections.OrderedDict[str, tuple[float, int, str]] = collections.OrderedDict()
         """rollout id -> (``awake_clock()`` after this client's freeze's fence PUT returned, and
         that freeze's version and snapshot id); bounded. ``drop`` trusts the time only for that

@@ -6,6 +6,7 @@ rollouts (``s3capture.rollouts.listing``) it inherits, in that order (the order 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,9 @@ bytes): a foreign object in their place is never downloaded whole on every write
 class RolloutObjects(_RootListing):
     """Client plumbing and rollout fences shared by ``S3TokenStore`` and ``S3CaptureLedger``."""
 
+    _probe_listing: bool = False
+    """Whether listings are proved fresh with a probe key (the ``probe_listing`` option)."""
+
     # ------------------------------------------------------------------ rollout fences and removal
     async def _scan(self, rollout_id: str, *, require: Iterable[str] = (), unless: Iterable[str] = ()) -> RolloutScan:
         """One verified listing of the rollout, split by kind (``scan_listing``). ``require``: keys
@@ -48,9 +52,16 @@ class RolloutObjects(_RootListing):
         return scan_listing(prefix, listing, seen_at=awake_clock())
 
     async def _removal_scan(self, rollout_id: str) -> RolloutScan:
-        """The listing ``retire`` and ``delete`` act on (``_scan``); a ledger built with
-        ``probe_listing`` proves it fresh first (``S3CaptureLedger._removal_scan``)."""
-        return await self._scan(rollout_id)
+        """The listing ``retire`` and ``delete`` act on (``_scan``). With ``probe_listing``, behind
+        a probe PUT first (``ledger/.probe/<uuid>``, which ``scan_listing`` files with the folder
+        markers, so the removal deletes it with the rest): a listing that lags creations then
+        still shows every key written before the call, and the removal leaves none of them behind
+        (docs/reliability.md, "Listings that lag")."""
+        if not self._probe_listing:
+            return await self._scan(rollout_id)
+        probe = f"ledger/.probe/{uuid.uuid4().hex}"
+        await self._put(self.layout.rollout(rollout_id) + probe, b"")
+        return await self._scan(rollout_id, require=[probe])
 
     async def _present(self, key: str) -> bool:
         """Whether the fence or tombstone ``key`` exists (one GET, at most ``_MARKER_READ_LIMIT``
