@@ -60,3 +60,59 @@ async def test_a_probed_store_reads_and_writes_as_a_plain_one(fresh, s3_client, 
     assert await probed.delete(["r", "unused"]) == {"removed": ["r"], "absent": ["unused"]}
     bucket, root = split_bucket_url(bucket_url)
     assert list_keys(s3_client, bucket, root) == []
+
+
+def _probes(s3_client: Any, bucket_url: str) -> list[str]:
+    bucket, root = split_bucket_url(bucket_url)
+    return [k for k in list_keys(s3_client, bucket, root) if "/ledger/.probe/" in k]
+
+
+@pytest.mark.parametrize("kind", ["store", "ledger"])
+@pytest.mark.parametrize("pair", [("delete", "delete"), ("retire", "delete")])
+async def test_two_probed_removals_racing_through_a_lagging_listing_both_answer(
+    fresh, ledgers, proxy, s3_client, bucket_url, kind: str, pair: tuple[str, str]
+):
+    """A breaker (2026-12-04): the first removal's listing showed the second's probe and deleted
+    it with the rest; the second then listed five times for it and raised ``ListingError``, where
+    two plain removals both return. It now probes once more and answers for what the first left."""
+    import asyncio
+
+    lagging(proxy)
+    make = fresh if kind == "store" else ledgers
+    await put_chain(fresh(), "r", 1)
+    await asyncio.sleep(LAG_MS / 1000 + 0.05)  # the entry is listed by now
+    first = make(endpoint_url=proxy.endpoint, probe_listing=True)
+    second = make(endpoint_url=proxy.endpoint, probe_listing=True)
+
+    async def later() -> Any:
+        await asyncio.sleep(0.1)  # its probe lands while the first one waits out the lag
+        return await getattr(second, pair[1])(["r"])
+
+    a, b = await asyncio.gather(getattr(first, pair[0])(["r"]), later())  # neither raises
+    assert "r" in a["removed"] + b["removed"], (a, b)  # whichever finished first removed it
+    assert a["removed"] + a["absent"] == b["removed"] + b["absent"] == ["r"]
+    bucket, root = split_bucket_url(bucket_url)
+    left = [k.rsplit("/r/", 1)[1] for k in list_keys(s3_client, bucket, root)]
+    assert set(left) <= {"fence", "retired"}, left  # a retire that ran after the delete fences the id
+    assert _probes(s3_client, bucket_url) == []
+
+
+@pytest.mark.parametrize("kind", ["store", "ledger"])
+@pytest.mark.parametrize("removal", ["retire", "delete"])
+async def test_a_probed_removal_whose_listing_never_shows_the_probe_raises_and_deletes_it(
+    fresh, ledgers, proxy, s3_client, bucket_url, kind: str, removal: str
+):
+    from s3capture.errors import ListingError
+
+    from faultproxy import ListHideYoung as Hide
+
+    await put_chain(fresh(), "r", 1)
+
+    async def rule(request: Any) -> Any:
+        return Hide(60_000) if request.is_list else None
+
+    proxy.rule = rule
+    probed = (fresh if kind == "store" else ledgers)(endpoint_url=proxy.endpoint, probe_listing=True)
+    with pytest.raises(ListingError, match="ledger/.probe/"):
+        await getattr(probed, removal)(["r", "unused"])
+    assert _probes(s3_client, bucket_url) == []  # before: one probe left per rollout, unused ids too
