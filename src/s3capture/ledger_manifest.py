@@ -40,7 +40,7 @@ from s3capture.ledger_rows import (
     _sha,
 )
 from s3capture.protocols import RolloutRetiredError
-from s3capture.errors import ListingError, StoreError
+from s3capture.errors import ListingError
 from s3capture.records import RecordError
 from s3capture.rollouts import RolloutObjects
 from s3capture.transport import ListedObject, beside_confirmation, gather_fail_fast
@@ -142,10 +142,7 @@ class _LedgerManifest(RolloutObjects):
                 try:
                     await listed.wait()
                 finally:  # also when the read failed or its caller cancelled it
-                    try:
-                        await self.transport.delete_one(probe)
-                    except StoreError as error:  # a leftover probe holds nothing (RolloutScan.folders)
-                        log.warning("could not delete the listing probe %s: %s", probe, error)
+                    await self._remove_probe(probe)
 
             remover = asyncio.ensure_future(remove_probe())
             try:
