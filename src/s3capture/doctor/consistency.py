@@ -201,9 +201,10 @@ class _ConsistencyProbes(_DoctorBase):
                 detail,
                 "s3capture needs strong list-after-write (and list-after-delete) consistency: a freeze "
                 "would miss another client's young entry and a deleted rollout would still list; use a "
-                "store that offers it, or disable the listing cache of the gateway in front of it (a "
-                "capture ledger's manifests can prove their listing fresh: S3CaptureLedger(..., "
-                "probe_listing=True))",
+                "store that offers it, or disable the listing cache of the gateway in front of it "
+                "(probe_listing=True makes a capture ledger's manifest, has_rows, retire and delete, and a "
+                "token store's retire and delete, prove their listing fresh: S3CaptureLedger(..., "
+                "probe_listing=True), S3TokenStore(..., probe_listing=True))",
                 data,
             )
         return Probe("list-after-write", "ok", detail, "", data)
