@@ -69,15 +69,12 @@ class RolloutObjects(_RootListing):
             await self._put(prefix + probe, b"")
             try:
                 return await self._scan(rollout_id, require=[probe])
-            except ListingError:
+            except Exception as error:
                 # A removal of the same id racing this one listed the probe and deleted it with the
                 # rest, so no listing shows it: probe once more, and answer for what that removal
                 # left (a breaker, 2026-12-04: it raised ListingError where plain clients return).
-                if not attempt and not await self._present(prefix + probe):
+                if isinstance(error, ListingError) and not attempt and not await self._present(prefix + probe):
                     continue
-                await self._remove_probe(prefix + probe)
-                raise
-            except Exception:
                 await self._remove_probe(prefix + probe)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
