@@ -764,8 +764,10 @@ class TokenStoreMachine(_Machine):
         # creation of keys, only a fence that did not exist before does (a re-freeze answers for the
         # state up to the lag earlier; the drop's new tombstone then refuses what it missed:
         # docs/reliability.md, "Listings that lag").
+        # Client PROBED_CLIENT's freezes list behind a probe (``probe_listing``): judged against the
+        # state at the call, re-freeze or not.
         refreeze = m.dirty or any(start < out.start for start, _ in m.freezes[:-1])  # dirty: a fence may be left
-        before = self.visible_before(out) if refreeze else out.start
+        before = self.visible_before(out) if refreeze and out.client != PROBED_CLIENT else out.start
         # Every marker acknowledged before the freeze masks it, and is named: a snapshot masked for
         # another reason (a conflict) must not hide a lost marker. Counted when it holds too, so a
         # CI budget that never checks it shows (test_model.py).

@@ -116,3 +116,93 @@ async def test_a_probed_removal_whose_listing_never_shows_the_probe_raises_and_d
     with pytest.raises(ListingError, match="ledger/.probe/"):
         await getattr(probed, removal)(["r", "unused"])
     assert _probes(s3_client, bucket_url) == []  # before: one probe left per rollout, unused ids too
+
+
+class _CreationTimes(dict):
+    """``FaultProxy.put_times`` of a store whose listings lag the *creation* of keys: a key written
+    again (a re-freeze's fence) keeps the time it was first written, so it is listed at once (as in
+    the model's ``lag`` fault, tests/model_machines.py)."""
+
+    def __setitem__(self, key: str, value: float) -> None:
+        if key not in self:
+            super().__setitem__(key, value)
+
+
+@pytest.mark.parametrize("write", ["marker", "conflict"])
+async def test_a_probed_refreeze_through_a_listing_that_lags_creations_sees_what_landed_before_it(
+    fresh, proxy, s3_client, bucket_url, write: str
+):
+    """A re-freeze's fence exists already, so a listing that lags the creation of keys shows it at
+    once: without the probe the re-freeze handed out the first snapshot, trainable, although a
+    marker (acknowledged) or a conflicting payload (refused as frozen, but landed) was written
+    after it. With ``probe_listing`` the freeze PUTs a probe beside its fence and lists until the
+    probe shows, so the snapshot is masked. docs/reliability.md, "Listings that lag"."""
+    import asyncio
+
+    from helpers import simple_entry
+    from s3capture.protocols import TokenCaptureFrozenError
+
+    proxy.put_times = _CreationTimes()
+    worker = fresh(endpoint_url=proxy.endpoint)
+    await worker.put(simple_entry("r", "c1"))
+    first = await fresh(endpoint_url=proxy.endpoint).freeze("r")
+    assert not first.incomplete
+    await asyncio.sleep(LAG_MS / 1000 + 0.1)  # everything so far is listed
+    lagging(proxy)
+
+    async def written_after_the_freeze() -> None:
+        if write == "marker":
+            await worker.mark_incomplete("r", "c2")  # acknowledged
+        else:
+            with pytest.raises(TokenCaptureFrozenError):  # refused, but its object landed
+                await fresh(endpoint_url=proxy.endpoint).put(simple_entry("r", "c1", text="other"))
+
+    await written_after_the_freeze()
+    plain = await fresh(endpoint_url=proxy.endpoint).freeze("r")
+    assert (plain.version, plain.snapshot_id, plain.incomplete) == (first.version, first.snapshot_id, False)
+
+    # The same again under a new id, read by a probed client.
+    await worker.put(simple_entry("s", "c1"))
+    await fresh(endpoint_url=proxy.endpoint).freeze("s")
+    await asyncio.sleep(LAG_MS / 1000 + 0.1)
+    if write == "marker":
+        await worker.mark_incomplete("s", "c2")
+    else:
+        with pytest.raises(TokenCaptureFrozenError):
+            await fresh(endpoint_url=proxy.endpoint).put(simple_entry("s", "c1", text="other"))
+    probed = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("s")
+    expected = "marked_incomplete:c2" if write == "marker" else "conflicting_payloads:c1"
+    assert probed.incomplete and expected in probed.reasons, probed.reasons
+    assert _probes(s3_client, bucket_url) == []  # deleted beside the manifest PUT
+
+
+async def test_a_probed_freeze_gives_the_plain_snapshot_and_leaves_no_probe(fresh, proxy, s3_client, bucket_url):
+    """The probe's PUT goes beside the fence's and its DELETE beside the manifest's; a probed
+    freeze gives the same snapshot as a plain one; a freeze refused as retired deletes its probe
+    too."""
+    from helpers import simple_entry
+    from s3capture.protocols import TokenCaptureRetiredError
+
+    writer = fresh()
+    for cid in ("c1", "c2"):
+        await writer.put(simple_entry("r", cid))
+    probed = fresh(endpoint_url=proxy.endpoint, probe_listing=True)
+    snapshot = await probed.freeze("r")
+    again = await probed.freeze("r")
+    plain = await fresh().freeze("r")
+    assert (
+        (snapshot.version, snapshot.snapshot_id)
+        == (again.version, again.snapshot_id)
+        == (
+            plain.version,
+            plain.snapshot_id,
+        )
+    )
+    probe_ops = [r.method for r in proxy.requests if "/ledger/.probe/" in r.path]
+    assert probe_ops.count("PUT") == 2 and probe_ops.count("DELETE") == 2, probe_ops
+    assert _probes(s3_client, bucket_url) == []
+
+    assert await writer.drop("r", snapshot.snapshot_id, snapshot.version) is True
+    with pytest.raises(TokenCaptureRetiredError):
+        await probed.freeze("r")
+    assert _probes(s3_client, bucket_url) == []

@@ -113,11 +113,15 @@ class S3TokenStore(_StoreWrites, _StoreSnapshots, _StoreLifecycle, _StoreLineage
             two machines' clocks are compared); together they close the stale-drop window (``docs/design.md``). Every client of
             a bucket must use the same value.
         probe_listing: for a store whose listings lag writes (``s3capture doctor``'s
-            list-after-write check): ``retire`` and ``delete`` first PUT an empty probe key under
-            the rollout and list until the listing shows it, so they leave nothing written before
-            the call (the probe goes with the rest). One more round trip per removal. A first
-            ``freeze`` needs no probe (its listing must show the fence it creates); ``resolve``
-            and a re-freeze have none (docs/reliability.md, "Listings that lag"). Off by default.
+            list-after-write check): ``retire``, ``delete`` and ``freeze`` first PUT an empty
+            probe key under the rollout (``ledger/.probe/<32 hex>``; a freeze beside its fence)
+            and list until the listing shows it, so they see every key written before the call.
+            A removal deletes the probe with the rest (one more round trip); a freeze deletes it
+            beside its manifest PUT (one more round trip only for a re-freeze of an unchanged
+            rollout, whose manifest exists). Without it a first freeze is still fresh (its listing
+            must show the fence it creates) but a re-freeze answers for the state up to the lag
+            earlier. ``resolve`` has no probe (docs/reliability.md, "Listings that lag"). Needs
+            DeleteObject on the probes (docs/permissions.md). Off by default.
 
     Every method raises ``ValueError`` (or ``TypeError``) for an id that cannot be stored, before
     any request, and ``StoreError`` when the store refuses an operation.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +131,9 @@ class _StoreSnapshots(_StoreCore):
         Requests: PUT the fence, then one LIST page per 1,000 keys beside one GET of the retire
         tombstone, one GET per entry not yet cached and one LIST after the listing's last key that
         confirms its end (in parallel), and one PUT of the sealed manifest unless it already exists.
+        With ``probe_listing``, also a probe PUT beside the fence's (the listing must show it too)
+        and its DELETE beside the manifest's PUT: no more round trips where the manifest is new,
+        one more where it exists already.
         ``version`` is the number of log and foreign objects and ``snapshot_id`` a digest of their
         sorted keys (and of the foreign objects' ETags: s3capture's own keys name their content),
         so two clients freezing the same state agree. The snapshot is ``incomplete`` when
@@ -153,7 +157,24 @@ class _StoreSnapshots(_StoreCore):
                 listing that does not show the fence this freeze wrote, after retries.
         """
         prefix = self.layout.rollout(rollout_id)
-        await self._put(prefix + "fence", FENCE_FROZEN)
+        if not self._probe_listing:
+            await self._put(prefix + "fence", FENCE_FROZEN)
+            return await self._freeze_fenced(rollout_id, prefix, None)
+        # probe_listing: a listing probe PUT beside the fence. A listing that lags the creation of
+        # keys shows a re-freeze's fence (it exists already) at once; the probe is a new key, so a
+        # listing that shows it holds every key created before the call (docs/reliability.md,
+        # "Listings that lag"). Deleted beside the manifest PUT; ``scan_listing`` files a leftover
+        # one with the folder markers (no reader counts it).
+        probe = f"{prefix}ledger/.probe/{uuid.uuid4().hex}"
+        try:
+            await gather_fail_fast([self._put(prefix + "fence", FENCE_FROZEN), self._put(probe, b"")])
+            return await self._freeze_fenced(rollout_id, prefix, probe)
+        except BaseException:
+            await self._remove_probe(probe)  # a failed or cancelled freeze leaves no probe
+            raise
+
+    async def _freeze_fenced(self, rollout_id: str, prefix: str, probe: str | None) -> FrozenSnapshot:
+        """``freeze`` after its fence PUT (and its listing probe's, ``probe`` when not None)."""
         fenced_at = awake_clock()
         # A listing that does not show the fence just written is stale or incomplete: never build a
         # snapshot on it (retried, then ListingError). The retire tombstone is also read by a GET
@@ -163,7 +184,13 @@ class _StoreSnapshots(_StoreCore):
         # model, with listings that lag, 2026-12-04).
         tombstone = asyncio.ensure_future(self._present(prefix + "retired"))
         try:
-            listing = await self._list(prefix, require=[prefix + "fence"])
+            # A retire or delete racing a probed freeze deletes its probe with the rest: a listing
+            # that shows the retire tombstone instead is fresh enough to refuse the rollout.
+            listing = await self._list(
+                prefix,
+                require=[prefix + "fence"] if probe is None else [prefix + "fence", probe],
+                unless=() if probe is None else [prefix + "retired"],
+            )
             try:
                 retired_before = await tombstone
             except StoreError as error:
@@ -216,7 +243,13 @@ class _StoreSnapshots(_StoreCore):
                     for i in sorted(scan.log + scan.foreign, key=lambda i: i.key)
                 ],
             }
-            await self._put(manifest_key, msgspec.json.encode(manifest))
+            sealing = self._put(manifest_key, msgspec.json.encode(manifest))
+            if probe is None:
+                await sealing
+            else:
+                await gather_fail_fast([sealing, self._remove_probe(probe)])
+        elif probe is not None:
+            await self._remove_probe(probe)  # a failed DELETE only logs: the snapshot stands
         if snapshot.incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         return snapshot
