@@ -20,14 +20,19 @@ key, then check:
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from typing import Any
 
+import pytest
 from helpers import list_keys, simple_entry, split_bucket_url
 
+from s3capture.cli import main
 from s3capture.export import export
-from s3capture.ops import status
+from s3capture.ops import GcAction, format_gc, gc, status
+from s3capture.store import S3TokenStore
 
 FAR = 10.0  # seconds added to "now" so that everything already written counts as old
 
@@ -91,3 +96,101 @@ async def test_a_prefix_of_probes_alone_is_no_rollout_to_ls_status_or_export(
         line.startswith("ghost: ") for lines in summary.skipped_examples.values() for line in lines
     )
     assert not summary.root_empty
+
+
+async def test_gc_dry_run_reports_a_prefix_of_old_probes_alone_and_deletes_nothing(
+    fresh: Any, s3_client: Any, bucket_url: str
+) -> None:
+    before = await _root(fresh, s3_client, bucket_url)
+    actions: list[GcAction] = []
+    report = await gc(fresh(), 0.0, now=time.time() + FAR, on_action=actions.append)
+    probes = [a for a in actions if a.action == "delete_probes"]
+    assert [(a.rollout_id, a.keys, a.objects, a.bytes) for a in probes] == [("ghost", before["ghost"], 2, 0)]
+    assert probes[0].last_write is not None
+    # The rollout beside them: an open one, reported as abandoned and never touched.
+    assert {(a.rollout_id, a.action) for a in actions} == {
+        ("ghost", "delete_probes"),
+        ("neighbour", "abandoned"),
+        ("lookalike", "abandoned"),
+    }
+    assert (report.deleted_probe_prefixes, report.deleted_objects, report.deleted_rollouts) == (1, 2, 0)
+    assert "would remove 2 objects" in format_gc(report)
+    assert "listing probes left alone at 1 rollout prefix" in format_gc(report)
+    assert {rid: _keys(s3_client, bucket_url, rid) for rid in before} == before  # nothing deleted
+
+
+def test_gc_yes_deletes_only_the_old_probes_alone(
+    s3_env: Any, s3_client: Any, bucket_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def run(work: Any) -> Any:
+        stores: list[S3TokenStore] = []
+
+        def make() -> S3TokenStore:
+            stores.append(S3TokenStore(bucket_url))
+            return stores[-1]
+
+        try:
+            return await work(make)
+        finally:
+            for store in stores:
+                await store.close()
+
+    before = asyncio.run(run(lambda make: _root(make, s3_client, bucket_url)))
+    capsys.readouterr()
+    assert main(["ls", bucket_url, "--json"]) == 0  # no row for ghost or folder
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["rollout_id"], row["state"]) for row in rows] == [("lookalike", "open"), ("neighbour", "open")]
+
+    # Younger than the age: stays, counted as too young.
+    young = asyncio.run(run(lambda make: gc(make(), 3600.0, dry_run=False)))
+    assert (young.deleted_probe_prefixes, young.deleted_objects, young.too_young) == (0, 0, 1)
+    assert {rid: _keys(s3_client, bucket_url, rid) for rid in before} == before
+
+    # A threshold of 0: LastModified (truncated to the second on some servers) is never after now.
+    assert main(["gc", bucket_url, "--retired-older-than", "0s"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete the probes of ghost (2 objects" in out and "dry run" in out
+    assert {rid: _keys(s3_client, bucket_url, rid) for rid in before} == before
+    assert main(["gc", bucket_url, "--retired-older-than", "0s", "--yes", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    summary = lines[-1]
+    assert summary["type"] == "summary" and summary["deleted_probe_prefixes"] == 1
+    assert (summary["deleted_objects"], summary["deleted_rollouts"], summary["skipped"]) == (2, 0, 0)
+    assert [(line["rollout_id"], line["keys"]) for line in lines[:-1] if line["action"] == "delete_probes"] == [
+        ("ghost", before["ghost"])
+    ]
+    after = {rid: _keys(s3_client, bucket_url, rid) for rid in before}
+    assert after == {**before, "ghost": []}
+
+    async def read_back(make: Any) -> Any:
+        # The neighbour's entry reads back (the probe beside it is retire's and delete's business),
+        # and a second run finds nothing more to do.
+        snapshot = await make().freeze("neighbour")
+        assert [e.model_call_id for e in snapshot.entries] == ["c1"]
+        return await gc(make(), 0.0, now=time.time() + FAR, dry_run=False)
+
+    again = asyncio.run(run(read_back))
+    assert again.deleted_probe_prefixes == 0 and again.deleted_objects == 0
+
+
+async def test_gc_leaves_a_prefix_of_probes_that_changed_since_the_listing(
+    fresh: Any, s3_client: Any, bucket_url: str
+) -> None:
+    """A write under the id between the listing and the re-check (a call probing it again, a put
+    using it): the id is someone's now; nothing is deleted, not even the old probe."""
+    old = _put(s3_client, bucket_url, "ghost", _probe_rel())
+    store = fresh()
+    original = store._list
+    racer: list[str] = []
+
+    async def racing_list(prefix: str, **kwargs: Any) -> Any:
+        racer.append(_put(s3_client, bucket_url, "ghost", _probe_rel()))  # lands after the streaming listing
+        return await original(prefix, **kwargs)
+
+    store._list = racing_list
+    actions: list[GcAction] = []
+    report = await gc(store, 0.0, now=time.time() + FAR, dry_run=False, on_action=actions.append)
+    assert [(a.rollout_id, a.action) for a in actions] == [("ghost", "skipped")]
+    assert (report.skipped, report.deleted_probe_prefixes, report.deleted_objects) == (1, 0, 0)
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == sorted([old, *racer])

@@ -19,7 +19,8 @@ Every key lives under a configured root ``s3://BUCKET/PREFIX/``; per rollout::
                                                   manifest, has_rows, retire, delete; a token store's
                                                   retire, delete), deleted by the call that wrote it;
                                                   a leftover one holds nothing of the rollout's
-                                                  (``.probe`` sorts before the ledger's other keys)
+                                                  (``.probe`` sorts before the ledger's other keys);
+                                                  alone at a prefix, ``gc`` removes it
 
 ``<fp>`` is the entry's continuation fingerprint (``~`` when empty). Ids are escaped with
 ``escape_id``: ``A-Z a-z 0-9 _ -`` stay as they are, every other UTF-8 byte becomes ``.HH``

@@ -31,6 +31,11 @@ What ``gc`` removes, and why it cannot lose an acknowledged entry (``docs/operat
   never acknowledged. A later run removes the fence and tombstone.
 * A key alone at a rollout prefix that is exactly ``fence`` (a delete or gc that crashed between
   its two deletes), older than ``older_than``, is deleted.
+* A rollout prefix whose every key is a leftover listing probe (``ledger/.probe/<32 hex>`` of a
+  ``probe_listing`` client, whose PUT the store applied after the call deleted it), which
+  ``rollouts`` shows as no rollout at all, loses those keys when all are older than
+  ``older_than`` and a listing right before the delete shows the same keys. A prefix holding
+  anything else is left to ``retire`` and ``delete``.
 * Open rollouts quiet for longer than ``abandoned_after`` are *reported*, never deleted; frozen
   rollouts are never touched (their consumer drops them).
 

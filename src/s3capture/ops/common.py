@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from s3capture.clocks import store_time
-from s3capture.rollouts import RolloutInfo, RolloutObjects
+from s3capture.rollouts import RolloutObjects
 from s3capture.transport import ListedObject
 
 
@@ -26,7 +26,7 @@ def _clock(store: Any, now: float | None) -> Callable[..., float]:
     if now is not None:
         return lambda info=None: now
 
-    def clock(info: RolloutInfo | None = None) -> float:
+    def clock(info: Any = None) -> float:  # a RolloutInfo, or anything with a listed_at
         listed_at = getattr(info, "listed_at", None)
         return listed_at if listed_at else store_time(store)
 

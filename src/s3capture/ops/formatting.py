@@ -137,6 +137,7 @@ def format_action(action: GcAction, *, dry_run: bool) -> str:
     verb = {
         "delete": "would delete" if dry_run else "deleted",
         "retire_again": "would retire again" if dry_run else "retired again",
+        "delete_probes": "would delete the probes of" if dry_run else "deleted the probes of",
         "skipped": "skipped",
         "abandoned": "abandoned (kept)",
     }[action.action]
@@ -156,7 +157,13 @@ def format_gc(r: GcReport) -> str:
             f"gc {r.url}: {mode}",
             f"  retired rollouts: {r.retired_seen} listed, {r.too_young} younger than {_duration(r.older_than)}",
             f"  {would} {_counted(r.deleted_objects, 'object')} ({_human_bytes(r.deleted_bytes)}): fences of "
-            f"{_counted(r.deleted_rollouts, 'rollout')}, stragglers of {r.retired_again} (retired again, fence kept)",
+            f"{_counted(r.deleted_rollouts, 'rollout')}, stragglers of {r.retired_again} (retired again, fence kept)"
+            + (
+                f", listing probes left alone at {r.deleted_probe_prefixes:,} rollout "
+                f"prefix{'' if r.deleted_probe_prefixes == 1 else 'es'}"
+                if r.deleted_probe_prefixes
+                else ""
+            ),
             f"  skipped (changed since the listing): {r.skipped}",
             *(
                 [

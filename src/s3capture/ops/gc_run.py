@@ -1,6 +1,7 @@
-"""``gc``: plan (dry run) and carry out the removal of what retired rollouts leave behind, and
-report abandoned open rollouts (``GcAction``, ``GcReport``, ``MIN_SAFE_AGE``). The rules it follows,
-and why it cannot lose an acknowledged entry, are in the ``s3capture.ops`` package docstring."""
+"""``gc``: plan (dry run) and carry out the removal of what retired rollouts leave behind (and of
+leftover listing probes alone at a rollout prefix), and report abandoned open rollouts
+(``GcAction``, ``GcReport``, ``MIN_SAFE_AGE``). The rules it follows, and why it cannot lose an
+acknowledged entry, are in the ``s3capture.ops`` package docstring."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections.abc import Callable
 
 import msgspec
 
+from s3capture.layout import is_ledger_probe_rel
 from s3capture.ops.common import _age, _clock, _newest, _progress, _rollout_prefix, _when
 from s3capture.rollouts import RolloutInfo, RolloutObjects
+from s3capture.rollouts.listing import _check_prefix
 from s3capture.transport import ListedObject
 
 MIN_SAFE_AGE = 3600.0
@@ -26,6 +29,8 @@ class GcAction(msgspec.Struct, kw_only=True):
     action: str
     """``"delete"`` (fence and tombstone, or a bare fence, removed: the id reads as unused),
     ``"retire_again"`` (straggler objects removed, fence and tombstone rewritten and kept),
+    ``"delete_probes"`` (leftover listing probes removed from a prefix that held nothing else: the
+    id was never used otherwise and reads as unused either way),
     ``"skipped"`` (changed between the listing and its re-check; nothing done) or ``"abandoned"``
     (an open rollout quiet for ``abandoned_after``: reported only)."""
     keys: list[str]
@@ -50,6 +55,10 @@ class GcReport(msgspec.Struct, kw_only=True):
     """Rollouts whose fence and tombstone (or bare fence) were (would be) removed."""
     retired_again: int = 0
     """Retired rollouts whose straggler objects were (would be) removed, fence kept."""
+    deleted_probe_prefixes: int = 0
+    """Rollout prefixes holding nothing but leftover listing probes (``ledger/.probe/<32 hex>``,
+    ``probe_listing``) whose probes were (would be) removed; their keys count in
+    ``deleted_objects``."""
     deleted_objects: int = 0
     deleted_bytes: int = 0
     skipped: int = 0
@@ -59,7 +68,8 @@ class GcReport(msgspec.Struct, kw_only=True):
     retire that failed or crashed before its fence PUT): writers take them for open, so their
     objects may be acknowledged writes; retire or delete them to finish (``docs/operations.md``)."""
     too_young: int = 0
-    """Retired rollouts (or bare fences) with a key newer than ``older_than``."""
+    """Retired rollouts (or bare fences, or prefixes of leftover listing probes alone) with a key
+    newer than ``older_than``."""
     abandoned: int = 0
     """Open rollouts quiet for longer than ``abandoned_after`` (reported, not deleted)."""
     abandoned_bytes: int = 0
@@ -86,10 +96,12 @@ async def gc(
     on_action: Callable[[GcAction], None] | None = None,
     progress: bool = False,
 ) -> GcReport:
-    """Remove what retired rollouts leave behind; report abandoned open rollouts.
+    """Remove what retired rollouts leave behind, and leftover listing probes alone at a rollout
+    prefix; report abandoned open rollouts.
 
-    ``older_than``: seconds; a retired rollout (or a bare fence) is handled only when every key
-    under its prefix is at least this old (``now`` minus the store's LastModified). ``dry_run``
+    ``older_than``: seconds; a retired rollout (or a bare fence, or a prefix of probes alone) is
+    handled only when every key under its prefix is at least this old (``now`` minus the store's
+    LastModified). ``dry_run``
     (default ``True``): send nothing but LIST requests and report what would be done.
     ``abandoned_after``: seconds an open rollout must be quiet to be reported as abandoned (default
     ``older_than``). ``prefix``: only rollout ids starting with it. ``now``: seconds since the epoch
@@ -100,11 +112,14 @@ async def gc(
     The rules (module docstring and ``docs/operations.md``): a rollout is changed only after a
     second listing of its own prefix, right before the first write or delete, shows exactly what
     the streaming listing showed; only listed keys are deleted; a retired rollout with straggler
-    objects is retired again (fence rewritten and kept) instead of losing its fence; open and
-    frozen rollouts are never written to or deleted from.
+    objects is retired again (fence rewritten and kept) instead of losing its fence; a prefix whose
+    every key is a listing probe (``ledger/.probe/<32 hex>``, left by a ``probe_listing`` call
+    whose PUT the store applied after the call deleted it) loses those keys; open and frozen
+    rollouts are never written to or deleted from.
 
     Requests: one streaming LIST of the root; without ``dry_run``, per rollout acted on one LIST
-    plus two DELETEs (fence and tombstone) or two PUTs and DeleteObjects (retire again).
+    plus two DELETEs (fence and tombstone), two PUTs and DeleteObjects (retire again), or one
+    DeleteObjects (probes alone).
     Raises ``ValueError`` for a negative age, ``StoreError`` when the store fails (what was done
     before stays done; a re-run continues).
     """
@@ -123,9 +138,17 @@ async def gc(
 
     bar = _progress(progress, "gc")
     try:
-        async with contextlib.aclosing(store.rollouts_listed(prefix=prefix)) as listed:
-            async for info, items in listed:
+        # Every rollout prefix, also those ``rollouts`` does not show (nothing of the client's, no
+        # fence): a prefix of leftover listing probes alone is removed here, and nowhere else.
+        async with contextlib.aclosing(store._listed_prefixes(_check_prefix(prefix))) as listed:
+            async for rollout_id, found, items, listed_at in listed:
                 bar.update(1)
+                if found is None:
+                    await _collect_probes(
+                        store, rollout_id, items, clock(_Listed(listed_at)), older_than, dry_run, report, emit
+                    )
+                    continue
+                info = found
                 if info.state == "open":
                     if (
                         info.last_write is not None
@@ -160,6 +183,68 @@ async def gc(
     finally:
         bar.close()
     return report
+
+
+class _Listed(msgspec.Struct, frozen=True):
+    """When a rollout prefix that ``rollouts`` does not show was listed (what ``_clock`` reads)."""
+
+    listed_at: float
+
+
+async def _collect_probes(
+    store: RolloutObjects,
+    rollout_id: str,
+    items: list[ListedObject],
+    now: float,
+    older_than: float,
+    dry_run: bool,
+    report: GcReport,
+    emit: Callable[[GcAction], None],
+) -> None:
+    """Remove a rollout prefix's keys when every one of them is a leftover listing probe older
+    than ``older_than`` (at ``now``): a ``probe_listing`` call's probe PUT that the store applied
+    after the call had deleted it, under an id nothing else was written to. Anything else there
+    (a folder marker, any other key) leaves the prefix alone; a probe beside a rollout's keys goes
+    with them (retire, delete). Without ``dry_run``, a listing of the prefix right before the
+    delete must show exactly the same keys, and only those are deleted."""
+    rollout_prefix = _rollout_prefix(store, rollout_id)
+    if not items or not all(is_ledger_probe_rel(item.key[len(rollout_prefix) :]) for item in items):
+        return  # folder markers, or probes beside one: not ours to remove
+    newest = _newest(items)
+    if newest <= 0 or _age(now, newest) < older_than:
+        report.too_young += 1
+        return
+    if not dry_run:
+        again = await store._list(rollout_prefix)
+        if not _same_listing(items, again):
+            # A call probing the id, or a write that uses it: it is someone's now.
+            report.skipped += 1
+            emit(
+                GcAction(
+                    rollout_id=rollout_id,
+                    action="skipped",
+                    keys=[],
+                    last_write=_when(_newest(again)),
+                    reason="changed since the listing",
+                )
+            )
+            return
+        await store._delete_keys([item.key for item in items])
+        store._cache.discard_prefix(rollout_prefix)
+    report.deleted_probe_prefixes += 1
+    report.deleted_objects += len(items)
+    report.deleted_bytes += sum(item.size for item in items)
+    emit(
+        GcAction(
+            rollout_id=rollout_id,
+            action="delete_probes",
+            keys=sorted(item.key[len(rollout_prefix) :] for item in items),
+            objects=len(items),
+            bytes=sum(item.size for item in items),
+            last_write=_when(newest),
+            reason="leftover listing probes alone (a probe_listing call's PUT applied after its delete)",
+        )
+    )
 
 
 async def _collect_one(

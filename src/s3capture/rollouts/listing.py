@@ -184,6 +184,19 @@ class _RootListing(_RolloutClient):
     async def _listed_rollouts(
         self, states: frozenset[str], prefix: str
     ) -> AsyncGenerator[tuple[RolloutInfo, list[ListedObject]], None]:
+        async with contextlib.aclosing(self._listed_prefixes(prefix)) as listed:
+            async for _, info, items, _ in listed:
+                if info is not None and info.state in states:
+                    yield info, items
+
+    async def _listed_prefixes(
+        self, prefix: str
+    ) -> AsyncGenerator[tuple[str, RolloutInfo | None, list[ListedObject], float], None]:
+        """``(rollout_id, info, items, listed_at)`` for every rollout prefix s3capture could have
+        written under the root (ids starting with ``prefix``), in listing order: ``info`` is
+        ``None`` where none of this client's objects, no fence and no retire tombstone are there
+        (folder markers or leftover listing probes alone, which ``rollouts`` never shows; ``gc``
+        removes a prefix of probes alone). Same requests, memory and errors as ``rollouts``."""
         base = f"{self.layout.root}rollouts/"
         list_prefix = base + (escape_id(prefix) if prefix else "")
         if len(list_prefix.encode()) > MAX_KEY_BYTES:
@@ -203,8 +216,7 @@ class _RootListing(_RolloutClient):
                 if not rollout_id.startswith(prefix):
                     continue
                 info = self._rollout_info(rollout_id, scan_listing(rollout_prefix, items), listed_at=listed_at)
-                if info is not None and info.state in states:
-                    yield info, items
+                yield rollout_id, info, items, listed_at
         if skipped:
             # Never counted, masked or deleted; said once a listing, so that ls and status do not
             # pass over a polluted root in silence.
