@@ -115,7 +115,7 @@ async def test_gc_dry_run_reports_a_prefix_of_old_probes_alone_and_deletes_nothi
     }
     assert (report.deleted_probe_prefixes, report.deleted_objects, report.deleted_rollouts) == (1, 2, 0)
     assert "would remove 2 objects" in format_gc(report)
-    assert "listing probes left alone at 1 rollout prefix" in format_gc(report)
+    assert "leftover listing probes under 1 otherwise empty rollout prefix" in format_gc(report)
     assert {rid: _keys(s3_client, bucket_url, rid) for rid in before} == before  # nothing deleted
 
 

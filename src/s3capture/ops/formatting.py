@@ -159,7 +159,7 @@ def format_gc(r: GcReport) -> str:
             f"  {would} {_counted(r.deleted_objects, 'object')} ({_human_bytes(r.deleted_bytes)}): fences of "
             f"{_counted(r.deleted_rollouts, 'rollout')}, stragglers of {r.retired_again} (retired again, fence kept)"
             + (
-                f", listing probes left alone at {r.deleted_probe_prefixes:,} rollout "
+                f", leftover listing probes under {r.deleted_probe_prefixes:,} otherwise empty rollout "
                 f"prefix{'' if r.deleted_probe_prefixes == 1 else 'es'}"
                 if r.deleted_probe_prefixes
                 else ""
