@@ -540,6 +540,7 @@ class _Snap:
     start: float
     end: float
     shas: dict[str, str]  # cid -> sha of the entry handed out
+    seen_before: float = 0.0  # writes acknowledged before this are in its listing (``before``)
 
 
 @dataclass
@@ -768,6 +769,7 @@ class TokenStoreMachine(_Machine):
         # state at the call, re-freeze or not.
         refreeze = m.dirty or any(start < out.start for start, _ in m.freezes[:-1])  # dirty: a fence may be left
         before = self.visible_before(out) if refreeze and out.client != PROBED_CLIENT else out.start
+        record.seen_before = before
         # Every marker acknowledged before the freeze masks it, and is named: a snapshot masked for
         # another reason (a conflict) must not hide a lost marker. Counted when it holds too, so a
         # CI budget that never checks it shows (test_model.py).
@@ -787,10 +789,17 @@ class TokenStoreMachine(_Machine):
                     lambda: f"{out.describe()}: {entry.model_call_id}'s parent {entry.parent_call_id} is missing",
                 )
         # Idempotent across clients: nothing was written since the previous freeze -> same pair.
+        # A re-freeze through a lagging listing sees the writes acknowledged up to the lag before
+        # it only (``before``), so both must have seen every write: none since the earlier of the
+        # two (chaos seed 114: a lagging client's re-freeze missed a put that a fresh freeze had
+        # already taken, both correct).
         previous = [s for s in m.snaps if s.end < out.start]
         if previous and not m.dirty:
             last = previous[-1]
-            if not any(t >= last.start for t in m.writes) and not m.maybe_removed:
+            seen = min(last.start, last.seen_before or last.start, before)
+            if seen < last.start:  # ``writes`` holds start times: one acknowledged later may be hidden
+                seen -= SETTLE
+            if not any(t >= seen for t in m.writes) and not m.maybe_removed:
                 self.stats.check(
                     (snap.version, snap.snapshot_id, snap.incomplete)
                     == (last.snap.version, last.snap.snapshot_id, last.snap.incomplete),
