@@ -203,7 +203,7 @@ class _ConsistencyProbes(_DoctorBase):
                 "would miss another client's young entry and a deleted rollout would still list; use a "
                 "store that offers it, or disable the listing cache of the gateway in front of it "
                 "(probe_listing=True makes a capture ledger's manifest, has_rows, retire and delete, and a "
-                "token store's retire and delete, prove their listing fresh: S3CaptureLedger(..., "
+                "token store's freeze, retire and delete, prove their listing fresh: S3CaptureLedger(..., "
                 "probe_listing=True), S3TokenStore(..., probe_listing=True))",
                 data,
             )
