@@ -1,0 +1,199 @@
+"""Breaking ``S3TokenStore(probe_listing=True).freeze`` (commit 726c4e9): its listing probe
+``ledger/.probe/<32 hex>`` PUT beside the fence, required in the listing unless the retire
+tombstone shows, deleted beside the manifest PUT (docs/reliability.md, finding 37)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from faultproxy import ListHideYoung, s3_error
+from helpers import list_keys, put_chain, simple_entry, split_bucket_url
+
+pytestmark = pytest.mark.all_transports
+
+LAG_MS = 250.0
+PROBE = "/ledger/.probe/"
+
+
+class _CreationTimes(dict):
+    """A listing that lags the *creation* of keys only (as tests/test_store_probe_listing.py)."""
+
+    def __setitem__(self, key: str, value: float) -> None:
+        if key not in self:
+            super().__setitem__(key, value)
+
+
+def _probes(s3_client: Any, bucket_url: str) -> list[str]:
+    bucket, root = split_bucket_url(bucket_url)
+    return [k for k in list_keys(s3_client, bucket, root) if PROBE in k]
+
+
+async def _settled(proxy: Any, seconds: float = 5.0) -> None:
+    """Wait until nothing a client sent through the proxy can still land at the server."""
+    deadline = time.monotonic() + seconds
+    while proxy.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not proxy.in_flight(), proxy.in_flight()
+
+
+def _lagging_creations(proxy: Any, ms: float = LAG_MS, then: Any = None) -> None:
+    proxy.put_times = _CreationTimes()
+
+    async def rule(request: Any) -> Any:
+        if then is not None:
+            action = await then(request)
+            if action is not None:
+                return action
+        return ListHideYoung(ms) if request.is_list else None
+
+    proxy.rule = rule
+
+
+# --------------------------------------------------------------------------- a probe left behind
+async def test_a_freeze_whose_fence_put_is_refused_leaves_no_probe(fresh, proxy, s3_client, bucket_url):
+    """The fence PUT is refused at once while the probe PUT is still on its way: ``gather_fail_fast``
+    cancels the probe PUT midway, the freeze DELETEs the probe, and then the probe PUT lands. A
+    freeze that raised leaves a probe behind (the commit says a failed freeze deletes its probe)."""
+    from s3capture.errors import StoreError
+
+    await put_chain(fresh(), "r", 1)
+
+    async def rule(request: Any) -> Any:
+        if request.method == "PUT" and request.path.endswith("/r/fence"):
+            return s3_error(403, "AccessDenied", "Access Denied", "Forbidden")
+        if request.method == "PUT" and PROBE in request.path:
+            await asyncio.sleep(0.3)  # a slow request, forwarded afterwards
+        return None
+
+    proxy.rule = rule
+    with pytest.raises(StoreError):
+        await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+
+
+@pytest.mark.parametrize("after_ms", [0, 5, 20, 40, 80, 150, 300])
+async def test_a_probed_freeze_cancelled_at_any_point_leaves_no_probe(
+    fresh, proxy, s3_client, bucket_url, after_ms: int
+):
+    """Cancelled 0-300 ms into a probed freeze (probe PUTs taking 60 ms, a listing lagging creations
+    by 100 ms): it raises ``CancelledError`` or returns, and leaves no probe once its requests have
+    settled."""
+    await put_chain(fresh(), "r", 2)
+
+    async def slow_probe(request: Any) -> Any:
+        if request.method == "PUT" and PROBE in request.path:
+            await asyncio.sleep(0.06)
+        return None
+
+    _lagging_creations(proxy, 100.0, slow_probe)
+    probed = fresh(endpoint_url=proxy.endpoint, probe_listing=True)
+    task = asyncio.ensure_future(probed.freeze("r"))
+    await asyncio.sleep(after_ms / 1000)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+
+
+# --------------------------------------------------------------------------- refused probe requests
+@pytest.mark.parametrize("status", [403, 500])
+async def test_a_refused_probe_put_raises_store_error_and_leaves_no_probe(
+    fresh, proxy, s3_client, bucket_url, status: int
+):
+    from s3capture.errors import StoreError
+
+    await put_chain(fresh(), "r", 1)
+
+    async def rule(request: Any) -> Any:
+        if request.method == "PUT" and PROBE in request.path:
+            return (
+                s3_error(403, "AccessDenied", "Access Denied", "Forbidden")
+                if status == 403
+                else s3_error(500, "InternalError", "We encountered an internal error.", "Internal Server Error")
+            )
+        return None
+
+    proxy.rule = rule
+    with pytest.raises(StoreError):
+        await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+    # Whatever that freeze left, a plain freeze then answers as usual.
+    plain = await fresh().freeze("r")
+    assert plain.version == 1 and not plain.incomplete
+
+
+@pytest.mark.parametrize("status", [403, 500])
+async def test_a_leftover_probe_after_a_refused_delete_changes_nothing(
+    fresh, proxy, s3_client, bucket_url, status: int
+):
+    """The probe DELETE is refused: the freeze returns and the probe stays. Every reader then gives
+    the same snapshot: plain and probed re-freezes, ``read_snapshot`` (sealed), ``rollouts()``,
+    ``s3capture ls``; drop and delete remove the probe with the rest."""
+    from s3capture.cli import main
+
+    await put_chain(fresh(), "r", 2)
+    await fresh().mark_incomplete("r", "c9")
+
+    async def rule(request: Any) -> Any:
+        if request.method == "DELETE" and PROBE in request.path:
+            return s3_error(status, "AccessDenied" if status == 403 else "InternalError", "no", "No")
+        return None
+
+    proxy.rule = rule
+    probed = fresh(endpoint_url=proxy.endpoint, probe_listing=True)
+    first = await probed.freeze("r")
+    again = await probed.freeze("r")  # the manifest exists: the DELETE alone
+    assert len(_probes(s3_client, bucket_url)) == 2
+    plain = await fresh().freeze("r")
+    read = await fresh().read_snapshot("r")
+    triples = {(s.version, s.snapshot_id, s.incomplete) for s in (first, again, plain, read)}
+    assert len(triples) == 1 and first.incomplete, triples
+    infos = [info async for info in fresh().rollouts()]
+    assert [(i.rollout_id, i.state) for i in infos] == [("r", "frozen")], infos
+    assert infos[0].version == first.version
+    assert await asyncio.to_thread(main, ["ls", bucket_url]) == 0
+    assert await fresh().drop("r", first.snapshot_id, first.version) is True
+    assert await fresh().delete(["r"]) == {"removed": ["r"], "absent": []}
+    bucket, root = split_bucket_url(bucket_url)
+    assert list_keys(s3_client, bucket, root) == []
+
+
+# --------------------------------------------------------------------------- same as a plain client
+@pytest.mark.parametrize("state", ["complete", "marker", "intent", "conflict", "foreign", "empty"])
+async def test_probed_and_plain_freezes_agree_on_an_unchanged_rollout(fresh, proxy, s3_client, bucket_url, state: str):
+    from helpers import put_bytes
+    from s3capture.protocols import TokenCaptureFrozenError
+
+    writer = fresh()
+    bucket, root = split_bucket_url(bucket_url)
+    if state != "empty":
+        await put_chain(writer, "r", 2)
+    if state == "marker":
+        await writer.mark_incomplete("r", "c7")
+    elif state == "intent":
+        await writer.begin_call("r", "call-x")
+    elif state == "foreign":
+        put_bytes(s3_client, bucket, f"{root}rollouts/r/notes.txt", b"hello")
+    plain_first = await fresh().freeze("r")
+    if state == "conflict":
+        with pytest.raises(TokenCaptureFrozenError):
+            await writer.put(simple_entry("r", "c1", text="other"))
+    _lagging_creations(proxy)
+    await asyncio.sleep(LAG_MS / 1000 + 0.1)
+    probed = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
+    plain = await fresh().freeze("r")
+    probed2 = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
+    triples = [(s.version, s.snapshot_id, s.incomplete, s.reasons) for s in (probed, plain, probed2)]
+    assert triples[0] == triples[1] == triples[2], triples
+    if state != "conflict":
+        assert triples[0][:3] == (plain_first.version, plain_first.snapshot_id, plain_first.incomplete)
+    assert _probes(s3_client, bucket_url) == []
