@@ -41,7 +41,8 @@ async def _settled(proxy: Any, seconds: float = 5.0) -> None:
 
 
 def _lagging_creations(proxy: Any, ms: float = LAG_MS, then: Any = None) -> None:
-    proxy.put_times = _CreationTimes()
+    """Listings through ``proxy`` hide keys for ``ms`` after their first PUT through it (set
+    ``proxy.put_times = _CreationTimes()`` before the first write)."""
 
     async def rule(request: Any) -> Any:
         if then is not None:
@@ -83,6 +84,7 @@ async def test_a_probed_freeze_cancelled_at_any_point_leaves_no_probe(
     """Cancelled 0-300 ms into a probed freeze (probe PUTs taking 60 ms, a listing lagging creations
     by 100 ms): it raises ``CancelledError`` or returns, and leaves no probe once its requests have
     settled."""
+    proxy.put_times = _CreationTimes()  # a listing that lags the creation of keys only
     await put_chain(fresh(), "r", 2)
 
     async def slow_probe(request: Any) -> Any:
@@ -170,10 +172,11 @@ async def test_a_leftover_probe_after_a_refused_delete_changes_nothing(
 # --------------------------------------------------------------------------- same as a plain client
 @pytest.mark.parametrize("state", ["complete", "marker", "intent", "conflict", "foreign", "empty"])
 async def test_probed_and_plain_freezes_agree_on_an_unchanged_rollout(fresh, proxy, s3_client, bucket_url, state: str):
+    proxy.put_times = _CreationTimes()  # a listing that lags the creation of keys only
     from helpers import put_bytes
     from s3capture.protocols import TokenCaptureFrozenError
 
-    writer = fresh()
+    writer = fresh(endpoint_url=proxy.endpoint)
     bucket, root = split_bucket_url(bucket_url)
     if state != "empty":
         await put_chain(writer, "r", 2)
@@ -183,17 +186,155 @@ async def test_probed_and_plain_freezes_agree_on_an_unchanged_rollout(fresh, pro
         await writer.begin_call("r", "call-x")
     elif state == "foreign":
         put_bytes(s3_client, bucket, f"{root}rollouts/r/notes.txt", b"hello")
-    plain_first = await fresh().freeze("r")
+    plain_first = await fresh(endpoint_url=proxy.endpoint).freeze("r")
     if state == "conflict":
         with pytest.raises(TokenCaptureFrozenError):
             await writer.put(simple_entry("r", "c1", text="other"))
     _lagging_creations(proxy)
     await asyncio.sleep(LAG_MS / 1000 + 0.1)
     probed = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
-    plain = await fresh().freeze("r")
+    plain = await fresh(endpoint_url=proxy.endpoint).freeze("r")
     probed2 = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
     triples = [(s.version, s.snapshot_id, s.incomplete, s.reasons) for s in (probed, plain, probed2)]
     assert triples[0] == triples[1] == triples[2], triples
     if state != "conflict":
         assert triples[0][:3] == (plain_first.version, plain_first.snapshot_id, plain_first.incomplete)
     assert _probes(s3_client, bucket_url) == []
+
+
+# --------------------------------------------------------------------------- racing removals
+@pytest.mark.parametrize("probed", [False, True], ids=["plain", "probed"])
+async def test_a_freeze_whose_fence_lands_after_a_racing_delete_answers_as_a_plain_one(
+    fresh, proxy, s3_client, bucket_url, probed: bool
+):
+    """A delete runs between the probe PUT's landing and the fence PUT's (a slow fence PUT): it
+    lists the probe and deletes it with the rest, then the fence lands. A plain freeze then lists
+    its fence and returns the (empty) snapshot of the deleted id; the probed one lists five times
+    for a probe that no longer exists and raises ``ListingError``. (``_removal_scan`` and the
+    ledger's ``_probed`` probe once more in this case; ``freeze`` does not.)"""
+    await put_chain(fresh(), "r", 1)
+    deleted = asyncio.Event()
+
+    async def rule(request: Any) -> Any:
+        if (
+            request.method == "PUT"
+            and request.path.endswith("/r/fence")
+            and request.client_key
+            and not deleted.is_set()
+        ):
+            await asyncio.wait_for(deleted.wait(), 5)  # lands after the delete
+        return None
+
+    proxy.rule = rule
+    freezer = fresh(endpoint_url=proxy.endpoint, probe_listing=probed)
+    freezing = asyncio.ensure_future(freezer.freeze("r"))
+    deadline = time.monotonic() + 5
+    while not any(r.method == "PUT" and r.path.endswith("/r/fence") for r in proxy.requests):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # the probe PUT has landed by now
+    assert await fresh().delete(["r"]) == {"removed": ["r"], "absent": []}
+    deleted.set()
+    snapshot = await asyncio.wait_for(freezing, 30)
+    assert (snapshot.version, snapshot.incomplete) == (0, False)
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+
+
+@pytest.mark.parametrize("removal", ["retire", "delete", "drop"])
+@pytest.mark.parametrize("after_ms", [0, 30, 100, 200])
+@pytest.mark.parametrize("remover_probed", [False, True], ids=["plain-remover", "probed-remover"])
+async def test_a_probed_refreeze_racing_a_removal_through_a_listing_that_lags_creations(
+    fresh, proxy, s3_client, bucket_url, removal: str, after_ms: int, remover_probed: bool
+):
+    """Outcomes: the freeze returns the unchanged snapshot or raises ``TokenCaptureRetiredError``
+    (a delete: ``ListingError`` too, as for a plain freeze whose fence the delete removed); the
+    removal returns; no probe is left; a retired id stays retired."""
+    proxy.put_times = _CreationTimes()  # a listing that lags the creation of keys only
+    from s3capture.errors import ListingError
+    from s3capture.protocols import TokenCaptureRetiredError
+
+    await put_chain(fresh(endpoint_url=proxy.endpoint), "r", 2)
+    first = await fresh(endpoint_url=proxy.endpoint).freeze("r")
+    _lagging_creations(proxy)
+    await asyncio.sleep(LAG_MS / 1000 + 0.1)
+    freezer = fresh(endpoint_url=proxy.endpoint, probe_listing=True)
+    remover = fresh(endpoint_url=proxy.endpoint, probe_listing=remover_probed)
+
+    async def remove() -> Any:
+        await asyncio.sleep(after_ms / 1000)
+        if removal == "drop":
+            return await remover.drop("r", first.snapshot_id, first.version)
+        return await getattr(remover, removal)(["r"])
+
+    got, removed = await asyncio.wait_for(asyncio.gather(freezer.freeze("r"), remove(), return_exceptions=True), 60)
+    assert not isinstance(removed, BaseException), removed
+    if isinstance(got, BaseException):
+        allowed = (TokenCaptureRetiredError, ListingError) if removal == "delete" else (TokenCaptureRetiredError,)
+        assert isinstance(got, allowed), repr(got)
+    elif removal == "delete":
+        assert got.version in (0, first.version), got  # before the delete, or the empty id after it
+    else:
+        # Before the removal (the unchanged snapshot), or refused as retired after it: never the
+        # empty snapshot of a listing that shows the removal's deletions but not its tombstone.
+        assert (got.version, got.snapshot_id, got.incomplete) == (first.version, first.snapshot_id, False), got
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+    bucket, root = split_bucket_url(bucket_url)
+    left = sorted(k.rsplit("/r/", 1)[1] for k in list_keys(s3_client, bucket, f"{root}rollouts/r/"))
+    if removal == "retire" or removed is True:
+        assert removed in (True, {"removed": ["r"], "absent": []}), removed
+        assert left == ["fence", "retired"], left
+        assert b"retired" in s3_client.get_object(Bucket=bucket, Key=f"{root}rollouts/r/fence")["Body"].read()
+
+
+@pytest.mark.parametrize("probed", [False, True], ids=["plain", "probed"])
+async def test_a_refreeze_waiting_for_its_probe_while_a_retire_runs_is_not_handed_an_empty_snapshot(
+    fresh, proxy, s3_client, bucket_url, probed: bool
+):
+    """A re-freeze (listing lagging creations by 250 ms) while a plain ``retire`` starts 100 ms
+    later. The probed freeze lists until its probe shows; meanwhile the retire writes its tombstone
+    (young, so hidden) and deletes the entries (gone at once). The freeze's one tombstone GET went
+    out before the tombstone existed, so it built the snapshot of a listing with the probe, no
+    entries and no tombstone: version 0, not incomplete, sealed (a ``snap/`` manifest left under the
+    retired rollout), where the rollout was either frozen with both entries (a freeze before the
+    retire) or retired (``TokenCaptureRetiredError``). The acknowledged entries are missing from a
+    snapshot that is not incomplete. A plain re-freeze lists at once and returns the unchanged
+    snapshot."""
+    proxy.put_times = _CreationTimes()  # a listing that lags the creation of keys only
+    from s3capture.protocols import TokenCaptureRetiredError
+
+    offsets = {f"r{ms}": ms for ms in (60, 100, 140)}  # the retire starts this long after the freeze
+    writer = fresh(endpoint_url=proxy.endpoint)
+    firsts = {}
+    for rid in offsets:
+        await put_chain(writer, rid, 2)
+        firsts[rid] = await writer.freeze(rid)
+    _lagging_creations(proxy)
+    await asyncio.sleep(LAG_MS / 1000 + 0.1)
+    freezer = fresh(endpoint_url=proxy.endpoint, probe_listing=probed)
+    remover = fresh(endpoint_url=proxy.endpoint)
+
+    async def retire(rid: str) -> Any:
+        await asyncio.sleep(offsets[rid] / 1000)
+        return await remover.retire([rid])
+
+    async def one(rid: str) -> tuple[Any, Any]:
+        got, retired = await asyncio.gather(freezer.freeze(rid), retire(rid), return_exceptions=True)
+        return got, retired
+
+    results = dict(zip(offsets, await asyncio.wait_for(asyncio.gather(*(one(rid) for rid in offsets)), 60)))
+    await _settled(proxy)
+    bucket, root = split_bucket_url(bucket_url)
+    wrong = {}
+    for rid, (got, retired) in results.items():
+        assert retired == {"removed": [rid], "absent": []}, retired
+        first = firsts[rid]
+        if isinstance(got, BaseException):
+            assert isinstance(got, TokenCaptureRetiredError), repr(got)
+        elif (got.version, got.snapshot_id, got.incomplete) != (first.version, first.snapshot_id, False):
+            wrong[rid] = (got.version, got.incomplete, got.reasons)
+        left = sorted(k.rsplit(f"/{rid}/", 1)[1] for k in list_keys(s3_client, bucket, f"{root}rollouts/{rid}/"))
+        if left != ["fence", "retired"]:
+            wrong[rid + " left"] = left
+    assert wrong == {}, wrong
