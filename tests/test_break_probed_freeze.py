@@ -338,3 +338,128 @@ async def test_a_refreeze_waiting_for_its_probe_while_a_retire_runs_is_not_hande
         if left != ["fence", "retired"]:
             wrong[rid + " left"] = left
     assert wrong == {}, wrong
+
+
+# --------------------------------------------------------------------------- freeze, then drop
+@pytest.mark.parametrize("between", ["nothing", "marker", "conflict"])
+async def test_a_probed_freeze_then_drop_by_the_same_client_through_a_lagging_listing(
+    fresh, proxy, s3_client, bucket_url, between: str
+):
+    """The same probed client re-freezes and drops; between the two an acknowledged marker or a
+    landed conflicting payload makes the drop refuse; otherwise it retires the rollout."""
+    from s3capture.protocols import TokenCaptureFrozenError
+
+    proxy.put_times = _CreationTimes()
+    worker = fresh(endpoint_url=proxy.endpoint)
+    await worker.put(simple_entry("r", "c1"))
+    await fresh(endpoint_url=proxy.endpoint).freeze("r")
+    await asyncio.sleep(LAG_MS / 1000 + 0.1)
+    _lagging_creations(proxy)
+    probed = fresh(endpoint_url=proxy.endpoint, probe_listing=True)
+    snapshot = await probed.freeze("r")
+    assert not snapshot.incomplete
+    if between == "marker":
+        await worker.mark_incomplete("r", "c2")
+    elif between == "conflict":
+        with pytest.raises(TokenCaptureFrozenError):
+            await fresh(endpoint_url=proxy.endpoint).put(simple_entry("r", "c1", text="other"))
+    dropped = await asyncio.wait_for(probed.drop("r", snapshot.snapshot_id, snapshot.version), 60)
+    assert dropped is (between == "nothing")
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+
+
+# --------------------------------------------------------------------------- concurrent freezes and writes
+@pytest.mark.parametrize("n_probed", [2, 3])
+async def test_probed_freezes_of_one_id_racing_each_other_agree_and_hold_every_acknowledged_write(
+    fresh, proxy, s3_client, bucket_url, n_probed: int
+):
+    """Writes acknowledged before the calls (puts, a marker) are in every snapshot of concurrent
+    probed and plain freezes of the same id, through a listing that lags creations; all agree."""
+    proxy.put_times = _CreationTimes()
+    _lagging_creations(proxy)
+    worker = fresh(endpoint_url=proxy.endpoint)
+    for cid in ("c1", "c2", "c3"):
+        await worker.put(simple_entry("r", cid))
+    await worker.mark_incomplete("r", "c4")
+    clients = [fresh(endpoint_url=proxy.endpoint, probe_listing=True) for _ in range(n_probed)]
+    clients.append(fresh(endpoint_url=proxy.endpoint))
+    snaps = await asyncio.wait_for(asyncio.gather(*(c.freeze("r") for c in clients)), 60)
+    triples = {(s.version, s.snapshot_id, s.incomplete) for s in snaps}
+    assert len(triples) == 1, triples
+    assert all(s.version == 4 and s.incomplete and "marked_incomplete:c4" in s.reasons for s in snaps), snaps
+    again = await asyncio.wait_for(asyncio.gather(*(c.freeze("r") for c in clients)), 60)
+    assert {(s.version, s.snapshot_id, s.incomplete) for s in again} == triples
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
+
+
+# --------------------------------------------------------------------------- the ledger beside it
+async def test_the_ledger_sharing_the_rollout_is_unaffected_by_freeze_probes(
+    fresh, ledgers, proxy, s3_client, bucket_url
+):
+    """A capture ledger's rows beside a token store's entries: probed and plain freezes agree; a
+    probed ledger's ``has_rows`` and ``manifest`` racing probed freezes answer as usual; a leftover
+    freeze probe (its DELETE refused) is no row; a probed ledger ``retire`` racing a probed freeze
+    leaves no probe and a retired id."""
+    from helpers import assistant_output, make_commit, user
+    from s3capture.protocols import TokenCaptureRetiredError
+
+    proxy.put_times = _CreationTimes()
+    req = [user("hi")]
+    ledger = ledgers(endpoint_url=proxy.endpoint, probe_listing=True)
+    await ledger.record(make_commit("r", "call-0", req, assistant_output("a")))
+    await fresh(endpoint_url=proxy.endpoint).put(simple_entry("r", "c1"))
+    await fresh(endpoint_url=proxy.endpoint).put(simple_entry("lonely", "c1"))
+    _lagging_creations(proxy)
+    plain = await fresh(endpoint_url=proxy.endpoint).freeze("r")
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r"),
+            fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r"),
+            ledger.has_rows("r"),
+            ledger.manifest("r"),
+            return_exceptions=True,
+        ),
+        60,
+    )
+    assert not any(isinstance(r, BaseException) for r in results), results
+    a, b, has, _ = results
+    assert (a.version, a.snapshot_id, a.incomplete) == (b.version, b.snapshot_id, b.incomplete)
+    assert (a.version, a.snapshot_id, a.incomplete) == (plain.version, plain.snapshot_id, plain.incomplete)
+    assert has is True
+
+    refused_delete = {"on": True}
+
+    async def refuse(request: Any) -> Any:
+        if refused_delete["on"] and request.method == "DELETE" and PROBE in request.path:
+            return s3_error(403, "AccessDenied", "Access Denied", "Forbidden")
+        return None
+
+    _lagging_creations(proxy, then=refuse)
+    await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("lonely")
+    refused_delete["on"] = False
+    assert len(_probes(s3_client, bucket_url)) == 1
+    assert await ledgers(endpoint_url=proxy.endpoint, probe_listing=True).has_rows("lonely") is False
+    assert await ledgers(endpoint_url=proxy.endpoint).has_rows("lonely") is False
+
+    async def retire_later() -> Any:
+        await asyncio.sleep(0.05)
+        return await ledgers(endpoint_url=proxy.endpoint, probe_listing=True).retire(["r"])
+
+    got, retired = await asyncio.wait_for(
+        asyncio.gather(
+            fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r"), retire_later(), return_exceptions=True
+        ),
+        60,
+    )
+    assert retired == {"removed": ["r"], "absent": []}, retired
+    if isinstance(got, BaseException):
+        assert isinstance(got, TokenCaptureRetiredError), repr(got)
+    else:
+        # A snapshot taken midway through the retire (test_a_refreeze_waiting_for_its_probe_...
+        # shows the same for a token store's retire) is masked here by the ledger's rows, which
+        # the store counts as foreign objects: not checked twice.
+        assert (got.version, got.snapshot_id) == (plain.version, plain.snapshot_id) or got.incomplete, got
+    await _settled(proxy)
+    assert [k for k in _probes(s3_client, bucket_url) if "/r/" in k] == []
