@@ -463,3 +463,19 @@ async def test_the_ledger_sharing_the_rollout_is_unaffected_by_freeze_probes(
         assert (got.version, got.snapshot_id) == (plain.version, plain.snapshot_id) or got.incomplete, got
     await _settled(proxy)
     assert [k for k in _probes(s3_client, bucket_url) if "/r/" in k] == []
+
+
+# --------------------------------------------------------------------------- a probe PUT applied late
+async def test_a_probed_freeze_whose_probe_put_is_applied_late_leaves_no_probe(fresh, proxy, s3_client, bucket_url):
+    """The probe PUT's connection drops and the server applies it 0.5 s later, after the client's
+    retry succeeded and the freeze deleted the probe: the freeze returned and a probe is left (the
+    same late landing as test_a_freeze_whose_fence_put_is_refused_leaves_no_probe, through a call
+    that returned; ``scan_listing`` files such a probe with the folder markers)."""
+    from faultproxy import ApplyLate, once
+
+    await put_chain(fresh(), "r", 1)
+    proxy.rule = once(lambda r: r.method == "PUT" and PROBE in r.path, ApplyLate(0.5))
+    snapshot = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
+    assert snapshot.version == 1 and not snapshot.incomplete
+    await _settled(proxy)
+    assert _probes(s3_client, bucket_url) == []
