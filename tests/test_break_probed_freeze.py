@@ -479,3 +479,20 @@ async def test_a_probed_freeze_whose_probe_put_is_applied_late_leaves_no_probe(f
     assert snapshot.version == 1 and not snapshot.incomplete
     await _settled(proxy)
     assert _probes(s3_client, bucket_url) == []
+
+
+async def test_a_lone_leftover_probe_is_no_rollout(fresh, s3_client, bucket_url):
+    """A probe that landed after its freeze's DELETE, in a rollout deleted meanwhile: ``rollouts()``
+    and ``s3capture ls`` name no rollout, a probed freeze of the id gives the empty snapshot, and
+    ``delete`` removes the probe."""
+    from helpers import put_bytes
+    from s3capture.cli import main
+
+    bucket, root = split_bucket_url(bucket_url)
+    put_bytes(s3_client, bucket, f"{root}rollouts/x/ledger/.probe/{'a' * 32}", b"")
+    assert [info async for info in fresh().rollouts()] == []
+    assert await asyncio.to_thread(main, ["ls", bucket_url]) == 0
+    snapshot = await fresh(probe_listing=True).freeze("x")
+    assert (snapshot.version, snapshot.incomplete) == (0, False)
+    await fresh().delete(["x"])
+    assert list_keys(s3_client, bucket, root) == []
