@@ -33,7 +33,7 @@ from s3capture.protocols import TokenCaptureRetiredError, TokenCaptureSnapshot
 from s3capture.records import RecordError, TokenEntry, to_gym
 from s3capture.rollouts import FENCE_FROZEN, FENCE_RETIRED, RolloutScan, scan_listing
 from s3capture.store_core import _StoreCore
-from s3capture.transport import ListedObject, beside_confirmation, cancel_unfinished, gather_fail_fast
+from s3capture.transport import ListedObject, beside_confirmation, cancel_unfinished, gather_fail_fast, gather_settled
 
 log = logging.getLogger("s3capture")
 
@@ -167,7 +167,9 @@ class _StoreSnapshots(_StoreCore):
         # one with the folder markers (no reader counts it).
         probe = f"{prefix}ledger/.probe/{uuid.uuid4().hex}"
         try:
-            await gather_fail_fast([self._put(prefix + "fence", FENCE_FROZEN), self._put(probe, b"")])
+            # Settled, not fail-fast: a probe PUT cancelled midway (the fence PUT refused) landed
+            # after the DELETE below and was left behind (a breaker, 2026-12-04).
+            await gather_settled([self._put(prefix + "fence", FENCE_FROZEN), self._put(probe, b"")])
             return await self._freeze_fenced(rollout_id, prefix, probe)
         except BaseException:
             await self._remove_probe(probe)  # a failed or cancelled freeze leaves no probe
