@@ -466,18 +466,25 @@ async def test_the_ledger_sharing_the_rollout_is_unaffected_by_freeze_probes(
 
 
 # --------------------------------------------------------------------------- a probe PUT applied late
-async def test_a_probed_freeze_whose_probe_put_is_applied_late_leaves_no_probe(fresh, proxy, s3_client, bucket_url):
+async def test_a_probe_put_applied_after_its_freeze_is_harmless_and_goes_with_the_drop(
+    fresh, proxy, s3_client, bucket_url
+):
     """The probe PUT's connection drops and the server applies it 0.5 s later, after the client's
-    retry succeeded and the freeze deleted the probe: the freeze returned and a probe is left (the
-    same late landing as test_a_freeze_whose_fence_put_is_refused_leaves_no_probe, through a call
-    that returned; ``scan_listing`` files such a probe with the folder markers)."""
+    retry succeeded and the freeze deleted the probe (seen on aioboto3; obstore did not retry it):
+    no client can prevent that probe from outliving the call. It holds nothing: later freezes,
+    probed or plain, give the first snapshot, and the drop deletes it with the rest
+    (docs/reliability.md, finding 37)."""
     from faultproxy import ApplyLate, once
 
     await put_chain(fresh(), "r", 1)
     proxy.rule = once(lambda r: r.method == "PUT" and PROBE in r.path, ApplyLate(0.5))
-    snapshot = await fresh(endpoint_url=proxy.endpoint, probe_listing=True).freeze("r")
+    probed = fresh(endpoint_url=proxy.endpoint, probe_listing=True)
+    snapshot = await probed.freeze("r")
     assert snapshot.version == 1 and not snapshot.incomplete
     await _settled(proxy)
+    for again in (await probed.freeze("r"), await fresh().freeze("r")):
+        assert (again.version, again.snapshot_id, again.incomplete) == (1, snapshot.snapshot_id, False)
+    assert await probed.drop("r", snapshot.snapshot_id, snapshot.version) is True
     assert _probes(s3_client, bucket_url) == []
 
 

@@ -20,7 +20,7 @@ import msgspec
 
 from s3capture.cache import Stored as _Stored
 from s3capture.clocks import awake_clock
-from s3capture.errors import SnapshotNotSealedError, StoreError
+from s3capture.errors import ListingError, SnapshotNotSealedError, StoreError
 from s3capture.objects import (
     _MANIFEST_BASE_BYTES,
     _MANIFEST_BYTES_PER_OBJECT,
@@ -128,7 +128,7 @@ class _StoreSnapshots(_StoreCore):
     async def freeze(self, rollout_id: str) -> FrozenSnapshot:
         """Freeze a rollout and return one atomic snapshot (idempotent across clients).
 
-        Requests: PUT the fence, then one LIST page per 1,000 keys beside one GET of the retire
+        Requests: PUT the fence, then one LIST page per 1,000 keys, then one GET of the retire
         tombstone, one GET per entry not yet cached and one LIST after the listing's last key that
         confirms its end (in parallel), and one PUT of the sealed manifest unless it already exists.
         With ``probe_listing``, also a probe PUT beside the fence's (the listing must show it too)
@@ -159,52 +159,69 @@ class _StoreSnapshots(_StoreCore):
         prefix = self.layout.rollout(rollout_id)
         if not self._probe_listing:
             await self._put(prefix + "fence", FENCE_FROZEN)
-            return await self._freeze_fenced(rollout_id, prefix, None)
+            return await self._freeze_fenced(rollout_id, prefix, [])
         # probe_listing: a listing probe PUT beside the fence. A listing that lags the creation of
         # keys shows a re-freeze's fence (it exists already) at once; the probe is a new key, so a
         # listing that shows it holds every key created before the call (docs/reliability.md,
         # "Listings that lag"). Deleted beside the manifest PUT; ``scan_listing`` files a leftover
         # one with the folder markers (no reader counts it).
-        probe = f"{prefix}ledger/.probe/{uuid.uuid4().hex}"
+        probes = [f"{prefix}ledger/.probe/{uuid.uuid4().hex}"]
         try:
-            # Settled, not fail-fast: a probe PUT cancelled midway (the fence PUT refused) landed
-            # after the DELETE below and was left behind (a breaker, 2026-12-04).
-            await gather_settled([self._put(prefix + "fence", FENCE_FROZEN), self._put(probe, b"")])
-            return await self._freeze_fenced(rollout_id, prefix, probe)
-        except BaseException:
-            await self._remove_probe(probe)  # a failed or cancelled freeze leaves no probe
-            raise
-
-    async def _freeze_fenced(self, rollout_id: str, prefix: str, probe: str | None) -> FrozenSnapshot:
-        """``freeze`` after its fence PUT (and its listing probe's, ``probe`` when not None)."""
-        fenced_at = awake_clock()
-        # A listing that does not show the fence just written is stale or incomplete: never build a
-        # snapshot on it (retried, then ListingError). The retire tombstone is also read by a GET
-        # beside it: where the fence existed already (a retired rollout has one), its showing proves
-        # nothing about how far a listing lags, and a listing that lagged a drop's tombstone made
-        # this freeze hand out an empty snapshot and leave a retired rollout's fence "frozen" (the
-        # model, with listings that lag, 2026-12-04).
-        tombstone = asyncio.ensure_future(self._present(prefix + "retired"))
-        try:
-            # A retire or delete racing a probed freeze deletes its probe with the rest: a listing
-            # that shows the retire tombstone instead is fresh enough to refuse the rollout.
-            listing = await self._list(
-                prefix,
-                require=[prefix + "fence"] if probe is None else [prefix + "fence", probe],
-                unless=() if probe is None else [prefix + "retired"],
+            # Settled, not fail-fast, and not cancelled midway by the caller either (a write never is:
+            # settle_each): a probe PUT cancelled on its way landed after the probe's DELETE and was
+            # left behind (a breaker, 2026-12-04). A cancelled freeze waits for the two PUTs.
+            puts = asyncio.ensure_future(
+                gather_settled([self._put(prefix + "fence", FENCE_FROZEN), self._put(probes[0], b"")])
             )
             try:
-                retired_before = await tombstone
-            except StoreError as error:
-                # The listing decides alone, as before the GET was added: a retired rollout whose
-                # tombstone GET failed was left fenced "frozen" after a drop had consumed it (a
-                # breaker on the change, 2026-12-04).
-                log.warning(
-                    "freeze of %r: GET of the retire tombstone failed (%s); the listing decides", rollout_id, error
-                )
-                retired_before = False
-        finally:
-            await cancel_unfinished(tombstone)
+                await asyncio.shield(puts)
+            except asyncio.CancelledError:
+                await asyncio.wait([puts])
+                if not puts.cancelled():
+                    puts.exception()  # retrieved: the cancellation is what the caller gets
+                raise
+            return await self._freeze_fenced(rollout_id, prefix, probes)
+        except BaseException:
+            for probe in probes:  # a failed or cancelled freeze leaves no probe it knows of
+                await self._remove_probe(probe)
+            raise
+
+    async def _freeze_listing(self, prefix: str, probes: list[str]) -> list[ListedObject]:
+        """The listing a freeze builds on: it must show the fence just written and, with
+        ``probe_listing``, the probe (``probes[-1]``; a listing that shows the retire tombstone
+        instead is fresh enough to refuse the rollout). A ``delete`` racing the freeze deletes the
+        probe with the rest, so no listing shows it: then, once, a new probe (appended to
+        ``probes``) and a listing that must show it, so the freeze answers as a plain one does for
+        what the delete left (a breaker, 2026-12-04: it raised ``ListingError``)."""
+        if not probes:
+            return await self._list(prefix, require=[prefix + "fence"])
+        for attempt in range(2):
+            try:
+                return await self._list(prefix, require=[prefix + "fence", probes[-1]], unless=[prefix + "retired"])
+            except ListingError:
+                if attempt or await self._present(probes[-1]):
+                    raise
+            probes.append(f"{prefix}ledger/.probe/{uuid.uuid4().hex}")
+            await self._put(probes[-1], b"")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _freeze_fenced(self, rollout_id: str, prefix: str, probes: list[str]) -> FrozenSnapshot:
+        """``freeze`` after its fence PUT (and its listing probe's, ``probes``: empty without
+        ``probe_listing``)."""
+        fenced_at = awake_clock()
+        # A listing that does not show the fence just written is stale or incomplete: never build a
+        # snapshot on it (retried, then ListingError).
+        listing = await self._freeze_listing(prefix, probes)
+        # The retire tombstone is also read by a GET, sent once the listing is in (beside the LIST
+        # that confirms its end, so no round trip more): where the fence existed already (a retired
+        # rollout has one), its showing proves nothing about how far a listing lags, and a listing
+        # that lagged a drop's tombstone made this freeze hand out an empty snapshot and leave a
+        # retired rollout's fence "frozen" (the model, with listings that lag, 2026-12-04). Sent
+        # beside the first LIST instead, it missed a retire that wrote its tombstone and deleted the
+        # entries while the listing was retried (waiting for a probe or a fence): an empty,
+        # complete snapshot (a breaker, 2026-12-04). A GET sent after the listing was answered
+        # sees every tombstone written before any deletion that listing shows.
+        tombstone = asyncio.ensure_future(self._present(prefix + "retired"))
 
         # Its end is confirmed by one more LIST, sent beside the entries' GETs rather than before
         # them (Transport.confirm_listing_end): a listing cut short would hide the rollout's last
@@ -216,11 +233,25 @@ class _StoreSnapshots(_StoreCore):
         # entries this freeze loads vanish (masked) and its drop fails (retired).
         async def snapshot_of(listed: list[ListedObject]) -> tuple[RolloutScan, FrozenSnapshot | None]:
             scan = scan_listing(prefix, listed, seen_at=awake_clock())
-            return scan, None if scan.retired or retired_before else await self._snapshot_of(rollout_id, scan)
+            return scan, None if scan.retired else await self._snapshot_of(rollout_id, scan)
 
-        scan, snapshot = await beside_confirmation(
-            self.transport.confirm_listing_end(prefix, listing), listing, snapshot_of
-        )
+        try:
+            scan, snapshot = await beside_confirmation(
+                self.transport.confirm_listing_end(prefix, listing), listing, snapshot_of
+            )
+            if snapshot is not None:
+                try:
+                    if await tombstone:
+                        snapshot = None
+                except StoreError as error:
+                    # The listing decides alone, as before the GET was added: a retired rollout whose
+                    # tombstone GET failed was left fenced "frozen" after a drop had consumed it (a
+                    # breaker on the change, 2026-12-04).
+                    log.warning(
+                        "freeze of %r: GET of the retire tombstone failed (%s); the listing decides", rollout_id, error
+                    )
+        finally:
+            await cancel_unfinished(tombstone)
         if snapshot is None:
             await self._put(prefix + "fence", FENCE_RETIRED)  # undo our overwrite of the retired fence
             raise TokenCaptureRetiredError(f"rollout {rollout_id!r} is retired; delete it before reusing the id")
@@ -246,12 +277,11 @@ class _StoreSnapshots(_StoreCore):
                 ],
             }
             sealing = self._put(manifest_key, msgspec.json.encode(manifest))
-            if probe is None:
-                await sealing
-            else:
-                await gather_fail_fast([sealing, self._remove_probe(probe)])
-        elif probe is not None:
-            await self._remove_probe(probe)  # a failed DELETE only logs: the snapshot stands
+            await gather_fail_fast([sealing, *(self._remove_probe(probe) for probe in probes)])
+        else:
+            for probe in probes:
+                await self._remove_probe(probe)  # a failed DELETE only logs: the snapshot stands
+        probes.clear()  # removed: freeze's clean-up on an error has nothing left to delete
         if snapshot.incomplete:
             log.info("rollout %r froze incomplete: %s", rollout_id, "; ".join(reasons[:5]))
         return snapshot
