@@ -185,6 +185,32 @@ async def gc(
     return report
 
 
+async def _changed_since_listing(
+    store: RolloutObjects,
+    rollout_id: str,
+    rollout_prefix: str,
+    items: list[ListedObject],
+    report: GcReport,
+    emit: Callable[[GcAction], None],
+) -> bool:
+    """List ``rollout_prefix`` again; when it does not show exactly ``items`` (new, gone or
+    rewritten keys), count and report the rollout as skipped and return True."""
+    again = await store._list(rollout_prefix)
+    if _same_listing(items, again):
+        return False
+    report.skipped += 1
+    emit(
+        GcAction(
+            rollout_id=rollout_id,
+            action="skipped",
+            keys=[],
+            last_write=_when(_newest(again)),
+            reason="changed since the listing",
+        )
+    )
+    return True
+
+
 class _Listed(msgspec.Struct, frozen=True):
     """When a rollout prefix that ``rollouts`` does not show was listed (what ``_clock`` reads)."""
 
@@ -215,19 +241,8 @@ async def _collect_probes(
         report.too_young += 1
         return
     if not dry_run:
-        again = await store._list(rollout_prefix)
-        if not _same_listing(items, again):
-            # A call probing the id, or a write that uses it: it is someone's now.
-            report.skipped += 1
-            emit(
-                GcAction(
-                    rollout_id=rollout_id,
-                    action="skipped",
-                    keys=[],
-                    last_write=_when(_newest(again)),
-                    reason="changed since the listing",
-                )
-            )
+        # The re-check (a call probing the id, or a write that uses it, makes it someone's now).
+        if await _changed_since_listing(store, rollout_id, rollout_prefix, items, report, emit):
             return
         await store._delete_keys([item.key for item in items])
         store._cache.discard_prefix(rollout_prefix)
@@ -288,18 +303,7 @@ async def _collect_one(
         # the rollout alone (a writer or another tool is active there).
         # A "folder" object named like the prefix itself (S3 consoles, s3fs, rclone) is in both
         # listings (``scan_listing`` keeps it outside the version) and is removed with the rest.
-        again = await store._list(rollout_prefix)
-        if not _same_listing(items, again):
-            report.skipped += 1
-            emit(
-                GcAction(
-                    rollout_id=info.rollout_id,
-                    action="skipped",
-                    keys=[],
-                    last_write=_when(_newest(again)),
-                    reason="changed since the listing",
-                )
-            )
+        if await _changed_since_listing(store, info.rollout_id, rollout_prefix, items, report, emit):
             return
     if records:
         # Retire again: the fence stays, rewritten, so every straggler retrying one of these keys
