@@ -206,3 +206,28 @@ async def test_a_probed_freeze_gives_the_plain_snapshot_and_leaves_no_probe(fres
     with pytest.raises(TokenCaptureRetiredError):
         await probed.freeze("r")
     assert _probes(s3_client, bucket_url) == []
+
+
+async def test_an_export_with_probe_listing_freezes_behind_a_probe(fresh, proxy, s3_client, bucket_url, tmp_path):
+    """``export(..., freeze=True, probe_listing=True)`` (the CLI's ``--probe-listing``) builds its
+    clients with the option: each freeze PUTs a probe and deletes it; none is left."""
+    from s3capture.cli import build_parser
+    from s3capture.export import export
+
+    await put_chain(fresh(), "open-a", 2)
+    summary = await export(
+        bucket_url,
+        str(tmp_path / "out"),
+        workers=0,
+        min_age=0,
+        freeze=True,
+        endpoint_url=proxy.endpoint,
+        probe_listing=True,
+    )
+    assert summary.exported == 1, summary
+    assert sorted(r.method for r in proxy.requests if "/ledger/.probe/" in r.path) == ["DELETE", "PUT"]
+    assert _probes(s3_client, bucket_url) == []
+    args = build_parser().parse_args(
+        ["export", bucket_url, "--out", str(tmp_path / "x"), "--freeze", "--probe-listing"]
+    )
+    assert args.probe_listing is True

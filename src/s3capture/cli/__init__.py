@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the fence_grace every S3TokenStore of the bucket uses (default 1s); --drop waits it, so "
         "it must be the capture fleet's value",
     )
+    export.add_argument(
+        "--probe-listing",
+        action="store_true",
+        help="with --freeze, on a store whose listings lag writes (doctor's list-after-write check): each "
+        "freeze PUTs a probe and lists until it shows (S3TokenStore(probe_listing=True)); needs DeleteObject",
+    )
     from s3capture.export import ENGINES
 
     export.add_argument(

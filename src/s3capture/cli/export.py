@@ -139,6 +139,7 @@ def _run_export(args: argparse.Namespace, ids: Any, engine_options: dict) -> Any
             token_type=args.token_ids,
             endpoint_url=args.endpoint,
             fence_grace=args.fence_grace,
+            probe_listing=args.probe_listing,
             progress=not args.no_progress and not args.json,
         )
     )

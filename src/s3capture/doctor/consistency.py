@@ -199,12 +199,15 @@ class _ConsistencyProbes(_DoctorBase):
                 "list-after-write",
                 "fail",
                 detail,
-                "s3capture needs strong list-after-write (and list-after-delete) consistency: a freeze "
-                "would miss another client's young entry and a deleted rollout would still list; use a "
-                "store that offers it, or disable the listing cache of the gateway in front of it "
-                "(probe_listing=True makes a capture ledger's manifest, has_rows, retire and delete, and a "
-                "token store's freeze, retire and delete, prove their listing fresh: S3CaptureLedger(..., "
-                "probe_listing=True), S3TokenStore(..., probe_listing=True))",
+                "by default s3capture relies on strong list-after-write (and list-after-delete) "
+                "consistency: here a re-freeze, a ledger manifest or has_rows could miss another client's "
+                "young write, a retire or delete could leave one behind, resolve could answer UNRESOLVED "
+                "for a young parent, and a deleted rollout would still list; use a store that offers it, "
+                "or disable the listing cache of the gateway in front of it. Where listings show new keys "
+                "late but in the order they were written, build every client that freezes, reads "
+                "manifests or removes with probe_listing=True (S3TokenStore(..., probe_listing=True), "
+                "S3CaptureLedger(..., probe_listing=True), s3capture export --freeze --probe-listing): "
+                "those calls then prove their listing fresh with a probe key",
                 data,
             )
         return Probe("list-after-write", "ok", detail, "", data)

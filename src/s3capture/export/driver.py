@@ -78,6 +78,7 @@ async def export(
     endpoint_url: str | None = None,
     transport: str | None = None,
     fence_grace: float = 1.0,
+    probe_listing: bool = False,
     progress: bool | _Progress = False,
 ) -> ExportSummary:
     """Export the rollouts of ``url`` (``s3://bucket/prefix``) to ``dest`` (a local folder or an
@@ -96,7 +97,9 @@ async def export(
     with ``workers`` processes, ``concurrency`` rollouts in flight per shard, and
     ``engine_options`` (keyword arguments for the engine, e.g. a cluster address). ``fence_grace``:
     the seconds every client of the bucket uses (``S3TokenStore(fence_grace=)``); the drops wait it,
-    so it must be the capture fleet's value, never less.
+    so it must be the capture fleet's value, never less. ``probe_listing``: the freezes of
+    ``freeze`` list behind a probe (``S3TokenStore(probe_listing=True)``), for a store whose
+    listings lag writes (``docs/reliability.md``, "Listings that lag"); the reads and drops need none.
 
     Returns an ``ExportSummary``; a rollout that fails is counted there, never raised. Raises
     ``ValueError`` for bad options or a destination holding another export (other format or
@@ -149,6 +152,7 @@ async def export(
         token_type=token_type,
         endpoint_url=endpoint_url,
         transport=transport,
+        probe_listing=probe_listing,
     )
     summary = ExportSummary(source=url, dest=dest, format=format, id_prefix=prefix)
     requests: collections.Counter[str] = collections.Counter()
@@ -158,7 +162,12 @@ async def export(
 
     # -- the destination: durable shards, orphans of an interrupted run
     store = S3TokenStore(
-        url, endpoint_url=endpoint_url, transport=transport, cache_bytes=1024 * 1024, fence_grace=fence_grace
+        url,
+        endpoint_url=endpoint_url,
+        transport=transport,
+        cache_bytes=1024 * 1024,
+        fence_grace=fence_grace,
+        probe_listing=probe_listing,
     )
     target = _open_destination(job)
     try:

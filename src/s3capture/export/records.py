@@ -47,6 +47,8 @@ class ExportJob(msgspec.Struct, frozen=True, kw_only=True):
     """The endpoint the source store resolved (``source_endpoint_of`` of the client's endpoint),
     recorded in every shard manifest; ``None``: recorded from ``endpoint_url`` and the environment."""
     cache_bytes: int = 32 * 1024 * 1024
+    probe_listing: bool = False
+    """Freezes (``freeze``) list behind a probe: ``S3TokenStore(probe_listing=True)``."""
     run_tag: str = ""
     """On an ``s3://`` destination, this export's claim id, in the name of every shard it writes
     (``part-NNNNN-<run_tag>.parquet``): an export taken over after a pause can never replace a

@@ -39,7 +39,16 @@ class _Clients:
     def get(self, job: ExportJob) -> tuple[Any, _Destination]:
         from s3capture.store import S3TokenStore
 
-        key = (job.url, job.dest, job.endpoint_url, job.transport, job.cache_bytes, job.concurrency, job.lock_token)
+        key = (
+            job.url,
+            job.dest,
+            job.endpoint_url,
+            job.transport,
+            job.cache_bytes,
+            job.concurrency,
+            job.lock_token,
+            job.probe_listing,
+        )
         found = self.opened.get(key)
         if found is None:
             if (
@@ -55,6 +64,7 @@ class _Clients:
                 session=self.session,
                 transport=job.transport,
                 cache_bytes=job.cache_bytes,
+                probe_listing=job.probe_listing,
                 max_concurrency=max(8, min(64, 4 * job.concurrency)),
             )
             found = self.opened[key] = (store, _open_destination(job, self.session))
