@@ -213,7 +213,8 @@ class _StoreSnapshots(_StoreCore):
         # snapshot on it (retried, then ListingError).
         listing = await self._freeze_listing(prefix, probes)
         # The retire tombstone is also read by a GET, sent once the listing is in (beside the LIST
-        # that confirms its end, so no round trip more): where the fence existed already (a retired
+        # that confirms its end and the entries' GETs: a round trip more only where it overflows
+        # ``max_concurrency``): where the fence existed already (a retired
         # rollout has one), its showing proves nothing about how far a listing lags, and a listing
         # that lagged a drop's tombstone made this freeze hand out an empty snapshot and leave a
         # retired rollout's fence "frozen" (the model, with listings that lag, 2026-12-04). Sent
