@@ -13,7 +13,19 @@ import pytest
 from faultproxy import ListHideYoung, internal_error
 from helpers import RequestRecorder, put_chain, round_trips, simple_entry
 
-pytestmark = pytest.mark.all_transports
+# The default transport only (aioboto3), except where a test says otherwise: the transports' own
+# differences are covered by tests/test_store_probe_listing.py (every transport); these matrices
+# cost CI minutes on three servers.
+
+
+@pytest.fixture(autouse=True)
+def _not_on_the_ceph_gateway(s3_server: Any) -> None:
+    """The breaker's matrix runs on moto and SeaweedFS: every Ceph test runs in one xdist worker,
+    the suite's longest unit, and the probe's behaviour on the gateway is covered by
+    tests/test_store_probe_listing.py and tests/test_refreeze.py (every server and transport)."""
+    if s3_server.kind == "ceph":
+        pytest.skip("the breaker's matrix runs on moto and SeaweedFS only")
+
 
 PUT, GET, LIST = "PutObject", "GetObject", "ListObjectsV2"
 
@@ -179,7 +191,7 @@ async def _lag(request: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- cancellation
-@pytest.mark.parametrize("after_ms", [0, 10, 30, 60, 100, 200, 400])
+@pytest.mark.parametrize("after_ms", [0, 30, 100, 400])
 @pytest.mark.parametrize("probe_listing", [False, True])
 async def test_a_freeze_of_a_retired_rollout_cancelled_anywhere_hands_out_nothing_and_seals_nothing(
     fresh, proxy, s3_client, bucket_url, after_ms: int, probe_listing: bool
@@ -216,7 +228,7 @@ async def test_a_freeze_of_a_retired_rollout_cancelled_anywhere_hands_out_nothin
 
 
 # --------------------------------------------------------------------------- a racing drop
-@pytest.mark.parametrize("delay_ms", [0, 20, 50, 100, 200])
+@pytest.mark.parametrize("delay_ms", [0, 50, 200])
 @pytest.mark.parametrize("probe_listing", [False, True])
 async def test_a_freeze_racing_a_drop_leaves_no_manifest_and_no_frozen_fence_under_the_retired_rollout(
     fresh, proxy, s3_client, bucket_url, delay_ms: int, probe_listing: bool
