@@ -37,9 +37,16 @@ async def test_a_probed_removal_through_a_lagging_listing_leaves_no_entry(
     def left(rid: str) -> list[str]:
         return [k.rsplit(f"/{rid}/", 1)[1] for k in list_keys(s3_client, bucket, f"{root}rollouts/{rid}/")]
 
+    async def long_lag(request: Any) -> Any:
+        # The plain removal waits for nothing, so a long lag keeps this demonstration independent
+        # of the machine's load (under 250 ms the entry had aged past the lag on a loaded host).
+        return ListHideYoung(5_000.0) if request.is_list else None
+
+    proxy.rule = long_lag
     await put_chain(writer, "plain", 1)
     await getattr(fresh(endpoint_url=proxy.endpoint), removal)(["plain"])
     assert any(k.startswith("log/e/") for k in left("plain"))  # the limitation the option exists for
+    lagging(proxy)
 
     await put_chain(writer, "r", 2)
     await writer.begin_call("r", "call-x")
@@ -148,7 +155,16 @@ async def test_a_probed_refreeze_through_a_listing_that_lags_creations_sees_what
     first = await fresh(endpoint_url=proxy.endpoint).freeze("r")
     assert not first.incomplete
     await asyncio.sleep(LAG_MS / 1000 + 0.1)  # everything so far is listed
-    lagging(proxy)
+
+    async def long_lag(request: Any) -> Any:
+        # The plain re-freeze waits for nothing (its fence is old), so a long lag keeps this
+        # demonstration independent of the machine's load (CI, 2026-12-04: under 250 ms the
+        # refused put had aged past the lag before the plain freeze listed).
+        return ListHideYoung(5_000.0) if request.is_list else None
+
+    for key in list(proxy.put_times):  # the keys written so far (the fence) count as long listed
+        dict.__setitem__(proxy.put_times, key, 0.0)
+    proxy.rule = long_lag
 
     async def written_after_the_freeze() -> None:
         if write == "marker":
@@ -161,10 +177,13 @@ async def test_a_probed_refreeze_through_a_listing_that_lags_creations_sees_what
     plain = await fresh(endpoint_url=proxy.endpoint).freeze("r")
     assert (plain.version, plain.snapshot_id, plain.incomplete) == (first.version, first.snapshot_id, False)
 
-    # The same again under a new id, read by a probed client.
+    # The same again under a new id, read by a probed client (which waits for its probe, so the
+    # lag is the short one).
+    proxy.rule = None
     await worker.put(simple_entry("s", "c1"))
     await fresh(endpoint_url=proxy.endpoint).freeze("s")
     await asyncio.sleep(LAG_MS / 1000 + 0.1)
+    lagging(proxy)
     if write == "marker":
         await worker.mark_incomplete("s", "c2")
     else:

@@ -369,8 +369,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "freeze-list-need-not-show-fence",
         STORE_SNAPSHOTS,
-        'listing = await self._list(prefix, require=[prefix + "fence"])',
-        "listing = await self._list(prefix)",
+        'return await self._list(prefix, require=[prefix + "fence"])',
+        "return await self._list(prefix)",
         "freeze's listing must show the fence that freeze just wrote (a stale listing is retried, then ListingError)",
         "tests/test_faults.py",
         "-k",
