@@ -494,3 +494,12 @@ async def ledgers(s3_env: Any, bucket_url: str):
 
     async for make in _client_factory(S3CaptureLedger, bucket_url):
         yield make
+
+
+@pytest.fixture
+def not_on_the_ceph_gateway(s3_server: Any) -> None:
+    """Skip on the Ceph gateway (``pytestmark = pytest.mark.usefixtures("not_on_the_ceph_gateway")``):
+    for the breakers' sleep-bound matrices, whose behaviour other tests cover on every server.
+    Every Ceph test runs in one xdist worker, the suite's longest unit (``pytest_collection_modifyitems``)."""
+    if s3_server.kind == "ceph":
+        pytest.skip("this matrix runs on moto and SeaweedFS only (every Ceph test shares one worker)")

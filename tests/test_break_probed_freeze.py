@@ -17,14 +17,7 @@ from helpers import list_keys, put_chain, simple_entry, split_bucket_url
 # differences are covered by tests/test_store_probe_listing.py (every transport); these matrices
 # cost CI minutes on three servers.
 
-
-@pytest.fixture(autouse=True)
-def _not_on_the_ceph_gateway(s3_server: Any) -> None:
-    """The breaker's matrix runs on moto and SeaweedFS: every Ceph test runs in one xdist worker,
-    the suite's longest unit, and the probe's behaviour on the gateway is covered by
-    tests/test_store_probe_listing.py and tests/test_refreeze.py (every server and transport)."""
-    if s3_server.kind == "ceph":
-        pytest.skip("the breaker's matrix runs on moto and SeaweedFS only")
+pytestmark = pytest.mark.usefixtures("not_on_the_ceph_gateway")
 
 
 LAG_MS = 250.0
