@@ -473,6 +473,39 @@ def put_bytes(client: Any, bucket: str, key: str, body: bytes) -> None:
     client.put_object(Bucket=bucket, Key=key, Body=body)
 
 
+def put_bytes_at_folder_key(client: Any, bucket: str, key: str, body: bytes, *, read_timeout: float = 10.0) -> None:
+    """PUT non-empty ``body`` at a ``key`` ending in "/", for tests of what a store keeps there.
+
+    SeaweedFS 4.48 makes such a key a folder and keeps none of its bytes. Sent through a client whose
+    pooled connection had served the test's earlier PUTs of empty folder keys, this PUT waited out
+    the client's 60 s read timeout (urllib3 logged "Failed to parse headers ...
+    MissingHeaderBodySeparatorDefect": the store's answers and the connection out of step), a minute
+    of each such test in CI. A fresh copy of ``client`` (its own connections) with a short read
+    timeout and no retries is answered at once; a timeout would be taken as the answer, and the
+    caller's HEAD tells what the store kept."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ReadTimeoutError
+
+    credentials = client._request_signer._credentials.get_frozen_credentials()
+    quick = boto3.session.Session().client(
+        "s3",
+        endpoint_url=client.meta.endpoint_url,
+        region_name=client.meta.region_name,
+        aws_access_key_id=credentials.access_key,
+        aws_secret_access_key=credentials.secret_key,
+        config=client.meta.config.merge(
+            Config(read_timeout=read_timeout, retries={"mode": "standard", "max_attempts": 1})
+        ),
+    )
+    try:
+        quick.put_object(Bucket=bucket, Key=key, Body=body)
+    except ReadTimeoutError:
+        pass
+    finally:
+        quick.close()
+
+
 # --------------------------------------------------------------------------- capture-ledger commits
 def _hex(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()

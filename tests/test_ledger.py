@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from helpers import (
+    put_bytes_at_folder_key,
     assistant_output,
     continuation,
     forkserver_context,
@@ -336,7 +337,7 @@ async def test_folder_markers_under_the_ledger_are_no_rows(ledgers, s3_client, b
     resolution = await ledgers().resolve("r", continuation(commit))
     assert resolution.status == RESOLVED and resolution.match.model_call_id == "call-1"
     # A non-empty "ledger/" key is no marker.
-    put_bytes(s3_client, bucket, f"{root}rollouts/r/ledger/", b"x")
+    put_bytes_at_folder_key(s3_client, bucket, f"{root}rollouts/r/ledger/", b"x")
     manifest = await ledgers().manifest("r")
     if s3_client.head_object(Bucket=bucket, Key=f"{root}rollouts/r/ledger/")["ContentLength"]:
         assert manifest["failures"] == [

@@ -18,6 +18,7 @@ import pytest
 import zstandard
 
 from helpers import (
+    put_bytes_at_folder_key,
     DEFAULT_REQUEST,
     canonical,
     entry_sha,
@@ -1015,7 +1016,7 @@ async def test_folder_markers_at_any_depth_are_outside_the_version(new_store, ra
     # A key ending in "/" that holds bytes is no marker: it masks the rollout.
     rid = "r-full-slash"
     await new_store().put(simple_entry(rid, "c1"))
-    raw.put(raw.rollout(rid) + "log/", b"not empty")
+    put_bytes_at_folder_key(raw.client, raw.bucket, raw.rollout(rid) + "log/", b"not empty")
     snapshot = await new_store().freeze(rid)
     if raw.client.head_object(Bucket=raw.bucket, Key=raw.rollout(rid) + "log/")["ContentLength"]:
         assert snapshot.incomplete and "foreign_object:log/" in snapshot.reasons
