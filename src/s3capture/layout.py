@@ -44,7 +44,9 @@ MAX_SEGMENT_BYTES = 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _ESCAPED = re.compile(r"^(?:[A-Za-z0-9_-]|\.[0-9A-F]{2})+$")
 _HASHED = re.compile(r"^~h[0-9a-f]{64}$")
-_PROBE = re.compile(r"^[0-9a-f]{32}$")
+_PROBE = re.compile(r"[0-9a-f]{32}")
+"""A listing probe's name (``fullmatch``: ``$`` also matches before a final newline, and ``gc``
+deleted a foreign key ``ledger/.probe/<32 hex>\\n`` as a leftover probe; a breaker, 2026-12-04)."""
 _CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
 
 # Longest suffix s3capture appends to a rollout prefix with a call id it checks (an entry: the
@@ -362,7 +364,7 @@ def is_ledger_probe_rel(rel: str) -> bool:
     """Whether ``rel`` (relative to a rollout prefix) is a ledger manifest's listing probe,
     ``ledger/.probe/<32 hex>`` (``S3CaptureLedger(probe_listing=True)``)."""
     parts = rel.split("/")
-    return len(parts) == 3 and parts[0] == "ledger" and parts[1] == ".probe" and bool(_PROBE.match(parts[2]))
+    return len(parts) == 3 and parts[0] == "ledger" and parts[1] == ".probe" and bool(_PROBE.fullmatch(parts[2]))
 
 
 def _call_id(segment: str) -> str:
