@@ -276,7 +276,7 @@ async def test_a_probe_a_finished_call_left_behind_gc_then_reuse_of_the_id(
     async def rule(request: Any) -> Any:
         if request.method == "PUT" and "/ledger/.probe/" in request.path and not late:
             late.append(request.path)
-            return ApplyLate(1.0)
+            return ApplyLate(2.0)  # after the call and its DELETE, on either transport
         return None
 
     proxy.rule = rule
@@ -471,3 +471,19 @@ async def test_gc_leaves_a_key_that_is_a_probe_name_and_a_newline(fresh: Any, s3
     assert [a for a in actions if a[1] == "delete_probes"] == [] and report.deleted_objects == 0
     assert list_keys(s3_client, bucket, root) == [key]
     assert {i.rollout_id: i.state async for i in fresh().rollouts()} == {"x": "open"}
+
+
+@pytest.mark.parametrize("skew", [SKEW, -SKEW])
+async def test_a_store_clock_ahead_or_behind_never_makes_a_young_probe_old(
+    fresh: Any, proxy: Any, s3_client: Any, bucket_url: str, skew: float
+) -> None:
+    """``gc`` without ``now`` through a proxy whose answers' ``Date`` runs two hours ahead of (or
+    behind) the server that stamps LastModified: a probe written just now is too young for the
+    one-hour threshold either way (the age is taken at the earlier of the store's clock and this
+    machine's), and nothing is deleted."""
+    probe = _put_probe(s3_client, bucket_url, "ghost")
+    proxy.date_skew = skew
+    actions: list[GcAction] = []
+    report = await gc(fresh(endpoint_url=proxy.endpoint), AGE, dry_run=False, on_action=actions.append)
+    assert (report.too_young, report.deleted_probe_prefixes, report.deleted_objects, actions) == (1, 0, 0, [])
+    assert _keys(s3_client, bucket_url, "ghost") == [probe]
