@@ -596,6 +596,14 @@ async def test_a_destination_holding_files_no_export_wrote_is_refused(
         with pytest.raises(ValueError, match=rf"holds files no export wrote \({name.replace('.', '[.]')}/\)"):
             await export(bucket_url, str(out), workers=0)
         shutil.rmtree(out / name)
+    # A data file's name and a final newline is no export's: '$' matched before it, so the name
+    # read as a shard of an earlier export (a breaker's finding in the same class, 2026-12-04).
+    stray = out / "part-00003.parquet\n"
+    pq.write_table(pa.table({"x": [1]}), stray)
+    with pytest.raises(ValueError, match=r"holds files no export wrote"):
+        await export(bucket_url, str(out), workers=0)
+    assert stray.exists() and not list(out.glob("part-*[0-9].parquet"))
+    stray.unlink()
     (out / ".DS_Store").write_bytes(b"")
     (out / "_SUCCESS").write_bytes(b"")
     done = await export(bucket_url, str(out), workers=0)

@@ -45,7 +45,7 @@ def test_escape_is_a_safe_reversible_segment(value: str) -> None:
     assert segment != ""
     assert "/" not in segment
     assert ".." not in segment
-    assert SAFE_SEGMENT.match(segment), segment
+    assert SAFE_SEGMENT.fullmatch(segment), segment
     assert segment not in (".", "..")
     assert segment.isascii()
     assert unescape_id(segment) == value
@@ -253,7 +253,7 @@ def test_escape_tells_near_collisions_of_dots_and_percents_apart(pair: tuple[str
 @given(dotty_ids, dotty_ids)
 def test_escape_of_dotty_ids_round_trips_and_is_injective_on_pairs(a: str, b: str) -> None:
     _assert_escape_tells_apart(a, b)
-    assert SAFE_SEGMENT.match(escape_id(a)) and ".." not in escape_id(a)
+    assert SAFE_SEGMENT.fullmatch(escape_id(a)) and ".." not in escape_id(a)
 
 
 @SOME

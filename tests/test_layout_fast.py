@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 import string
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3capture.layout import escape_id, parse_ledger_key, parse_log_key, unescape_id
+from s3capture.layout import escape_id, is_ledger_probe_rel, parse_ledger_key, parse_log_key, unescape_id
 
 MANY = settings(max_examples=1000, deadline=None)
 
@@ -68,7 +69,9 @@ def ref_parse_log_key(rel: str) -> tuple[str, str, str, str] | None:
         if len(parts) == 3 and parts[0] == "log" and parts[1] == "i":
             return "i", ref_unescape_id(parts[2]), "", ""
         if len(parts) == 4 and parts[0] == "log" and parts[1] == "x" and parts[3]:
-            cid = parts[2] if _HASHED.match(parts[2]) else ref_unescape_id(parts[2])
+            # fullmatch since 2026-12-04 in both: '$' also matched before a final newline, so a
+            # foreign "~h<sha>\n" read as a hashed call id (a breaker, reliability.md finding 38)
+            cid = parts[2] if _HASHED.fullmatch(parts[2]) else ref_unescape_id(parts[2])
             return "x", cid, "", parts[3]
     except ValueError:
         return None
@@ -171,6 +174,18 @@ def test_known_edge_cases_agree() -> None:
         "log/i/a\n",
     ]:
         assert parse_log_key(rel) == ref_parse_log_key(rel)
+
+
+def test_a_final_newline_makes_a_key_foreign() -> None:
+    # A regular expression's '$' matches before a final newline: every name check is a fullmatch.
+    assert parse_log_key("log/x/~h" + SHA + "\n/u") is None
+    assert parse_log_key("log/x/~h" + SHA + "/u") == ("x", "~h" + SHA, "", "u")
+    assert parse_ledger_key("ledger/fail/~h" + SHA + "\n/" + SHA + ".json") is None
+    assert parse_ledger_key("ledger/fail/~h" + SHA + "/" + SHA + ".json") == ("fail", "~h" + SHA, "~h", SHA)
+    assert not is_ledger_probe_rel("ledger/.probe/" + "a" * 32 + "\n")
+    assert is_ledger_probe_rel("ledger/.probe/" + "a" * 32)
+    with pytest.raises(ValueError):
+        unescape_id("a.2Fb\n")
 
 
 @MANY

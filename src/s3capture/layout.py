@@ -125,7 +125,7 @@ def unescape_id(segment: str) -> str:
         return ""
     if segment.isascii() and _ALL_SAFE.fullmatch(segment):
         return segment  # no escapes: the segment is its own (canonical) escape
-    if not _ESCAPED.match(segment):
+    if not _ESCAPED.fullmatch(segment):
         raise ValueError(f"not an escaped id: {segment!r}")
     try:
         value = _HEX_ESCAPE.sub(_unhex, segment).encode("latin-1").decode("utf-8", errors="surrogatepass")
@@ -316,7 +316,7 @@ def parse_log_key(rel: str) -> tuple[str, str, str, str] | None:
         match = _MARKER_KEY.fullmatch(rel)
         if match is not None:
             cid, unique = match.groups()
-            return "x", cid if _HASHED.match(cid) else unescape_id(cid), "", unique
+            return "x", cid if _HASHED.fullmatch(cid) else unescape_id(cid), "", unique
     except ValueError:
         return None
     return None
@@ -348,7 +348,7 @@ def parse_ledger_key(rel: str) -> tuple[str, str, str, str] | None:
             sha = parts[3][: -len(".json")]
             if not _is_sha(sha):
                 return None
-            if _HASHED.match(parts[2]):
+            if _HASHED.fullmatch(parts[2]):
                 return "fail", parts[2], "~h", sha
             return "fail", _call_id(parts[2]), "", sha
         if len(parts) == 3 and parts[:2] == ["ledger", "intent"]:

@@ -79,7 +79,7 @@ def remove_dead(
     except OSError:
         return removed
     for entry in entries:
-        match = pattern.match(entry.name)
+        match = pattern.fullmatch(entry.name)
         if match is None or match["host"] != host:
             continue
         try:

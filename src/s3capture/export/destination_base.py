@@ -52,7 +52,7 @@ def _foreign(name: str, folder: bool = False) -> bool:
     pandas, Spark, Ray Data: they skip names starting with ``.`` or ``_``) would read. An export
     writes no folder readers see, so a ``folder`` is foreign whatever its name: one named like a
     data file (``part-00009.parquet/``) was read with the export (a breaker, 2026-12-04)."""
-    return not name.startswith((".", "_")) and (folder or not _PART.match(name))
+    return not name.startswith((".", "_")) and (folder or not _PART.fullmatch(name))
 
 
 class _Destination:
@@ -97,7 +97,7 @@ def _classify(files: Iterable[tuple[str, int]], existing: _Existing) -> list[str
     """Sort destination files ``(name, size)`` into data files, temp files and manifest names."""
     manifests: list[str] = []
     for name, size in files:
-        match = _PART.match(name)
+        match = _PART.fullmatch(name)
         if match:
             existing.highest = max(existing.highest, int(match.group(1) or match.group(2)))
             if match.group(2):
@@ -105,7 +105,7 @@ def _classify(files: Iterable[tuple[str, int]], existing: _Existing) -> list[str
             else:
                 existing.data_files.append(name)
                 existing.sizes[name] = size
-        elif _TEMP.match(name):
+        elif _TEMP.fullmatch(name):
             existing.temp_files.append(name)
     return manifests
 

@@ -178,7 +178,7 @@ class _LocalDestination(_Destination):
         if found is None:
             return False  # no scan: nothing was published
         try:
-            return any(_PART.match(name) and name not in found for name in os.listdir(self.folder))
+            return any(_PART.fullmatch(name) and name not in found for name in os.listdir(self.folder))
         except OSError:
             return True  # unknown: keep the lock file
 

@@ -300,7 +300,7 @@ class _S3Destination(_Destination):
         """An ``s3://`` export names every data file with its claim's run tag
         (``part-NNNNN-<16 hex>.parquet``): such a file is an export's however its run ended, and
         whatever became of its claim; another tool's ``part-00000.parquet`` is not."""
-        return _RUN_TAGGED.match(name) is not None
+        return _RUN_TAGGED.fullmatch(name) is not None
 
     async def close(self, *, failed: bool = False) -> None:
         """Stop renewing and delete this export's claim. A claim that cannot be deleted (no
