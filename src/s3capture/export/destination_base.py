@@ -15,14 +15,16 @@ import msgspec
 from s3capture.export.records import MANIFEST_FORMAT, ShardManifest
 
 _PART = re.compile(
-    r"^(?:part-(\d{5,})(?:-[0-9a-f]{8,32})?\.(?:parquet|jsonl)|_?part-(\d{5,})(?:-[0-9a-f]{8,32})?\.manifest\.json)$"
+    r"^(?:part-([0-9]{5,})(?:-[0-9a-f]{8,32})?\.(?:parquet|jsonl)|_?part-([0-9]{5,})(?:-[0-9a-f]{8,32})?\.manifest\.json)$"
 )
 """Data files ``part-NNNNN[-<run tag>].parquet|jsonl`` and manifests ``_part-NNNNN[-<run tag>].manifest.json``
 (``ExportJob.run_tag`` on ``s3://`` destinations; the leading
 ``_`` makes pyarrow, pandas, Spark and Ray Data skip them when they read the folder as a dataset).
 Manifests named ``part-NNNNN.manifest.json`` (exports before the ``_``) are read too: otherwise their
-data files would look unfinished and be removed."""
-_TEMP = re.compile(r"^\._?part-\d{5,}.*\.tmp$")
+data files would look unfinished and be removed. Digits are ``[0-9]``, never ``\\d``, which matches
+every Unicode digit: a user's ``part-00007.parquet`` written in fullwidth digits (U+FF10-U+FF19) was
+read as shard 7 and deleted as an unfinished shard (an audit, 2026-12-04). Applied with ``fullmatch``."""
+_TEMP = re.compile(r"^\._?part-[0-9]{5,}.*\.tmp$")
 _LOCK = ".s3capture-export.lock"
 """A local destination's lock file (``_LocalDestination.lock``); hidden, so dataset readers skip it.
 On an ``s3://`` destination, the folder of the exports' claims (``_S3Destination.lock``)."""

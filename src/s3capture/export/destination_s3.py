@@ -34,11 +34,11 @@ from s3capture.export.records import ShardManifest
 from s3capture.transport import gather_fail_fast
 
 _log = logging.getLogger("s3capture")
-_RUN_TAGGED = re.compile(r"^part-\d{5,}-[0-9a-f]{16}\.(?:parquet|jsonl)$")
+_RUN_TAGGED = re.compile(r"^part-[0-9]{5,}-[0-9a-f]{16}\.(?:parquet|jsonl)$")
 """A data file named with an ``s3://`` export's run tag (``lock``: ``uuid4().hex[:16]``)."""
 
 _S3_TEMP_PREFIX = "s3capture-export-"
-_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(?P<host>.+)-(?P<pid>\d{{1,10}})-part-\d{{5,}}.*\.tmp$")
+_S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(?P<host>.+)-(?P<pid>[0-9]{{1,10}})-part-[0-9]{{5,}}.*\.tmp$")
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
 one PUT: ``s3capture-export-<host>.ns<PID namespace>-<pid>-part-NNNNN...tmp``
 (``s3capture.leftovers.host_tag``)."""

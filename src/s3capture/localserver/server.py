@@ -316,7 +316,7 @@ def _remove_weed_sockets(paths: list[str], ports: tuple[int, ...]) -> None:
 
 
 # ---------------------------------------------------- dead servers' folders
-_SERVER_DIR = re.compile(r"^s3capture-(?:weed|ceph)-(?P<host>[0-9a-f]{10})-(?P<pid>\d{1,10})-[^/]+$")
+_SERVER_DIR = re.compile(r"^s3capture-(?:weed|ceph)-(?P<host>[0-9a-f]{10})-(?P<pid>[0-9]{1,10})-[^/]+$")
 """The temp folder of a SeaweedFS or Ceph server this module started:
 ``s3capture-<weed|ceph>-<short host tag>-<pid of the starting process>-<random>``."""
 SERVER_DIR_STALE = 600.0
