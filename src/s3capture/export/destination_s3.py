@@ -37,6 +37,12 @@ _log = logging.getLogger("s3capture")
 _RUN_TAGGED = re.compile(r"^part-[0-9]{5,}-[0-9a-f]{16}\.(?:parquet|jsonl)$")
 """A data file named with an ``s3://`` export's run tag (``lock``: ``uuid4().hex[:16]``)."""
 
+_CLAIM_NAME = re.compile(r"[0-9a-f]+")
+"""The name of an export's claim in ``<prefix>/.s3capture-export.lock/``: its run tag (``lock``), 32
+hex digits in releases before the tag. Any other key there (the folder's own marker, which a
+console's "Create folder" or ``rclone mkdir`` writes, or a key in a folder below it) is no claim:
+read as one, it refused every export for ``CLAIM_LEASE`` seconds and was then deleted as a dead
+export's (an audit, 2026-12-04)."""
 _S3_TEMP_PREFIX = "s3capture-export-"
 _S3_TEMP = re.compile(rf"^{_S3_TEMP_PREFIX}(?P<host>.+)-(?P<pid>[0-9]{{1,10}})-part-[0-9]{{5,}}.*\.tmp$")
 """A shard an export to an ``s3://`` destination writes in the system's temp folder before its
@@ -165,7 +171,7 @@ class _S3Destination(_Destination):
         """Take the prefix for this export with a claim, without compare-and-swap.
 
         The export PUTs its own claim ``<prefix>/.s3capture-export.lock/<run id>``, then LISTs the
-        claims (verified, and required to show its own). Any other claim renewed less than
+        claims (verified, and required to show its own). Any other claim (``_CLAIM_NAME``) renewed less than
         ``CLAIM_LEASE`` seconds before its own, both by the store's clock, means another export is
         alive: this one deletes its claim and raises ``ValueError``. Of two exports that start at
         once, the later PUT's LIST always sees the earlier claim (read-after-write and
@@ -196,9 +202,10 @@ class _S3Destination(_Destination):
         self._claim = claim
         self._renewed = awake_clock()
         try:
-            claims = await self.transport.list(f"{self.prefix}{_LOCK}/", require=[claim])
+            folder = f"{self.prefix}{_LOCK}/"
+            claims = await self.transport.list(folder, require=[claim])
             (mine,) = [c for c in claims if c.key == claim]
-            others = [c for c in claims if c.key != claim]
+            others = [c for c in claims if c.key != claim and _CLAIM_NAME.fullmatch(c.key[len(folder) :])]
             live = [c for c in others if mine.modified - c.modified < CLAIM_LEASE]
             if live:
                 age = max(0.0, mine.modified - max(c.modified for c in live))
