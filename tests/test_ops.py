@@ -363,7 +363,7 @@ async def test_status_counts_rollouts_a_drop_is_deciding_or_crashed_on(fresh: An
         await writer.put(simple_entry(rid, "c1"))
         snap = await builder.freeze(rid)
     assert await builder.drop("done", snap.snapshot_id, snap.version)
-    await writer._put(writer.layout.rollout("crashed") + "drop/0123abcd", b"")  # what a drop that died leaves
+    await writer._put(writer.layout.rollout("crashed") + "drop/" + "0123abcd" * 4, b"")  # a dead drop's (uuid4 hex)
     with pytest.raises(TokenCaptureRetiredError):
         await writer.mark_incomplete("crashed", "c1")
     result = await status(fresh())

@@ -48,6 +48,8 @@ _PROBE = re.compile(r"[0-9a-f]{32}")
 """A listing probe's name (``fullmatch``: ``$`` also matches before a final newline, and ``gc``
 deleted a foreign key ``ledger/.probe/<32 hex>\\n`` as a leftover probe; a breaker, 2026-12-04)."""
 _CHECKPOINT = re.compile(r"cum/[0-9a-f]{64}\.zst")
+_MANIFEST = re.compile(r"snap/[0-9]{20}-[0-9a-f]{32}")
+_DROP_TOMBSTONE = re.compile(r"drop/[0-9a-f]{32}")
 
 # Longest suffix s3capture appends to a rollout prefix with a call id it checks (an entry: the
 # call id's own length comes on top), and without one. A call id too long to escape is named by its
@@ -291,6 +293,21 @@ def is_folder_marker(rel: str, size: int) -> bool:
     or ``ledger/``). s3capture writes no key that ends in ``/``, so a marker holds nothing of the
     rollout's: it is outside the version and the snapshot id, and removed with the rest."""
     return not rel or (size == 0 and rel.endswith("/"))
+
+
+def is_manifest_rel(rel: str) -> bool:
+    """Whether a key relative to a rollout prefix has the exact shape of a sealed manifest,
+    ``snap/<version:020d>-<snapshot_id>``. Any other key under ``snap/`` is foreign: read as a
+    manifest, it stayed outside the version and the snapshot id, so it left a snapshot complete
+    that any other foreign object masks (an audit, 2026-12-04)."""
+    return _MANIFEST.fullmatch(rel) is not None
+
+
+def is_drop_tombstone_rel(rel: str) -> bool:
+    """Whether a key relative to a rollout prefix has the exact shape of a drop's own tombstone,
+    ``drop/<uuid4 hex>``. Any other key under ``drop/`` is foreign (it was read as a tombstone, as
+    a manifest was: outside the snapshot, and ``status`` counted the rollout as being dropped)."""
+    return _DROP_TOMBSTONE.fullmatch(rel) is not None
 
 
 def is_checkpoint_rel(rel: str) -> bool:

@@ -9,6 +9,7 @@ import datetime
 
 import msgspec
 
+from s3capture.layout import is_drop_tombstone_rel, is_manifest_rel
 from s3capture.ops.common import _clock, _progress, _rollout_prefix, _when
 from s3capture.rollouts import ROLLOUT_STATES, RolloutObjects
 
@@ -176,9 +177,9 @@ async def status(
                 elif info.state == "frozen":
                     if rels == ["fence"]:
                         result.bare_fences += 1
-                    if any(rel.startswith("drop/") for rel in rels):
+                    if any(is_drop_tombstone_rel(rel) for rel in rels):
                         result.dropping += 1
-                    snaps = sorted(rel for rel in rels if rel.startswith("snap/"))
+                    snaps = sorted(rel for rel in rels if is_manifest_rel(rel))
                     if not snaps:
                         result.frozen_without_manifest += 1
                         continue

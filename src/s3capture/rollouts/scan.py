@@ -10,7 +10,14 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from s3capture.layout import is_checkpoint_rel, is_folder_marker, is_ledger_probe_rel, parse_log_key
+from s3capture.layout import (
+    is_checkpoint_rel,
+    is_drop_tombstone_rel,
+    is_folder_marker,
+    is_ledger_probe_rel,
+    is_manifest_rel,
+    parse_log_key,
+)
 from s3capture.transport import ListedObject
 
 __all__ = ["RolloutScan", "scan_listing"]
@@ -25,12 +32,14 @@ class RolloutScan:
     retired: bool = False
     """The retire tombstone (``retired``) exists."""
     drops: list[ListedObject] = field(default_factory=list)
-    """Tentative tombstones of drops in progress (``drop/<token>``); a leftover one (a drop that
-    crashed) reads as retired."""
+    """Tentative tombstones of drops in progress (``drop/<token>``, exactly that shape:
+    ``layout.is_drop_tombstone_rel``); a leftover one (a drop that crashed) reads as retired."""
     log: list[ListedObject] = field(default_factory=list)
     parsed: list[tuple[str, str, str, str]] = field(default_factory=list)
     """``parse_log_key`` of each key of ``log`` (same order): every key is parsed once, here."""
     snaps: list[ListedObject] = field(default_factory=list)
+    """Sealed manifests (``snap/<version:020d>-<snapshot_id>``, exactly that shape:
+    ``layout.is_manifest_rel``); any other key under ``snap/`` or ``drop/`` is foreign."""
     foreign: list[ListedObject] = field(default_factory=list)
     checkpoints: list[ListedObject] = field(default_factory=list)
     """Delta checkpoints (``cum/<digest>.zst``): derived from entries, so outside the version and
@@ -96,9 +105,9 @@ def scan_listing(prefix: str, listing: Iterable[ListedObject], *, seen_at: float
             scan.retired = True
         elif is_folder_marker(rel, item.size) or is_ledger_probe_rel(rel):
             scan.folders.append(item)
-        elif rel.startswith("drop/") and rel.count("/") == 1 and len(rel) > 5:
+        elif rel.startswith("drop/") and is_drop_tombstone_rel(rel):
             scan.drops.append(item)
-        elif rel.startswith("snap/"):
+        elif rel.startswith("snap/") and is_manifest_rel(rel):
             scan.snaps.append(item)
         elif rel.startswith("log/") and (parsed := parse_log_key(rel)) is not None:
             scan.log.append(item)
