@@ -176,3 +176,44 @@ async def test_gc_removes_probes_alone_only_at_prefixes_s3capture_writes(
     assert {info.rollout_id: (info.state, info.objects) async for info in fresh().rollouts()} == dict.fromkeys(
         opened, ("open", 1)
     )
+
+
+# --------------------------------------------------------------------------- folder markers s3capture never writes
+@pytest.mark.parametrize("probe_listing", [False, True])
+async def test_folder_markers_of_the_row_folders_are_no_rows_for_has_rows(
+    ledgers: Any, bucket_url: str, s3_client: Any, probe_listing: bool
+) -> None:
+    """``ledger/row/`` and ``ledger/fail/`` as folder markers (s3fs, ``rclone mkdir``, a console's
+    "Create folder"): ``manifest`` reads no row, and ``has_rows``'s one-key LISTs, which took any
+    key for a row, answered True, so Gym's admission refused to take a continuation of a rollout
+    without rows as a fresh root. A row still counts."""
+    from helpers import assistant_output, make_commit, user
+
+    bucket, prefix = _prefix(bucket_url, "r")
+    for rel in ("ledger/row/", "ledger/fail/"):
+        s3_client.put_object(Bucket=bucket, Key=prefix + rel, Body=b"")
+    ledger = ledgers(probe_listing=probe_listing)
+    assert (await ledger.manifest("r"))["records"] == []
+    assert await ledger.has_rows("r") is False
+    await ledger.record(make_commit("r", "c0", [user("hi")], assistant_output("a")))
+    assert await ledger.has_rows("r") is True
+
+
+async def test_a_folder_marker_of_drop_is_no_drop_for_mark_incomplete(
+    fresh: Any, bucket_url: str, s3_client: Any
+) -> None:
+    """After a freeze a marker reads ``drop/`` for drops' tombstones: its folder marker (s3fs,
+    ``rclone mkdir``, a console) was read as a drop deciding, so every later ``mark_incomplete`` of
+    the rollout raised ``TokenCaptureRetiredError`` ("being dropped") though no drop ran, and the
+    marker, which landed and masks the rollout, was never acknowledged. A real drop's tombstone
+    (``drop/<32 hex>``) still refuses the acknowledgement."""
+    from s3capture.protocols import TokenCaptureRetiredError
+
+    await _frozen(fresh, ["r"])
+    bucket, prefix = _prefix(bucket_url, "r")
+    s3_client.put_object(Bucket=bucket, Key=prefix + "drop/", Body=b"")
+    await fresh(fence_grace=0.0).mark_incomplete("r", "late")
+    assert "marked_incomplete:late" in (await fresh().freeze("r")).reasons
+    s3_client.put_object(Bucket=bucket, Key=prefix + f"drop/{HEX}", Body=b"")
+    with pytest.raises(TokenCaptureRetiredError, match="being dropped"):
+        await fresh(fence_grace=0.0).mark_incomplete("r", "later")
