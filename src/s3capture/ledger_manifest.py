@@ -292,7 +292,11 @@ class _LedgerManifest(RolloutObjects):
         """
         prefix = self.layout.rollout(rollout_id)
         prefixes = (f"{prefix}ledger/row/", f"{prefix}ledger/fail/")
-        pages = await asyncio.gather(*(self._list_page(p, 1) for p in prefixes))
+        # After the folder itself: its marker (``ledger/row/``, what s3fs, ``rclone mkdir`` or a
+        # console writes) is no row, and a one-key LIST that showed it answered True with no row
+        # stored (an audit, 2026-12-04). A store that ignores StartAfter still shows it: True, the
+        # answer that admits nothing as a fresh root.
+        pages = await asyncio.gather(*(self._list_page(p, 1, start_after=p) for p in prefixes))
         # A truncated page says keys follow, even when it shows none itself.
         found = any(page.objects or page.next_token for page in pages)
         if found:
@@ -305,7 +309,9 @@ class _LedgerManifest(RolloutObjects):
             )
         else:
             row_page, fail_page, retired = await asyncio.gather(
-                self._list_page(prefixes[0], 1), self._list_page(prefixes[1], 1), self._retired(prefix)
+                self._list_page(prefixes[0], 1, start_after=prefixes[0]),
+                self._list_page(prefixes[1], 1, start_after=prefixes[1]),
+                self._retired(prefix),
             )
             found = any(page.objects or page.next_token for page in (row_page, fail_page))
         if retired:
