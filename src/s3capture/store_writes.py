@@ -18,7 +18,7 @@ from s3capture.cache import Stored as _Stored
 from s3capture.cache import entry_heap_estimate as _heap_estimate
 from s3capture.clocks import awake_clock
 from s3capture.errors import StoreError
-from s3capture.layout import checkpoint_rel, parse_log_key
+from s3capture.layout import checkpoint_rel, is_drop_tombstone_rel, parse_log_key
 from s3capture.objects import _CHECKPOINT_MAX_TOKENS, CHAIN_KEYS, CHECKPOINT_EVERY, _checked_chain, _Link
 from s3capture.protocols import TokenCaptureFrozenError, TokenCaptureRetiredError
 from s3capture.records import RecordError, TokenEntry, compute_digest, encode_token_ids, prepare_entry
@@ -281,7 +281,11 @@ class _StoreWrites(_StoreCore):
             fence, drops = await asyncio.gather(
                 self._fence_state(prefix), self._list(prefix + "drop/", confirm_end=True)
             )
-            if drops:
+            # Only a drop's own tombstone (``drop/<32 hex>``) says a drop ran: the folder's marker
+            # (``drop/``, what s3fs, ``rclone mkdir`` or a console writes) refused every marker
+            # after a freeze (an audit, 2026-12-04); any other key there is foreign and masks the
+            # rollout in every snapshot anyway.
+            if any(is_drop_tombstone_rel(item.key[len(prefix) :]) for item in drops):
                 raise TokenCaptureRetiredError(
                     f"rollout {rollout_id!r} is being dropped (or a drop of it crashed): the marker landed and masks "
                     "the rollout unless the drop consumed it first, so it is not acknowledged"
