@@ -138,11 +138,11 @@ async def test_has_rows_racing_retire_never_reports_an_unused_id(ledgers):
     listing, retired_done = asyncio.Event(), asyncio.Event()
     orig_page = reader._list_page
 
-    async def gated_page(prefix: str, max_keys: int) -> list:
+    async def gated_page(prefix: str, max_keys: int, token: Any = None, start_after: Any = None) -> list:
         # has_rows has started; its LISTs run only after the retire deleted every row.
         listing.set()
         await retired_done.wait()
-        return await orig_page(prefix, max_keys)
+        return await orig_page(prefix, max_keys, token, start_after)
 
     reader._list_page = gated_page
     task = asyncio.create_task(reader.has_rows(rid))
